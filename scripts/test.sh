@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install everything (scripts/install.sh) and run the whole test suite: lint, then every test this
+# machine can run. Tests that need what the machine lacks (a GPU, root for network namespaces)
+# skip with the reason; the soft-RoCE stage boots its own QEMU guest.
+# pytest's "no tests collected" (exit 5) is a failure here, like any other non-zero exit.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+scripts/install.sh
+PY=.venv/bin/python
+stage() { printf '\n===== %s =====\n' "$*"; }
+
+stage "ruff"
+"$PY" -m ruff check .
+
+stage "pytest (host)"
+"$PY" -m pytest tests "$@"
