@@ -1,0 +1,264 @@
+"""The contract between the backend-neutral `Endpoint` and a data-path backend (tcp, verbs).
+
+The `Endpoint` owns everything that is not moving bytes: the control plane (pyzmq: handshake,
+announcements, acks, heartbeats), the request/stream state machines, bounds bookkeeping, deadlines.
+A `Backend` moves bytes: it registers regions, brings up a per-session data path, sends posted
+`WriteOp`s in priority order followed by each stream's `FinOp`, and (receiver side) lands incoming
+bytes only through `BackendHooks.open_incoming`, which enforces the announced bounds.
+
+Backends are selected by name and imported lazily (`load_backend`): "tcp" → `lynx_transport.tcp`,
+"verbs" → `lynx_transport.verbs` (pyverbs; imported only when asked for).
+
+Threading: backend threads call `BackendHooks` methods; hooks are thread-safe and never block for
+long (they take short per-session/per-stream locks). Backend methods are called from user threads
+and from the endpoint's control thread; they must be thread-safe and, except `session_connect`,
+`drain`, `session_close` and `close`, non-blocking.
+
+Ordering contract (all backends): within one session and one stream, a `FinOp` is delivered to the
+receiver after every byte of the `WriteOp`s posted before it on that stream has landed (tcp: same
+socket; verbs: same RC QP, WRITE then WRITE_WITH_IMM/SEND).
+
+Priority contract: the backend keeps one queue per stream per session. `PriorityPolicy.mode ==
+"strict"`: no RESIDUAL byte is handed to the wire while ANCHOR work is queued on that session (at
+the backend's chunk granularity; a RESIDUAL chunk already handed over is not recalled). "weighted":
+when both are backlogged RESIDUAL gets `residual_share` of the bytes, so it never starves.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .memory import Region
+from .types import BackendUnavailableError, FailureReason, Stream, TransportError
+
+BACKENDS: dict[str, str] = {
+    "tcp": "lynx_transport.tcp:TcpBackend",
+    "verbs": "lynx_transport.verbs:VerbsBackend",  # owned by the verbs (pyverbs RDMA) work
+}
+
+
+@dataclass(frozen=True)
+class PriorityPolicy:
+    """How a session shares its link between the streams.
+
+    mode: "strict" (default) or "weighted". residual_share: weighted mode's share of bytes for
+    RESIDUAL while both streams are backlogged (0 < share < 1). chunk_bytes: scheduling/checksum
+    unit; a large write is split into chunks of at most this size.
+    """
+
+    mode: str = "strict"
+    residual_share: float = 0.1
+    chunk_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("strict", "weighted"):
+            raise ValueError(f"priority mode must be 'strict' or 'weighted', not {self.mode!r}")
+        if not 0.0 < self.residual_share < 1.0:
+            raise ValueError("residual_share must be in (0, 1)")
+        if self.chunk_bytes < 4096:
+            raise ValueError("chunk_bytes must be >= 4096")
+
+
+@dataclass
+class WriteOp:
+    """One posted write: local (src, src_offset, length) → peer's (dst_region_id, dst_offset).
+
+    The Endpoint has already checked it against the peer's announcement. `dst_info` is the backend
+    info the peer published for that region (e.g. {"addr", "rkey"} for verbs; {} for tcp).
+    """
+
+    session_id: bytes
+    request_id: int
+    stream: Stream
+    src: Region
+    src_offset: int
+    length: int
+    dst_region_id: int
+    dst_offset: int
+    dst_info: dict = field(default_factory=dict)
+    checksum: bool = True
+
+
+@dataclass
+class FinOp:
+    """Completion notice for (request, stream): `total` bytes were written; `aux` rides along."""
+
+    session_id: bytes
+    request_id: int
+    stream: Stream
+    total: int
+    aux: bytes = b""
+
+
+class Refused(TransportError):
+    """Raised by `BackendHooks.open_incoming` when an incoming write must not land."""
+
+    def __init__(self, reason: FailureReason, detail: str = ""):
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class IncomingWrite(Protocol):
+    """Receiver-side handle for one incoming chunk, from `BackendHooks.open_incoming`.
+
+    `view` is the destination memory (exactly `length` bytes, inside announced bounds). The backend
+    lands bytes only inside `with handle.guard() as ok:` blocks, and only if `ok` is True; when ok
+    is False (the request was released/failed meanwhile) it must discard the rest of the chunk.
+    Each guard should cover one bounded operation (one recv_into call), never an unbounded wait.
+    Then it calls `finish(nbytes, ok, reason, detail)` exactly once.
+    """
+
+    view: memoryview
+
+    def guard(self) -> AbstractContextManager[bool]: ...
+
+    def finish(
+        self,
+        nbytes: int,
+        ok: bool = True,
+        reason: FailureReason | None = None,
+        detail: str = "",
+    ) -> None: ...
+
+
+class BackendHooks(Protocol):
+    """Callbacks the Endpoint gives its backend. All thread-safe; none blocks for long."""
+
+    def open_incoming(
+        self,
+        session_id: bytes,
+        request_id: int,
+        stream: Stream,
+        region_id: int,
+        offset: int,
+        length: int,
+    ) -> IncomingWrite:
+        """Validate an incoming write before any byte lands; raise `Refused` if it must not."""
+        ...
+
+    def incoming_fin(
+        self, session_id: bytes, request_id: int, stream: Stream, total: int, aux: bytes
+    ) -> None:
+        """The sender finished (request, stream) with `total` bytes; every byte before it landed."""
+        ...
+
+    def sent(self, session_id: bytes, request_id: int, stream: Stream, nbytes: int) -> None:
+        """Sender side: `nbytes` more bytes of (request, stream) left this host (or completed)."""
+        ...
+
+    def send_failed(
+        self,
+        session_id: bytes,
+        request_id: int,
+        stream: Stream,
+        reason: FailureReason,
+        detail: str = "",
+    ) -> None:
+        """Sender side: an op of (request, stream) could not be sent."""
+        ...
+
+    def session_lost(self, session_id: bytes, reason: FailureReason, detail: str = "") -> None:
+        """The data path of a session is gone (peer closed, reset, fatal error)."""
+        ...
+
+
+class Backend(ABC):
+    """A data-path backend. One instance per Endpoint.
+
+    Constructed as `cls(hooks, host, policy, options)`: `host` is the local address to bind/listen
+    on (tcp) or to select the device/GID by (verbs may ignore it); `options` is a dict of
+    backend-specific settings (unknown keys must raise ValueError).
+    """
+
+    name: str = "?"
+    # True if the backend reports every landed chunk through open_incoming/finish (tcp). A backend
+    # whose receiver CPU does not see individual writes (verbs RDMA WRITE) sets False: the FIN's
+    # total is then trusted (it is still checked against the announced bounds).
+    counts_incoming: bool = True
+
+    @abstractmethod
+    def __init__(
+        self, hooks: BackendHooks, host: str, policy: PriorityPolicy, options: dict
+    ) -> None: ...
+
+    # ---- identity and memory
+    @abstractmethod
+    def local_info(self) -> dict:
+        """JSON-able info peers need to reach this backend (tcp: host + data port)."""
+
+    @abstractmethod
+    def register_region(self, region: Region) -> dict:
+        """Prepare `region` for use (verbs: ibv_reg_mr). Returns JSON-able info peers need to write
+        into it (stored as region.backend_info; sent with announcements). May set
+        region.backend_handle."""
+
+    @abstractmethod
+    def deregister_region(self, region: Region) -> None:
+        """Undo register_region. Called only when no op or announcement references the region."""
+
+    # ---- sessions
+    @abstractmethod
+    def session_prepare(self, session_id: bytes, initiator: bool) -> dict:
+        """Create per-session resources; return JSON-able info for the peer (verbs: QPNs, GID)."""
+
+    @abstractmethod
+    def session_connect(
+        self,
+        session_id: bytes,
+        remote_info: dict,
+        remote_prepare: dict,
+        initiator: bool,
+        timeout: float,
+    ) -> None:
+        """Bring the session's data path up (blocking, at most `timeout` s; raise on failure)."""
+
+    @abstractmethod
+    def post_write(self, op: WriteOp) -> None:
+        """Queue a write (non-blocking). Failures are reported through hooks.send_failed."""
+
+    @abstractmethod
+    def post_fin(self, op: FinOp) -> None:
+        """Queue a completion notice behind every write posted before it on the same stream."""
+
+    @abstractmethod
+    def drain(self, session_id: bytes, request_id: int, timeout: float) -> bool:
+        """Drop the request's queued ops; wait until none of its source bytes will be read again.
+        Returns False if that could not be guaranteed within `timeout` (the caller then closes the
+        session)."""
+
+    @abstractmethod
+    def session_close(self, session_id: bytes) -> None:
+        """Tear down the session's data path and threads (idempotent, bounded time)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every session and release every backend resource (idempotent, bounded time)."""
+
+    # ---- optional introspection
+    def stats(self) -> dict:
+        return {}
+
+    def sessions(self) -> Iterator[bytes]:  # pragma: no cover - optional
+        return iter(())
+
+
+def load_backend(name: str) -> type[Backend]:
+    """Import the backend class for `name` lazily ("tcp", "verbs")."""
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise BackendUnavailableError(
+            f"unknown transport backend {name!r}; known: {sorted(BACKENDS)}"
+        ) from None
+    module_name, _, cls_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"backend {name!r} cannot be imported: {exc}") from exc
+    return getattr(module, cls_name)
