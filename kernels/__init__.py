@@ -1,0 +1,42 @@
+"""Lynx KV codec: split quantized KV into an Anchor (top bits, sent first) and a Residual.
+
+    from lynx_kernels import CodecSpec, encode, decode
+    spec = CodecSpec(anchor_bits=4, group_size=64, target="int8")   # or target="exact"
+    enc = encode(x, spec, kind="k")          # x: [tokens, kv_heads, head_dim]
+    approx = decode(enc, stage="anchor")      # same shape/dtype as x
+    full = decode(enc, stage="full")          # target precision; bit-identical to x for "exact"
+    enc.nbytes("anchor"), enc.nbytes("residual")
+
+Wire format: `to_chunks(enc, chunk_tokens, stream=...)` -> bytes chunks; `parse_chunk`, `assemble`
+on the receiving side; `refine_(pool_slots, enc)` rewrites Anchor-precision values in place.
+Modules: spec (parameters), codec (encode/decode), wire (chunks), sizes (byte accounting),
+rotation, ops_torch (reference), ops_triton (CUDA kernels). This package never imports SGLang.
+"""
+
+from .codec import EncodedKV, decode, encode, protected_positions, refine_
+from .sizes import StreamBytes, quantized_nbytes_per_token, stream_nbytes_per_token
+from .spec import CodecError, CodecSpec, KGrouping, Stage, StreamKind, Target
+from .wire import Chunk, ChunkHeader, WireStream, assemble, parse_chunk, to_chunks
+
+__all__ = [
+    "Chunk",
+    "ChunkHeader",
+    "CodecError",
+    "CodecSpec",
+    "EncodedKV",
+    "KGrouping",
+    "Stage",
+    "StreamBytes",
+    "StreamKind",
+    "Target",
+    "WireStream",
+    "assemble",
+    "decode",
+    "encode",
+    "parse_chunk",
+    "protected_positions",
+    "quantized_nbytes_per_token",
+    "refine_",
+    "stream_nbytes_per_token",
+    "to_chunks",
+]

@@ -1,0 +1,287 @@
+"""Encode one layer's K or V into Anchor + Residual (`EncodedKV`) and decode it back.
+
+Called by the prefill side (encode, then `lynx_kernels.wire` cuts chunks) and by the decode side
+(Anchor chunks -> `decode(stage="anchor")` into the KV pool; Residual chunk -> `refine_` of the same
+slots in place). Scale/zero statistics and the rotation are computed here with torch; the per-value
+quantize/pack/dequant work goes to `ops_triton` for CUDA tensors and `ops_torch` otherwise.
+
+Quantization: asymmetric min-max to INT8 per group with fp16 zero (= group minimum rounded down)
+and fp16 scale (= range / 255 rounded up), so every non-protected value's code lies in 0..255 and the
+reconstruction error of the full code is at most scale/2; the Anchor's bucket midpoint is within
+scale * 2**(residual_bits - 1).
+
+Layout of an `EncodedKV` covering tokens [token_start, token_start + num_tokens) of a run of
+total_tokens (hd = heads * head_dim; a/r = anchor/residual bits):
+  anchor    uint8 [n, hd * a / 8]     packed top bits (see ops_torch for the bit order)
+  zero/scale fp16 [ceil(n / G), hd]   groups over tokens (K per channel; token_start % G == 0)
+             fp16 [n, hd / G]          groups over channels (per token)
+  protected dtype [p, heads, head_dim] original values of the sink/recent tokens in range
+  residual  uint8 [n, hd * r / 8] (target int8) | dtype [n, heads, head_dim] (target exact) | None
+Tensors are owned by the EncodedKV; `slice` returns views, so slices share memory with their parent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import ModuleType
+
+import torch
+
+from . import ops_torch
+from .rotation import is_power_of_two, rotate, unrotate
+from .spec import QUANT_BITS, CodecError, CodecSpec, Stage, StreamKind, Target
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP16_MAX = 65504.0
+IMPLS = ("auto", "torch", "triton")
+
+
+def _ops(device: torch.device, impl: str) -> ModuleType:
+    if impl not in IMPLS:
+        raise CodecError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch" or (impl == "auto" and device.type != "cuda"):
+        return ops_torch
+    from . import ops_triton  # Triton only where it is used: it is slow to import.
+
+    return ops_triton
+
+
+def protected_positions(total: int, sink: int, recent: int, start: int, end: int) -> torch.Tensor:
+    """Absolute positions in [start, end) that are carried at full precision."""
+    pos = torch.arange(start, end)
+    return pos[(pos < sink) | (pos >= total - recent)]
+
+
+@dataclass
+class EncodedKV:
+    """An encoded run of one layer's K or V (see the module docstring for the tensor layout)."""
+
+    spec: CodecSpec
+    kind: StreamKind
+    layer: int
+    dtype: torch.dtype
+    num_heads: int
+    head_dim: int
+    total_tokens: int
+    token_start: int
+    num_tokens: int
+    anchor: torch.Tensor
+    zero: torch.Tensor
+    scale: torch.Tensor
+    protected: torch.Tensor
+    residual: torch.Tensor | None
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.num_tokens
+
+    @property
+    def over_tokens(self) -> bool:
+        return self.spec.groups_over_tokens(self.kind)
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def nbytes(self, stream: str) -> int:
+        """Bytes this run puts on the wire for `stream` ("anchor" or "residual"), without headers."""
+        if stream == "anchor":
+            return sum(t.numel() * t.element_size()
+                       for t in (self.anchor, self.zero, self.scale, self.protected))
+        if stream == "residual":
+            if self.residual is None:
+                raise CodecError("this EncodedKV carries no residual")
+            return self.residual.numel() * self.residual.element_size()
+        raise CodecError(f"stream must be 'anchor' or 'residual', got {stream!r}")
+
+    def slice(self, start: int, end: int) -> EncodedKV:
+        """The tokens [start, end) (absolute positions) as an EncodedKV sharing this one's memory."""
+        if not self.token_start <= start < end <= self.token_end:
+            raise CodecError(
+                f"token range [{start}, {end}) is not a non-empty part of "
+                f"[{self.token_start}, {self.token_end})"
+            )
+        lo, hi = start - self.token_start, end - self.token_start
+        g = self.spec.group_size
+        if self.over_tokens:
+            if lo % g or (hi % g and end != self.token_end):
+                raise CodecError(
+                    f"K grouped per channel is cut on multiples of group_size={g} tokens; "
+                    f"[{start}, {end}) is not"
+                )
+            zero, scale = self.zero[lo // g: -(-hi // g)], self.scale[lo // g: -(-hi // g)]
+        else:
+            zero, scale = self.zero[lo:hi], self.scale[lo:hi]
+        mine = protected_positions(self.total_tokens, self.spec.sink_tokens,
+                                   self.spec.recent_tokens, self.token_start, self.token_end)
+        keep = ((mine >= start) & (mine < end)).nonzero().flatten().to(self.protected.device)
+        return replace(
+            self, token_start=start, num_tokens=end - start, anchor=self.anchor[lo:hi],
+            zero=zero, scale=scale, protected=self.protected[keep],
+            residual=None if self.residual is None else self.residual[lo:hi],
+        )
+
+
+def _check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int) -> None:
+    where = f"layer {layer} {kind.value.upper()}"
+    if not isinstance(x, torch.Tensor):
+        raise CodecError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise CodecError(
+            f"{where}: expected rank 3 [tokens, kv_heads, head_dim], got shape {tuple(x.shape)}"
+        )
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise CodecError(f"{where}: dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
+    tokens, heads, head_dim = x.shape
+    if tokens == 0 or heads == 0 or head_dim == 0:
+        raise CodecError(f"{where}: empty input, shape {tuple(x.shape)}")
+    if head_dim % 8:
+        raise CodecError(f"{where}: head_dim={head_dim} must be a multiple of 8")
+    if not spec.groups_over_tokens(kind) and head_dim % spec.group_size:
+        raise CodecError(
+            f"{where}: head_dim={head_dim} is not divisible by group_size={spec.group_size} "
+            f"(groups run over channels for {'K per token' if kind is StreamKind.K else 'V'})"
+        )
+    if spec.rotate and not is_power_of_two(head_dim):
+        raise CodecError(f"{where}: rotation needs a power-of-two head_dim, got {head_dim}")
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        t, h, d = (int(i) for i in (~finite).nonzero()[0])
+        raise CodecError(
+            f"{where}: non-finite value {x[t, h, d].item()} at token {t}, head {h}, channel {d} "
+            f"({int((~finite).sum())} non-finite values in all)"
+        )
+
+
+def _group_stats(x32: torch.Tensor, spec: CodecSpec, over_tokens: bool, protected: torch.Tensor):
+    """fp16 (zero, scale) per group for `[n, hd]` values; protected rows are left out when groups
+    span tokens (a sink token's outliers would otherwise widen every group it belongs to)."""
+    n, hd = x32.shape
+    g = spec.group_size
+    if over_tokens:
+        groups = -(-n // g)
+        valid = torch.ones(groups * g, dtype=torch.bool, device=x32.device)
+        valid[protected.to(x32.device)] = False
+        valid[n:] = False
+        padded = torch.zeros((groups * g, hd), dtype=torch.float32, device=x32.device)
+        padded[:n] = x32
+        valid = valid[:, None]
+        lo = torch.where(valid, padded, torch.inf).view(groups, g, hd).amin(dim=1)
+        hi = torch.where(valid, padded, -torch.inf).view(groups, g, hd).amax(dim=1)
+        empty = torch.isinf(lo)
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    else:
+        grouped = x32.view(n, hd // g, g)
+        lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    zero = lo.to(torch.float16)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -torch.inf)),
+                       zero)
+    span = hi - zero.float()
+    scale = (span / (2**QUANT_BITS - 1)).to(torch.float16)
+    scale = torch.where(scale.float() * (2**QUANT_BITS - 1) < span,
+                        torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
+    return zero, scale
+
+
+def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
+           impl: str = "auto") -> EncodedKV:
+    """Encode `[tokens, kv_heads, head_dim]` (bf16/fp16/fp32, CPU or CUDA) into Anchor + Residual.
+
+    `x` is only read; the result owns fresh tensors on x's device.
+    """
+    try:
+        kind = StreamKind(kind)
+    except ValueError:
+        raise CodecError(f"kind must be 'k' or 'v', got {kind!r}") from None
+    _check_input(x, spec, kind, layer)
+    tokens, heads, head_dim = x.shape
+    hd = heads * head_dim
+    x32 = x.to(torch.float32)
+    if spec.rotate:
+        x32 = rotate(x32, spec.rotation_seed)
+    peak = float(x32.abs().max())
+    if peak >= FP16_MAX:
+        raise CodecError(
+            f"layer {layer} {kind.value.upper()}: |value| up to {peak:g} is beyond what fp16 "
+            f"scale/zero can represent ({FP16_MAX:g})"
+        )
+    x32 = x32.reshape(tokens, hd)
+    over_tokens = spec.groups_over_tokens(kind)
+    protected = protected_positions(tokens, spec.sink_tokens, spec.recent_tokens, 0, tokens)
+    zero, scale = _group_stats(x32, spec, over_tokens, protected)
+    scale32 = scale.float()
+    inv_scale = torch.where(scale32 > 0, 1.0 / scale32, torch.zeros_like(scale32))
+    with_residual_bits = spec.target is Target.INT8
+    anchor, residual = _ops(x.device, impl).encode_packed(
+        x32, zero.float(), inv_scale, spec.group_size, over_tokens, spec.anchor_bits,
+        with_residual_bits,
+    )
+    if not with_residual_bits:
+        residual = x.contiguous().clone()
+    return EncodedKV(
+        spec=spec, kind=kind, layer=layer, dtype=x.dtype, num_heads=heads, head_dim=head_dim,
+        total_tokens=tokens, token_start=0, num_tokens=tokens, anchor=anchor, zero=zero,
+        scale=scale, protected=x[protected.to(x.device)].clone(), residual=residual,
+    )
+
+
+def decode(enc: EncodedKV, stage: str = "anchor", *, impl: str = "auto",
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reconstruct `[num_tokens, kv_heads, head_dim]` in the original dtype.
+
+    stage "anchor": bucket midpoints (needs only the Anchor); "full": the target precision (needs
+    the Residual; bit-identical to the input for target "exact"). With `out`, the result is written
+    into it (which must match shape, dtype and device) and `out` is returned.
+    """
+    try:
+        stage = Stage(stage)
+    except ValueError:
+        raise CodecError(f"stage must be 'anchor' or 'full', got {stage!r}") from None
+    shape = (enc.num_tokens, enc.num_heads, enc.head_dim)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != enc.dtype
+                            or out.device != enc.device):
+        raise CodecError(
+            f"out is {tuple(out.shape)} {out.dtype} on {out.device}; "
+            f"expected {shape} {enc.dtype} on {enc.device}"
+        )
+    if stage is Stage.FULL and enc.residual is None:
+        raise CodecError(
+            f"layer {enc.layer} {enc.kind.value.upper()} tokens [{enc.token_start}, "
+            f"{enc.token_end}): full decode needs the residual, which has not been attached"
+        )
+    spec = enc.spec
+    exact = stage is Stage.FULL and spec.target is Target.EXACT
+    if exact:
+        values = enc.residual.view(shape)
+    else:
+        ops = _ops(enc.device, impl)
+        hd = enc.num_heads * enc.head_dim
+        args = (enc.zero.float(), enc.scale.float(), hd, spec.group_size, enc.over_tokens,
+                spec.anchor_bits)
+        if stage is Stage.ANCHOR:
+            values32 = ops.dequant_anchor(enc.anchor, *args)
+        else:
+            values32 = ops.dequant_full(enc.anchor, enc.residual, *args)
+        values32 = values32.view(shape)
+        if spec.rotate:
+            values32 = unrotate(values32, spec.rotation_seed)
+        values = values32.to(enc.dtype)
+    if out is None:
+        # The exact Residual is the EncodedKV's own memory: the caller gets a copy of it.
+        out = values.clone() if exact else values
+    else:
+        out.copy_(values)
+    positions = protected_positions(enc.total_tokens, spec.sink_tokens, spec.recent_tokens,
+                                    enc.token_start, enc.token_end)
+    if len(positions):
+        out[(positions - enc.token_start).to(out.device)] = enc.protected
+    return out
+
+
+def refine_(target: torch.Tensor, enc: EncodedKV, *, impl: str = "auto") -> torch.Tensor:
+    """Overwrite an Anchor-dequantized `target` with the full-precision values, in place.
+
+    The decode side calls this on its KV pool slots once the Residual has been attached to `enc`;
+    `target` must be exactly the tensor (or a view of the slots) `decode(stage="anchor")` filled.
+    """
+    return decode(enc, Stage.FULL, impl=impl, out=target)

@@ -1,0 +1,317 @@
+"""Chunked, self-describing wire format for encoded KV.
+
+The prefill side cuts an `EncodedKV` into chunks by token range (`to_chunks`); each chunk is a
+fixed header followed by its payload, so the decode side can validate and place every chunk on its
+own, in any order (`parse_chunk`, then `assemble` or `Chunk.to_encoded`). The header carries the
+codec parameters, and a CRC-32 over header and payload: a chunk whose header or bytes do not check
+out is rejected with a `CodecError`, never applied.
+
+Header (little endian, `HEADER.size` bytes): magic "LYNX", format version, stream (0 Anchor,
+1 Residual), kind (0 K, 1 V), dtype, flags, anchor_bits, group_size, layer, kv heads, head_dim,
+sink/recent tokens, rotation seed, request tag, total tokens of the run, token range
+[start, end), payload length, CRC-32.
+Anchor payload: packed anchor bits, zero (fp16), scale (fp16), protected tokens (original dtype).
+Residual payload: packed low bits (target int8) or the original values (target exact).
+
+Buffers: `to_chunks` returns new `bytes` objects owned by the caller (copy them into a transport
+staging region and drop them). `parse_chunk` keeps a reference to the buffer it was given (no
+copy); the caller must not reuse that buffer until the chunk has been decoded or assembled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from .codec import EncodedKV, protected_positions
+from .spec import CodecError, CodecSpec, KGrouping, StreamKind, Target
+
+MAGIC = b"LYNX"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sBBBBBBHHHHHHIQIIIII")
+
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+_KINDS = {StreamKind.K: 0, StreamKind.V: 1}
+_KINDS_BY_CODE = {code: kind for kind, code in _KINDS.items()}
+_FLAG_EXACT, _FLAG_ROTATE, _FLAG_K_PER_TOKEN = 1, 2, 4
+
+
+class WireStream(IntEnum):
+    ANCHOR = 0
+    RESIDUAL = 1
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    stream: WireStream
+    spec: CodecSpec
+    kind: StreamKind
+    dtype: torch.dtype
+    layer: int
+    num_heads: int
+    head_dim: int
+    request_tag: int
+    total_tokens: int
+    token_start: int
+    token_end: int
+    payload_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    def pack(self, checksum: int) -> bytes:
+        spec = self.spec
+        flags = ((_FLAG_EXACT if spec.target is Target.EXACT else 0)
+                 | (_FLAG_ROTATE if spec.rotate else 0)
+                 | (_FLAG_K_PER_TOKEN if spec.k_grouping is KGrouping.TOKEN else 0))
+        return HEADER.pack(
+            MAGIC, FORMAT_VERSION, int(self.stream), _KINDS[self.kind], _DTYPES[self.dtype], flags,
+            spec.anchor_bits, spec.group_size, self.layer, self.num_heads, self.head_dim,
+            spec.sink_tokens, spec.recent_tokens, spec.rotation_seed, self.request_tag,
+            self.total_tokens, self.token_start, self.token_end, self.payload_len, checksum,
+        )
+
+    def section_sizes(self) -> dict[str, int]:
+        """Byte length of each payload section, derived from the header alone."""
+        hd = self.num_heads * self.head_dim
+        n = self.num_tokens
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        if self.stream is WireStream.RESIDUAL:
+            if self.spec.target is Target.EXACT:
+                return {"residual": n * hd * itemsize}
+            return {"residual": n * hd * self.spec.residual_bits // 8}
+        g = self.spec.group_size
+        groups = (-(-n // g)) * hd if self.spec.groups_over_tokens(self.kind) else n * hd // g
+        protected = len(protected_positions(self.total_tokens, self.spec.sink_tokens,
+                                            self.spec.recent_tokens, self.token_start,
+                                            self.token_end))
+        return {
+            "anchor": n * hd * self.spec.anchor_bits // 8,
+            "zero": groups * 2,
+            "scale": groups * 2,
+            "protected": protected * hd * itemsize,
+        }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    header: ChunkHeader
+    payload: memoryview
+
+    def to_bytes(self) -> bytes:
+        body = bytes(self.payload)
+        return self.header.pack(_checksum(self.header, body)) + body
+
+    def to_encoded(self, device: torch.device | str = "cpu") -> EncodedKV:
+        """The Anchor chunk as an EncodedKV for its token range (tensors copied onto `device`)."""
+        h = self.header
+        if h.stream is not WireStream.ANCHOR:
+            raise CodecError("to_encoded needs an Anchor chunk; attach Residuals with assemble()")
+        sections = _split(self.payload, h.section_sizes())
+        hd = h.num_heads * h.head_dim
+        over_tokens = h.spec.groups_over_tokens(h.kind)
+        group_cols = hd if over_tokens else hd // h.spec.group_size
+        return EncodedKV(
+            spec=h.spec, kind=h.kind, layer=h.layer, dtype=h.dtype, num_heads=h.num_heads,
+            head_dim=h.head_dim, total_tokens=h.total_tokens, token_start=h.token_start,
+            num_tokens=h.num_tokens,
+            anchor=_tensor(sections["anchor"], torch.uint8, (h.num_tokens, -1), device),
+            zero=_tensor(sections["zero"], torch.float16, (-1, group_cols), device),
+            scale=_tensor(sections["scale"], torch.float16, (-1, group_cols), device),
+            protected=_tensor(sections["protected"], h.dtype, (-1, h.num_heads, h.head_dim),
+                              device),
+            residual=None,
+        )
+
+    def residual_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The Residual chunk's payload, shaped as `EncodedKV.residual` rows for its range."""
+        h = self.header
+        if h.stream is not WireStream.RESIDUAL:
+            raise CodecError("residual_tensor needs a Residual chunk")
+        if h.spec.target is Target.EXACT:
+            return _tensor(self.payload, h.dtype, (h.num_tokens, h.num_heads, h.head_dim), device)
+        return _tensor(self.payload, torch.uint8, (h.num_tokens, -1), device)
+
+
+def _checksum(header: ChunkHeader, payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload, zlib.crc32(header.pack(0)))
+
+
+def _split(payload: memoryview, sizes: dict[str, int]) -> dict[str, memoryview]:
+    out, offset = {}, 0
+    for name, size in sizes.items():
+        out[name] = payload[offset: offset + size]
+        offset += size
+    return out
+
+
+def _tensor(view: memoryview, dtype: torch.dtype, shape, device) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(view), dtype=torch.uint8) if len(view) else torch.empty(
+        0, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape).to(device)
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _chunk(enc: EncodedKV, stream: WireStream, request_tag: int) -> bytes:
+    if stream is WireStream.ANCHOR:
+        body = b"".join(_as_bytes(t) for t in (enc.anchor, enc.zero, enc.scale, enc.protected))
+    else:
+        if enc.residual is None:
+            raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
+        body = _as_bytes(enc.residual)
+    header = ChunkHeader(
+        stream=stream, spec=enc.spec, kind=enc.kind, dtype=enc.dtype, layer=enc.layer,
+        num_heads=enc.num_heads, head_dim=enc.head_dim, request_tag=request_tag,
+        total_tokens=enc.total_tokens, token_start=enc.token_start, token_end=enc.token_end,
+        payload_len=len(body),
+    )
+    return header.pack(_checksum(header, body)) + body
+
+
+def to_chunks(enc: EncodedKV, chunk_tokens: int, *, stream: str = "anchor",
+              request_tag: int = 0) -> list[bytes]:
+    """Serialize `stream` ("anchor" or "residual") of `enc` as chunks of `chunk_tokens` tokens."""
+    try:
+        wire_stream = WireStream[stream.upper()]
+    except KeyError:
+        raise CodecError(f"stream must be 'anchor' or 'residual', got {stream!r}") from None
+    if chunk_tokens <= 0:
+        raise CodecError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if enc.over_tokens and chunk_tokens % enc.spec.group_size:
+        raise CodecError(
+            f"chunk_tokens={chunk_tokens} must be a multiple of group_size="
+            f"{enc.spec.group_size} when K is grouped per channel"
+        )
+    if not 0 <= request_tag < 2**64:
+        raise CodecError(f"request_tag must fit in 64 bits, got {request_tag}")
+    return [
+        _chunk(enc.slice(start, min(start + chunk_tokens, enc.token_end)), wire_stream,
+               request_tag)
+        for start in range(enc.token_start, enc.token_end, chunk_tokens)
+    ]
+
+
+def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
+    """Validate one chunk (header fields, lengths, CRC-32) and return it; raises CodecError."""
+    view = memoryview(buf).cast("B")
+    if len(view) < HEADER.size:
+        raise CodecError(f"truncated chunk: {len(view)} bytes, the header alone is {HEADER.size}")
+    (magic, version, stream, kind, dtype, flags, anchor_bits, group_size, layer, heads, head_dim,
+     sink, recent, seed, request_tag, total, start, end, payload_len, checksum) = HEADER.unpack(
+        view[:HEADER.size])
+    if magic != MAGIC:
+        raise CodecError(f"not a Lynx chunk (magic {bytes(magic)!r})")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"chunk format version {version}, this codec reads {FORMAT_VERSION}")
+    if stream not in (0, 1) or kind not in _KINDS_BY_CODE or dtype not in _DTYPES_BY_CODE:
+        raise CodecError(f"corrupt chunk header (stream={stream}, kind={kind}, dtype={dtype})")
+    if flags & ~(_FLAG_EXACT | _FLAG_ROTATE | _FLAG_K_PER_TOKEN):
+        raise CodecError(f"corrupt chunk header (unknown flags {flags:#x})")
+    if not start < end <= total:
+        raise CodecError(f"corrupt chunk header (token range [{start}, {end}) of {total})")
+    spec = CodecSpec(
+        anchor_bits=anchor_bits, group_size=group_size,
+        target=Target.EXACT if flags & _FLAG_EXACT else Target.INT8,
+        k_grouping=KGrouping.TOKEN if flags & _FLAG_K_PER_TOKEN else KGrouping.CHANNEL,
+        sink_tokens=sink, recent_tokens=recent, rotate=bool(flags & _FLAG_ROTATE),
+        rotation_seed=seed,
+    )
+    header = ChunkHeader(
+        stream=WireStream(stream), spec=spec, kind=_KINDS_BY_CODE[kind],
+        dtype=_DTYPES_BY_CODE[dtype], layer=layer, num_heads=heads, head_dim=head_dim,
+        request_tag=request_tag, total_tokens=total, token_start=start, token_end=end,
+        payload_len=payload_len,
+    )
+    payload = view[HEADER.size:]
+    if len(payload) != payload_len:
+        raise CodecError(
+            f"layer {layer} tokens [{start}, {end}): payload is {len(payload)} bytes, header "
+            f"says {payload_len} (truncated or trailing bytes)"
+        )
+    expected = sum(header.section_sizes().values())
+    if payload_len != expected:
+        raise CodecError(
+            f"layer {layer} tokens [{start}, {end}): payload_len {payload_len} does not match the "
+            f"{expected} bytes its parameters imply"
+        )
+    if _checksum(header, payload) != checksum:
+        raise CodecError(
+            f"layer {layer} {header.kind.value.upper()} {header.stream.name} tokens "
+            f"[{start}, {end}): checksum mismatch (corrupt chunk)"
+        )
+    if header.spec.groups_over_tokens(header.kind) and start % group_size:
+        raise CodecError(f"chunk starts at token {start}, not a multiple of group_size")
+    return Chunk(header=header, payload=payload)
+
+
+def _same_run(a: ChunkHeader, b: ChunkHeader) -> bool:
+    return (a.spec, a.kind, a.dtype, a.layer, a.num_heads, a.head_dim, a.request_tag,
+            a.total_tokens) == (b.spec, b.kind, b.dtype, b.layer, b.num_heads, b.head_dim,
+                                b.request_tag, b.total_tokens)
+
+
+def _contiguous(chunks: Sequence[Chunk], what: str) -> list[Chunk]:
+    ordered = sorted(chunks, key=lambda c: c.header.token_start)
+    for prev, nxt in itertools.pairwise(ordered):
+        if prev.header.token_end != nxt.header.token_start:
+            raise CodecError(
+                f"{what} chunks do not tile the run: [{prev.header.token_start}, "
+                f"{prev.header.token_end}) then [{nxt.header.token_start}, "
+                f"{nxt.header.token_end})"
+            )
+    return ordered
+
+
+def assemble(chunks: Iterable[bytes | bytearray | memoryview | Chunk],
+             device: torch.device | str = "cpu") -> EncodedKV:
+    """Join the chunks of one run (one layer's K or V), given in any order, into one EncodedKV.
+
+    Anchor chunks must tile a contiguous token range; Residual chunks, if any, must tile the same
+    range (then the result carries the residual and can be fully decoded).
+    """
+    parsed = [c if isinstance(c, Chunk) else parse_chunk(c) for c in chunks]
+    anchors = [c for c in parsed if c.header.stream is WireStream.ANCHOR]
+    residuals = [c for c in parsed if c.header.stream is WireStream.RESIDUAL]
+    if not anchors:
+        raise CodecError("assemble needs at least one Anchor chunk")
+    first = anchors[0].header
+    for c in parsed:
+        if not _same_run(first, c.header):
+            raise CodecError(
+                f"chunk of layer {c.header.layer} {c.header.kind.value.upper()} (tag "
+                f"{c.header.request_tag}) does not belong to the run of layer {first.layer} "
+                f"{first.kind.value.upper()} (tag {first.request_tag})"
+            )
+    anchors = _contiguous(anchors, "Anchor")
+    parts = [c.to_encoded(device) for c in anchors]
+    start, end = parts[0].token_start, parts[-1].token_end
+    residual = None
+    if residuals:
+        residuals = _contiguous(residuals, "Residual")
+        if (residuals[0].header.token_start, residuals[-1].header.token_end) != (start, end):
+            raise CodecError(
+                f"Residual chunks cover [{residuals[0].header.token_start}, "
+                f"{residuals[-1].header.token_end}), Anchor chunks [{start}, {end})"
+            )
+        residual = torch.cat([c.residual_tensor(device) for c in residuals])
+    head = parts[0]
+    return EncodedKV(
+        spec=head.spec, kind=head.kind, layer=head.layer, dtype=head.dtype,
+        num_heads=head.num_heads, head_dim=head.head_dim, total_tokens=head.total_tokens,
+        token_start=start, num_tokens=end - start,
+        anchor=torch.cat([p.anchor for p in parts]), zero=torch.cat([p.zero for p in parts]),
+        scale=torch.cat([p.scale for p in parts]),
+        protected=torch.cat([p.protected for p in parts]), residual=residual,
+    )
+
