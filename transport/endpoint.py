@@ -535,7 +535,9 @@ class Session:
                 return
             rs.aux = aux
             rs.fin_total = total
-            if total > rs.expected:
+            if aux is None:
+                fail = "completion notice failed its checksum"
+            elif total > rs.expected:
                 fail = f"FIN says {total} B > announced {rs.expected} B"
             elif not counts:
                 rs.landed = total

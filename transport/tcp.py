@@ -1,0 +1,562 @@
+"""`tcp` backend: plain sockets, one connection per stream per session, zero-copy both ways.
+
+Data path per session: two TCP connections (ANCHOR, RESIDUAL), both opened by the initiator to the
+acceptor's data listener and usable in both directions. One sender thread per session owns every
+send: it picks the next chunk by `PriorityPolicy` and writes `header + payload` with non-blocking
+`sendmsg` straight from the registered source memory (no copy). One receiver thread per socket
+reads a 40-byte header, asks the Endpoint (`open_incoming`) whether the write may land — before
+any payload byte is read — and then `recv_into`s the payload directly into the destination
+region (or discards it when refused).
+
+Priority: strict mode never hands RESIDUAL bytes to the kernel while ANCHOR work is queued; the
+RESIDUAL socket has a small TCP_NOTSENT_LOWAT so that little RESIDUAL data waits unsent inside the
+kernel when ANCHOR work arrives. Sockets are marked with IP_TOS / SO_PRIORITY per stream.
+
+Frame (little-endian, 40 bytes): magic u32 'LYNX', kind u8 (1 DATA, 2 FIN), stream u8, flags u16
+(bit 0: crc valid), request u64, region u32, crc32 u32, offset u64 (DATA: destination offset;
+FIN: total bytes of the stream), length u64 (payload bytes: DATA data, FIN aux).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hmac
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from .backend import Backend, BackendHooks, FinOp, PriorityPolicy, Refused, WriteOp
+from .memory import Region
+from .types import MAX_AUX_BYTES, STREAMS, FailureReason, HandshakeError, Stream
+
+log = logging.getLogger("lynx_transport.tcp")
+
+MAGIC = 0x584E594C  # b"LYNX" little-endian
+HDR = struct.Struct("<IBBHQIIQQ")
+assert HDR.size == 40
+KIND_DATA, KIND_FIN = 1, 2
+FLAG_CRC = 1
+PREAMBLE = struct.Struct("<I16s16sB")  # magic, session id, nonce, stream
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+DEFAULT_OPTIONS = {
+    "anchor_tos": 0xB8,  # DSCP EF (46)
+    "residual_tos": 0x20,  # DSCP CS1 (8, lower effort)
+    "anchor_priority": 6,  # SO_PRIORITY (pfifo_fast band 0)
+    "residual_priority": 1,  # SO_PRIORITY (pfifo_fast band 2)
+    "residual_notsent_lowat": 128 * 1024,  # bytes of unsent RESIDUAL data the kernel may hold
+    "anchor_notsent_lowat": 0,  # 0: leave the kernel default
+    "sndbuf": 0,  # 0: kernel autotuning
+    "rcvbuf": 0,
+    "io_timeout_s": 0.2,  # how often blocked threads look at their stop flags
+    "connect_timeout_s": 10.0,
+    # test-only fault injection: limit the sender to this many bytes/s (0 = off)
+    "_throttle_bps": 0,
+}
+
+
+@dataclass
+class _Item:
+    """One queued WriteOp (consumed chunk by chunk) or FinOp."""
+
+    op: WriteOp | FinOp
+    done: int = 0  # bytes of op already turned into chunks
+
+
+@dataclass
+class _Chunk:
+    """A frame being sent on one socket: header + payload view, `pos` bytes already sent."""
+
+    request_id: int
+    bufs: list
+    total: int
+    payload: int
+    pos: int = 0
+
+
+@dataclass
+class _TcpSession:
+    sid: bytes
+    initiator: bool
+    nonce: bytes
+    socks: dict = field(default_factory=dict)  # Stream -> socket
+    queues: dict = field(default_factory=lambda: {s: collections.deque() for s in STREAMS})
+    current: dict = field(default_factory=lambda: {s: None for s in STREAMS})
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    stop: bool = False
+    threads: list = field(default_factory=list)
+    wake_r: socket.socket | None = None
+    wake_w: socket.socket | None = None
+    connected: threading.Event = field(default_factory=threading.Event)
+    sent_bytes: dict = field(default_factory=lambda: {s: 0 for s in STREAMS})
+    recv_bytes: dict = field(default_factory=lambda: {s: 0 for s in STREAMS})
+    corrupt_next: set = field(default_factory=set)  # test hook: streams whose next crc is wrong
+
+
+class TcpBackend(Backend):
+    name = "tcp"
+    counts_incoming = True
+
+    def __init__(self, hooks: BackendHooks, host: str, policy: PriorityPolicy, options: dict):
+        unknown = set(options) - set(DEFAULT_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown tcp backend options: {sorted(unknown)}")
+        self.opts = {**DEFAULT_OPTIONS, **options}
+        self.hooks = hooks
+        self.host = host
+        self.policy = policy
+        self._sessions: dict[bytes, _TcpSession] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, 0))
+        self._listener.listen(64)
+        self._listener.settimeout(self.opts["io_timeout_s"])
+        self.port = self._listener.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"lynx-tcp-accept-{self.port}")
+        self._accept_thread.start()
+
+    # ------------------------------------------------------------------ identity / memory
+    def local_info(self) -> dict:
+        return {"host": self.host, "port": self.port}
+
+    def register_region(self, region: Region) -> dict:
+        region.view  # noqa: B018 - build the memoryview once, up front
+        return {}
+
+    def deregister_region(self, region: Region) -> None:
+        region._view = None
+
+    # ------------------------------------------------------------------ sessions
+    def session_prepare(self, session_id: bytes, initiator: bool) -> dict:
+        ts = _TcpSession(session_id, initiator, os.urandom(16))
+        ts.wake_r, ts.wake_w = socket.socketpair()
+        ts.wake_r.setblocking(False)
+        ts.wake_w.setblocking(False)
+        with self._lock:
+            self._sessions[session_id] = ts
+        return {"nonce": ts.nonce.hex()}
+
+    def session_connect(self, session_id, remote_info, remote_prepare, initiator, timeout):
+        ts = self._sessions.get(session_id)
+        if ts is None:
+            raise HandshakeError("session not prepared")
+        if initiator:
+            nonce = bytes.fromhex(remote_prepare["nonce"])
+            addr = (remote_info["host"], int(remote_info["port"]))
+            for s in STREAMS:
+                sock = socket.create_connection(addr, timeout=timeout)
+                self._configure(sock, s)
+                sock.settimeout(timeout)
+                sock.sendall(PREAMBLE.pack(MAGIC, session_id, nonce, int(s)))
+                ts.socks[s] = sock
+            self._start_session(ts)
+        else:
+            if not ts.connected.wait(timeout):
+                raise HandshakeError(f"peer did not open data connections within {timeout} s")
+            if ts.stop:
+                raise HandshakeError("session closed while connecting")
+
+    def _configure(self, sock: socket.socket, stream: Stream) -> None:
+        o = self.opts
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        anchor = stream is Stream.ANCHOR
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS,
+                            o["anchor_tos"] if anchor else o["residual_tos"])
+        with contextlib.suppress(OSError):  # after IP_TOS, which also sets sk_priority
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY,
+                            o["anchor_priority"] if anchor else o["residual_priority"])
+        lowat = o["anchor_notsent_lowat"] if anchor else o["residual_notsent_lowat"]
+        if lowat:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, int(lowat))
+        if o["sndbuf"]:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(o["sndbuf"]))
+        if o["rcvbuf"]:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(o["rcvbuf"]))
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            try:
+                sock.settimeout(5.0)
+                buf = bytearray(PREAMBLE.size)
+                view = memoryview(buf)
+                got = 0
+                while got < len(buf):
+                    n = sock.recv_into(view[got:])
+                    if not n:
+                        raise ConnectionError("closed during preamble")
+                    got += n
+                magic, sid, nonce, stream = PREAMBLE.unpack(buf)
+                ts = self._sessions.get(sid)
+                if (magic != MAGIC or ts is None or ts.initiator
+                        or not hmac.compare_digest(nonce, ts.nonce) or stream not in (0, 1)
+                        or Stream(stream) in ts.socks):
+                    raise ConnectionError("bad data-connection preamble")
+                self._configure(sock, Stream(stream))
+                with ts.lock:
+                    ts.socks[Stream(stream)] = sock
+                    both = len(ts.socks) == 2
+                if both:
+                    self._start_session(ts)
+                    ts.connected.set()
+            except Exception as exc:
+                log.debug("data connection refused: %s", exc)
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _start_session(self, ts: _TcpSession) -> None:
+        for sock in ts.socks.values():
+            sock.setblocking(False)
+        tag = ts.sid.hex()[:6]
+        ts.threads = [threading.Thread(target=self._send_loop, args=(ts,), daemon=True,
+                                       name=f"lynx-tcp-tx-{tag}")]
+        for s in STREAMS:
+            ts.threads.append(threading.Thread(target=self._recv_loop, args=(ts, s), daemon=True,
+                                               name=f"lynx-tcp-rx{int(s)}-{tag}"))
+        for t in ts.threads:
+            t.start()
+
+    # ------------------------------------------------------------------ posting
+    def _session(self, sid: bytes) -> _TcpSession | None:
+        ts = self._sessions.get(sid)
+        return None if ts is None or ts.stop else ts
+
+    def post_write(self, op: WriteOp) -> None:
+        self._post(op.session_id, op.stream, _Item(op), op)
+
+    def post_fin(self, op: FinOp) -> None:
+        self._post(op.session_id, op.stream, _Item(op), op)
+
+    def _post(self, sid, stream, item, op) -> None:
+        ts = self._session(sid)
+        if ts is None:
+            self.hooks.send_failed(sid, op.request_id, stream, FailureReason.CLOSED,
+                                   "tcp session not connected")
+            return
+        with ts.lock:
+            ts.queues[Stream(stream)].append(item)
+        with contextlib.suppress(OSError):
+            ts.wake_w.send(b"x")
+
+    def drain(self, session_id: bytes, request_id: int, timeout: float) -> bool:
+        ts = self._sessions.get(session_id)
+        if ts is None:
+            return True
+        end = time.monotonic() + timeout
+        with ts.lock:
+            for q in ts.queues.values():
+                keep = [it for it in q if it.op.request_id != request_id]
+                q.clear()
+                q.extend(keep)
+            while any(c is not None and c.request_id == request_id
+                      for c in ts.current.values()):
+                left = end - time.monotonic()
+                if left <= 0 or ts.stop:
+                    return ts.stop
+                ts.lock.wait(min(left, 0.05))
+        return True
+
+    def inject_corruption(self, session_id: bytes, stream: Stream) -> None:
+        """Test hook: the next DATA chunk sent on `stream` carries a wrong CRC."""
+        ts = self._sessions[session_id]
+        with ts.lock:
+            ts.corrupt_next.add(Stream(stream))
+
+    # ------------------------------------------------------------------ sender thread
+    def _next_chunk(self, ts: _TcpSession, stream: Stream) -> _Chunk | None:
+        """Turn the head of `stream`'s queue into a frame (called with ts.lock held)."""
+        q = ts.queues[stream]
+        while q:
+            item = q[0]
+            op = item.op
+            if isinstance(op, FinOp):
+                q.popleft()
+                aux = op.aux
+                hdr = HDR.pack(MAGIC, KIND_FIN, int(stream), FLAG_CRC, op.request_id, 0,
+                               zlib.crc32(aux), op.total, len(aux))
+                return _Chunk(op.request_id, [hdr, aux] if aux else [hdr], len(hdr) + len(aux), 0)
+            n = min(self.policy.chunk_bytes, op.length - item.done)
+            view = op.src.slice(op.src_offset + item.done, n)
+            flags = 0
+            crc = 0
+            if op.checksum:
+                flags = FLAG_CRC
+                crc = zlib.crc32(view)
+                if stream in ts.corrupt_next:
+                    ts.corrupt_next.discard(stream)
+                    crc ^= 0x5A5A5A5A
+            hdr = HDR.pack(MAGIC, KIND_DATA, int(stream), flags, op.request_id, op.dst_region_id,
+                           crc, op.dst_offset + item.done, n)
+            item.done += n
+            if item.done >= op.length:
+                q.popleft()
+            return _Chunk(op.request_id, [hdr, view], len(hdr) + n, n)
+        return None
+
+    def _has_work(self, ts: _TcpSession, s: Stream) -> bool:
+        return ts.current[s] is not None or bool(ts.queues[s])
+
+    def _send_loop(self, ts: _TcpSession) -> None:
+        A, R = Stream.ANCHOR, Stream.RESIDUAL
+        strict = self.policy.mode == "strict"
+        share = self.policy.residual_share
+        weight_sent = {A: 0.0, R: 0.0}  # bytes / share, for weighted mode
+        throttle = float(self.opts["_throttle_bps"] or 0)
+        next_ok = time.monotonic()
+        io_timeout = self.opts["io_timeout_s"]
+        try:
+            while not ts.stop:
+                with ts.lock:
+                    has = {s: self._has_work(ts, s) for s in STREAMS}
+                if not has[A] and not has[R]:
+                    select.select([ts.wake_r], [], [], io_timeout)
+                    self._clear_wake(ts)
+                    continue
+                if strict:
+                    order = [A] if has[A] else [R]
+                else:
+                    cands = [s for s in STREAMS if has[s]]
+                    order = sorted(cands, key=lambda s: weight_sent[s])
+                wsocks = [ts.socks[s] for s in order]
+                if throttle:
+                    delay = next_ok - time.monotonic()
+                    if delay > 0:
+                        time.sleep(min(delay, io_timeout))
+                        continue
+                _, writable, _ = select.select([ts.wake_r], wsocks, [], io_timeout)
+                self._clear_wake(ts)
+                if not writable:
+                    continue
+                stream = next(s for s in order if ts.socks[s] in writable)
+                with ts.lock:
+                    ch = ts.current[stream]
+                    if ch is None:
+                        ch = ts.current[stream] = self._next_chunk(ts, stream)
+                    if ch is None:
+                        continue
+                sent = self._send_some(ts.socks[stream], ch, 65536 if throttle else 0)
+                if sent is None:
+                    continue
+                ch.pos += sent
+                ts.sent_bytes[stream] += sent
+                if throttle:
+                    next_ok = max(next_ok, time.monotonic()) + sent / throttle
+                if not strict:
+                    weight_sent[stream] += sent / (share if stream is R else 1.0 - share)
+                    low = min(weight_sent.values())
+                    for s in STREAMS:  # forget history while a stream is idle
+                        weight_sent[s] = weight_sent[s] - low if has[s] else 0.0
+                if ch.pos >= ch.total:
+                    with ts.lock:
+                        ts.current[stream] = None
+                        ts.lock.notify_all()
+                    if ch.payload:
+                        self.hooks.sent(ts.sid, ch.request_id, stream, ch.payload)
+        except (ConnectionError, OSError) as exc:
+            if not ts.stop:
+                self.hooks.session_lost(ts.sid, FailureReason.PEER_DIED, f"send failed: {exc}")
+        except Exception as exc:  # pragma: no cover - bug
+            log.exception("tcp sender crashed")
+            if not ts.stop:
+                self.hooks.session_lost(ts.sid, FailureReason.LOCAL_ERROR, f"sender: {exc!r}")
+        finally:
+            with ts.lock:
+                ts.current = {s: None for s in STREAMS}
+                ts.lock.notify_all()
+
+    @staticmethod
+    def _clear_wake(ts: _TcpSession) -> None:
+        with contextlib.suppress(OSError):
+            while ts.wake_r.recv(4096):
+                pass
+
+    @staticmethod
+    def _send_some(sock: socket.socket, ch: _Chunk, limit: int) -> int | None:
+        pos = ch.pos
+        bufs = []
+        for b in ch.bufs:
+            n = len(b)
+            if pos >= n:
+                pos -= n
+                continue
+            bufs.append(memoryview(b)[pos:] if pos else b)
+            pos = 0
+        if limit:
+            total = 0
+            cut = []
+            for b in bufs:
+                take = min(len(b), limit - total)
+                cut.append(memoryview(b)[:take])
+                total += take
+                if total >= limit:
+                    break
+            bufs = cut
+        try:
+            return sock.sendmsg(bufs)
+        except (BlockingIOError, InterruptedError):
+            return None
+
+    # ------------------------------------------------------------------ receiver threads
+    def _recv_exact(self, ts: _TcpSession, sock: socket.socket, view: memoryview) -> bool:
+        """Fill `view` from `sock`; False if the session is stopping. Raises on EOF."""
+        got = 0
+        n = len(view)
+        io_timeout = self.opts["io_timeout_s"]
+        while got < n:
+            if ts.stop:
+                return False
+            try:
+                k = sock.recv_into(view[got:], n - got)
+            except (BlockingIOError, InterruptedError):
+                select.select([sock], [], [], io_timeout)
+                continue
+            if not k:
+                raise ConnectionError("connection closed by peer")
+            got += k
+        return True
+
+    def _recv_loop(self, ts: _TcpSession, stream: Stream) -> None:
+        sock = ts.socks[stream]
+        hdr = bytearray(HDR.size)
+        hview = memoryview(hdr)
+        scratch = memoryview(bytearray(1 << 20))
+        io_timeout = self.opts["io_timeout_s"]
+        try:
+            while not ts.stop:
+                if not self._recv_exact(ts, sock, hview):
+                    return
+                magic, kind, fstream, flags, req, region, crc, offset, length = HDR.unpack(hdr)
+                if magic != MAGIC or kind not in (KIND_DATA, KIND_FIN) or fstream != int(stream):
+                    raise _ProtocolError(f"bad frame header (magic {magic:#x}, kind {kind}, "
+                                         f"stream {fstream} on {stream.name} socket)")
+                if kind == KIND_FIN:
+                    if length > MAX_AUX_BYTES:
+                        raise _ProtocolError(f"FIN aux of {length} B")
+                    aux = bytearray(length)
+                    if length and not self._recv_exact(ts, sock, memoryview(aux)):
+                        return
+                    ok = zlib.crc32(aux) == crc
+                    self.hooks.incoming_fin(ts.sid, req, stream, offset,
+                                            bytes(aux) if ok else None)
+                    continue
+                try:
+                    w = self.hooks.open_incoming(ts.sid, req, stream, region, offset, length)
+                except Refused:
+                    if not self._discard(ts, sock, length, scratch):
+                        return
+                    continue
+                view = w.view
+                got = 0
+                diverted = False
+                while got < length:
+                    if ts.stop:
+                        return
+                    try:
+                        with w.guard() as ok:
+                            if ok and not diverted:
+                                k = sock.recv_into(view[got:], length - got)
+                            else:
+                                diverted = True
+                                k = sock.recv_into(scratch, min(length - got, len(scratch)))
+                    except (BlockingIOError, InterruptedError):
+                        select.select([sock], [], [], io_timeout)
+                        continue
+                    if not k:
+                        raise ConnectionError("connection closed by peer")
+                    got += k
+                ts.recv_bytes[stream] += length
+                if diverted:
+                    w.finish(0, ok=True)  # the stream already failed/released; nothing to add
+                elif flags & FLAG_CRC and zlib.crc32(view) != crc:
+                    w.finish(length, ok=False, reason=FailureReason.CORRUPTION,
+                             detail=f"checksum mismatch in chunk at offset {offset} "
+                                    f"({length} B) of region {region}")
+                else:
+                    w.finish(length, ok=True)
+        except (ConnectionError, OSError) as exc:
+            if not ts.stop:
+                self.hooks.session_lost(ts.sid, FailureReason.PEER_DIED, str(exc))
+        except _ProtocolError as exc:
+            if not ts.stop:
+                self.hooks.session_lost(ts.sid, FailureReason.CORRUPTION, str(exc))
+        except Exception as exc:  # pragma: no cover - bug
+            log.exception("tcp receiver crashed")
+            if not ts.stop:
+                self.hooks.session_lost(ts.sid, FailureReason.LOCAL_ERROR, f"receiver: {exc!r}")
+
+    def _discard(self, ts, sock, length, scratch) -> bool:
+        left = length
+        while left:
+            chunk = scratch[: min(left, len(scratch))]
+            if not self._recv_exact(ts, sock, chunk):
+                return False
+            left -= len(chunk)
+        return True
+
+    # ------------------------------------------------------------------ teardown
+    def session_close(self, session_id: bytes) -> None:
+        with self._lock:
+            ts = self._sessions.pop(session_id, None)
+        if ts is None:
+            return
+        with ts.lock:
+            ts.stop = True
+            ts.lock.notify_all()
+        for sock in ts.socks.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            ts.wake_w.send(b"x")
+        ts.connected.set()
+        me = threading.current_thread()
+        for t in ts.threads:
+            if t is not me:
+                t.join(5.0)
+        for sock in ts.socks.values():
+            with contextlib.suppress(OSError):
+                sock.close()
+        for sock in (ts.wake_r, ts.wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sid in list(self._sessions):
+            self.session_close(sid)
+        self._accept_thread.join(5.0)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    def stats(self) -> dict:
+        out = {"sessions": len(self._sessions)}
+        for sid, ts in list(self._sessions.items()):
+            out[sid.hex()[:8]] = {
+                "sent": {s.name: ts.sent_bytes[s] for s in STREAMS},
+                "received": {s.name: ts.recv_bytes[s] for s in STREAMS},
+            }
+        return out
+
+
+class _ProtocolError(Exception):
+    pass
