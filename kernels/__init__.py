@@ -10,21 +10,25 @@
 Wire format: `to_chunks(enc, chunk_tokens, stream=...)` -> bytes chunks; `parse_chunk`, `assemble`
 on the receiving side; `refine_(pool_slots, enc)` rewrites Anchor-precision values in place.
 Modules: spec (parameters), codec (encode/decode), wire (chunks), sizes (byte accounting),
+shapes (model KV presets),
 rotation, ops_torch (reference), ops_triton (CUDA kernels). This package never imports SGLang.
 """
 
 from .codec import EncodedKV, decode, encode, protected_positions, refine_
+from .shapes import PRESETS, KVShape, preset
 from .sizes import StreamBytes, quantized_nbytes_per_token, stream_nbytes_per_token
 from .spec import CodecError, CodecSpec, KGrouping, Stage, StreamKind, Target
 from .wire import Chunk, ChunkHeader, WireStream, assemble, parse_chunk, to_chunks
 
 __all__ = [
+    "PRESETS",
     "Chunk",
     "ChunkHeader",
     "CodecError",
     "CodecSpec",
     "EncodedKV",
     "KGrouping",
+    "KVShape",
     "Stage",
     "StreamBytes",
     "StreamKind",
@@ -34,6 +38,7 @@ __all__ = [
     "decode",
     "encode",
     "parse_chunk",
+    "preset",
     "protected_positions",
     "quantized_nbytes_per_token",
     "refine_",

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from lynx_kernels import CodecError, CodecSpec, decode, encode, protected_positions, refine_
 from lynx_kernels.ops_torch import quantize_codes, unpack_bits
 from lynx_kernels.rotation import rotate

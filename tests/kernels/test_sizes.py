@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lynx_kernels import CodecSpec, encode, stream_nbytes_per_token
 
 # (kv heads, head_dim) of SmolLM2-135M and Llama-3.1-8B.

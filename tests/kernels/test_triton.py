@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+
 from lynx_kernels import CodecSpec, decode, encode, refine_
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
