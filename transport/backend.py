@@ -227,8 +227,10 @@ class Backend(ABC):
         """Queue a completion notice behind every write posted before it on the same stream."""
 
     @abstractmethod
-    def drain(self, session_id: bytes, request_id: int, timeout: float) -> bool:
-        """Drop the request's queued ops; wait until none of its source bytes will be read again.
+    def drain(self, session_id: bytes, request_id: int, timeout: float,
+              stream: Stream | None = None) -> bool:
+        """Drop the request's queued ops (only `stream`'s if given); wait until none of their
+        source bytes will be read again (timeout 0: just drop, report whether already true).
         Returns False if that could not be guaranteed within `timeout` (the caller then closes the
         session)."""
 

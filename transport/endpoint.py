@@ -454,7 +454,7 @@ class Session:
                 ep._send(self, "RELEASE", {"req": request_id})
         if tq is not None:
             if not self.closed:
-                ok = ep.backend.drain(self.id, request_id, timeout)
+                ok = ep._drain(self.id, request_id, timeout)
                 if not ok:
                     ep._close_session(self, FailureReason.TIMEOUT,
                                       f"could not drain request {request_id}", notify=True)
@@ -841,13 +841,22 @@ class Endpoint:
             s._cond.notify_all()
         log.debug("session %s closed: %s %s", s.id.hex()[:8], reason.value, detail)
 
+    def _drain(self, sid: bytes, request_id: int, timeout: float,
+               stream: Stream | None = None) -> bool:
+        if stream is None:
+            return self.backend.drain(sid, request_id, timeout)
+        try:
+            return self.backend.drain(sid, request_id, timeout, stream=stream)
+        except TypeError:  # a backend written against the first contract (no `stream`)
+            return self.backend.drain(sid, request_id, timeout)
+
     def _abort_request(self, s: Session, request_id: int, stream: Stream | None,
                        reason: FailureReason, detail: str, notify: bool) -> None:
         s._rx_fail(request_id, stream, reason, detail, None)
         changed = s._tx_fail(request_id, stream, reason, detail)
         if changed:
             with contextlib.suppress(Exception):
-                self.backend.drain(s.id, request_id, 0.0)
+                self._drain(s.id, request_id, 0.0, stream)
         if notify and not s.closed:
             self._send(s, "ABORT", {"req": request_id,
                                     "stream": None if stream is None else int(stream),
@@ -1135,7 +1144,7 @@ class Endpoint:
                 s._peer_released.add(req)
                 s._cond.notify_all()
             if s._tx_fail(req, None, FailureReason.RELEASED, "receiver released the request"):
-                self.backend.drain(s.id, req, 0.0)
+                self._drain(s.id, req, 0.0)
         elif kind == "ACK":
             req, stream = int(h["req"]), Stream(int(h["stream"]))
             with s._cond:
@@ -1150,7 +1159,7 @@ class Endpoint:
             req, stream = int(h["req"]), Stream(int(h["stream"]))
             reason = _reason(h.get("reason"), FailureReason.LOCAL_ERROR)
             if s._tx_fail(req, stream, reason, "receiver: " + h.get("detail", "")):
-                self.backend.drain(s.id, req, 0.0)
+                self._drain(s.id, req, 0.0, stream)
         elif kind == "ABORT":
             req = int(h["req"])
             stream = None if h.get("stream") is None else Stream(int(h["stream"]))

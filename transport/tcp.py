@@ -257,18 +257,21 @@ class TcpBackend(Backend):
         with contextlib.suppress(OSError):
             ts.wake_w.send(b"x")
 
-    def drain(self, session_id: bytes, request_id: int, timeout: float) -> bool:
+    def drain(self, session_id: bytes, request_id: int, timeout: float,
+              stream: Stream | None = None) -> bool:
         ts = self._sessions.get(session_id)
         if ts is None:
             return True
         end = time.monotonic() + timeout
         with ts.lock:
-            for q in ts.queues.values():
+            for s, q in ts.queues.items():
+                if stream is not None and s != stream:
+                    continue
                 keep = [it for it in q if it.op.request_id != request_id]
                 q.clear()
                 q.extend(keep)
             while any(c is not None and c.request_id == request_id
-                      for c in ts.current.values()):
+                      and (stream is None or s == stream) for s, c in ts.current.items()):
                 left = end - time.monotonic()
                 if left <= 0 or ts.stop:
                     return ts.stop

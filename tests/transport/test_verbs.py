@@ -1,0 +1,383 @@
+"""Tests of the `verbs` backend (pyverbs RC QPs) on a real RDMA device.
+
+They run inside the soft-RoCE QEMU guest (`scripts/rdma_vm.sh -- .venv/bin/python -m pytest -m
+rdma_vm tests/transport`), where rxe0 exists; elsewhere they skip. The guest moves about 10 MB/s,
+so transfers are small. Device / GID index come from LYNX_RDMA_DEVICE / LYNX_RDMA_GID_INDEX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lynx_transport import (
+    Endpoint,
+    FailureReason,
+    OutOfBoundsError,
+    PriorityPolicy,
+    Status,
+    Stream,
+)
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        from pyverbs.device import get_device_list
+    except ImportError:
+        return []
+    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name)
+            for d in get_device_list()]
+
+
+pytestmark = [
+    pytest.mark.rdma_vm,
+    pytest.mark.skipif(not _rdma_devices(), reason="no RDMA device; run via scripts/rdma_vm.sh"),
+]
+
+A, R = Stream.ANCHOR, Stream.RESIDUAL
+KiB = 1 << 10
+PEER = Path(__file__).with_name("verbs_peer.py")
+# The surviving side's control-plane heartbeat timeout is long, so a peer death must be noticed
+# by the verbs data path (failed work request / keepalive probe), not by the heartbeat.
+LONG_HEARTBEAT_S = 60.0
+
+
+def _options(**extra) -> dict:
+    opts: dict = {"device": os.environ.get("LYNX_RDMA_DEVICE") or None}
+    if os.environ.get("LYNX_RDMA_GID_INDEX"):
+        opts["gid_index"] = int(os.environ["LYNX_RDMA_GID_INDEX"])
+    opts.update(extra)
+    return opts
+
+
+def _endpoint(name: str, chunk: int = 64 * KiB, mode: str = "strict", **opts) -> Endpoint:
+    return Endpoint(backend="verbs", name=name, peer_timeout_s=LONG_HEARTBEAT_S,
+                    policy=PriorityPolicy(mode=mode, chunk_bytes=chunk),
+                    backend_options=_options(**opts))
+
+
+@pytest.fixture
+def pair():
+    """(receiver endpoint, sender endpoint, receiver session, sender session)."""
+    rx = _endpoint("rx")
+    tx = _endpoint("tx")
+    try:
+        s_tx = tx.connect(rx.address, timeout=30)
+        s_rx = rx.accept(timeout=30)
+        assert s_rx is not None
+        yield rx, tx, s_rx, s_tx
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _rdma_resources(kind: str) -> list[dict]:
+    """This process's `rdma resource show KIND` entries (qp, mr, cq, pd) from the kernel."""
+    out = subprocess.run(["rdma", "-j", "resource", "show", kind], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    rows = json.loads(out or "[]")
+    return [r for r in rows if r.get("pid") == os.getpid()]
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(PEER), *args], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """One stdout line of `proc`, or fail after `timeout` s."""
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert box and box[0], f"peer printed nothing within {timeout} s (rc={proc.poll()})"
+    return box[0].strip()
+
+
+# ---------------------------------------------------------------------------------- tests
+@pytest.mark.timeout(120)
+def test_registration_once_and_released_on_close():
+    """MRs: one per region at register(), rkey only for writable regions, none left after close;
+    no QP, MR or thread survives Endpoint.close()."""
+    threads_before = {t.ident for t in threading.enumerate()}
+    ep = _endpoint("reg")
+    try:
+        base = len(_rdma_resources("mr"))
+        buf = np.zeros(256 * KiB, np.uint8)
+        ro = np.ones(64 * KiB, np.uint8)
+        ro.flags.writeable = False
+        r_w = ep.register(buf)
+        r_ro = ep.register(ro)
+        assert len(_rdma_resources("mr")) == base + 2
+        assert r_w.backend_info["addr"] == buf.ctypes.data
+        assert r_w.backend_info["length"] == buf.nbytes
+        assert r_w.backend_info["rkey"] == r_w.backend_handle.rkey
+        assert "rkey" not in r_ro.backend_info  # a read-only buffer is never a target
+        ep.deregister(r_ro)
+        assert len(_rdma_resources("mr")) == base + 1
+        stats = ep.stats()["backend"]
+        assert stats["regions"] == 1 and stats["device"] == _rdma_devices()[0] or \
+            stats["device"] == os.environ.get("LYNX_RDMA_DEVICE")
+    finally:
+        ep.close()
+    assert _rdma_resources("mr") == []
+    assert _rdma_resources("qp") == []
+    end = time.monotonic() + 5
+    while True:
+        extra = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
+        if not extra or time.monotonic() > end:
+            break
+        time.sleep(0.05)
+    assert not extra, extra
+
+
+@pytest.mark.timeout(120)
+def test_two_rc_qps_per_session_with_service_levels(pair):
+    rx, tx, s_rx, s_tx = pair
+    for s in (s_rx, s_tx):
+        assert len(set(s.local_prepare["qpn"])) == 2
+        assert s.remote_prepare["qpn"] == (s_tx if s is s_rx else s_rx).local_prepare["qpn"]
+    qps = [q for q in _rdma_resources("qp") if q.get("type") == "RC"]
+    assert len(qps) == 4, qps  # 2 sessions ends in this process × (ANCHOR, RESIDUAL)
+    assert all(q["state"] == "RTS" for q in qps), qps
+    import pyverbs.enums as e
+
+    lanes = tx.backend._sessions[s_tx.id].lanes
+    attrs = [lane.qp.query(e.IBV_QP_AV | e.IBV_QP_STATE)[0] for lane in lanes]
+    assert (attrs[0].ah_attr.sl, attrs[0].ah_attr.traffic_class) == (3, 0xB8)
+    assert (attrs[1].ah_attr.sl, attrs[1].ah_attr.traffic_class) == (0, 0x20)
+
+
+@pytest.mark.timeout(180)
+def test_completion_per_request_and_stream(pair):
+    """Several requests with distinct bytes; each (request, stream) completes on its own, with
+    byte counts, aux and timestamps; no byte crosses requests."""
+    rx, tx, s_rx, s_tx = pair
+    sizes = {1: (48 * KiB, 200 * KiB + 5), 2: (4 * KiB + 1, 70 * KiB), 3: (130 * KiB, 1)}
+    total = sum(a + r for a, r in sizes.values())
+    stage = np.zeros(total, np.uint8)
+    dst = rx.register(stage)
+    srcs, where, off = {}, {}, 0
+    for rid, (na, nr) in sizes.items():
+        s_rx.announce(rid, {A: [(dst.id, off, na)], R: [(dst.id, off + na, nr)]}, deadline_s=60)
+        where[rid] = off
+        off += na + nr
+        srcs[rid] = tx.register(_pattern(na + nr, rid))
+    for rid, (na, nr) in sizes.items():
+        s_tx.wait_announcement(rid, timeout=30)
+        s_tx.write_stream(rid, A, srcs[rid], 0, na)
+        s_tx.finish(rid, A, aux=f"tok-{rid}".encode())
+    for rid, (na, _) in sizes.items():
+        st = s_rx.wait(rid, A, timeout=60)
+        assert st.ok, st
+        assert st.nbytes == st.expected == na and st.aux == f"tok-{rid}".encode()
+        assert st.t_start <= st.t_first_byte <= st.t_done
+        # the Residual was not even posted yet: it is still pending, independently
+        assert s_rx.recv_state(rid, R).status is Status.PENDING
+        got = stage[where[rid]: where[rid] + na]
+        assert np.array_equal(got, srcs[rid].owner[1][:na])
+    for rid, (na, nr) in sizes.items():
+        s_tx.write_stream(rid, R, srcs[rid], na, nr)
+        s_tx.finish(rid, R)
+    for rid, (na, nr) in sizes.items():
+        st = s_rx.wait(rid, R, timeout=60)
+        assert st.ok and st.nbytes == nr, st
+        o = where[rid]
+        assert np.array_equal(stage[o: o + na + nr], srcs[rid].owner[1])
+        for stream in (A, R):
+            sent = s_tx.wait_sent(rid, stream, timeout=30)
+            assert sent.ok and sent.nbytes == sizes[rid][int(stream)], sent
+    backend = tx.stats()["backend"]
+    assert backend["bytes_sent"] == total
+    assert rx.stats()["backend"]["crc_errors"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_anchor_overtakes_queued_residual():
+    """Strict priority: an Anchor posted after a large Residual completes first; the Residual is
+    still landing when the Anchor is complete."""
+    rx = _endpoint("rx")
+    tx = _endpoint("tx", chunk=16 * KiB, residual_outstanding=1)
+    try:
+        s_tx = tx.connect(rx.address, timeout=30)
+        s_rx = rx.accept(timeout=30)
+        n_r, n_a = 2048 * KiB, 64 * KiB
+        stage = np.zeros(n_r + n_a, np.uint8)
+        dst = rx.register(stage)
+        src = tx.register(_pattern(n_r + n_a, 9))
+        s_rx.announce(1, {R: [(dst.id, 0, n_r)]}, deadline_s=120)
+        s_rx.announce(2, {A: [(dst.id, n_r, n_a)]}, deadline_s=120)
+        s_tx.wait_announcement(2, timeout=30)
+        s_tx.write_stream(1, R, src, 0, n_r)
+        s_tx.finish(1, R)
+        while s_rx.recv_state(1, R).nbytes == 0:  # the Residual is on the wire
+            time.sleep(0.002)
+        s_tx.write_stream(2, A, src, n_r, n_a)
+        s_tx.finish(2, A)
+        a = s_rx.wait(2, A, timeout=60)
+        r_at_anchor = s_rx.recv_state(1, R)
+        assert a.ok, a
+        assert r_at_anchor.status is Status.PENDING and r_at_anchor.nbytes < n_r, r_at_anchor
+        r = s_rx.wait(1, R, timeout=120)
+        assert r.ok and a.t_done < r.t_done
+        assert np.array_equal(stage, src.owner[1])
+        print(f"anchor done at residual {r_at_anchor.nbytes}/{n_r} B; "
+              f"anchor {a.t_done - a.t_start:.3f}s residual {r.t_done - r.t_start:.3f}s")
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.timeout(180)
+def test_weighted_policy_residual_progresses_under_anchor_backlog():
+    """Weighted mode: with both streams backlogged the Residual keeps moving (no starvation)."""
+    rx = _endpoint("rx")
+    tx = _endpoint("tx", chunk=8 * KiB, mode="weighted", residual_outstanding=1)
+    try:
+        s_tx = tx.connect(rx.address, timeout=30)
+        s_rx = rx.accept(timeout=30)
+        n_a, n_r = 1024 * KiB, 256 * KiB
+        stage = np.zeros(n_a + n_r, np.uint8)
+        dst = rx.register(stage)
+        src = tx.register(_pattern(n_a + n_r, 11))
+        s_rx.announce(1, {A: [(dst.id, 0, n_a)], R: [(dst.id, n_a, n_r)]}, deadline_s=120)
+        s_tx.wait_announcement(1, timeout=30)
+        s_tx.write_stream(1, A, src, 0, n_a)
+        s_tx.write_stream(1, R, src, n_a, n_r)
+        s_tx.finish(1, A)
+        s_tx.finish(1, R)
+        a = s_rx.wait(1, A, timeout=60)
+        r_at_anchor = s_rx.recv_state(1, R)
+        assert a.ok and r_at_anchor.nbytes > 0, r_at_anchor
+        assert s_rx.wait(1, R, timeout=60).ok
+        assert np.array_equal(stage, src.owner[1])
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_bounds_refused(pair):
+    """Sender side: an out-of-bounds write raises before any work request is posted. Receiver
+    side: a write outside the bounds (sender check skipped) fails the stream on both sides and
+    its bytes are never counted as landed."""
+    rx, tx, s_rx, s_tx = pair
+    stage = np.zeros(128 * KiB, np.uint8)
+    dst = rx.register(stage)
+    src = tx.register(_pattern(128 * KiB, 3))
+    s_rx.announce(1, {A: [(dst.id, 0, 32 * KiB)]}, deadline_s=60)
+    s_tx.wait_announcement(1, timeout=30)
+    with pytest.raises(OutOfBoundsError):
+        s_tx.write(1, A, src, 0, 32 * KiB + 1, dst.id, 0)
+    with pytest.raises(OutOfBoundsError):
+        s_tx.write(1, A, src, 0, 4 * KiB, dst.id, 64 * KiB)
+    with pytest.raises(OutOfBoundsError):
+        s_tx.write(1, R, src, 0, 4 * KiB, dst.id, 0)  # stream not announced
+    time.sleep(0.2)
+    assert tx.stats()["backend"]["chunks_sent"] == 0
+    assert not stage.any()
+    st = s_rx.recv_state(1, A)
+    assert st.status is Status.PENDING and st.nbytes == 0
+
+    # a peer that skips the sender-side check: the receiver refuses the notice
+    bad = Endpoint(backend="verbs", name="bad", peer_timeout_s=LONG_HEARTBEAT_S,
+                   backend_options=_options(), _unsafe_skip_bounds=True)
+    try:
+        s_bad = bad.connect(rx.address, timeout=30)
+        s_rx2 = rx.accept(timeout=30)
+        src2 = bad.register(_pattern(16 * KiB, 4))
+        s_rx2.announce(7, {A: [(dst.id, 0, 8 * KiB)]}, deadline_s=60)
+        s_bad.wait_announcement(7, timeout=30)
+        s_bad.write(7, A, src2, 0, 8 * KiB, dst.id, 96 * KiB)
+        s_bad.finish(7, A)
+        st = s_rx2.wait(7, A, timeout=30)
+        assert st.status is Status.FAILED and st.reason is FailureReason.OUT_OF_BOUNDS, st
+        assert st.nbytes == 0
+        sent = s_bad.wait_sent(7, A, timeout=30)
+        assert sent.status is Status.FAILED and sent.reason is FailureReason.OUT_OF_BOUNDS, sent
+        assert rx.stats()["backend"]["refused"] >= 1
+    finally:
+        bad.close()
+
+
+@pytest.mark.timeout(240)
+def test_sender_killed_mid_residual_fails_request():
+    rx = _endpoint("rx")
+    proc = None
+    try:
+        n = 4096 * KiB  # ~0.4 s at the guest's ~10 MB/s: killed while it is moving
+        proc = _spawn("sender", rx.address, str(n))
+        s_rx = rx.accept(timeout=90)
+        assert s_rx is not None
+        stage = np.zeros(64 * KiB + n, np.uint8)
+        dst = rx.register(stage)
+        s_rx.announce(1, {A: [(dst.id, 0, 64 * KiB)], R: [(dst.id, 64 * KiB, n)]},
+                      deadline_s=120)
+        a = s_rx.wait(1, A, timeout=90)
+        assert a.ok and a.aux == b"first-token", a
+        while s_rx.recv_state(1, R).nbytes == 0:
+            time.sleep(0.002)
+        proc.kill()
+        t_kill = time.monotonic()
+        r = s_rx.wait(1, R, timeout=30)
+        assert r.status is Status.FAILED and r.reason is FailureReason.PEER_DIED, r
+        assert r.t_done - t_kill < 15.0, r.t_done - t_kill
+        assert s_rx.recv_state(1, A).ok  # what landed stays landed
+        print(f"sender killed: receiver failed the Residual after {r.t_done - t_kill:.2f}s "
+              f"({r.nbytes}/{n} B landed): {r.detail}")
+        s_rx.release(1)
+        rx.deregister(dst)
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(30)
+        rx.close()
+
+
+@pytest.mark.timeout(240)
+def test_receiver_killed_mid_residual_fails_request():
+    proc = _spawn("receiver", str(4096 * KiB))
+    tx = _endpoint("tx")
+    try:
+        address = _readline(proc, 90)
+        s_tx = tx.connect(address, timeout=60)
+        src = tx.register(_pattern(64 * KiB + 4096 * KiB, 5))
+        s_tx.wait_announcement(1, timeout=60)
+        s_tx.write_stream(1, A, src, 0, 64 * KiB)
+        s_tx.finish(1, A)
+        assert s_tx.wait_sent(1, A, timeout=60).ok
+        s_tx.write_stream(1, R, src, 64 * KiB, 4096 * KiB)
+        s_tx.finish(1, R)
+        while s_tx.send_state(1, R).nbytes == 0:
+            time.sleep(0.002)
+        proc.kill()
+        t_kill = time.monotonic()
+        st = s_tx.wait_sent(1, R, timeout=30)
+        assert st.status is Status.FAILED and st.reason is FailureReason.PEER_DIED, st
+        assert st.t_done - t_kill < 15.0, st.t_done - t_kill
+        print(f"receiver killed: sender failed the Residual after {st.t_done - t_kill:.2f}s: "
+              f"{st.detail}")
+        s_tx.release(1, timeout=5)
+        tx.deregister(src)
+    finally:
+        proc.kill()
+        proc.wait(30)
+        tx.close()
+
+
+def test_rdma_tool_present():
+    """The resource checks above read the kernel's view through iproute2's `rdma`."""
+    assert shutil.which("rdma"), "iproute2's rdma tool is needed in the guest"
