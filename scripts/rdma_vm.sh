@@ -14,7 +14,8 @@
 #
 # Environment seen by CMD: LYNX_RDMA_DEVICE=rxe0, LYNX_RDMA_GID_INDEX=1, LYNX_RDMA_VM=1,
 # LYNX_VM_OUT (a writable folder copied back to --out on the host), HOME=/tmp,
-# PYTHONDONTWRITEBYTECODE=1, PYTEST_ADDOPTS="-p no:cacheprovider", HYPOTHESIS_STORAGE_DIRECTORY.
+# PYTHONDONTWRITEBYTECODE=1, PYTEST_ADDOPTS="-p no:cacheprovider", PY_COLORS=0,
+# HYPOTHESIS_STORAGE_DIRECTORY.
 #
 # Options:
 #   --workdir DIR   kernel/initrd cache and per-run folders (default /var/tmp/lynx-rdma-vm)
@@ -101,14 +102,14 @@ if [ ! -f "$INITRD" ]; then
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 echo /bin/modprobe > /proc/sys/kernel/modprobe
 for m in $MODS; do modprobe \$m || echo "[guest] modprobe \$m FAILED"; done
-mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /mnt || { echo "[guest] no hostroot"; poweroff -f; }
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288,cache=loose hostroot /mnt || { echo "[guest] no hostroot"; poweroff -f; }
 for d in proc sys dev; do mount --bind /\$d /mnt/\$d; done
 for d in tmp run var/tmp dev/shm; do mkdir -p /mnt/\$d 2>/dev/null; mount -t tmpfs tmpfs /mnt/\$d; done
 mkdir -p /mnt/tmp/work
-mount -t 9p -o trans=virtio,version=9p2000.L,rw work /mnt/tmp/work || { echo "[guest] no work share"; poweroff -f; }
+mount -t 9p -o trans=virtio,version=9p2000.L,rw,msize=524288 work /mnt/tmp/work || { echo "[guest] no work share"; poweroff -f; }
 P=\$(cat /mnt/tmp/work/project_root)
 mkdir -p /mnt\$P 2>/dev/null
-mount -t 9p -o trans=virtio,version=9p2000.L,ro project /mnt\$P || { echo "[guest] no project share"; poweroff -f; }
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288,cache=loose project /mnt\$P || { echo "[guest] no project share"; poweroff -f; }
 echo "[guest] root ready at \$(cut -d' ' -f1 /proc/uptime)s"
 chroot /mnt /bin/bash /tmp/work/guest.sh
 echo \$? > /mnt/tmp/work/rc
@@ -140,7 +141,7 @@ printf '%s\n' "$ROOT" > "$RUN/project_root"
   echo 'for i in $(seq 50); do [ -s /sys/class/infiniband/rxe0/ports/1/gids/1 ] &&'
   echo '  ! grep -q "^0000:0000:0000:0000:0000:0000:0000:0000$" /sys/class/infiniband/rxe0/ports/1/gids/1 && break; sleep 0.2; done'
   echo 'echo "[guest] rxe0 gid1 $(cat /sys/class/infiniband/rxe0/ports/1/gids/1)"'
-  echo 'export HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTEST_ADDOPTS="-p no:cacheprovider"'
+  echo 'export HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTEST_ADDOPTS="-p no:cacheprovider" PY_COLORS=0'
   echo 'export HYPOTHESIS_STORAGE_DIRECTORY=/tmp/hypothesis XDG_CACHE_HOME=/tmp/.cache'
   echo 'export LYNX_RDMA_DEVICE=rxe0 LYNX_RDMA_GID_INDEX=1 LYNX_RDMA_VM=1 LYNX_VM_OUT=/tmp/work/out'
   printf 'cd %q || exit 3\n' "$ROOT"

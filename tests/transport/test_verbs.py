@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -32,10 +31,11 @@ from lynx_transport import (
 def _rdma_devices() -> list[str]:
     try:
         from pyverbs.device import get_device_list
-    except ImportError:
+
+        devices = get_device_list()
+    except Exception:  # ImportError, or PyverbsRDMAError on a kernel without RDMA support
         return []
-    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name)
-            for d in get_device_list()]
+    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
 
 
 pytestmark = [
@@ -85,11 +85,15 @@ def _pattern(n: int, seed: int) -> np.ndarray:
 
 
 def _rdma_resources(kind: str) -> list[dict]:
-    """This process's `rdma resource show KIND` entries (qp, mr, cq, pd) from the kernel."""
+    """The kernel's `rdma resource show KIND` entries (qp, mr, …) for the whole device."""
     out = subprocess.run(["rdma", "-j", "resource", "show", kind], capture_output=True,
                          text=True, timeout=30, check=True).stdout
-    rows = json.loads(out or "[]")
-    return [r for r in rows if r.get("pid") == os.getpid()]
+    return json.loads(out or "[]")
+
+
+def _main_thread_mrs() -> list[dict]:
+    """MRs registered by this process's main thread (the kernel records the creating task)."""
+    return [r for r in _rdma_resources("mr") if r.get("pid") == os.getpid()]
 
 
 def _spawn(*args: str) -> subprocess.Popen:
@@ -115,26 +119,24 @@ def test_registration_once_and_released_on_close():
     threads_before = {t.ident for t in threading.enumerate()}
     ep = _endpoint("reg")
     try:
-        base = len(_rdma_resources("mr"))
+        base = len(_main_thread_mrs())
         buf = np.zeros(256 * KiB, np.uint8)
         ro = np.ones(64 * KiB, np.uint8)
         ro.flags.writeable = False
         r_w = ep.register(buf)
         r_ro = ep.register(ro)
-        assert len(_rdma_resources("mr")) == base + 2
+        assert len(_main_thread_mrs()) == base + 2
         assert r_w.backend_info["addr"] == buf.ctypes.data
         assert r_w.backend_info["length"] == buf.nbytes
         assert r_w.backend_info["rkey"] == r_w.backend_handle.rkey
         assert "rkey" not in r_ro.backend_info  # a read-only buffer is never a target
         ep.deregister(r_ro)
-        assert len(_rdma_resources("mr")) == base + 1
+        assert len(_main_thread_mrs()) == base + 1
         stats = ep.stats()["backend"]
-        assert stats["regions"] == 1 and stats["device"] == _rdma_devices()[0] or \
-            stats["device"] == os.environ.get("LYNX_RDMA_DEVICE")
+        assert stats["regions"] == 1 and stats["device"] in _rdma_devices()
     finally:
         ep.close()
-    assert _rdma_resources("mr") == []
-    assert _rdma_resources("qp") == []
+    assert _main_thread_mrs() == []
     end = time.monotonic() + 5
     while True:
         extra = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
@@ -146,19 +148,28 @@ def test_registration_once_and_released_on_close():
 
 @pytest.mark.timeout(120)
 def test_two_rc_qps_per_session_with_service_levels(pair):
+    """Each session end has an ANCHOR and a RESIDUAL RC QP, connected pairwise to the peer's
+    (the kernel's view), with the Anchor's higher SL / traffic class; closing frees them."""
     rx, tx, s_rx, s_tx = pair
-    for s in (s_rx, s_tx):
+    for s, peer in ((s_rx, s_tx), (s_tx, s_rx)):
         assert len(set(s.local_prepare["qpn"])) == 2
-        assert s.remote_prepare["qpn"] == (s_tx if s is s_rx else s_rx).local_prepare["qpn"]
-    qps = [q for q in _rdma_resources("qp") if q.get("type") == "RC"]
-    assert len(qps) == 4, qps  # 2 sessions ends in this process × (ANCHOR, RESIDUAL)
-    assert all(q["state"] == "RTS" for q in qps), qps
+        assert s.remote_prepare["qpn"] == peer.local_prepare["qpn"]
+    ours = set(s_rx.local_prepare["qpn"]) | set(s_tx.local_prepare["qpn"])
+    qps = {q["lqpn"]: q for q in _rdma_resources("qp") if q["lqpn"] in ours}
+    assert len(qps) == 4, qps
+    for s, peer in ((s_rx, s_tx), (s_tx, s_rx)):
+        for mine, theirs in zip(s.local_prepare["qpn"], peer.local_prepare["qpn"], strict=True):
+            assert qps[mine]["type"] == "RC" and qps[mine]["state"] == "RTS", qps[mine]
+            assert qps[mine]["rqpn"] == theirs, qps[mine]
     import pyverbs.enums as e
 
     lanes = tx.backend._sessions[s_tx.id].lanes
-    attrs = [lane.qp.query(e.IBV_QP_AV | e.IBV_QP_STATE)[0] for lane in lanes]
+    attrs = [lane.qp.query(e.IBV_QP_AV)[0] for lane in lanes]
     assert (attrs[0].ah_attr.sl, attrs[0].ah_attr.traffic_class) == (3, 0xB8)
     assert (attrs[1].ah_attr.sl, attrs[1].ah_attr.traffic_class) == (0, 0x20)
+    tx.close()
+    rx.close()
+    assert not [q for q in _rdma_resources("qp") if q["lqpn"] in ours]
 
 
 @pytest.mark.timeout(180)
@@ -170,13 +181,14 @@ def test_completion_per_request_and_stream(pair):
     total = sum(a + r for a, r in sizes.values())
     stage = np.zeros(total, np.uint8)
     dst = rx.register(stage)
-    srcs, where, off = {}, {}, 0
+    srcs, data, where, off = {}, {}, {}, 0
     for rid, (na, nr) in sizes.items():
         s_rx.announce(rid, {A: [(dst.id, off, na)], R: [(dst.id, off + na, nr)]}, deadline_s=60)
         where[rid] = off
         off += na + nr
-        srcs[rid] = tx.register(_pattern(na + nr, rid))
-    for rid, (na, nr) in sizes.items():
+        data[rid] = _pattern(na + nr, rid)
+        srcs[rid] = tx.register(data[rid])
+    for rid, (na, _nr) in sizes.items():
         s_tx.wait_announcement(rid, timeout=30)
         s_tx.write_stream(rid, A, srcs[rid], 0, na)
         s_tx.finish(rid, A, aux=f"tok-{rid}".encode())
@@ -188,7 +200,7 @@ def test_completion_per_request_and_stream(pair):
         # the Residual was not even posted yet: it is still pending, independently
         assert s_rx.recv_state(rid, R).status is Status.PENDING
         got = stage[where[rid]: where[rid] + na]
-        assert np.array_equal(got, srcs[rid].owner[1][:na])
+        assert np.array_equal(got, data[rid][:na])
     for rid, (na, nr) in sizes.items():
         s_tx.write_stream(rid, R, srcs[rid], na, nr)
         s_tx.finish(rid, R)
@@ -196,7 +208,7 @@ def test_completion_per_request_and_stream(pair):
         st = s_rx.wait(rid, R, timeout=60)
         assert st.ok and st.nbytes == nr, st
         o = where[rid]
-        assert np.array_equal(stage[o: o + na + nr], srcs[rid].owner[1])
+        assert np.array_equal(stage[o: o + na + nr], data[rid])
         for stream in (A, R):
             sent = s_tx.wait_sent(rid, stream, timeout=30)
             assert sent.ok and sent.nbytes == sizes[rid][int(stream)], sent
@@ -217,7 +229,8 @@ def test_anchor_overtakes_queued_residual():
         n_r, n_a = 2048 * KiB, 64 * KiB
         stage = np.zeros(n_r + n_a, np.uint8)
         dst = rx.register(stage)
-        src = tx.register(_pattern(n_r + n_a, 9))
+        data = _pattern(n_r + n_a, 9)
+        src = tx.register(data)
         s_rx.announce(1, {R: [(dst.id, 0, n_r)]}, deadline_s=120)
         s_rx.announce(2, {A: [(dst.id, n_r, n_a)]}, deadline_s=120)
         s_tx.wait_announcement(2, timeout=30)
@@ -233,7 +246,7 @@ def test_anchor_overtakes_queued_residual():
         assert r_at_anchor.status is Status.PENDING and r_at_anchor.nbytes < n_r, r_at_anchor
         r = s_rx.wait(1, R, timeout=120)
         assert r.ok and a.t_done < r.t_done
-        assert np.array_equal(stage, src.owner[1])
+        assert np.array_equal(stage, data)
         print(f"anchor done at residual {r_at_anchor.nbytes}/{n_r} B; "
               f"anchor {a.t_done - a.t_start:.3f}s residual {r.t_done - r.t_start:.3f}s")
     finally:
@@ -252,7 +265,8 @@ def test_weighted_policy_residual_progresses_under_anchor_backlog():
         n_a, n_r = 1024 * KiB, 256 * KiB
         stage = np.zeros(n_a + n_r, np.uint8)
         dst = rx.register(stage)
-        src = tx.register(_pattern(n_a + n_r, 11))
+        data = _pattern(n_a + n_r, 11)
+        src = tx.register(data)
         s_rx.announce(1, {A: [(dst.id, 0, n_a)], R: [(dst.id, n_a, n_r)]}, deadline_s=120)
         s_tx.wait_announcement(1, timeout=30)
         s_tx.write_stream(1, A, src, 0, n_a)
@@ -263,7 +277,7 @@ def test_weighted_policy_residual_progresses_under_anchor_backlog():
         r_at_anchor = s_rx.recv_state(1, R)
         assert a.ok and r_at_anchor.nbytes > 0, r_at_anchor
         assert s_rx.wait(1, R, timeout=60).ok
-        assert np.array_equal(stage, src.owner[1])
+        assert np.array_equal(stage, data)
     finally:
         tx.close()
         rx.close()
@@ -377,7 +391,3 @@ def test_receiver_killed_mid_residual_fails_request():
         proc.wait(30)
         tx.close()
 
-
-def test_rdma_tool_present():
-    """The resource checks above read the kernel's view through iproute2's `rdma`."""
-    assert shutil.which("rdma"), "iproute2's rdma tool is needed in the guest"
