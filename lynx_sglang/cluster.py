@@ -1,0 +1,308 @@
+"""A local SGLang cluster: prefill + decode + sglang-router (mini load balancer, PD mode), or one
+plain server for reference outputs. Owns the processes it starts and their logs.
+
+Every server runs as `python -m lynx_sglang.serve` (SGLang's launch_server with Lynx's CPU
+compatibility active from interpreter start, see that module), each process tree in its own
+process group so `stop()` can end the whole tree: SIGTERM to the group, then SIGKILL after a
+deadline. `start()` waits for each server's /health (and the router's) with a deadline and fails
+with the tail of the log of a process that died or never came up. Logs: `<run_dir>/<name>.log`.
+
+Used by `lynx-sglang up` (`run`), the tests (tests/sglang/conftest.py) and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+TRANSFER_BACKENDS = ("lynx", "mooncake_tcp")
+
+
+class ClusterMode(str, Enum):
+    PD = "pd"
+    SINGLE = "single"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. `server_args` are appended to every SGLang server's command line (e.g. the
+    `--lynx-*` flags); `transfer_backend` is ignored in single mode."""
+
+    model_path: str
+    mode: ClusterMode = ClusterMode.PD
+    transfer_backend: str = "lynx"
+    run_dir: Path | None = None
+    server_args: tuple[str, ...] = ()
+    max_total_tokens: int = 8192
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 20.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ClusterError(
+                f"transfer backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
+            )
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    health_url: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _cpu_only() -> bool:
+    from . import cpu_compat
+
+    return not cpu_compat.cuda_device_present()
+
+
+def server_command(spec: ClusterSpec, port: int, role: str | None,
+                   bootstrap_port: int | None) -> list[str]:
+    """SGLang server command line for role None (single), "prefill" or "decode"."""
+    cmd = [
+        sys.executable, "-m", "lynx_sglang.serve",
+        "--model-path", spec.model_path,
+        "--host", HOST, "--port", str(port),
+        "--dtype", "float32",
+        "--max-total-tokens", str(spec.max_total_tokens),
+        "--skip-server-warmup",
+        # Deterministic scheduling: greedy outputs are compared token for token.
+        "--disable-overlap-schedule",
+        # Idle schedulers otherwise busy-poll a core each.
+        "--sleep-on-idle",
+    ]
+    if _cpu_only():
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+    if role is not None:
+        cmd += ["--disaggregation-mode", role,
+                "--disaggregation-transfer-backend", spec.transfer_backend,
+                "--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return cmd + list(spec.server_args)
+
+
+class Cluster:
+    """Context manager: `with Cluster(spec) as c: c.url` (router URL in PD mode)."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.run_dir = Path(spec.run_dir or tempfile.mkdtemp(prefix="lynx-cluster-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._procs: list[_Proc] = []
+        self.url = ""
+        self.prefill_url = ""
+        self.decode_url = ""
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # Mooncake's engine binds a NIC address otherwise; our transport binds what it is told.
+        env.setdefault("SGLANG_HOST_IP", HOST)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.spec.extra_env)
+        return env
+
+    def _spawn(self, name: str, cmd: list[str], health_url: str) -> None:
+        log_path = self.run_dir / f"{name}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - owned by the child; closed below
+        try:
+            popen = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        (self.run_dir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
+        self._procs.append(_Proc(name, popen, log_path, health_url))
+        logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+
+    def start(self) -> None:
+        spec = self.spec
+        if spec.mode is ClusterMode.SINGLE:
+            port = free_port()
+            self.url = f"http://{HOST}:{port}"
+            self._spawn("server", server_command(spec, port, None, None), self.url + "/health")
+            self._wait_healthy(self._procs)
+            return
+        p_port, d_port, r_port, b_port = free_port(), free_port(), free_port(), free_port()
+        self.prefill_url = f"http://{HOST}:{p_port}"
+        self.decode_url = f"http://{HOST}:{d_port}"
+        self._spawn("prefill", server_command(spec, p_port, "prefill", b_port),
+                    self.prefill_url + "/health")
+        self._spawn("decode", server_command(spec, d_port, "decode", b_port),
+                    self.decode_url + "/health")
+        self._wait_healthy(self._procs)
+        self.url = f"http://{HOST}:{r_port}"
+        router = [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--mini-lb", "--prefill", self.prefill_url, str(b_port),
+            "--decode", self.decode_url, "--host", HOST, "--port", str(r_port),
+        ]
+        self._spawn("router", router, self.url + "/health")
+        self._wait_healthy(self._procs[-1:])
+        (self.run_dir / "cluster.json").write_text(json.dumps(
+            {"router": self.url, "prefill": self.prefill_url, "decode": self.decode_url,
+             "bootstrap_port": b_port, "transfer_backend": spec.transfer_backend}, indent=1))
+
+    def _wait_healthy(self, procs: list[_Proc]) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                code = proc.popen.poll()
+                if code is not None:
+                    raise ClusterError(
+                        f"{proc.name} exited with code {code} during start-up; "
+                        f"log {proc.log_path}:\n{log_tail(proc.log_path)}"
+                    )
+                if _http_ok(proc.health_url):
+                    logger.info("%s healthy", proc.name)
+                    pending.remove(proc)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                tails = "\n".join(f"--- {p.name}:\n{log_tail(p.log_path)}" for p in pending)
+                raise ClusterError(
+                    f"{names} not healthy after {self.spec.startup_timeout_s:.0f} s\n{tails}"
+                )
+            time.sleep(1.0)
+
+    def proc(self, name: str) -> subprocess.Popen:
+        for p in self._procs:
+            if p.name == name:
+                return p.popen
+        raise KeyError(name)
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / f"{name}.log"
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process tree (fault tests)."""
+        popen = self.proc(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait(timeout=self.spec.stop_timeout_s)
+
+    def stop(self) -> None:
+        for p in reversed(self._procs):
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.stop_timeout_s
+        for p in self._procs:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                p.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop after SIGTERM; killing", p.name)
+            # SGLang's scheduler can outlive its parent: end the rest of the group too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=5)
+        self._procs.clear()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+# ---- `lynx-sglang up` ------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model folder (default: the embedded SmolLM2-135M, converted once)")
+    parser.add_argument("--mode", choices=[m.value for m in ClusterMode], default="pd",
+                        help="pd: prefill + decode + router; single: one plain server")
+    parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default="lynx",
+                        help="KV transfer backend of the PD pair (default lynx)")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where logs go (default: a new temporary folder)")
+    parser.add_argument("--max-total-tokens", type=int, default=8192)
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
+                        help="extra SGLang/Lynx server flags after `--`, e.g. -- --lynx-target exact")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .model import embedded_model_dir
+
+    spec = ClusterSpec(
+        model_path=str(args.model or embedded_model_dir()),
+        mode=ClusterMode(args.mode),
+        transfer_backend=args.transfer_backend,
+        run_dir=args.run_dir,
+        server_args=tuple(args.server_args),
+        max_total_tokens=args.max_total_tokens,
+        startup_timeout_s=args.startup_timeout_s,
+    )
+    stop = False
+
+    def _on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    with Cluster(spec) as cluster:
+        print(json.dumps({"url": cluster.url, "run_dir": str(cluster.run_dir),
+                          "prefill": cluster.prefill_url, "decode": cluster.decode_url}),
+              flush=True)
+        while not stop:
+            for p in cluster._procs:
+                if p.popen.poll() is not None:
+                    print(f"{p.name} exited with code {p.popen.returncode}; stopping",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(1.0)
+    return 0

@@ -1,0 +1,153 @@
+"""Lynx server configuration: the `--lynx-*` flags of an SGLang server and how they reach its
+worker processes.
+
+`add_lynx_arguments(parser)` adds the flags (with --help text) to SGLang's own argument parser (the
+plugin hooks `ServerArgs.add_cli_args`); `LynxConfig.from_namespace` reads them after parsing.
+SGLang builds its `ServerArgs` record from its own fields only, so the Lynx settings travel to the
+scheduler processes (spawned later, with this process's environment) as JSON in the environment
+variable `LYNX_SGLANG_CONFIG`, written by `export_to_env` and read by `LynxConfig.from_env`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+CONFIG_ENV = "LYNX_SGLANG_CONFIG"
+TRANSPORTS = ("tcp", "verbs")
+TARGETS = ("int8", "exact")
+K_GROUPINGS = ("channel", "token")
+GROUP_SIZES = (32, 64, 128)
+
+
+class LynxConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LynxConfig:
+    """Everything a Lynx prefill or decode server needs beyond SGLang's own arguments.
+
+    Both ends must use the same codec settings; the decode side checks every chunk header against
+    its own (a mismatch fails the request with the differing field named).
+    """
+
+    anchor_bits: int = 4
+    group_size: int = 64
+    target: str = "int8"
+    k_grouping: str = "channel"
+    sink_tokens: int = 0
+    recent_tokens: int = 0
+    rotate: bool = False
+    transport: str = "tcp"
+    ib_device: str | None = None
+    chunk_tokens: int = 256
+    connect_timeout_s: float = 30.0
+    transfer_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.anchor_bits <= 6:
+            raise LynxConfigError(f"--lynx-anchor-bits must be in 2..6, got {self.anchor_bits}")
+        if self.group_size not in GROUP_SIZES:
+            raise LynxConfigError(
+                f"--lynx-group-size must be one of {GROUP_SIZES}, got {self.group_size}"
+            )
+        if self.target not in TARGETS:
+            raise LynxConfigError(f"--lynx-target must be one of {TARGETS}, got {self.target!r}")
+        if self.k_grouping not in K_GROUPINGS:
+            raise LynxConfigError(
+                f"--lynx-k-grouping must be one of {K_GROUPINGS}, got {self.k_grouping!r}"
+            )
+        for name in ("sink_tokens", "recent_tokens"):
+            if getattr(self, name) < 0:
+                raise LynxConfigError(f"--lynx-{name.replace('_', '-')} must be >= 0")
+        if self.transport not in TRANSPORTS:
+            raise LynxConfigError(
+                f"--lynx-transport must be one of {TRANSPORTS}, got {self.transport!r}"
+            )
+        if self.transport == "verbs" and not self.ib_device:
+            raise LynxConfigError("--lynx-transport verbs needs --lynx-ib-device (e.g. rxe0)")
+        if self.chunk_tokens <= 0 or self.chunk_tokens % self.group_size:
+            raise LynxConfigError(
+                f"--lynx-chunk-tokens must be a positive multiple of --lynx-group-size "
+                f"({self.group_size}): K grouped per channel is cut on group boundaries; "
+                f"got {self.chunk_tokens}"
+            )
+        for name in ("connect_timeout_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise LynxConfigError(f"{name} must be > 0")
+
+    def codec_spec(self):
+        from lynx_kernels import CodecSpec
+
+        return CodecSpec(
+            anchor_bits=self.anchor_bits,
+            group_size=self.group_size,
+            target=self.target,
+            k_grouping=self.k_grouping,
+            sink_tokens=self.sink_tokens,
+            recent_tokens=self.recent_tokens,
+            rotate=self.rotate,
+        )
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> LynxConfig:
+        return cls(**{f.name: getattr(ns, "lynx_" + f.name) for f in dataclasses.fields(cls)})
+
+    def export_to_env(self) -> None:
+        os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> LynxConfig | None:
+        raw = os.environ.get(CONFIG_ENV)
+        if not raw:
+            return None
+        try:
+            return cls(**json.loads(raw))
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise LynxConfigError(f"bad {CONFIG_ENV}={raw!r}: {exc}") from exc
+
+
+def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `--lynx-*` flags (used only with --disaggregation-transfer-backend lynx)."""
+    d = LynxConfig()
+    g = parser.add_argument_group(
+        "Lynx KV transfer (with --disaggregation-transfer-backend lynx; "
+        "set the same values on prefill and decode)"
+    )
+    g.add_argument("--lynx-anchor-bits", type=int, default=d.anchor_bits,
+                   help="top bits of each INT8 KV code sent in the high-priority Anchor stream "
+                        f"(2..6, default {d.anchor_bits}); the Residual carries the rest")
+    g.add_argument("--lynx-group-size", type=int, choices=GROUP_SIZES, default=d.group_size,
+                   help=f"values per quantization scale/zero group (default {d.group_size})")
+    g.add_argument("--lynx-target", choices=TARGETS, default=d.target,
+                   help="what Anchor+Residual reconstruct on decode: 'int8' = the INT8-quantized "
+                        "KV (about half the bytes of BF16), 'exact' = the prefill KV bit for bit "
+                        f"(default {d.target})")
+    g.add_argument("--lynx-k-grouping", choices=K_GROUPINGS, default=d.k_grouping,
+                   help="K quantization groups: 'channel' (over tokens, KIVI-style) or 'token' "
+                        f"(default {d.k_grouping}); V is always grouped per token")
+    g.add_argument("--lynx-sink-tokens", type=int, default=d.sink_tokens,
+                   help="first tokens of each request carried at full precision in the Anchor "
+                        f"(default {d.sink_tokens})")
+    g.add_argument("--lynx-recent-tokens", type=int, default=d.recent_tokens,
+                   help="last tokens of each request carried at full precision in the Anchor "
+                        f"(default {d.recent_tokens})")
+    g.add_argument("--lynx-rotate", action="store_true",
+                   help="apply a random-sign Hadamard rotation over head_dim before quantizing")
+    g.add_argument("--lynx-transport", choices=TRANSPORTS, default=d.transport,
+                   help=f"data plane for the two KV streams (default {d.transport})")
+    g.add_argument("--lynx-ib-device", default=d.ib_device,
+                   help="RDMA device for --lynx-transport verbs (e.g. mlx5_0, rxe0)")
+    g.add_argument("--lynx-chunk-tokens", type=int, default=d.chunk_tokens,
+                   help="tokens per wire chunk, a multiple of the group size "
+                        f"(default {d.chunk_tokens})")
+    g.add_argument("--lynx-connect-timeout-s", type=float, default=d.connect_timeout_s,
+                   help="deadline for the prefill to connect to a decode's data endpoint "
+                        f"(default {d.connect_timeout_s:g} s)")
+    g.add_argument("--lynx-transfer-timeout-s", type=float, default=d.transfer_timeout_s,
+                   help="deadline on decode from a request's transfer start to its last Residual "
+                        f"chunk; past it the request fails (default {d.transfer_timeout_s:g} s)")

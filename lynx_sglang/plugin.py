@@ -1,0 +1,148 @@
+"""SGLang plugin entry point: entry point `lynx` in the group `sglang.srt.plugins`.
+
+SGLang calls `register()` early in every one of its processes (`load_plugins()`: the launcher before
+parsing arguments, each scheduler and detokenizer process at start), for every user who has
+lynx-sglang installed. So `register()` only does cheap things unless Lynx is selected:
+
+always:      CPU fallbacks if SGLang's CPU engine is selected and no CUDA device exists
+             (`cpu_compat.activate`, a no-op otherwise); add `lynx` to the
+             `--disaggregation-transfer-backend` choices; hook `ServerArgs.add_cli_args` (the
+             `--lynx-*` flags) and `ServerArgs.from_cli_args` (acts only when `lynx` was chosen).
+lynx chosen: (launcher process, from the `from_cli_args` hook) check the SGLang version and the
+             options, export the Lynx config to the environment for the worker processes, and
+             install the backend (`install_backend`): the `TransferBackend.LYNX` enum member and the
+             `get_kv_class` mapping.
+worker with the Lynx config in its environment: install the backend, and in a scheduler process
+             (where SGLang's prefill/decode queue modules are already imported) hook the two
+             `_init_kv_manager` methods to hand the KV pool tensors to the Lynx KV manager.
+
+Every hook is listed with its target, kind and reason in patches/README.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from . import cpu_compat
+from .config import LynxConfig, add_lynx_arguments
+from .sglang_support import check_server_options, check_sglang_version
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "lynx"
+BACKEND_MEMBER = "LYNX"
+
+# Modules a scheduler process has imported before it calls load_plugins(); hooking their queues
+# anywhere else would import them (tens of seconds) into processes that never use them.
+_SCHEDULER_MODULES = ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode")
+
+_backend_installed = False
+
+
+def register() -> None:
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    cpu_compat.activate()
+    if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([BACKEND_NAME])
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args_after, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args_around, HookType.AROUND
+    )
+    if LynxConfig.from_env() is not None:
+        install_backend()
+        if all(name in sys.modules for name in _SCHEDULER_MODULES):
+            HookRegistry.register(
+                "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+                _init_kv_manager_after,
+                HookType.AFTER,
+            )
+            HookRegistry.register(
+                "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+                _init_kv_manager_after,
+                HookType.AFTER,
+            )
+
+
+def _add_cli_args_after(result, parser):
+    add_lynx_arguments(parser)
+    return result
+
+
+def _from_cli_args_around(original, cls, args):
+    if getattr(args, "disaggregation_transfer_backend", None) == BACKEND_NAME:
+        check_sglang_version()
+        config = LynxConfig.from_namespace(args)
+        check_server_options(args)
+        config.export_to_env()
+        install_backend()
+        logger.info("lynx transfer backend selected: %s", config)
+    return original(cls, args)
+
+
+def _init_kv_manager_after(kv_manager, queue):
+    from .conn import LynxKVManager
+
+    if isinstance(kv_manager, LynxKVManager):
+        kv_manager.attach_kv_pool(queue.token_to_kv_pool)
+    return kv_manager
+
+
+def install_backend() -> None:
+    """Make `TransferBackend("lynx")` and `get_kv_class(TransferBackend.LYNX, ...)` work.
+
+    Idempotent. The enum gains a member in place (SGLang compares members by identity and builds
+    them with `TransferBackend(name)`); `get_kv_class` gets an AROUND hook that answers for the
+    new member and defers to SGLang for every other backend.
+    """
+    global _backend_installed
+    if _backend_installed:
+        return
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _extend_enum(TransferBackend, BACKEND_MEMBER, BACKEND_NAME)
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class_around, HookType.AROUND
+    )
+    # Plugins registered during load_plugins() are applied by SGLang right after; this call
+    # covers the launcher process, where the backend is chosen later (at argument parsing).
+    HookRegistry.apply_hooks()
+    _backend_installed = True
+
+
+def _get_kv_class_around(original, transfer_backend, class_type):
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+
+    if transfer_backend is not getattr(TransferBackend, BACKEND_MEMBER):
+        return original(transfer_backend, class_type)
+    if class_type == KVClassType.KVARGS:
+        return original(transfer_backend, class_type)
+    from .conn import LynxKVBootstrapServer, LynxKVManager, LynxKVReceiver, LynxKVSender
+
+    return {
+        KVClassType.MANAGER: LynxKVManager,
+        KVClassType.SENDER: LynxKVSender,
+        KVClassType.RECEIVER: LynxKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: LynxKVBootstrapServer,
+    }.get(class_type)
+
+
+def _extend_enum(enum_cls, member_name: str, value: str) -> None:
+    if value in enum_cls._value2member_map_:
+        return
+    member = object.__new__(enum_cls)
+    member._name_ = member_name
+    member._value_ = value
+    member.__objclass__ = enum_cls
+    enum_cls._member_map_[member_name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(member_name)
+    type.__setattr__(enum_cls, member_name, member)

@@ -1,0 +1,93 @@
+"""Which SGLang Lynx runs on, and which SGLang options it refuses (with the reason).
+
+Called by the plugin when a server is started with `--disaggregation-transfer-backend lynx`
+(`check_server_options`, on the parsed command line, before SGLang resolves it) and by the Lynx KV
+manager at start-up (`check_sglang_version`, `check_kv_pool`), so a server that cannot run Lynx
+correctly stops at once with a message that names the option instead of failing mid-request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+from dataclasses import dataclass
+
+SUPPORTED_SGLANG_VERSION = "0.5.23"
+
+
+class UnsupportedSGLangError(RuntimeError):
+    pass
+
+
+def installed_sglang_version() -> str:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def check_sglang_version(found: str | None = None) -> None:
+    found = installed_sglang_version() if found is None else found
+    if found != SUPPORTED_SGLANG_VERSION:
+        raise UnsupportedSGLangError(
+            f"lynx-sglang was written against SGLang {SUPPORTED_SGLANG_VERSION} (its hooks target "
+            f"that version's internals, see patches/README.md); found SGLang {found}. Install "
+            f"sglang=={SUPPORTED_SGLANG_VERSION} or use another transfer backend."
+        )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    option: str
+    reason: str
+
+
+def _refusals(ns: argparse.Namespace) -> list[Refusal]:
+    def get(name, default=None):
+        return getattr(ns, name, default)
+
+    out = []
+    if (get("pp_size") or 1) > 1:
+        out.append(Refusal("--pp-size > 1", "KV is encoded per layer of one pipeline stage only"))
+    if (get("attn_cp_size") or 1) > 1 or (get("dcp_size") or 1) > 1:
+        out.append(Refusal("--attn-cp-size/--dcp-size > 1",
+                           "context-parallel KV relayout is not implemented"))
+    if get("speculative_algorithm"):
+        out.append(Refusal("--speculative-algorithm",
+                           "draft-model KV pools are not encoded; SGLang's own speculative "
+                           "decoding cannot be combined with Lynx yet"))
+    kv_dtype = get("kv_cache_dtype", "auto")
+    if kv_dtype not in (None, "auto", "bfloat16", "bf16", "float16", "fp16", "float32"):
+        out.append(Refusal(f"--kv-cache-dtype {kv_dtype}",
+                           "Lynx quantizes a bf16/fp16/fp32 KV pool itself; an fp8/fp4 pool "
+                           "would be quantized twice"))
+    if get("disaggregation_decode_enable_radix_cache"):
+        out.append(Refusal("--disaggregation-decode-enable-radix-cache",
+                           "Anchor-precision KV must never enter the decode prefix cache"))
+    if get("enable_hierarchical_cache") and get("disaggregation_mode") == "decode":
+        out.append(Refusal("--enable-hierarchical-cache on decode",
+                           "Anchor-precision KV must never be offloaded before refinement"))
+    if get("enable_hisparse"):
+        out.append(Refusal("--enable-hisparse", "host-resident KV destinations are not supported"))
+    if get("disaggregation_enable_kv_checksum"):
+        out.append(Refusal("--disaggregation-enable-kv-checksum",
+                           "the checksum covers prefill's KV bytes; with --lynx-target int8 the "
+                           "decode holds the INT8 reconstruction, which differs by design"))
+    if get("enable_pd_role_switch"):
+        out.append(Refusal("--enable-pd-role-switch", "the Lynx manager has no role-switch teardown"))
+    if (get("disaggregation_decode_host_receive_threshold", 1.0) or 1.0) < 1.0:
+        out.append(Refusal("--disaggregation-decode-host-receive-threshold < 1",
+                           "decode host KV buffering is not supported"))
+    if get("disaggregation_decode_allocation_policy", "early") != "early":
+        out.append(Refusal("--disaggregation-decode-allocation-policy",
+                           "only the default 'early' policy is supported"))
+    return out
+
+
+def check_server_options(ns: argparse.Namespace) -> None:
+    refusals = _refusals(ns)
+    if refusals:
+        lines = "\n".join(f"  {r.option}: {r.reason}" for r in refusals)
+        raise UnsupportedSGLangError(
+            "--disaggregation-transfer-backend lynx does not support these options yet:\n" + lines
+        )
