@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hmac
 import logging
 import os
@@ -45,14 +46,32 @@ KIND_DATA, KIND_FIN = 1, 2
 FLAG_CRC = 1
 PREAMBLE = struct.Struct("<I16s16sB")  # magic, session id, nonce, stream
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+SIOCOUTQ = 0x5411  # == TIOCOUTQ: bytes in a TCP socket's send queue not yet acknowledged
+_OUTQ_BUF = bytes(4)
+
+
+def _outq(sock: socket.socket) -> int:
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, _OUTQ_BUF))[0]
+    except OSError:
+        return 0
 
 DEFAULT_OPTIONS = {
     "anchor_tos": 0xB8,  # DSCP EF (46)
     "residual_tos": 0x20,  # DSCP CS1 (8, lower effort)
     "anchor_priority": 6,  # SO_PRIORITY (pfifo_fast band 0)
     "residual_priority": 1,  # SO_PRIORITY (pfifo_fast band 2)
-    "residual_notsent_lowat": 128 * 1024,  # bytes of unsent RESIDUAL data the kernel may hold
+    # unsent RESIDUAL bytes the kernel may hold: the socket polls writable below this and each
+    # RESIDUAL send call hands over at most this much (so at most ~2x sit unsent)
+    "residual_notsent_lowat": 128 * 1024,
     "anchor_notsent_lowat": 0,  # 0: leave the kernel default
+    # strict mode: RESIDUAL also waits while the ANCHOR socket still holds more than this many
+    # bytes not yet acknowledged by the peer (SIOCOUTQ); -1 disables. Without it a finished
+    # ANCHOR's tail, still in the kernel, would share the link with the next RESIDUAL bytes.
+    "anchor_hold_bytes": 0,
+    # SO_SNDBUF of the RESIDUAL socket: caps RESIDUAL bytes in flight (sent, not yet acked) that
+    # an ANCHOR arriving mid-RESIDUAL queues behind in the network. 0: kernel autotuning.
+    "residual_sndbuf": 0,
     "sndbuf": 0,  # 0: kernel autotuning
     "rcvbuf": 0,
     "io_timeout_s": 0.2,  # how often blocked threads look at their stop flags
@@ -180,7 +199,9 @@ class TcpBackend(Backend):
         if lowat:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, int(lowat))
-        if o["sndbuf"]:
+        if not anchor and o["residual_sndbuf"]:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(o["residual_sndbuf"]))
+        elif o["sndbuf"]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(o["sndbuf"]))
         if o["rcvbuf"]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(o["rcvbuf"]))
@@ -326,6 +347,8 @@ class TcpBackend(Backend):
         throttle = float(self.opts["_throttle_bps"] or 0)
         next_ok = time.monotonic()
         io_timeout = self.opts["io_timeout_s"]
+        res_cap = int(self.opts["residual_notsent_lowat"] or 0)
+        hold = int(self.opts["anchor_hold_bytes"])
         try:
             while not ts.stop:
                 with ts.lock:
@@ -336,6 +359,11 @@ class TcpBackend(Backend):
                     continue
                 if strict:
                     order = [A] if has[A] else [R]
+                    if not has[A] and hold >= 0 and _outq(ts.socks[A]) > hold:
+                        # the ANCHOR's tail is still in the kernel / on the wire: keep the link
+                        select.select([ts.wake_r], [], [], 0.0005)
+                        self._clear_wake(ts)
+                        continue
                 else:
                     cands = [s for s in STREAMS if has[s]]
                     order = sorted(cands, key=lambda s: weight_sent[s])
@@ -356,7 +384,8 @@ class TcpBackend(Backend):
                         ch = ts.current[stream] = self._next_chunk(ts, stream)
                     if ch is None:
                         continue
-                sent = self._send_some(ts.socks[stream], ch, 65536 if throttle else 0)
+                limit = 65536 if throttle else (res_cap if stream is R else 0)
+                sent = self._send_some(ts.socks[stream], ch, limit)
                 if sent is None:
                     continue
                 ch.pos += sent

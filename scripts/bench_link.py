@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Shaped-link transport benchmarks (root; network namespaces + veth + tc tbf).
+
+For each link rate, in one run on the same link:
+  * goodput of our tcp backend ÷ a raw-socket transfer of the same bytes (goal ≥ 0.95),
+  * Mooncake TransferEngine (TCP, P2P handshake) moving the same bytes: ratio ours/mooncake,
+  * ANCHOR completion time with a concurrent large RESIDUAL ÷ ANCHOR alone (goal ≤ 1.05),
+    both "together" (RESIDUAL posted first, ANCHOR right after) and "midflight" (ANCHOR arrives
+    while the RESIDUAL is streaming),
+  * (1 Gbit/s) the chunk-size sweep: how long an ANCHOR waits behind RESIDUAL chunks.
+
+    sudo .venv/bin/python scripts/bench_link.py --out out/bench_link.json [--quick]
+Writes JSON (and a PNG next to it unless --no-plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from lynx_transport import linkbench as lb
+
+MiB = 1 << 20
+
+
+def run(args) -> dict:
+    reason = lb.netns_available()
+    if reason:
+        raise SystemExit(f"bench_link: cannot build shaped links: {reason}")
+    rates = args.rates.split(",")
+    out: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
+                 "cpus": os.cpu_count(), "rates": {}}
+    name = f"lxb{os.getpid() % 100000}"
+    with lb.NetLab(name) as lab:
+        for rate in rates:
+            gbit = float(rate.lower().replace("gbit", ""))
+            lab.rate(rate)
+            scale = max(1, int(gbit))
+            bulk = (64 if args.quick else 256) * MiB * min(scale, 2)
+            rep = 2 if args.quick else 3
+            entry: dict = {"rate": rate}
+            print(f"[{rate}] goodput: {bulk // MiB} MiB x{rep} (raw, lynx, mooncake)", flush=True)
+            entry["goodput"] = lb.measure_goodput(lab, bulk, rep, mooncake=not args.no_mooncake)
+            g = entry["goodput"]
+            print(f"   raw {g['raw_gbps']:.3f}  lynx {g['lynx_gbps']:.3f}  "
+                  f"mooncake {g.get('mooncake_gbps', float('nan')):.3f} Gbit/s  "
+                  f"lynx/raw {g['goodput_ratio_lynx_over_raw']:.3f}  "
+                  f"lynx/mooncake {g.get('ratio_lynx_over_mooncake', float('nan')):.3f}",
+                  flush=True)
+            anchor = (8 if args.quick else 32) * MiB * min(scale, 2)
+            resid = 4 * anchor * (1 if args.quick else 2)
+            print(f"[{rate}] priority: anchor {anchor // MiB} MiB vs residual {resid // MiB} MiB",
+                  flush=True)
+            entry["priority"] = lb.measure_priority(lab, anchor, resid, rep, delay=0.15)
+            p = entry["priority"]
+            print(f"   anchor alone {1e3 * min(p['alone_s']):.1f} ms; ratio together "
+                  f"{p['ratio_together']:.3f}, midflight {p['ratio_midflight']:.3f}", flush=True)
+            if not args.quick and rate == rates[0]:
+                sweep = []
+                for chunk in (256 * 1024, 4 * MiB):
+                    pr = lb.measure_priority(lab, anchor, resid, 2, delay=0.15, chunk_bytes=chunk)
+                    sweep.append({k: pr[k] for k in ("chunk_bytes", "alone_s", "together_s",
+                                                     "midflight_s", "ratio_together",
+                                                     "ratio_midflight")})
+                    print(f"   chunk {chunk // 1024} KiB: together {pr['ratio_together']:.3f} "
+                          f"midflight {pr['ratio_midflight']:.3f}", flush=True)
+                entry["chunk_sweep"] = sweep
+                lab.rate(rate, "prio")
+                pr = lb.measure_priority(lab, anchor, resid, 2, delay=0.15)
+                entry["priority_pfifo_fast"] = pr
+                print(f"   with pfifo_fast (TOS bands): together {pr['ratio_together']:.3f} "
+                      f"midflight {pr['ratio_midflight']:.3f}", flush=True)
+                lab.rate(rate)
+            out["rates"][rate] = entry
+    out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return out
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(res["rates"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    w = 0.25
+    for i, (key, label) in enumerate((("raw_gbps", "raw socket"), ("lynx_gbps", "lynx tcp"),
+                                      ("mooncake_gbps", "Mooncake TCP"))):
+        vals = [res["rates"][r]["goodput"].get(key, 0) for r in rates]
+        ax1.bar([j + (i - 1) * w for j in range(len(rates))], vals, w, label=label)
+    ax1.set_xticks(range(len(rates)), rates)
+    ax1.set_ylabel("Gbit/s")
+    ax1.set_title("goodput on a tbf-shaped veth link")
+    ax1.legend()
+    for i, (key, label) in enumerate((("alone_s", "Anchor alone"),
+                                      ("together_s", "+ Residual (together)"),
+                                      ("midflight_s", "+ Residual (mid-flight)"))):
+        vals = [1e3 * min(res["rates"][r]["priority"][key]) for r in rates]
+        ax2.bar([j + (i - 1) * w for j in range(len(rates))], vals, w, label=label)
+    ax2.set_xticks(range(len(rates)), rates)
+    ax2.set_ylabel("Anchor completion (ms)")
+    ax2.set_title("strict priority")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--out", default="out/bench_link.json")
+    ap.add_argument("--rates", default="1gbit,5gbit")
+    ap.add_argument("--quick", action="store_true", help="smaller transfers, fewer repeats")
+    ap.add_argument("--no-mooncake", action="store_true")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args()
+    res = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+    if not args.no_plot:
+        plot(res, out.with_suffix(".png"))
+        print(f"wrote {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Link benchmarks for lynx_transport: raw sockets vs our tcp backend vs Mooncake, priority checks.
+
+Used by `scripts/bench_link.py`, the `netns` tests and `lynx-sglang bench-transfer`. Each side of a
+measurement runs in its own process (`python -m lynx_transport.linkbench ROLE JSON`), normally
+inside a network namespace of a shaped veth link (`scripts/netlab.sh`); the driver (`run_pair`)
+starts both, passes the receiver's address to the sender and collects one JSON line from each.
+Times are `time.monotonic()`, which all processes of one host share (namespaces do not change it).
+
+Experiments (the `program`): a list of {"name", "anchor": bytes, "residual": bytes,
+"anchor_delay": s (post the ANCHOR this long after the RESIDUAL; null = ANCHOR first, "alone"
+when residual is 0), "repeat": n}. For each repetition the receiver announces one request, the
+sender posts it and both record times; the request is released before the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+NETLAB = REPO / "scripts" / "netlab.sh"
+SENDER_IP, RECEIVER_IP = "10.79.0.1", "10.79.0.2"
+
+
+def _emit(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _buffer(nbytes: int, seed: int = 0) -> np.ndarray:
+    # cheap non-constant pattern (not compressible, not all zero)
+    return (np.arange(nbytes, dtype=np.uint32) * 2654435761 + seed).astype(np.uint8)
+
+
+# ----------------------------------------------------------------------------- raw sockets
+def raw_recv(cfg: dict) -> None:
+    n, reps = int(cfg["nbytes"]), int(cfg["repeat"])
+    lst = socket.socket()
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lst.bind((cfg["host"], 0))
+    lst.listen(1)
+    _emit({"address": f"{cfg['host']}:{lst.getsockname()[1]}"})
+    conn, _ = lst.accept()
+    buf = memoryview(bytearray(min(n, 64 << 20)))
+    done = []
+    for _ in range(reps):
+        got = 0
+        while got < n:
+            k = conn.recv_into(buf, min(len(buf), n - got))
+            if not k:
+                raise ConnectionError("closed")
+            got += k
+        done.append(time.monotonic())
+        conn.sendall(b"k")  # let the sender start the next repetition
+    _emit({"t_done": done})
+
+
+def raw_send(cfg: dict) -> None:
+    n, reps = int(cfg["nbytes"]), int(cfg["repeat"])
+    host, port = cfg["address"].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = memoryview(_buffer(n))
+    starts = []
+    for _ in range(reps):
+        starts.append(time.monotonic())
+        sock.sendall(data)
+        if sock.recv(1) != b"k":
+            raise ConnectionError("no ack")
+    _emit({"t_start": starts})
+
+
+# ----------------------------------------------------------------------------- lynx tcp
+def _policy(cfg):
+    from .backend import PriorityPolicy
+
+    return PriorityPolicy(mode=cfg.get("mode", "strict"),
+                          chunk_bytes=int(cfg.get("chunk_bytes", 1 << 20)))
+
+
+def lynx_recv(cfg: dict) -> None:
+    from . import Endpoint, Stream
+
+    program = cfg["program"]
+    cap_a = max(int(e["anchor"]) for e in program)
+    cap_r = max(int(e["residual"]) for e in program)
+    with Endpoint(host=cfg["host"], name="bench-rx", checksum=cfg.get("checksum", True),
+                  policy=_policy(cfg)) as ep:
+        _emit({"address": ep.address})
+        s = ep.accept(timeout=30)
+        if s is None:
+            raise TimeoutError("no sender")
+        stage = np.zeros(cap_a + cap_r + 1, np.uint8)
+        reg = ep.register(stage)
+        out = []
+        rid = 0
+        for e in program:
+            for _ in range(int(e.get("repeat", 1))):
+                rid += 1
+                bounds = {}
+                if e["anchor"]:
+                    bounds[Stream.ANCHOR] = [(reg.id, 0, int(e["anchor"]))]
+                if e["residual"]:
+                    bounds[Stream.RESIDUAL] = [(reg.id, cap_a, int(e["residual"]))]
+                s.announce(rid, bounds)
+                rec = {"name": e["name"], "req": rid}
+                for st in bounds:
+                    r = s.wait(rid, st, timeout=float(cfg.get("timeout", 120)))
+                    if not r.ok:
+                        raise RuntimeError(f"request {rid} {st.name}: {r}")
+                    rec[st.name.lower()] = {"t_first": r.t_first_byte, "t_done": r.t_done,
+                                            "nbytes": r.nbytes}
+                s.release(rid)
+                out.append(rec)
+        _emit({"results": out})
+        time.sleep(0.2)
+
+
+def lynx_send(cfg: dict) -> None:
+    from . import Endpoint, Stream
+
+    program = cfg["program"]
+    cap_a = max(int(e["anchor"]) for e in program)
+    cap_r = max(int(e["residual"]) for e in program)
+    with Endpoint(host=cfg["host"], name="bench-tx", checksum=cfg.get("checksum", True),
+                  policy=_policy(cfg), backend_options=cfg.get("backend_options")) as ep:
+        s = ep.connect(cfg["address"], timeout=30)
+        src = ep.register(_buffer(cap_a + cap_r + 1, 1))
+        out = []
+        rid = 0
+        timeout = float(cfg.get("timeout", 120))
+        for e in program:
+            for _ in range(int(e.get("repeat", 1))):
+                rid += 1
+                ann = s.wait_announcement(rid, timeout=timeout)
+                na, nr = int(e["anchor"]), int(e["residual"])
+                delay = e.get("anchor_delay")
+                rec = {"name": e["name"], "req": rid}
+                ann_streams = list(ann.bounds)
+
+                def post_a(rec=rec, rid=rid, na=na):
+                    rec["anchor_post"] = time.monotonic()
+                    s.write_stream(rid, Stream.ANCHOR, src, 0, na)
+                    s.finish(rid, Stream.ANCHOR)
+
+                def post_r(rec=rec, rid=rid, nr=nr):
+                    rec["residual_post"] = time.monotonic()
+                    s.write_stream(rid, Stream.RESIDUAL, src, cap_a, nr)
+                    s.finish(rid, Stream.RESIDUAL)
+
+                if na and nr and delay is not None:
+                    post_r()
+                    time.sleep(float(delay))
+                    post_a()
+                else:
+                    if na:
+                        post_a()
+                    if nr:
+                        post_r()
+                for st in ann_streams:
+                    r = s.wait_sent(rid, st, timeout=timeout)
+                    if not r.ok:
+                        raise RuntimeError(f"request {rid} {st.name}: {r}")
+                s.release(rid)
+                out.append(rec)
+        _emit({"results": out})
+
+
+# ----------------------------------------------------------------------------- mooncake
+def mc_recv(cfg: dict) -> None:
+    from mooncake.engine import TransferEngine
+
+    n = int(cfg["nbytes"])
+    te = TransferEngine()
+    if te.initialize(cfg["host"], "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("mooncake initialize failed")
+    dst = np.zeros(n, np.uint8)
+    if te.register_memory(dst.ctypes.data, n) != 0:
+        raise RuntimeError("mooncake register_memory failed")
+    _emit({"address": f"{cfg['host']}:{te.get_rpc_port()}", "ptr": int(dst.ctypes.data)})
+    sys.stdin.readline()  # the driver closes stdin when the sender is done
+    ok = bool(np.array_equal(dst[:4096], _buffer(4096)))
+    _emit({"check": ok})
+
+
+def mc_send(cfg: dict) -> None:
+    from mooncake.engine import TransferEngine
+
+    n, reps = int(cfg["nbytes"]), int(cfg["repeat"])
+    te = TransferEngine()
+    if te.initialize(cfg["host"], "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("mooncake initialize failed")
+    src = _buffer(n)
+    te.register_memory(src.ctypes.data, n)
+    peer, ptr = cfg["address"], int(cfg["ptr"])
+    if te.transfer_sync_write(peer, src.ctypes.data, ptr, 4096) != 0:  # open the segment
+        raise RuntimeError("mooncake warm-up write failed")
+    times = []
+    for _ in range(reps):
+        t0 = time.monotonic()
+        rc = te.transfer_sync_write(peer, src.ctypes.data, ptr, n)
+        t1 = time.monotonic()
+        if rc != 0:
+            raise RuntimeError(f"mooncake transfer_sync_write returned {rc}")
+        times.append([t0, t1])
+    _emit({"times": times})
+
+
+ROLES = {"raw-recv": raw_recv, "raw-send": raw_send, "lynx-recv": lynx_recv,
+         "lynx-send": lynx_send, "mc-recv": mc_recv, "mc-send": mc_send}
+
+
+# ----------------------------------------------------------------------------- driver side
+def netns_available() -> str | None:
+    """None if shaped-link tests can run here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    if not NETLAB.exists():
+        return f"{NETLAB} missing"
+    probe = f"lxp{os.getpid() % 100000}"
+    try:
+        subprocess.run(["ip", "netns", "add", probe], check=True, capture_output=True)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        return f"`ip netns add` failed: {getattr(exc, 'stderr', b'') or exc}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class NetLab:
+    """Context manager around scripts/netlab.sh: namespaces `name`-a (sender), `name`-b."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.sender_ns, self.receiver_ns = f"{name}-a", f"{name}-b"
+
+    def _run(self, *args: str) -> None:
+        subprocess.run(["bash", str(NETLAB), *args], check=True, capture_output=True, text=True)
+
+    def __enter__(self) -> NetLab:
+        self._run("down", self.name)
+        self._run("up", self.name)
+        return self
+
+    def rate(self, rate: str, mode: str = "fifo") -> None:
+        self._run("rate", self.name, rate, mode)
+
+    def __exit__(self, *exc) -> None:
+        self._run("down", self.name)
+
+
+def _spawn(role: str, cfg: dict, netns: str | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lynx_transport.linkbench", role, json.dumps(cfg)]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": "2"})
+
+
+def run_pair(kind: str, cfg: dict, lab: NetLab | None, timeout: float = 300.0) -> tuple[dict, dict]:
+    """Run `kind`-recv in the receiver namespace and `kind`-send in the sender namespace.
+
+    `kind` in raw | lynx | mc. Returns (receiver's last JSON, sender's last JSON)."""
+    rx_host = RECEIVER_IP if lab else "127.0.0.1"
+    tx_host = SENDER_IP if lab else "127.0.0.1"
+    rx = _spawn(f"{kind}-recv", {**cfg, "host": rx_host}, lab.receiver_ns if lab else None)
+    tx = None
+    try:
+        first = json.loads(rx.stdout.readline() or "{}")
+        if "address" not in first:
+            raise RuntimeError(f"{kind}-recv did not start")
+        tx = _spawn(f"{kind}-send", {**cfg, **first, "host": tx_host},
+                    lab.sender_ns if lab else None)
+        tx_out, _ = tx.communicate(timeout=timeout)
+        if tx.returncode != 0:
+            raise RuntimeError(f"{kind}-send failed ({tx.returncode})")
+        rx_out, _ = rx.communicate(timeout=30)  # closes the receiver's stdin: "sender done"
+        if rx.returncode != 0:
+            raise RuntimeError(f"{kind}-recv failed ({rx.returncode})")
+        rx_lines = [ln for ln in rx_out.splitlines() if ln.startswith("{")]
+        tx_lines = [ln for ln in tx_out.splitlines() if ln.startswith("{")]
+        return json.loads(rx_lines[-1]), json.loads(tx_lines[-1])
+    finally:
+        for p in (rx, tx):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def measure_goodput(lab: NetLab | None, nbytes: int, repeat: int, *, mooncake: bool = True,
+                    chunk_bytes: int = 1 << 20, checksum: bool = True,
+                    backend_options: dict | None = None, raw: bool = True) -> dict:
+    """Seconds and Gbit/s to move `nbytes` with raw sockets, our tcp backend and Mooncake."""
+    out: dict = {"nbytes": nbytes, "repeat": repeat}
+    if raw:
+        rx, tx = run_pair("raw", {"nbytes": nbytes, "repeat": repeat}, lab)
+        out["raw_s"] = [d - s for s, d in zip(tx["t_start"], rx["t_done"], strict=True)]
+    prog = [{"name": "bulk", "anchor": 0, "residual": nbytes, "repeat": repeat}]
+    rx, tx = run_pair("lynx", {"program": prog, "chunk_bytes": chunk_bytes,
+                               "checksum": checksum, "backend_options": backend_options or {}},
+                      lab)
+    ours = [r["residual"]["t_done"] - t["residual_post"]
+            for r, t in zip(rx["results"], tx["results"], strict=True)]
+    out["lynx_s"] = ours
+    if mooncake:
+        rx, tx = run_pair("mc", {"nbytes": nbytes, "repeat": repeat}, lab)
+        out["mooncake_s"] = [b - a for a, b in tx["times"]]
+        out["mooncake_check"] = rx.get("check")
+    for k in ("raw", "lynx", "mooncake"):
+        if f"{k}_s" in out:
+            out[f"{k}_gbps"] = nbytes * 8 / 1e9 / float(np.median(out[f"{k}_s"]))
+    if raw:
+        out["goodput_ratio_lynx_over_raw"] = out["lynx_gbps"] / out["raw_gbps"]
+    if "mooncake_gbps" in out:
+        out["ratio_lynx_over_mooncake"] = out["lynx_gbps"] / out["mooncake_gbps"]
+    return out
+
+
+def measure_priority(lab: NetLab | None, anchor: int, residual: int, repeat: int, *,
+                     delay: float = 0.2, chunk_bytes: int = 1 << 20, mode: str = "strict",
+                     backend_options: dict | None = None) -> dict:
+    """Anchor completion (post → landed) alone vs with a concurrent large Residual."""
+    prog = [
+        {"name": "alone", "anchor": anchor, "residual": 0, "repeat": repeat},
+        {"name": "together", "anchor": anchor, "residual": residual, "anchor_delay": 0.0,
+         "repeat": repeat},
+        {"name": "midflight", "anchor": anchor, "residual": residual, "anchor_delay": delay,
+         "repeat": repeat},
+    ]
+    cfg = {"program": prog, "chunk_bytes": chunk_bytes, "mode": mode,
+           "backend_options": backend_options or {}}
+    rx, tx = run_pair("lynx", cfg, lab)
+    res: dict = {"anchor": anchor, "residual": residual, "repeat": repeat, "delay_s": delay,
+                 "chunk_bytes": chunk_bytes, "mode": mode}
+    for name in ("alone", "together", "midflight"):
+        times, r_times = [], []
+        for r, t in zip(rx["results"], tx["results"], strict=True):
+            if r["name"] != name:
+                continue
+            times.append(r["anchor"]["t_done"] - t["anchor_post"])
+            if "residual" in r:
+                r_times.append(r["residual"]["t_done"] - t["residual_post"])
+        res[f"{name}_s"] = times
+        if r_times:
+            res[f"{name}_residual_s"] = r_times
+    med = {k: float(np.median(res[f"{k}_s"])) for k in ("alone", "together", "midflight")}
+    res["ratio_together"] = med["together"] / med["alone"]
+    res["ratio_midflight"] = med["midflight"] / med["alone"]
+    res["ratio_worst"] = max(res["ratio_together"], res["ratio_midflight"])
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    role, cfg = argv[0], json.loads(argv[1])
+    ROLES[role](cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
