@@ -23,6 +23,11 @@ class Subcommand:
 
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
+        "bench-transfer",
+        "lynx_sglang.bench_transfer",
+        "time-to-Anchor/Residual vs BF16/INT8/INT4 single-stream KV transfers on a shaped link",
+    ),
+    Subcommand(
         "codec-report",
         "lynx_sglang.codec_report",
         "bytes per token per stream and error statistics of the Lynx codec for a model's KV shape",
