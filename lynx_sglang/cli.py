@@ -23,6 +23,11 @@ class Subcommand:
 
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
+        "anchor-study",
+        "lynx_sglang.anchor_study",
+        "measure decoding over Anchor/INT-b/BF16 prefix KV against exact decoding (embedded model)",
+    ),
+    Subcommand(
         "bench-transfer",
         "lynx_sglang.bench_transfer",
         "time-to-Anchor/Residual vs BF16/INT8/INT4 single-stream KV transfers on a shaped link",
