@@ -89,7 +89,8 @@ class VerbsOptions:
     anchor_sl/residual_sl: service levels; anchor_tc/residual_tc: GRH traffic class (DSCP << 2;
     0xb8 = EF, 0x20 = CS1). max_outstanding: chunks in flight on the Anchor QP;
     residual_outstanding: on the Residual QP (keeps an arriving Anchor behind few Residual chunks).
-    ack_timeout: IB local ACK timeout exponent (4.096 µs × 2^n); retry_cnt: transport retries.
+    ack_timeout: IB local ACK timeout exponent (4.096 µs × 2^n); retry_cnt: transport retries
+    (6 by default: soft-RoCE treats 7 as "retry forever", so a dead peer would never be noticed).
     keepalive_s: probe interval for idle sessions. path_mtu: bytes (256…4096) or None for the
     port's active MTU.
     """
@@ -103,7 +104,7 @@ class VerbsOptions:
     max_outstanding: int = 16
     residual_outstanding: int = 2
     ack_timeout: int = 15
-    retry_cnt: int = 7
+    retry_cnt: int = 6
     keepalive_s: float = 1.0
     path_mtu: int | None = None
 

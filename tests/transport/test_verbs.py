@@ -149,7 +149,7 @@ def test_registration_once_and_released_on_close():
 @pytest.mark.timeout(120)
 def test_two_rc_qps_per_session_with_service_levels(pair):
     """Each session end has an ANCHOR and a RESIDUAL RC QP, connected pairwise to the peer's
-    (the kernel's view), with the Anchor's higher SL / traffic class; closing frees them."""
+    (the kernel's view), with the Anchor's higher traffic class; closing frees them."""
     rx, tx, s_rx, s_tx = pair
     for s, peer in ((s_rx, s_tx), (s_tx, s_rx)):
         assert len(set(s.local_prepare["qpn"])) == 2
@@ -165,8 +165,9 @@ def test_two_rc_qps_per_session_with_service_levels(pair):
 
     lanes = tx.backend._sessions[s_tx.id].lanes
     attrs = [lane.qp.query(e.IBV_QP_AV)[0] for lane in lanes]
-    assert (attrs[0].ah_attr.sl, attrs[0].ah_attr.traffic_class) == (3, 0xB8)
-    assert (attrs[1].ah_attr.sl, attrs[1].ah_attr.traffic_class) == (0, 0x20)
+    # rxe keeps the GRH traffic class (it becomes the packets' DSCP/ECN byte) but not the SL
+    # (meaningless on RoCE), so only the traffic class can be read back here.
+    assert attrs[0].ah_attr.traffic_class == 0xB8 and attrs[1].ah_attr.traffic_class == 0x20
     tx.close()
     rx.close()
     assert not [q for q in _rdma_resources("qp") if q["lqpn"] in ours]
