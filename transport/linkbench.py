@@ -300,17 +300,20 @@ def run_pair(kind: str, cfg: dict, lab: NetLab | None, timeout: float = 300.0) -
 
 def measure_goodput(lab: NetLab | None, nbytes: int, repeat: int, *, mooncake: bool = True,
                     chunk_bytes: int = 1 << 20, checksum: bool = True,
-                    backend_options: dict | None = None, raw: bool = True) -> dict:
+                    backend_options: dict | None = None, raw: bool = True,
+                    stream: str = "residual") -> dict:
     """Seconds and Gbit/s to move `nbytes` with raw sockets, our tcp backend and Mooncake."""
     out: dict = {"nbytes": nbytes, "repeat": repeat}
     if raw:
         rx, tx = run_pair("raw", {"nbytes": nbytes, "repeat": repeat}, lab)
         out["raw_s"] = [d - s for s, d in zip(tx["t_start"], rx["t_done"], strict=True)]
     prog = [{"name": "bulk", "anchor": 0, "residual": nbytes, "repeat": repeat}]
+    if stream == "anchor":
+        prog = [{"name": "bulk", "anchor": nbytes, "residual": 0, "repeat": repeat}]
     rx, tx = run_pair("lynx", {"program": prog, "chunk_bytes": chunk_bytes,
                                "checksum": checksum, "backend_options": backend_options or {}},
                       lab)
-    ours = [r["residual"]["t_done"] - t["residual_post"]
+    ours = [r[stream]["t_done"] - t[f"{stream}_post"]
             for r, t in zip(rx["results"], tx["results"], strict=True)]
     out["lynx_s"] = ours
     if mooncake:
@@ -331,13 +334,14 @@ def measure_priority(lab: NetLab | None, anchor: int, residual: int, repeat: int
                      delay: float = 0.2, chunk_bytes: int = 1 << 20, mode: str = "strict",
                      backend_options: dict | None = None) -> dict:
     """Anchor completion (post → landed) alone vs with a concurrent large Residual."""
+    # interleaved (alone, together, midflight) x repeat, so load changes hit all three alike
     prog = [
-        {"name": "alone", "anchor": anchor, "residual": 0, "repeat": repeat},
+        {"name": "alone", "anchor": anchor, "residual": 0, "repeat": 1},
         {"name": "together", "anchor": anchor, "residual": residual, "anchor_delay": 0.0,
-         "repeat": repeat},
+         "repeat": 1},
         {"name": "midflight", "anchor": anchor, "residual": residual, "anchor_delay": delay,
-         "repeat": repeat},
-    ]
+         "repeat": 1},
+    ] * repeat
     cfg = {"program": prog, "chunk_bytes": chunk_bytes, "mode": mode,
            "backend_options": backend_options or {}}
     rx, tx = run_pair("lynx", cfg, lab)

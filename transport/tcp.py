@@ -245,8 +245,14 @@ class TcpBackend(Backend):
                     sock.close()
 
     def _start_session(self, ts: _TcpSession) -> None:
+        tv = struct.pack("ll", int(self.opts["io_timeout_s"]),
+                         int((self.opts["io_timeout_s"] % 1) * 1e6))
         for sock in ts.socks.values():
-            sock.setblocking(False)
+            # Blocking sockets: receivers use MSG_WAITALL (one syscall per chunk) bounded by
+            # SO_RCVTIMEO, so they still look at their stop flag every io_timeout_s; the sender
+            # never blocks (MSG_DONTWAIT + select).
+            sock.setblocking(True)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         tag = ts.sid.hex()[:6]
         ts.threads = [threading.Thread(target=self._send_loop, args=(ts,), daemon=True,
                                        name=f"lynx-tcp-tx-{tag}")]
@@ -443,7 +449,7 @@ class TcpBackend(Backend):
                     break
             bufs = cut
         try:
-            return sock.sendmsg(bufs)
+            return sock.sendmsg(bufs, (), socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return None
 
@@ -452,14 +458,12 @@ class TcpBackend(Backend):
         """Fill `view` from `sock`; False if the session is stopping. Raises on EOF."""
         got = 0
         n = len(view)
-        io_timeout = self.opts["io_timeout_s"]
         while got < n:
             if ts.stop:
                 return False
             try:
-                k = sock.recv_into(view[got:], n - got)
-            except (BlockingIOError, InterruptedError):
-                select.select([sock], [], [], io_timeout)
+                k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed with no byte
                 continue
             if not k:
                 raise ConnectionError("connection closed by peer")
@@ -471,7 +475,6 @@ class TcpBackend(Backend):
         hdr = bytearray(HDR.size)
         hview = memoryview(hdr)
         scratch = memoryview(bytearray(1 << 20))
-        io_timeout = self.opts["io_timeout_s"]
         try:
             while not ts.stop:
                 if not self._recv_exact(ts, sock, hview):
@@ -503,14 +506,14 @@ class TcpBackend(Backend):
                     if ts.stop:
                         return
                     try:
+                        # one bounded blocking read (≤ io_timeout_s) per guard
                         with w.guard() as ok:
                             if ok and not diverted:
-                                k = sock.recv_into(view[got:], length - got)
+                                k = sock.recv_into(view[got:], length - got, socket.MSG_WAITALL)
                             else:
                                 diverted = True
                                 k = sock.recv_into(scratch, min(length - got, len(scratch)))
                     except (BlockingIOError, InterruptedError):
-                        select.select([sock], [], [], io_timeout)
                         continue
                     if not k:
                         raise ConnectionError("connection closed by peer")
