@@ -15,3 +15,7 @@ stage "ruff"
 
 stage "pytest (host)"
 "$PY" -m pytest tests "$@"
+
+stage "soft-RoCE guest (verbs backend)"
+# QEMU guest with rdma_rxe (scripts/rdma_vm.sh); runs the `rdma_vm` tests against a real RDMA device.
+scripts/rdma_vm.sh --timeout 420 -- "$PY" -m pytest -m rdma_vm tests/transport -v
