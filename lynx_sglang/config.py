@@ -45,6 +45,7 @@ class LynxConfig:
     transport: str = "tcp"
     ib_device: str | None = None
     chunk_tokens: int = 256
+    staging_mib: int = 256
     connect_timeout_s: float = 30.0
     transfer_timeout_s: float = 120.0
 
@@ -76,6 +77,8 @@ class LynxConfig:
                 f"({self.group_size}): K grouped per channel is cut on group boundaries; "
                 f"got {self.chunk_tokens}"
             )
+        if self.staging_mib <= 0:
+            raise LynxConfigError(f"--lynx-staging-mib must be positive, got {self.staging_mib}")
         for name in ("connect_timeout_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise LynxConfigError(f"{name} must be > 0")
@@ -145,6 +148,9 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lynx-chunk-tokens", type=int, default=d.chunk_tokens,
                    help="tokens per wire chunk, a multiple of the group size "
                         f"(default {d.chunk_tokens})")
+    g.add_argument("--lynx-staging-mib", type=int, default=d.staging_mib,
+                   help="registered staging memory per server for in-flight requests' encoded "
+                        f"KV, in MiB (default {d.staging_mib})")
     g.add_argument("--lynx-connect-timeout-s", type=float, default=d.connect_timeout_s,
                    help="deadline for the prefill to connect to a decode's data endpoint "
                         f"(default {d.connect_timeout_s:g} s)")

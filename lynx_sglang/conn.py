@@ -1,0 +1,522 @@
+"""The `lynx` transfer backend of SGLang PD disaggregation: LynxKVManager, LynxKVSender,
+LynxKVReceiver and LynxKVBootstrapServer (SGLang finds them through `get_kv_class`, hooked by
+`lynx_sglang.plugin`).
+
+Control plane: SGLang's own. LynxKVManager derives from SGLang's MooncakeKVManager (itself a
+CommonKVManager) and keeps its bootstrap registration, the decode's KV-args registration and
+per-request TransferInfo messages, status/abort messages and heartbeats unchanged; it replaces
+only the data path (Mooncake's one-sided writes) with `lynx_transport` and the codec. The
+sender and receiver derive from CommonKVSender / CommonKVReceiver; the bootstrap server is
+CommonKVBootstrapServer.
+
+Data path, per request ("room"):
+- Decode (`send_metadata`): allocate a range of its registered staging buffer sized exactly for
+  the request's Anchor and Residual streams (`kv_streams.stream_nbytes`) and announce it on the
+  transport session from the request's prefill rank (deadline `--lynx-transfer-timeout-s`).
+- Prefill (last chunk of the request): encode each layer's K and V (`lynx_kernels.encode`), copy
+  the Anchor and Residual chunks into its own registered staging range and write them on the two
+  streams (strict priority: Anchor bytes go first); SGLang's aux data (first output token, ...)
+  travels with the Anchor's completion notice. Then it reports Success to SGLang (its KV may be
+  freed: everything it needs is in staging, which is freed when the transport has delivered it).
+- Decode applier thread: when the Anchor stream is complete, dequantize it into the request's KV
+  pool slots and write the aux data; when the Residual stream is complete, overwrite the same
+  slots with the full-precision values. Only then does the room become Success for SGLang (a
+  prefill "Success" status arriving earlier is held back), so nothing in SGLang - attention,
+  prefix cache, offload - sees Anchor-precision KV in this non-speculative backend.
+- Sessions: the prefill connects to the decode's transport endpoint (its address is the
+  "session id" SGLang carries in the registration) and announces its identity (SGLang rank
+  ip:port) as an empty request `IDENTITY_REQUEST`, so the decode knows which session serves which
+  prefill rank.
+
+Failures (transport reasons: peer died, timeout, corruption, out of bounds) fail the room with the
+reason through SGLang's `record_failure`/`update_status`, which aborts the request to the client;
+the staging range is freed only after the transport request is released.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.common.utils import AuxDataCodec
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.server_args import ServerArgs
+
+from lynx_kernels import WireStream
+from lynx_transport import Endpoint, Session, Status, Stream, TransportError
+from lynx_transport.types import MAX_REQUEST_ID
+
+from .config import LynxConfig
+from .kv_streams import (
+    KVPoolView,
+    KVStreamError,
+    apply_anchor,
+    apply_residual,
+    encode_layer,
+    pack_aux,
+    stream_nbytes,
+    unpack_aux,
+)
+from .sglang_support import check_sglang_version
+from .staging import StagingPool, StagingRange
+
+logger = logging.getLogger(__name__)
+
+# Request id of the identity announcement: above SGLang's bootstrap rooms (< 2**63).
+IDENTITY_REQUEST = MAX_REQUEST_ID
+_STREAM = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
+
+
+@dataclass
+class _SendItem:
+    room: int
+    kv_indices: np.ndarray
+    is_last: bool
+    aux_index: int | None
+    wait_event: object | None
+
+
+@dataclass
+class _InFlight:
+    """A sent room whose staging range must live until the transport has delivered it."""
+
+    room: int
+    session: Session
+    staging: StagingRange
+
+
+@dataclass
+class _RxRoom:
+    """Decode-side state of one request's transfer."""
+
+    room: int
+    prefill: tuple[str, int]
+    slots: torch.Tensor
+    aux_index: int
+    sizes: dict[WireStream, int]
+    staging: StagingRange
+    created: float = field(default_factory=time.monotonic)
+    session: Session | None = None
+    anchors: dict | None = None
+    t_anchor_applied: float | None = None
+    residual_applied: bool = False
+    prefill_success: bool = False
+    finished: bool = False
+
+
+class LynxKVManager(MooncakeKVManager):
+    sender_trace_module = None
+    supports_role_switch = False
+    supports_deferred_decode_kv_release = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
+                 server_args: ServerArgs, is_mla_backend: bool | None = False):
+        check_sglang_version()
+        if is_mla_backend:
+            raise RuntimeError("the lynx transfer backend supports MHA KV pools only, not MLA")
+        self.lynx = LynxConfig.from_env() or LynxConfig()
+        self.spec = self.lynx.codec_spec()
+        self.pool: KVPoolView | None = None
+        self._stop = threading.Event()
+        self._sessions: dict[str, Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._prefill_sessions: dict[tuple[str, int], Session] = {}
+        self._rx_rooms: dict[int, _RxRoom] = {}
+        self._rx_lock = threading.RLock()
+        self._rx_wake = threading.Event()
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._send_queue: queue.Queue[_SendItem] = queue.Queue()
+            self._pending: dict[int, list[np.ndarray]] = {}
+            self._inflight: list[_InFlight] = []
+            self._start_thread(self._send_loop, "lynx-send")
+        else:
+            self._start_thread(self._accept_loop, "lynx-accept")
+            self._start_thread(self._apply_loop, "lynx-apply")
+        logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
+                    self.endpoint.address, self.lynx)
+
+    def _start_thread(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._worker_threads.append(t)
+
+    # ---- engine hooks of MooncakeKVManager: the transport replaces Mooncake's engine ---------
+    def init_engine(self):
+        self.engine = None
+        options = {"device": self.lynx.ib_device} if self.lynx.transport == "verbs" else None
+        self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
+                                 backend_options=options, name=f"lynx-{self.rank_port}")
+
+    def register_buffer_to_engine(self):
+        self.staging = StagingPool(self.lynx.staging_mib << 20)
+        self.staging_region = self.endpoint.register(self.staging.buffer, name="lynx-staging")
+
+    def deregister_buffer_to_engine(self):
+        self.endpoint.close()
+
+    def get_session_id(self):
+        return self.endpoint.address
+
+    def attach_kv_pool(self, pool) -> None:
+        """Called (plugin hook) right after SGLang built this manager, with its KV pool."""
+        self.pool = KVPoolView.from_sglang_pool(pool)
+
+    def _require_pool(self) -> KVPoolView:
+        if self.pool is None:
+            raise RuntimeError("lynx KV manager has no KV pool attached (plugin hook not applied)")
+        return self.pool
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk,
+                             aux_index=None, state_indices=None, num_kv_tokens=None, *,
+                             wait_event=None, indices_event=None, trace_ctx=None):
+        if (bootstrap_room not in self.request_status
+                or self.check_status(bootstrap_room) == KVPoll.Failed):
+            return
+        if bootstrap_room not in self.transfer_infos:
+            return
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=(
+                "lynx transfers the attention KV pool only; this model also has state "
+                "components (Mamba/SWA/...), which are not supported"))
+            return
+        if indices_event is not None:
+            indices_event.synchronize()
+        if isinstance(kv_indices, torch.Tensor):
+            kv_indices = kv_indices.cpu().numpy()
+        self._send_queue.put(_SendItem(bootstrap_room, np.array(kv_indices, dtype=np.int64),
+                                       is_last_chunk, aux_index, wait_event))
+
+    def _send_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._send_queue.get(timeout=0.05)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                self._handle_send_item(item)
+            self._reap_inflight()
+
+    def _handle_send_item(self, item: _SendItem) -> None:
+        room = item.room
+        if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+            self._pending.pop(room, None)
+            return
+        if item.wait_event is not None:
+            item.wait_event.synchronize()
+        self._pending.setdefault(room, []).append(item.kv_indices)
+        if not item.is_last:
+            # The whole request is encoded at its last chunk: quantization groups and protected
+            # tokens are defined over the full token range.
+            return
+        slots = np.concatenate(self._pending.pop(room))
+        try:
+            self._send_room(room, slots, item.aux_index)
+        except Exception as exc:
+            logger.exception("lynx: sending room %s failed", room)
+            self.conclude_failure(bootstrap_room=room,
+                                  failure_reason=f"lynx prefill send failed: {exc}")
+
+    def _session_to(self, address: str) -> Session:
+        with self._sessions_lock:
+            s = self._sessions.get(address)
+            if s is not None and not s.closed:
+                return s
+            s = self.endpoint.connect(address, timeout=self.lynx.connect_timeout_s)
+            identity = {"rank_ip": self.local_ip, "rank_port": self.rank_port}
+            s.announce(IDENTITY_REQUEST, {}, meta=json.dumps(identity).encode())
+            self._sessions[address] = s
+            return s
+
+    def _send_room(self, room: int, prefill_slots: np.ndarray, aux_index: int | None) -> None:
+        infos = [i for i in self.transfer_infos.get(room, {}).values() if not i.is_dummy]
+        if not infos:
+            self.update_status(room, KVPoll.Success)
+            return
+        pool = self._require_pool()
+        shape = pool.shape
+        num_tokens = len(prefill_slots)
+        sizes = stream_nbytes(self.spec, shape, num_tokens, self.lynx.chunk_tokens)
+        aux = pack_aux([
+            AuxDataCodec.serialize_data_from_buffer(ptr + item_len * aux_index, item_len)
+            for ptr, item_len in zip(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
+                                     strict=True)
+        ])
+        slots = torch.as_tensor(prefill_slots, dtype=torch.int64, device=pool.device)
+        for info in infos:
+            if len(info.dst_kv_indices) != num_tokens:
+                raise KVStreamError(f"decode allocated {len(info.dst_kv_indices)} KV slots for a "
+                                    f"request of {num_tokens} tokens")
+            session = self._session_to(info.mooncake_session_id)
+            ann = session.wait_announcement(room, timeout=self.lynx.connect_timeout_s)
+            for ws, n in sizes.items():
+                if ann.stream_nbytes(_STREAM[ws]) != n:
+                    raise KVStreamError(
+                        f"decode announced {ann.stream_nbytes(_STREAM[ws])} B for the "
+                        f"{ws.name} stream, this prefill encodes {n} B: the --lynx-* flags or "
+                        "the model differ between prefill and decode")
+            staging = self.staging.allocate(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL],
+                                            timeout_s=self.lynx.transfer_timeout_s)
+            self._inflight.append(_InFlight(room, session, staging))
+            self._write_streams(session, room, pool, slots, staging, sizes, aux)
+        self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success,
+                               targets=[(i.endpoint, i.dst_port) for i in infos])
+
+    def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
+                       staging: StagingRange, sizes: dict[WireStream, int], aux: bytes) -> None:
+        buf = self.staging.buffer
+        base = {WireStream.ANCHOR: staging.offset,
+                WireStream.RESIDUAL: staging.offset + sizes[WireStream.ANCHOR]}
+        pos = {WireStream.ANCHOR: 0, WireStream.RESIDUAL: 0}
+        for layer in range(pool.shape.num_layers):
+            anchors, residuals = encode_layer(pool, layer, slots, self.spec,
+                                              self.lynx.chunk_tokens, request_tag=room)
+            for ws, chunks in ((WireStream.ANCHOR, anchors), (WireStream.RESIDUAL, residuals)):
+                for chunk in chunks:
+                    off = base[ws] + pos[ws]
+                    buf[off: off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                    session.write_stream(room, _STREAM[ws], self.staging_region, off, len(chunk),
+                                         stream_offset=pos[ws])
+                    pos[ws] += len(chunk)
+        for ws, n in sizes.items():
+            if pos[ws] != n:
+                raise KVStreamError(f"{ws.name} stream: encoded {pos[ws]} B, expected {n} B")
+        session.finish(room, Stream.ANCHOR, aux=aux)
+        session.finish(room, Stream.RESIDUAL)
+
+    def _reap_inflight(self) -> None:
+        keep = []
+        for f in self._inflight:
+            try:
+                done = all(f.session.send_state(f.room, s).done
+                           for s in (Stream.ANCHOR, Stream.RESIDUAL))
+            except TransportError:
+                done = True
+            if not done:
+                keep.append(f)
+                continue
+            try:
+                f.session.release(f.room)
+            except TransportError as exc:
+                logger.debug("lynx: release of room %s: %s", f.room, exc)
+            self.staging.free(f.staging)
+        self._inflight = keep
+
+    # ---- decode ----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            s = self.endpoint.accept(timeout=0.5)
+            if s is None:
+                continue
+            try:
+                ann = s.wait_announcement(IDENTITY_REQUEST, timeout=self.lynx.connect_timeout_s)
+                who = json.loads(ann.meta)
+                key = (who["rank_ip"], int(who["rank_port"]))
+            except (TransportError, ValueError, KeyError) as exc:
+                logger.error("lynx: session from %s without a valid identity: %s",
+                             s.peer_address, exc)
+                s.close()
+                continue
+            with self._rx_lock:
+                self._prefill_sessions[key] = s
+            logger.info("lynx: transport session from prefill rank %s:%d", *key)
+            self._rx_wake.set()
+
+    def register_rx_room(self, receiver: LynxKVReceiver, kv_indices, aux_index: int) -> None:
+        """Called by the receiver before SGLang sends the request's metadata to the prefill."""
+        pool = self._require_pool()
+        real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
+        if len(real) != 1:
+            raise KVStreamError(f"lynx needs exactly one prefill rank per decode rank and "
+                                f"request (equal attention TP sizes); got {len(real)}")
+        prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
+        slots = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64), device=pool.device)
+        sizes = stream_nbytes(self.spec, pool.shape, len(slots), self.lynx.chunk_tokens)
+        # Never block the scheduler thread: a full staging buffer fails the request at once.
+        staging = self.staging.allocate(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL],
+                                        timeout_s=0.0)
+        rx = _RxRoom(receiver.bootstrap_room, prefill, slots, aux_index, sizes, staging)
+        with self._rx_lock:
+            self._rx_rooms[rx.room] = rx
+            self._try_announce(rx)
+        self._rx_wake.set()
+
+    def _try_announce(self, rx: _RxRoom) -> bool:
+        s = self._prefill_sessions.get(rx.prefill)
+        if s is None or s.closed:
+            return False
+        a = rx.sizes[WireStream.ANCHOR]
+        r = rx.sizes[WireStream.RESIDUAL]
+        rid = self.staging_region.id
+        s.announce(rx.room, {Stream.ANCHOR: [(rid, rx.staging.offset, a)],
+                             Stream.RESIDUAL: [(rid, rx.staging.offset + a, r)]},
+                   deadline_s=self.lynx.transfer_timeout_s)
+        rx.session = s
+        return True
+
+    def _apply_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._rx_lock:
+                rooms = [rx for rx in self._rx_rooms.values() if not rx.finished]
+            for rx in rooms:
+                with self._rx_lock:
+                    if rx.finished or rx.room not in self._rx_rooms:
+                        continue
+                    try:
+                        self._step(rx)
+                    except Exception as exc:
+                        logger.exception("lynx: applying room %s failed", rx.room)
+                        self._fail_room(rx, f"lynx decode failed: {exc}")
+            self._rx_wake.wait(0.002 if rooms else 0.1)
+            self._rx_wake.clear()
+
+    def _step(self, rx: _RxRoom) -> None:
+        if rx.residual_applied:
+            return  # waiting for the prefill's Success status (update_status concludes)
+        if rx.session is None and not self._try_announce(rx):
+            if time.monotonic() - rx.created > self.lynx.connect_timeout_s:
+                self._fail_room(rx, f"no transport session from prefill rank {rx.prefill} "
+                                    f"within {self.lynx.connect_timeout_s:g} s")
+            return
+        pool = self._require_pool()
+        view = self.staging.view(rx.staging)
+        a_len = rx.sizes[WireStream.ANCHOR]
+        if rx.anchors is None:
+            st = rx.session.recv_state(rx.room, Stream.ANCHOR)
+            if st.status is Status.FAILED:
+                self._fail_room(rx, f"Anchor stream failed: {st.reason.value} {st.detail}")
+                return
+            if not st.ok:
+                return
+            rx.anchors = apply_anchor(view[:a_len], pool, rx.slots, self.spec, rx.room)
+            for index, data in unpack_aux(st.aux or b""):
+                AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, rx.aux_index, data)
+            rx.t_anchor_applied = time.monotonic()
+        st = rx.session.recv_state(rx.room, Stream.RESIDUAL)
+        if st.status is Status.FAILED:
+            self._fail_room(rx, f"Residual stream failed: {st.reason.value} {st.detail}")
+            return
+        if not st.ok:
+            return
+        r_len = rx.sizes[WireStream.RESIDUAL]
+        apply_residual(view[a_len: a_len + r_len], rx.anchors, pool, rx.slots, self.spec, rx.room)
+        if pool.device.type == "cuda":
+            torch.cuda.current_stream(pool.device).synchronize()
+        rx.residual_applied = True
+        rx.anchors = None
+        self._release(rx)
+        if rx.prefill_success:
+            self._finish(rx)
+            MooncakeKVManager.update_status(self, rx.room, KVPoll.Success)
+
+    def _release(self, rx: _RxRoom) -> None:
+        """Withdraw the announcement (no byte lands after this) and free the staging range."""
+        if rx.session is not None:
+            try:
+                rx.session.release(rx.room)
+            except TransportError as exc:
+                logger.debug("lynx: release of room %s: %s", rx.room, exc)
+            rx.session = None
+        if rx.staging is not None:
+            self.staging.free(rx.staging)
+            rx.staging = None
+
+    def _finish(self, rx: _RxRoom) -> None:
+        rx.finished = True
+        self._rx_rooms.pop(rx.room, None)
+
+    def _fail_room(self, rx: _RxRoom, reason: str) -> None:
+        logger.error("lynx: room %s failed: %s", rx.room, reason)
+        self._release(rx)
+        self._finish(rx)
+        self.record_failure(rx.room, reason)
+        MooncakeKVManager.update_status(self, rx.room, KVPoll.Failed)
+
+    def drop_rx_room(self, room: int) -> None:
+        """The receiver is done with the room (cleared or aborted): free what it still holds."""
+        with self._rx_lock:
+            rx = self._rx_rooms.get(room)
+            if rx is not None:
+                self._release(rx)
+                self._finish(rx)
+
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        if self.disaggregation_mode == DisaggregationMode.DECODE and status == KVPoll.Success:
+            with self._rx_lock:
+                rx = self._rx_rooms.get(bootstrap_room)
+                if rx is not None and not rx.finished:
+                    # The prefill has sent everything; hold Success until the Residual is in
+                    # the KV pool (the applier thread concludes the room).
+                    rx.prefill_success = True
+                    if not rx.residual_applied:
+                        self._rx_wake.set()
+                        return
+                    self._finish(rx)
+        super().update_status(bootstrap_room, status)
+
+
+class LynxKVSender(CommonKVSender):
+    """Prefill side of one request: SGLang's CommonKVSender, whose `send` queues the request's
+    KV indices on LynxKVManager.add_transfer_request (no CUDA host-index fast path)."""
+
+
+class LynxKVReceiver(CommonKVReceiver):
+    """Decode side of one request: reserves and announces the request's staging range before
+    SGLang sends its KV indices to the prefill; frees it on clear/abort."""
+
+    def init(self, prefill_dp_rank: int):
+        super().init(prefill_dp_rank)
+        if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
+            return
+        if self.prefill_info.attn_tp_size != self.kv_mgr.attn_tp_size:
+            self._fail(f"lynx needs equal attention TP sizes on prefill "
+                       f"({self.prefill_info.attn_tp_size}) and decode "
+                       f"({self.kv_mgr.attn_tp_size})")
+
+    def _fail(self, reason: str) -> None:
+        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        self.conclude_state = KVPoll.Failed
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None,
+                      decode_prefix_len=None, destination=None, device_kv_indices=None):
+        if self.conclude_state == KVPoll.Failed or getattr(self, "bootstrap_infos", None) is None:
+            return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
+        if decode_prefix_len:
+            self._fail("lynx does not support a decode-side prefix cache")
+            return None
+        try:
+            self.kv_mgr.register_rx_room(self, kv_indices, aux_index)
+        except Exception as exc:
+            logger.error("lynx: room %s: %s", self.bootstrap_room, exc)
+            self._fail(f"lynx decode could not prepare the transfer: {exc}")
+            return None
+        kwargs = {} if destination is None else {"destination": destination}
+        return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len,
+                                     device_kv_indices=device_kv_indices, **kwargs)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.drop_rx_room(self.bootstrap_room)
+
+    def abort(self):
+        super().abort()
+        self.kv_mgr.drop_rx_room(self.bootstrap_room)
+
+
+class LynxKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's HTTP bootstrap registry, unchanged."""

@@ -1,0 +1,241 @@
+"""How one request's KV cache becomes the two Lynx byte streams, and back into a KV pool.
+
+Stream layout (both ends derive it from the same parameters, so the decode can announce exact
+sizes before anything is encoded): for layer 0..L-1, for K then V, the wire chunks of tokens
+[0, T) cut every `chunk_tokens` tokens (`lynx_kernels.to_chunks`), concatenated. The Anchor stream
+holds the Anchor chunks, the Residual stream the Residual chunks, in that order. Chunks are
+self-describing (`lynx_kernels.parse_chunk`), so the decode walks a landed stream chunk by chunk.
+
+`KVPoolView` is the per-layer K/V tensors of an SGLang MHA token-to-KV pool (page size 1); slots
+are token indices into it. Prefill reads a request's slots (`encode_layer`); decode writes the
+Anchor reconstruction into its own slots (`apply_anchor`) and overwrites the same slots with the
+full-precision values when the Residual has landed (`apply_residual`).
+
+Called by `lynx_sglang.conn` (prefill worker thread and decode applier thread).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lynx_kernels import (
+    Chunk,
+    ChunkHeader,
+    CodecError,
+    CodecSpec,
+    StreamKind,
+    WireStream,
+    assemble,
+    decode,
+    encode,
+    parse_chunk,
+    to_chunks,
+)
+from lynx_kernels.wire import HEADER
+
+KINDS = (StreamKind.K, StreamKind.V)
+
+
+class KVStreamError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+@dataclass
+class KVPoolView:
+    """Borrowed references to an SGLang MHA pool's per-layer buffers ([slots, heads, head_dim]);
+    the pool owns them."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def from_sglang_pool(cls, pool) -> KVPoolView:
+        if hasattr(pool, "full_kv_pool") or not hasattr(pool, "k_buffer"):
+            raise KVStreamError(
+                f"Lynx supports SGLang's MHA KV pool only; got {type(pool).__name__} "
+                "(MLA, hybrid SWA/Mamba and other pools are not supported yet)"
+            )
+        if getattr(pool, "page_size", 1) != 1:
+            raise KVStreamError(
+                f"Lynx needs --page-size 1 (token-granular KV slots); got {pool.page_size}"
+            )
+        return cls(list(pool.k_buffer), list(pool.v_buffer))
+
+    @property
+    def shape(self) -> KVShape:
+        t = self.k[0]
+        return KVShape(len(self.k), t.shape[1], t.shape[2], t.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    def layer(self, layer: int, kind: StreamKind) -> torch.Tensor:
+        return (self.k if kind is StreamKind.K else self.v)[layer]
+
+
+def _chunk_ranges(num_tokens: int, chunk_tokens: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, num_tokens, chunk_tokens):
+        yield start, min(start + chunk_tokens, num_tokens)
+
+
+def stream_nbytes(spec: CodecSpec, shape: KVShape, num_tokens: int,
+                  chunk_tokens: int) -> dict[WireStream, int]:
+    """Exact byte length of each stream for a request of `num_tokens` tokens."""
+    if num_tokens <= 0:
+        raise KVStreamError(f"a request must have at least one token, got {num_tokens}")
+    out = {WireStream.ANCHOR: 0, WireStream.RESIDUAL: 0}
+    for kind in KINDS:
+        for start, end in _chunk_ranges(num_tokens, chunk_tokens):
+            for stream in out:
+                header = ChunkHeader(
+                    stream=stream, spec=spec, kind=kind, dtype=shape.dtype, layer=0,
+                    num_heads=shape.num_heads, head_dim=shape.head_dim, request_tag=0,
+                    total_tokens=num_tokens, token_start=start, token_end=end, payload_len=0,
+                )
+                out[stream] += HEADER.size + sum(header.section_sizes().values())
+    return {s: n * shape.num_layers for s, n in out.items()}
+
+
+def encode_layer(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
+                 chunk_tokens: int, request_tag: int) -> tuple[list[bytes], list[bytes]]:
+    """Anchor and Residual chunks of one layer (K then V) of the tokens held in `slots`."""
+    anchors: list[bytes] = []
+    residuals: list[bytes] = []
+    for kind in KINDS:
+        x = pool.layer(layer, kind).index_select(0, slots)
+        enc = encode(x, spec, kind.value, layer=layer)
+        anchors += to_chunks(enc, chunk_tokens, stream="anchor", request_tag=request_tag)
+        residuals += to_chunks(enc, chunk_tokens, stream="residual", request_tag=request_tag)
+    return anchors, residuals
+
+
+def iter_chunks(stream_bytes: memoryview) -> Iterator[Chunk]:
+    """Parse a landed stream chunk by chunk (each validated: header, lengths, CRC)."""
+    pos = 0
+    n = len(stream_bytes)
+    while pos < n:
+        if n - pos < HEADER.size:
+            raise KVStreamError(f"stream ends inside a chunk header at byte {pos} of {n}")
+        payload_len = HEADER.unpack(stream_bytes[pos: pos + HEADER.size])[-2]
+        end = pos + HEADER.size + payload_len
+        if end > n:
+            raise KVStreamError(f"chunk at byte {pos} runs past the stream end ({end} > {n})")
+        yield parse_chunk(stream_bytes[pos:end])
+        pos = end
+
+
+def _check_header(h: ChunkHeader, spec: CodecSpec, shape: KVShape, num_tokens: int,
+                  request_tag: int, stream: WireStream) -> None:
+    if h.stream is not stream:
+        raise KVStreamError(f"expected a {stream.name} chunk, got {h.stream.name}")
+    if h.request_tag != request_tag:
+        raise KVStreamError(f"chunk of request {h.request_tag} in the stream of {request_tag}")
+    if h.spec != spec:
+        raise KVStreamError(f"prefill codec settings {h.spec} differ from this decode's {spec}; "
+                            "set the same --lynx-* flags on both servers")
+    if (h.num_heads, h.head_dim, h.dtype) != (shape.num_heads, shape.head_dim, shape.dtype):
+        raise KVStreamError(
+            f"chunk shape heads={h.num_heads} head_dim={h.head_dim} {h.dtype} does not match the "
+            f"decode KV pool ({shape.num_heads}, {shape.head_dim}, {shape.dtype})"
+        )
+    if not 0 <= h.layer < shape.num_layers or h.total_tokens != num_tokens:
+        raise KVStreamError(f"chunk layer {h.layer} / {h.total_tokens} tokens does not fit a "
+                            f"{shape.num_layers}-layer request of {num_tokens} tokens")
+
+
+def apply_anchor(stream_bytes: memoryview, pool: KVPoolView, slots: torch.Tensor,
+                 spec: CodecSpec, request_tag: int) -> dict[tuple[int, StreamKind, int], Chunk]:
+    """Write the Anchor reconstruction of every chunk into the decode pool's `slots`; return the
+    parsed Anchor chunks keyed by (layer, kind, token_start) for `apply_residual`."""
+    shape = pool.shape
+    num_tokens = len(slots)
+    placed: dict[tuple[int, StreamKind, int], Chunk] = {}
+    for chunk in iter_chunks(stream_bytes):
+        h = chunk.header
+        _check_header(h, spec, shape, num_tokens, request_tag, WireStream.ANCHOR)
+        values = decode(chunk.to_encoded(pool.device), "anchor")
+        pool.layer(h.layer, h.kind)[slots[h.token_start: h.token_end]] = values
+        placed[(h.layer, h.kind, h.token_start)] = chunk
+    _check_coverage(placed, shape, num_tokens)
+    return placed
+
+
+def apply_residual(stream_bytes: memoryview, anchors: dict[tuple[int, StreamKind, int], Chunk],
+                   pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
+                   request_tag: int) -> None:
+    """Overwrite the Anchor-precision values in `slots` with the full-precision ones."""
+    shape = pool.shape
+    num_tokens = len(slots)
+    done = set()
+    for chunk in iter_chunks(stream_bytes):
+        h = chunk.header
+        _check_header(h, spec, shape, num_tokens, request_tag, WireStream.RESIDUAL)
+        key = (h.layer, h.kind, h.token_start)
+        anchor = anchors.get(key)
+        if anchor is None or anchor.header.token_end != h.token_end:
+            raise KVStreamError(f"Residual chunk layer {h.layer} {h.kind.value} tokens "
+                                f"[{h.token_start}, {h.token_end}) has no matching Anchor chunk")
+        try:
+            enc = assemble([anchor, chunk], device=pool.device)
+        except CodecError as exc:
+            raise KVStreamError(str(exc)) from exc
+        pool.layer(h.layer, h.kind)[slots[h.token_start: h.token_end]] = decode(enc, "full")
+        done.add(key)
+    if done != set(anchors):
+        missing = sorted(set(anchors) - done)[:3]
+        raise KVStreamError(f"Residual stream misses {len(anchors) - len(done)} chunks "
+                            f"(e.g. {missing})")
+
+
+def _check_coverage(placed, shape: KVShape, num_tokens: int) -> None:
+    """Every layer's K and V must be tiled by Anchor chunks over [0, num_tokens)."""
+    for layer in range(shape.num_layers):
+        for kind in KINDS:
+            covered = sorted((s, placed[(layer, kind, s)].header.token_end)
+                             for (lyr, k, s) in placed if lyr == layer and k is kind)
+            pos = 0
+            for start, end in covered:
+                if start != pos:
+                    break
+                pos = end
+            if pos != num_tokens:
+                raise KVStreamError(f"Anchor stream covers tokens [0, {pos}) of layer {layer} "
+                                    f"{kind.value}, not [0, {num_tokens})")
+
+
+# ---- aux data (SGLang's per-request metadata: first output token, logprobs, ...) ------------
+
+_AUX_ITEM = struct.Struct("<II")
+
+
+def pack_aux(items: list[bytes]) -> bytes:
+    """[(index, bytes)] of each aux buffer, length-prefixed, for the Anchor's completion notice."""
+    return b"".join(_AUX_ITEM.pack(i, len(data)) + data for i, data in enumerate(items))
+
+
+def unpack_aux(blob: bytes) -> list[tuple[int, bytes]]:
+    out = []
+    pos = 0
+    while pos < len(blob):
+        if len(blob) - pos < _AUX_ITEM.size:
+            raise KVStreamError("truncated aux data")
+        index, n = _AUX_ITEM.unpack_from(blob, pos)
+        pos += _AUX_ITEM.size
+        if pos + n > len(blob):
+            raise KVStreamError("truncated aux data")
+        out.append((index, blob[pos: pos + n]))
+        pos += n
+    return out
