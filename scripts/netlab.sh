@@ -3,8 +3,10 @@
 # (Adapted from the shared netlab recipe; names are parameterised so parallel runs don't collide.)
 #
 #   scripts/netlab.sh up NAME            # namespaces NAME-a (10.79.0.1, sender) and NAME-b (10.79.0.2)
-#   scripts/netlab.sh rate NAME RATE [fifo|prio]   # RATE like 1gbit, 5gbit, 500mbit, or none
+#   scripts/netlab.sh rate NAME RATE [fifo|prio|htb]  # RATE like 1gbit, 5gbit, 500mbit, or none
 #                                        # prio: pfifo_fast (3-band strict priority by TOS) under tbf
+#                                        # htb: sender side classifies by DSCP: EF (ANCHOR) -> 1:10,
+#                                        #      anything else -> 1:20 (per-class byte counters)
 #   scripts/netlab.sh down NAME
 #
 # NAME: at most 10 characters of [a-z0-9]. Needs root and iproute2 (ip, tc).
@@ -31,6 +33,15 @@ rate)
     tc -n "$1" qdisc del dev "$2" root 2>/dev/null || true
     [ "$R" = none ] && continue
     BPS=$(tc_rate_bps "$R")
+    if [ "$MODE" = htb ] && [ "$1" = "$A" ]; then
+      tc -n "$1" qdisc add dev "$2" root handle 1: htb default 20
+      tc -n "$1" class add dev "$2" parent 1: classid 1:1 htb rate "$R" ceil "$R" burst 256k cburst 256k
+      tc -n "$1" class add dev "$2" parent 1:1 classid 1:10 htb rate $(( BPS * 9 / 10 ))bit ceil "$R" prio 0 burst 256k cburst 256k
+      tc -n "$1" class add dev "$2" parent 1:1 classid 1:20 htb rate $(( BPS / 10 ))bit ceil "$R" prio 1 burst 256k cburst 256k
+      # DSCP EF (TOS byte 0xb8) -> 1:10
+      tc -n "$1" filter add dev "$2" parent 1: protocol ip prio 1 u32 match ip tos 0xb8 0xfc flowid 1:10
+      continue
+    fi
     # burst ~1 ms of data, at least 256 KiB (veth does TSO/GSO: 64 KiB super-packets)
     BURST=$(( BPS / 8 / 1000 )); [ $BURST -lt 262144 ] && BURST=262144
     # queue limit ~5 ms at rate, at least 1 MiB

@@ -112,12 +112,21 @@ def lynx_recv(cfg: dict) -> None:
                     bounds[Stream.RESIDUAL] = [(reg.id, cap_a, int(e["residual"]))]
                 s.announce(rid, bounds)
                 rec = {"name": e["name"], "req": rid}
-                for st in bounds:
+                for st in bounds:  # ANCHOR first
                     r = s.wait(rid, st, timeout=float(cfg.get("timeout", 120)))
                     if not r.ok:
                         raise RuntimeError(f"request {rid} {st.name}: {r}")
                     rec[st.name.lower()] = {"t_first": r.t_first_byte, "t_done": r.t_done,
                                             "nbytes": r.nbytes}
+                    if st is Stream.ANCHOR and Stream.RESIDUAL in bounds:
+                        # RESIDUAL bytes that had landed when the ANCHOR completed
+                        rec["residual_at_anchor_done"] = s.recv_state(rid, Stream.RESIDUAL).nbytes
+                if cfg.get("verify"):
+                    src = _buffer(cap_a + cap_r + 1, 1)
+                    na, nr = int(e["anchor"]), int(e["residual"])
+                    rec["verified"] = bool(
+                        np.array_equal(stage[:na], src[:na])
+                        and np.array_equal(stage[cap_a:cap_a + nr], src[cap_a:cap_a + nr]))
                 s.release(rid)
                 out.append(rec)
         _emit({"results": out})
@@ -256,6 +265,20 @@ class NetLab:
     def rate(self, rate: str, mode: str = "fifo") -> None:
         self._run("rate", self.name, rate, mode)
 
+    def class_bytes(self) -> dict[str, int]:
+        """Bytes sent per htb class on the sender's veth (after `rate(..., "htb")`)."""
+        out = subprocess.run(["tc", "-n", self.sender_ns, "-s", "class", "show", "dev",
+                              f"{self.name}-va"], check=True, capture_output=True, text=True)
+        res, cls = {}, None
+        for line in out.stdout.splitlines():
+            words = line.split()
+            if words[:2] == ["class", "htb"]:
+                cls = words[2]
+            elif words[:1] == ["Sent"] and cls:
+                res[cls] = int(words[1])
+                cls = None
+        return res
+
     def __exit__(self, *exc) -> None:
         self._run("down", self.name)
 
@@ -358,6 +381,8 @@ def measure_priority(lab: NetLab | None, anchor: int, residual: int, repeat: int
         res[f"{name}_s"] = times
         if r_times:
             res[f"{name}_residual_s"] = r_times
+            res[f"{name}_residual_bytes_at_anchor_done"] = [
+                r["residual_at_anchor_done"] for r in rx["results"] if r["name"] == name]
     med = {k: float(np.median(res[f"{k}_s"])) for k in ("alone", "together", "midflight")}
     res["ratio_together"] = med["together"] / med["alone"]
     res["ratio_midflight"] = med["midflight"] / med["alone"]

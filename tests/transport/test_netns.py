@@ -1,7 +1,10 @@
 """Shaped-link tests: two network namespaces, a veth pair, tc tbf at 1 Gbit/s (scripts/netlab.sh).
 
-Bounds here are looser than the benchmark goals (scripts/bench_link.py reports the real figures):
-CI machines are small and shared, and these tests must not flake.
+No timing assertions here (CI machines are small and shared): the tests check what must hold on
+any machine — bytes arrive intact over a shaped link, strict priority keeps RESIDUAL bytes off the
+link while an ANCHOR is being sent (counted in bytes, where a fair share would be ~the ANCHOR's
+size), and the link's classifier sees ANCHOR packets marked DSCP EF and RESIDUAL packets not.
+scripts/bench_link.py measures the goodput and completion-time ratios.
 """
 
 from __future__ import annotations
@@ -29,30 +32,37 @@ def lab():
 
 
 @pytest.mark.timeout(180)
-def test_goodput_vs_raw_socket_1gbit(lab):
-    g = lb.measure_goodput(lab, 64 * MiB, 2, mooncake=False)
-    assert 0.7 < g["raw_gbps"] < 1.05, g  # the shaper works
-    assert g["goodput_ratio_lynx_over_raw"] >= 0.85, g
+def test_bytes_intact_over_shaped_link(lab):
+    prog = [{"name": "both", "anchor": 8 * MiB + 5, "residual": 24 * MiB + 7, "repeat": 2}]
+    rx, _ = lb.run_pair("lynx", {"program": prog, "verify": True}, lab)
+    assert [r["verified"] for r in rx["results"]] == [True, True]
+    assert all(r["anchor"]["nbytes"] == 8 * MiB + 5 for r in rx["results"])
 
 
 @pytest.mark.timeout(180)
-def test_anchor_unaffected_by_residual_1gbit(lab):
-    p = lb.measure_priority(lab, 16 * MiB, 64 * MiB, 3, delay=0.1)
-    # ideal 16 MiB at 1 Gbit/s = 134 ms; the anchor must not share the link with the residual
-    assert min(p["alone_s"]) < 0.25, p
-    # (a fair FIFO share would take ~2x; medians of 3 interleaved runs)
-    assert p["ratio_together"] <= 1.3, p
-    assert p["ratio_midflight"] <= 1.3, p
-    # and the residual still finished (after the anchor)
+def test_residual_stays_off_the_link_while_anchor_sends(lab):
+    p = lb.measure_priority(lab, 16 * MiB, 64 * MiB, 2, delay=0.1)
+    # RESIDUAL posted first, ANCHOR right after: with a fair share ~16 MiB of RESIDUAL would have
+    # landed by the time the ANCHOR completes; strict priority lets through at most what was
+    # already handed to the kernel (a capped send of 128 KiB) plus the tail of one send.
+    assert max(p["together_residual_bytes_at_anchor_done"]) <= 2 * MiB, p
     assert all(r > a for r, a in zip(p["together_residual_s"], p["together_s"], strict=True))
 
 
 @pytest.mark.timeout(180)
-def test_tos_marking_honoured_by_priority_qdisc(lab):
-    lab.rate("1gbit", "prio")  # pfifo_fast: 3 strict bands chosen from the sockets' TOS/priority
+def test_dscp_marking_seen_by_link_classifier(lab):
+    lab.rate("1gbit", "htb")  # sender side: DSCP EF -> class 1:10, everything else -> 1:20
     try:
-        p = lb.measure_priority(lab, 16 * MiB, 64 * MiB, 2, delay=0.1)
-        assert p["ratio_midflight"] <= 1.2, p
+        before = lab.class_bytes()
+        na, nr = 24 * MiB, 40 * MiB
+        prog = [{"name": "both", "anchor": na, "residual": nr, "repeat": 1}]
+        lb.run_pair("lynx", {"program": prog}, lab)
+        after = lab.class_bytes()
+        hi = after["1:10"] - before.get("1:10", 0)
+        lo = after["1:20"] - before.get("1:20", 0)
+        # payload + TCP/IP headers (and, for 1:20, the control plane and the RESIDUAL's frames)
+        assert na <= hi <= 1.1 * na, (hi, lo)
+        assert nr <= lo <= 1.1 * nr + MiB, (hi, lo)
     finally:
         lab.rate("1gbit")
 
@@ -60,8 +70,7 @@ def test_tos_marking_honoured_by_priority_qdisc(lab):
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
                     reason="mooncake-transfer-engine-non-cuda not installed")
-def test_side_by_side_with_mooncake(lab):
-    g = lb.measure_goodput(lab, 32 * MiB, 2, mooncake=True, raw=False)
+def test_side_by_side_with_mooncake_runs(lab):
+    g = lb.measure_goodput(lab, 32 * MiB, 1, mooncake=True, raw=False)
     assert g["mooncake_check"] is True
-    assert g["mooncake_gbps"] > 0.5 and g["lynx_gbps"] > 0.5, g
-    assert g["ratio_lynx_over_mooncake"] >= 0.8, g
+    assert len(g["lynx_s"]) == 1 and len(g["mooncake_s"]) == 1
