@@ -12,8 +12,8 @@
 # working directory; its output streams to stdout and its exit status is this script's exit
 # status (124 when the guest command or QEMU ran out of time).
 #
-# Environment seen by CMD: LYNX_RDMA_DEVICE=rxe0, LYNX_RDMA_GID_INDEX=1, LYNX_RDMA_VM=1,
-# LYNX_VM_OUT (a writable folder copied back to --out on the host), HOME=/tmp,
+# Environment seen by CMD: LYNX_RDMA_DEVICE=rxe0, LYNX_RDMA_GID_INDEX=1, LYNX_RDMA_IPV4=10.99.0.1,
+# LYNX_RDMA_VM=1, LYNX_VM_OUT (a writable folder copied back to --out on the host), HOME=/tmp,
 # PYTHONDONTWRITEBYTECODE=1, PYTEST_ADDOPTS="-p no:cacheprovider", PY_COLORS=0,
 # HYPOTHESIS_STORAGE_DIRECTORY.
 #
@@ -143,7 +143,8 @@ printf '%s\n' "$ROOT" > "$RUN/project_root"
   echo 'echo "[guest] rxe0 gid1 $(cat /sys/class/infiniband/rxe0/ports/1/gids/1)"'
   echo 'export HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTEST_ADDOPTS="-p no:cacheprovider" PY_COLORS=0'
   echo 'export HYPOTHESIS_STORAGE_DIRECTORY=/tmp/hypothesis XDG_CACHE_HOME=/tmp/.cache'
-  echo 'export LYNX_RDMA_DEVICE=rxe0 LYNX_RDMA_GID_INDEX=1 LYNX_RDMA_VM=1 LYNX_VM_OUT=/tmp/work/out'
+  echo 'export LYNX_RDMA_DEVICE=rxe0 LYNX_RDMA_GID_INDEX=1 LYNX_RDMA_IPV4=10.99.0.1'
+  echo 'export LYNX_RDMA_VM=1 LYNX_VM_OUT=/tmp/work/out'
   printf 'cd %q || exit 3\n' "$ROOT"
   printf 'echo %q\n' "[guest] running:$(printf ' %q' "$@")"
   printf 'exec timeout -k 10 %s' "$CMD_TIMEOUT"

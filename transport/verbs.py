@@ -229,7 +229,10 @@ class VerbsBackend(Backend):
                        "refused": 0, "crc_errors": 0, "probes": 0}
         v = self._v
         self._device = self._pick_device(self._opts.device)
-        self._ctx = v.Context(name=self._device)
+        try:
+            self._ctx = v.Context(name=self._device)
+        except v.PyverbsError as exc:
+            raise BackendUnavailableError(f"cannot open RDMA device {self._device}: {exc}") from exc
         try:
             self._pd = v.PD(self._ctx)
             port = self._ctx.query_port(_PORT)
@@ -248,8 +251,11 @@ class VerbsBackend(Backend):
 
     # ------------------------------------------------------------------ device selection
     def _pick_device(self, wanted: str | None) -> str:
-        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name)
-                 for d in self._v.get_device_list()]
+        try:
+            devices = self._v.get_device_list()
+        except self._v.PyverbsError as exc:  # no uverbs support in this kernel at all
+            raise BackendUnavailableError(f"no RDMA device: {exc}") from exc
+        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
         if not names:
             raise BackendUnavailableError("no RDMA device found (ibv_get_device_list is empty)")
         if wanted is None:
@@ -413,7 +419,8 @@ class VerbsBackend(Backend):
         while True:
             with self._lock:
                 s = self._sessions.get(session_id)
-                if s is None:
+                # A failed QP is in the error state: the NIC reads no more source bytes.
+                if s is None or s.failed:
                     return True
                 for lane in s.lanes:
                     lane.queue = deque(p for p in lane.queue if p.op.request_id != request_id)

@@ -7,6 +7,7 @@ so transfers are small. Device / GID index come from LYNX_RDMA_DEVICE / LYNX_RDM
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -19,12 +20,14 @@ import numpy as np
 import pytest
 
 from lynx_transport import (
+    BackendUnavailableError,
     Endpoint,
     FailureReason,
     OutOfBoundsError,
     PriorityPolicy,
     Status,
     Stream,
+    WriteOp,
 )
 
 
@@ -323,9 +326,43 @@ def test_bounds_refused(pair):
         assert st.nbytes == 0
         sent = s_bad.wait_sent(7, A, timeout=30)
         assert sent.status is Status.FAILED and sent.reason is FailureReason.OUT_OF_BOUNDS, sent
-        assert rx.stats()["backend"]["refused"] >= 1
+        assert rx.stats()["backend"]["refused"] == 1
+
+        # a chunk for a request the receiver never announced, posted straight to the backend
+        s_rx2.announce(8, {A: [(dst.id, 0, 8 * KiB)]}, deadline_s=60)
+        ann = s_bad.wait_announcement(8, timeout=30)
+        bad.backend.post_write(WriteOp(s_bad.id, 99, A, src2, 0, 4 * KiB, dst.id, 0,
+                                       ann.region_info[dst.id]))
+        end = time.monotonic() + 30
+        while rx.stats()["backend"]["refused"] < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert rx.stats()["backend"]["refused"] == 2
+        assert rx.stats().get("refused_unknown_request") == 1
+        st8 = s_rx2.recv_state(8, A)
+        assert st8.status is Status.PENDING and st8.nbytes == 0  # other requests unaffected
     finally:
         bad.close()
+
+
+@pytest.mark.timeout(120)
+def test_device_and_gid_selection():
+    """Unknown device names are refused with the list of devices; without gid_index the GID
+    whose IPv4-mapped address is the endpoint's host is chosen (RoCE v2)."""
+    with pytest.raises(BackendUnavailableError, match="not found; present"):
+        Endpoint(backend="verbs", backend_options={"device": "no_such_dev0"})
+    ip = os.environ.get("LYNX_RDMA_IPV4")
+    if not ip:
+        pytest.skip("LYNX_RDMA_IPV4 (the RoCE interface address) not set; rdma_vm.sh sets it")
+    ep = Endpoint(backend="verbs", host=ip,
+                  backend_options={"device": os.environ.get("LYNX_RDMA_DEVICE") or None})
+    try:
+        info = ep.backend.local_info()
+        assert ipaddress.IPv6Address(info["gid"]).ipv4_mapped == ipaddress.IPv4Address(ip), info
+        expected = os.environ.get("LYNX_RDMA_GID_INDEX")
+        if expected:
+            assert info["gid_index"] == int(expected)
+    finally:
+        ep.close()
 
 
 @pytest.mark.timeout(240)
