@@ -321,8 +321,7 @@ class VerbsBackend(Backend):
     # ------------------------------------------------------------------ sessions
     def session_prepare(self, session_id: bytes, initiator: bool) -> dict:
         v, e, o = self._v, self._v.e, self._opts
-        slots_a = o.max_outstanding + 1
-        slots_r = o.residual_outstanding + 1
+        slots_a, slots_r = o.max_outstanding, o.residual_outstanding
         recv_slots = max(o.max_outstanding, o.residual_outstanding) + 4
         with self._lock:
             if self._closed:
@@ -331,8 +330,9 @@ class VerbsBackend(Backend):
             recv_cq = v.CQ(self._ctx, 2 * recv_slots + 8)
             lanes = []
             for stream, slots in ((Stream.ANCHOR, slots_a), (Stream.RESIDUAL, slots_r)):
-                # Each chunk is an unsignaled WRITE + a signaled SEND: two send WRs per slot.
-                cap = v.QPCap(max_send_wr=2 * slots + 2, max_recv_wr=recv_slots,
+                # Each chunk is an unsignaled WRITE + a signaled SEND (two send WRs per slot),
+                # plus one keepalive probe.
+                cap = v.QPCap(max_send_wr=2 * slots + 1, max_recv_wr=recv_slots,
                               max_send_sge=1, max_recv_sge=1)
                 qp = v.QP(self._pd, v.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=send_cq,
                                                  rcq=recv_cq, cap=cap))
@@ -342,7 +342,7 @@ class VerbsBackend(Backend):
                 qp.to_init(at)
                 send_mr = v.MR(self._pd, slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
                 recv_mr = v.MR(self._pd, recv_slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
-                lane = _Lane(stream, qp, send_mr, recv_mr, slots - 1, list(range(slots)))
+                lane = _Lane(stream, qp, send_mr, recv_mr, slots, list(range(slots)))
                 for slot in range(recv_slots):
                     self._post_recv(lane, slot)
                 lanes.append(lane)
@@ -639,11 +639,13 @@ class VerbsBackend(Backend):
 
     def _parse_notice(self, s: _Session, lane: _Lane, raw: bytes, events: list[tuple]) -> None:
         if len(raw) < _NOTICE.size:
-            self._fail_session(s, events, f"short notice ({len(raw)} B) on {lane.stream.name}")
+            self._fail_session(s, events, f"short notice ({len(raw)} B) on {lane.stream.name}",
+                               FailureReason.CORRUPTION)
             return
         magic, kind, stream, has_crc, rid, region, offset, length, crc = _NOTICE.unpack_from(raw)
         if magic != _MAGIC or kind not in (_DATA, _FIN) or stream != int(lane.stream):
-            self._fail_session(s, events, f"malformed notice on the {lane.stream.name} QP")
+            self._fail_session(s, events, f"malformed notice on the {lane.stream.name} QP",
+                               FailureReason.CORRUPTION)
             return
         if kind == _DATA:
             events.append(("data", s.sid, lane.stream, rid, region, offset, length,
@@ -651,9 +653,10 @@ class VerbsBackend(Backend):
         else:
             events.append(("fin", s.sid, rid, lane.stream, length, bytes(raw[_NOTICE.size:])))
 
-    def _fail_session(self, s: _Session, events: list[tuple], detail: str) -> None:
+    def _fail_session(self, s: _Session, events: list[tuple], detail: str,
+                      reason: FailureReason = FailureReason.PEER_DIED) -> None:
         s.failed = True
-        events.append(("lost", s.sid, FailureReason.PEER_DIED, detail))
+        events.append(("lost", s.sid, reason, detail))
 
     def _schedule(self, s: _Session, events: list[tuple]) -> None:
         anchor, residual = s.lanes

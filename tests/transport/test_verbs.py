@@ -192,6 +192,7 @@ def test_completion_per_request_and_stream(pair):
         off += na + nr
         data[rid] = _pattern(na + nr, rid)
         srcs[rid] = tx.register(data[rid])
+    mrs_registered = len(_rdma_resources("mr"))
     for rid, (na, _nr) in sizes.items():
         s_tx.wait_announcement(rid, timeout=30)
         s_tx.write_stream(rid, A, srcs[rid], 0, na)
@@ -216,6 +217,7 @@ def test_completion_per_request_and_stream(pair):
         for stream in (A, R):
             sent = s_tx.wait_sent(rid, stream, timeout=30)
             assert sent.ok and sent.nbytes == sizes[rid][int(stream)], sent
+    assert len(_rdma_resources("mr")) == mrs_registered  # no per-request/chunk registration
     backend = tx.stats()["backend"]
     assert backend["bytes_sent"] == total
     assert rx.stats()["backend"]["crc_errors"] == 0
