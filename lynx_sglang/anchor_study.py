@@ -287,6 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="continuation length N (default 32)")
     parser.add_argument("--min-len", type=int, default=1000, help="shortest prompt, tokens")
     parser.add_argument("--max-len", type=int, default=2200, help="longest prompt, tokens")
+    parser.add_argument("--prompt-set", type=int, default=0,
+                        help="0: the main prompt set; 1, 2, ...: disjoint replications")
     parser.add_argument("--variants", default="all",
                         help=f"comma-separated names or 'all' ({','.join(v.name for v in STUDY_VARIANTS)}"
                              ",identity)")
@@ -328,12 +330,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--prompts and --tokens must be >= 1")
     variants = _selected(args.variants)
     settings = {"prompts": args.prompts, "tokens": args.tokens, "min_len": args.min_len,
-                "max_len": args.max_len, "variants": [v.name for v in variants]}
+                "max_len": args.max_len, "prompt_set": args.prompt_set,
+                "variants": [v.name for v in variants]}
     started = time.monotonic()
     model, tokenizer = load_model(args.threads)
     args.kv_heads = model.config.num_key_value_heads
     args.head_dim = model.config.head_dim
-    prompts = build_prompts(tokenizer, args.prompts, args.min_len, args.max_len)
+    prompts = build_prompts(tokenizer, args.prompts, args.min_len, args.max_len, args.prompt_set)
     previous = _load_previous(args.out, settings) if args.resume else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results: list[PromptResult] = []
