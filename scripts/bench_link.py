@@ -33,7 +33,7 @@ def run(args) -> dict:
         raise SystemExit(f"bench_link: cannot build shaped links: {reason}")
     rates = args.rates.split(",")
     out: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
-                 "cpus": os.cpu_count(), "rates": {}}
+                 "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "rates": {}}
     name = f"lxb{os.getpid() % 100000}"
     with lb.NetLab(name) as lab:
         for rate in rates:
@@ -46,6 +46,11 @@ def run(args) -> dict:
             print(f"[{rate}] goodput: {bulk // MiB} MiB x{rep} (raw, lynx, mooncake)", flush=True)
             entry["goodput"] = lb.measure_goodput(lab, bulk, rep, mooncake=not args.no_mooncake)
             g = entry["goodput"]
+            if gbit > 1 and not args.quick:
+                entry["goodput_no_checksum"] = lb.measure_goodput(
+                    lab, bulk, rep, mooncake=False, raw=False, checksum=False)
+                print(f"   lynx without CRC32: {entry['goodput_no_checksum']['lynx_gbps']:.3f}",
+                      flush=True)
             print(f"   raw {g['raw_gbps']:.3f}  lynx {g['lynx_gbps']:.3f}  "
                   f"mooncake {g.get('mooncake_gbps', float('nan')):.3f} Gbit/s  "
                   f"lynx/raw {g['goodput_ratio_lynx_over_raw']:.3f}  "
@@ -55,10 +60,20 @@ def run(args) -> dict:
             resid = 4 * anchor * (1 if args.quick else 2)
             print(f"[{rate}] priority: anchor {anchor // MiB} MiB vs residual {resid // MiB} MiB",
                   flush=True)
-            entry["priority"] = lb.measure_priority(lab, anchor, resid, rep, delay=0.15)
+            prep = 3 if args.quick else 5
+            entry["priority"] = lb.measure_priority(lab, anchor, resid, prep, delay=0.15)
             p = entry["priority"]
+            crossing = max(p["together_residual_crossing_bytes"]
+                           + p["midflight_residual_crossing_bytes"])
             print(f"   anchor alone {1e3 * min(p['alone_s']):.1f} ms; ratio together "
-                  f"{p['ratio_together']:.3f}, midflight {p['ratio_midflight']:.3f}", flush=True)
+                  f"{p['ratio_together']:.3f}, midflight {p['ratio_midflight']:.3f}; residual "
+                  f"bytes crossing during the anchor: {crossing / MiB:.2f} MiB", flush=True)
+            # control: no priority (weighted 50/50 ~ what two FIFO-sharing connections get)
+            fair = lb.measure_priority(lab, anchor, resid, 2, delay=0.15, mode="weighted",
+                                       residual_share=0.5)
+            entry["control_fair_share"] = fair
+            print(f"   control (50/50 share): ratio together {fair['ratio_together']:.3f}, "
+                  f"midflight {fair['ratio_midflight']:.3f}", flush=True)
             if not args.quick and rate == rates[0]:
                 sweep = []
                 for chunk in (256 * 1024, 4 * MiB):
@@ -77,6 +92,7 @@ def run(args) -> dict:
                 lab.rate(rate)
             out["rates"][rate] = entry
     out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out["loadavg_end"] = os.getloadavg()
     return out
 
 
