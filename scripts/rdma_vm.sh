@@ -59,8 +59,13 @@ WORK=$(cd "$WORK" && pwd)
 T0=$(date +%s)
 
 # ---- kernel + modules (cached per kernel version; flock so concurrent runs share one download) --
-KPKG=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
-[ -n "$KPKG" ] || die "apt-cache knows no linux-image-amd64 dependency (run apt-get update)"
+kpkg() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}'; }
+KPKG=$(kpkg)
+if [ -z "$KPKG" ]; then
+  timeout 300 apt-get update -qq || true
+  KPKG=$(kpkg)
+fi
+[ -n "$KPKG" ] || die "apt-cache knows no linux-image-amd64 dependency (apt sources?)"
 KVER=${KPKG#linux-image-}
 KDIR=$WORK/kernel-$KVER
 exec 9>"$WORK/.lock"
