@@ -37,6 +37,11 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "lynx_sglang.codec_report",
         "bytes per token per stream and error statistics of the Lynx codec for a model's KV shape",
     ),
+    Subcommand(
+        "up",
+        "lynx_sglang.cluster",
+        "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",
+    ),
 )
 
 

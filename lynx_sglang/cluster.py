@@ -69,6 +69,7 @@ class ClusterSpec:
 @dataclass
 class _Proc:
     name: str
+    cmd: list[str]
     popen: subprocess.Popen
     log_path: Path
     health_url: str
@@ -141,9 +142,9 @@ class Cluster:
         env.update(self.spec.extra_env)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], health_url: str) -> None:
+    def _spawn(self, name: str, cmd: list[str], health_url: str) -> _Proc:
         log_path = self.run_dir / f"{name}.log"
-        log = open(log_path, "wb")  # noqa: SIM115 - owned by the child; closed below
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child; closed below
         try:
             popen = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
@@ -152,8 +153,10 @@ class Cluster:
         finally:
             log.close()
         (self.run_dir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
-        self._procs.append(_Proc(name, popen, log_path, health_url))
+        proc = _Proc(name, cmd, popen, log_path, health_url)
+        self._procs.append(proc)
         logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+        return proc
 
     def start(self) -> None:
         spec = self.spec
@@ -220,6 +223,14 @@ class Cluster:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(popen.pid, signal.SIGKILL)
         popen.wait(timeout=self.spec.stop_timeout_s)
+
+    def restart(self, name: str) -> None:
+        """Start a killed process again with the same command line (and ports); wait healthy."""
+        old = next(p for p in self._procs if p.name == name)
+        if old.popen.poll() is None:
+            raise ClusterError(f"{name} is still running; kill it first")
+        self._procs.remove(old)
+        self._wait_healthy([self._spawn(name, old.cmd, old.health_url)])
 
     def stop(self) -> None:
         for p in reversed(self._procs):

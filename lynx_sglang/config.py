@@ -17,6 +17,9 @@ import os
 from dataclasses import dataclass
 
 CONFIG_ENV = "LYNX_SGLANG_CONFIG"
+# Fault injection for tests only (prefill): seconds to hold a request's Residual back after its
+# Anchor stream is finished, so a test can kill the prefill between the two.
+FAULT_RESIDUAL_DELAY_ENV = "LYNX_SGLANG_FAULT_RESIDUAL_DELAY_S"
 TRANSPORTS = ("tcp", "verbs")
 TARGETS = ("int8", "exact")
 K_GROUPINGS = ("channel", "token")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -59,7 +60,7 @@ from lynx_kernels import WireStream
 from lynx_transport import Endpoint, Session, Status, Stream, TransportError
 from lynx_transport.types import MAX_REQUEST_ID
 
-from .config import LynxConfig
+from .config import FAULT_RESIDUAL_DELAY_ENV, LynxConfig
 from .kv_streams import (
     KVPoolView,
     KVStreamError,
@@ -137,6 +138,8 @@ class LynxKVManager(MooncakeKVManager):
         self._rx_rooms: dict[int, _RxRoom] = {}
         self._rx_lock = threading.RLock()
         self._rx_wake = threading.Event()
+        # Fault injection for tests only: hold the Residual back after the Anchor is finished.
+        self._fault_residual_delay_s = float(os.environ.get(FAULT_RESIDUAL_DELAY_ENV, "0") or 0)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._send_queue: queue.Queue[_SendItem] = queue.Queue()
@@ -278,10 +281,13 @@ class LynxKVManager(MooncakeKVManager):
 
     def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
                        staging: StagingRange, sizes: dict[WireStream, int], aux: bytes) -> None:
+        """Encode layer by layer; each layer's Anchor chunks are written as soon as they are
+        encoded, the Residual chunks after the whole Anchor stream (and its aux) is finished."""
         buf = self.staging.buffer
         base = {WireStream.ANCHOR: staging.offset,
                 WireStream.RESIDUAL: staging.offset + sizes[WireStream.ANCHOR]}
         pos = {WireStream.ANCHOR: 0, WireStream.RESIDUAL: 0}
+        residual_writes: list[tuple[int, int, int]] = []
         for layer in range(pool.shape.num_layers):
             anchors, residuals = encode_layer(pool, layer, slots, self.spec,
                                               self.lynx.chunk_tokens, request_tag=room)
@@ -289,13 +295,23 @@ class LynxKVManager(MooncakeKVManager):
                 for chunk in chunks:
                     off = base[ws] + pos[ws]
                     buf[off: off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-                    session.write_stream(room, _STREAM[ws], self.staging_region, off, len(chunk),
-                                         stream_offset=pos[ws])
+                    if ws is WireStream.ANCHOR:
+                        session.write_stream(room, Stream.ANCHOR, self.staging_region, off,
+                                             len(chunk), stream_offset=pos[ws])
+                    else:
+                        residual_writes.append((off, len(chunk), pos[ws]))
                     pos[ws] += len(chunk)
         for ws, n in sizes.items():
             if pos[ws] != n:
                 raise KVStreamError(f"{ws.name} stream: encoded {pos[ws]} B, expected {n} B")
         session.finish(room, Stream.ANCHOR, aux=aux)
+        if self._fault_residual_delay_s:
+            logger.warning("lynx: room %s Anchor finished; holding the Residual %.1f s (%s)",
+                           room, self._fault_residual_delay_s, FAULT_RESIDUAL_DELAY_ENV)
+            time.sleep(self._fault_residual_delay_s)
+        for off, n, stream_offset in residual_writes:
+            session.write_stream(room, Stream.RESIDUAL, self.staging_region, off, n,
+                                 stream_offset=stream_offset)
         session.finish(room, Stream.RESIDUAL)
 
     def _reap_inflight(self) -> None:
