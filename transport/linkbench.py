@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -28,6 +29,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 NETLAB = REPO / "scripts" / "netlab.sh"
 SENDER_IP, RECEIVER_IP = "10.79.0.1", "10.79.0.2"
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system, all threads) this process has used."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _emit(obj) -> None:
@@ -50,7 +57,9 @@ def raw_recv(cfg: dict) -> None:
     _emit({"address": f"{cfg['host']}:{lst.getsockname()[1]}"})
     conn, _ = lst.accept()
     buf = memoryview(bytearray(min(n, 64 << 20)))
+    np.frombuffer(buf, np.uint8).fill(1)  # fault the pages in before timing (like lynx-recv)
     done = []
+    cpu0 = _cpu()
     for _ in range(reps):
         got = 0
         while got < n:
@@ -60,7 +69,7 @@ def raw_recv(cfg: dict) -> None:
             got += k
         done.append(time.monotonic())
         conn.sendall(b"k")  # let the sender start the next repetition
-    _emit({"t_done": done})
+    _emit({"t_done": done, "cpu_s": _cpu() - cpu0})
 
 
 def raw_send(cfg: dict) -> None:
@@ -70,12 +79,13 @@ def raw_send(cfg: dict) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     data = memoryview(_buffer(n))
     starts = []
+    cpu0 = _cpu()
     for _ in range(reps):
         starts.append(time.monotonic())
         sock.sendall(data)
         if sock.recv(1) != b"k":
             raise ConnectionError("no ack")
-    _emit({"t_start": starts})
+    _emit({"t_start": starts, "cpu_s": _cpu() - cpu0})
 
 
 # ----------------------------------------------------------------------------- lynx tcp
@@ -100,9 +110,11 @@ def lynx_recv(cfg: dict) -> None:
         if s is None:
             raise TimeoutError("no sender")
         stage = np.zeros(cap_a + cap_r + 1, np.uint8)
+        stage.fill(1)  # staging is pre-registered and reused in real use: fault its pages in now
         reg = ep.register(stage)
         out = []
         rid = 0
+        cpu0 = _cpu()
         for e in program:
             for _ in range(int(e.get("repeat", 1))):
                 rid += 1
@@ -130,7 +142,7 @@ def lynx_recv(cfg: dict) -> None:
                         and np.array_equal(stage[cap_a:cap_a + nr], src[cap_a:cap_a + nr]))
                 s.release(rid)
                 out.append(rec)
-        _emit({"results": out})
+        _emit({"results": out, "cpu_s": _cpu() - cpu0})
         time.sleep(0.2)
 
 
@@ -147,6 +159,7 @@ def lynx_send(cfg: dict) -> None:
         out = []
         rid = 0
         timeout = float(cfg.get("timeout", 120))
+        cpu0 = _cpu()
         for e in program:
             for _ in range(int(e.get("repeat", 1))):
                 rid += 1
@@ -184,7 +197,7 @@ def lynx_send(cfg: dict) -> None:
                         raise RuntimeError(f"request {rid} {st.name}: {r}")
                 s.release(rid)
                 out.append(rec)
-        _emit({"results": out})
+        _emit({"results": out, "cpu_s": _cpu() - cpu0})
 
 
 # ----------------------------------------------------------------------------- mooncake
@@ -334,17 +347,21 @@ def measure_goodput(lab: NetLab | None, nbytes: int, repeat: int, *, mooncake: b
     The systems take turns, one transfer each per round, so a change in machine load during the
     run hits all of them alike; medians over `repeat` rounds."""
     out: dict = {"nbytes": nbytes, "repeat": repeat, "raw_s": [], "lynx_s": [],
-                 "mooncake_s": [], "stream": stream, "checksum": checksum}
+                 "mooncake_s": [], "stream": stream, "checksum": checksum,
+                 "raw_cpu_s": [], "lynx_cpu_s": []}  # [sender, receiver] CPU seconds
     prog = [{"name": "bulk", "anchor": nbytes if stream == "anchor" else 0,
              "residual": 0 if stream == "anchor" else nbytes, "repeat": 1}]
     for _ in range(repeat):
         if raw:
             rx, tx = run_pair("raw", {"nbytes": nbytes, "repeat": 1}, lab)
             out["raw_s"].append(rx["t_done"][0] - tx["t_start"][0])
+            out["raw_cpu_s"].append([tx["cpu_s"], rx["cpu_s"]])
         rx, tx = run_pair("lynx", {"program": prog, "chunk_bytes": chunk_bytes,
                                    "checksum": checksum,
                                    "backend_options": backend_options or {}}, lab)
-        out["lynx_s"].append(rx["results"][0][stream]["t_done"] - tx["results"][0][f"{stream}_post"])
+        out["lynx_s"].append(rx["results"][0][stream]["t_done"]
+                             - tx["results"][0][f"{stream}_post"])
+        out["lynx_cpu_s"].append([tx["cpu_s"], rx["cpu_s"]])
         if mooncake:
             rx, tx = run_pair("mc", {"nbytes": nbytes, "repeat": 1}, lab)
             out["mooncake_s"].append(tx["times"][0][1] - tx["times"][0][0])

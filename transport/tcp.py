@@ -360,30 +360,30 @@ class TcpBackend(Backend):
                 with ts.lock:
                     has = {s: self._has_work(ts, s) for s in STREAMS}
                 if not has[A] and not has[R]:
-                    select.select([ts.wake_r], [], [], io_timeout)
-                    self._clear_wake(ts)
+                    self._wait_wake(ts, io_timeout)
                     continue
                 if strict:
                     order = [A] if has[A] else [R]
                     if not has[A] and hold >= 0 and _outq(ts.socks[A]) > hold:
                         # the ANCHOR's tail is still in the kernel / on the wire: keep the link
-                        select.select([ts.wake_r], [], [], 0.0005)
-                        self._clear_wake(ts)
+                        self._wait_wake(ts, 0.0005)
                         continue
                 else:
                     cands = [s for s in STREAMS if has[s]]
                     order = sorted(cands, key=lambda s: weight_sent[s])
-                wsocks = [ts.socks[s] for s in order]
                 if throttle:
                     delay = next_ok - time.monotonic()
                     if delay > 0:
                         time.sleep(min(delay, io_timeout))
                         continue
-                _, writable, _ = select.select([ts.wake_r], wsocks, [], io_timeout)
-                self._clear_wake(ts)
-                if not writable:
+                if strict and order[0] is A:
+                    # ANCHOR: just try (no poll syscall); wait for room only when the kernel
+                    # says the socket is full
+                    stream = A
+                elif (stream := self._wait_writable(ts, order, io_timeout)) is None:
+                    # RESIDUAL (and weighted mode) go through poll, which honours
+                    # TCP_NOTSENT_LOWAT: a plain send would fill the whole send buffer
                     continue
-                stream = next(s for s in order if ts.socks[s] in writable)
                 with ts.lock:
                     ch = ts.current[stream]
                     if ch is None:
@@ -393,6 +393,8 @@ class TcpBackend(Backend):
                 limit = 65536 if throttle else (res_cap if stream is R else 0)
                 sent = self._send_some(ts.socks[stream], ch, limit)
                 if sent is None:
+                    if stream is A and strict:
+                        self._wait_writable(ts, [A], io_timeout)
                     continue
                 ch.pos += sent
                 ts.sent_bytes[stream] += sent
@@ -426,6 +428,19 @@ class TcpBackend(Backend):
         with contextlib.suppress(OSError):
             while ts.wake_r.recv(4096):
                 pass
+
+    def _wait_wake(self, ts: _TcpSession, timeout: float) -> None:
+        readable, _, _ = select.select([ts.wake_r], [], [], timeout)
+        if readable:
+            self._clear_wake(ts)
+
+    def _wait_writable(self, ts: _TcpSession, order: list, timeout: float) -> Stream | None:
+        """First stream of `order` whose socket polls writable within `timeout`, else None."""
+        readable, writable, _ = select.select([ts.wake_r], [ts.socks[s] for s in order], [],
+                                              timeout)
+        if readable:
+            self._clear_wake(ts)
+        return next((s for s in order if ts.socks[s] in writable), None)
 
     @staticmethod
     def _send_some(sock: socket.socket, ch: _Chunk, limit: int) -> int | None:
