@@ -204,7 +204,7 @@ class _Session:
     probe_after: float = 0.0
     probe_inflight: bool = False
     failed: bool = False
-    # weighted mode: bytes posted per stream while both were backlogged
+    # weighted mode: data bytes posted per stream since both became backlogged
     share_bytes: list[int] = field(default_factory=lambda: [0, 0])
 
 
@@ -536,7 +536,7 @@ class VerbsBackend(Backend):
                     try:
                         self._poll_session(s, events)
                         if not s.failed:
-                            self._schedule(s, events)
+                            self._schedule(s)
                             self._maybe_probe(s)
                     except Exception as exc:  # a verbs call failed: this session is unusable
                         log.exception("verbs session %s failed", s.sid.hex()[:8])
@@ -658,23 +658,28 @@ class VerbsBackend(Backend):
         s.failed = True
         events.append(("lost", s.sid, reason, detail))
 
-    def _schedule(self, s: _Session, events: list[tuple]) -> None:
+    def _schedule(self, s: _Session) -> None:
         anchor, residual = s.lanes
-        self._fill(s, anchor, events, budget=None)
-        if anchor.queue and self._policy.mode == "strict":
-            return
-        if not anchor.queue:
+        if self._policy.mode == "strict" or not (anchor.queue and residual.queue):
             s.share_bytes = [0, 0]
-            self._fill(s, residual, events, budget=None)
+            self._fill(anchor, budget=None)
+            if not anchor.queue or self._policy.mode != "strict":
+                self._fill(residual, budget=None)
             return
-        # weighted: both backlogged; Residual may post while its share of bytes is below target
-        posted_a, posted_r = s.share_bytes
-        total = posted_a + posted_r
-        if total == 0 or posted_r < self._policy.residual_share * total:
-            s.share_bytes[1] += self._fill(s, residual, events, budget=1)
+        # Weighted, both backlogged: one item at a time from whichever stream is below its byte
+        # share. The stream that is due but has no free slot blocks the other: the share is
+        # enforced on what enters the wire, not only on what is queued.
+        share = self._policy.residual_share
+        while True:
+            posted_a, posted_r = s.share_bytes
+            lane = residual if posted_r < share * (posted_a + posted_r) else anchor
+            if not lane.queue or len(lane.inflight) >= lane.limit:
+                return
+            s.share_bytes[int(lane.stream)] += self._fill(lane, budget=1)
 
-    def _fill(self, s: _Session, lane: _Lane, events: list[tuple], budget: int | None) -> int:
-        """Post queued work on `lane` while slots are free; returns data bytes posted."""
+    def _fill(self, lane: _Lane, budget: int | None) -> int:
+        """Post queued work on `lane` while slots are free (at most `budget` items); returns the
+        data bytes posted."""
         posted = 0
         chunk = self._policy.chunk_bytes
         while lane.queue and len(lane.inflight) < lane.limit and (budget is None or budget > 0):
@@ -682,9 +687,8 @@ class VerbsBackend(Backend):
             slot = lane.free_slots.pop()
             op = item.op
             if isinstance(op, FinOp):
-                aux = op.aux
                 self._post_notice(lane, slot, _NOTICE.pack(
-                    _MAGIC, _FIN, int(op.stream), 0, op.request_id, 0, 0, op.total, 0) + aux)
+                    _MAGIC, _FIN, int(op.stream), 0, op.request_id, 0, 0, op.total, 0) + op.aux)
                 lane.inflight[slot] = (op.request_id, -1)
                 lane.queue.popleft()
             else:
@@ -697,8 +701,6 @@ class VerbsBackend(Backend):
                     lane.queue.popleft()
             if budget is not None:
                 budget -= 1
-        if lane.stream is Stream.ANCHOR:
-            s.share_bytes[0] += posted
         return posted
 
     def _maybe_probe(self, s: _Session) -> None:

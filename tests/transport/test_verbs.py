@@ -260,15 +260,17 @@ def test_anchor_overtakes_queued_residual():
         rx.close()
 
 
-@pytest.mark.timeout(180)
-def test_weighted_policy_residual_progresses_under_anchor_backlog():
-    """Weighted mode: with both streams backlogged the Residual keeps moving (no starvation)."""
+def _residual_landed_at_anchor_done(mode: str, share: float) -> tuple[int, int]:
+    """Post a 1 MiB Anchor and a 1 MiB Residual together; (Residual bytes landed when the Anchor
+    completed, Residual total)."""
     rx = _endpoint("rx")
-    tx = _endpoint("tx", chunk=8 * KiB, mode="weighted", residual_outstanding=1)
+    tx = Endpoint(backend="verbs", name="tx", peer_timeout_s=LONG_HEARTBEAT_S,
+                  policy=PriorityPolicy(mode=mode, residual_share=share, chunk_bytes=8 * KiB),
+                  backend_options=_options(residual_outstanding=1))
     try:
         s_tx = tx.connect(rx.address, timeout=30)
         s_rx = rx.accept(timeout=30)
-        n_a, n_r = 1024 * KiB, 256 * KiB
+        n_a = n_r = 1024 * KiB
         stage = np.zeros(n_a + n_r, np.uint8)
         dst = rx.register(stage)
         data = _pattern(n_a + n_r, 11)
@@ -281,12 +283,24 @@ def test_weighted_policy_residual_progresses_under_anchor_backlog():
         s_tx.finish(1, R)
         a = s_rx.wait(1, A, timeout=60)
         r_at_anchor = s_rx.recv_state(1, R)
-        assert a.ok and r_at_anchor.nbytes > 0, r_at_anchor
+        assert a.ok, a
         assert s_rx.wait(1, R, timeout=60).ok
         assert np.array_equal(stage, data)
+        return r_at_anchor.nbytes, n_r
     finally:
         tx.close()
         rx.close()
+
+
+@pytest.mark.timeout(240)
+def test_weighted_policy_residual_progresses_under_anchor_backlog():
+    """Weighted mode: with both streams backlogged the Residual keeps its share of the bytes (no
+    starvation); strict mode holds it back until the Anchor queue is empty."""
+    strict, n_r = _residual_landed_at_anchor_done("strict", 0.3)
+    weighted, _ = _residual_landed_at_anchor_done("weighted", 0.3)
+    print(f"Residual landed when the Anchor completed: strict {strict} B, weighted(0.3) "
+          f"{weighted} B of {n_r} B")
+    assert weighted >= 128 * KiB and weighted > 2 * strict, (strict, weighted)
 
 
 @pytest.mark.timeout(120)
