@@ -43,8 +43,10 @@ def _emit(obj) -> None:
 
 
 def _buffer(nbytes: int, seed: int = 0) -> np.ndarray:
-    # cheap non-constant pattern (not compressible, not all zero)
-    return (np.arange(nbytes, dtype=np.uint32) * 2654435761 + seed).astype(np.uint8)
+    """A non-constant byte pattern, cheap to build for hundreds of MiB. Its period (1 MiB + 13)
+    is no multiple of any chunk or extent size, so misplaced chunks do not compare equal."""
+    period = (np.arange((1 << 20) + 13, dtype=np.uint32) * 2654435761 + seed).astype(np.uint8)
+    return np.resize(period, nbytes)
 
 
 # ----------------------------------------------------------------------------- raw sockets
