@@ -37,6 +37,15 @@ BACKEND_MEMBER = "LYNX"
 # anywhere else would import them (tens of seconds) into processes that never use them.
 _SCHEDULER_MODULES = ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode")
 
+ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
+GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
+DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+# Every HookRegistry target (patches/README.md documents each; a test resolves each one).
+HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
+                DECODE_INIT_KV_MANAGER)
+
 _backend_installed = False
 
 
@@ -50,25 +59,14 @@ def register() -> None:
     cpu_compat.activate()
     if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
-    HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args_after, HookType.AFTER
-    )
-    HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args_around, HookType.AROUND
-    )
+    HookRegistry.register(ADD_CLI_ARGS, _add_cli_args_after, HookType.AFTER)
+    HookRegistry.register(FROM_CLI_ARGS, _from_cli_args_around, HookType.AROUND)
     if LynxConfig.from_env() is not None:
         install_backend()
         if all(name in sys.modules for name in _SCHEDULER_MODULES):
-            HookRegistry.register(
-                "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-                _init_kv_manager_after,
-                HookType.AFTER,
-            )
-            HookRegistry.register(
-                "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
-                _init_kv_manager_after,
-                HookType.AFTER,
-            )
+            HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
+                                  HookType.AFTER)
+            HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
 
 
 def _add_cli_args_after(result, parser):
@@ -109,9 +107,7 @@ def install_backend() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     _extend_enum(TransferBackend, BACKEND_MEMBER, BACKEND_NAME)
-    HookRegistry.register(
-        "sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class_around, HookType.AROUND
-    )
+    HookRegistry.register(GET_KV_CLASS, _get_kv_class_around, HookType.AROUND)
     # Plugins registered during load_plugins() are applied by SGLang right after; this call
     # covers the launcher process, where the backend is chosen later (at argument parsing).
     HookRegistry.apply_hooks()

@@ -1,0 +1,73 @@
+"""Run in a subprocess by test_plugin.py (SGLang imports need the CPU engine selected and would
+leak global state into the test process). Prints one JSON object with what it observed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pkgutil
+import sys
+
+os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+from lynx_sglang import cpu_compat
+
+cpu_compat.activate()
+out: dict = {}
+
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+from lynx_sglang import plugin  # noqa: E402
+
+load_plugins()
+missing = []
+for target in plugin.HOOK_TARGETS:
+    try:
+        pkgutil.resolve_name(target)
+    except (ImportError, AttributeError) as exc:
+        missing.append(f"{target}: {exc}")
+out["missing_targets"] = missing
+
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+
+model = sys.argv[1]
+help_text = io.StringIO()
+with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+    prepare_server_args(["--help"])
+out["help_has_lynx_flags"] = all(
+    f in help_text.getvalue() for f in ("--lynx-anchor-bits", "--lynx-target", "--lynx-transport"))
+out["help_lists_backend"] = "lynx" in help_text.getvalue()
+
+base = ["--model-path", model, "--disaggregation-mode", "decode"]
+os.environ.pop("LYNX_SGLANG_CONFIG", None)
+prepare_server_args([*base, "--disaggregation-transfer-backend", "mooncake"])
+out["config_without_lynx"] = os.environ.get("LYNX_SGLANG_CONFIG")
+
+prepare_server_args([*base, "--disaggregation-transfer-backend", "lynx", "--lynx-target", "exact",
+                     "--lynx-anchor-bits", "5"])
+out["config"] = json.loads(os.environ["LYNX_SGLANG_CONFIG"])
+
+from sglang.srt.disaggregation import utils as disagg_utils  # noqa: E402
+
+backend = disagg_utils.TransferBackend("lynx")
+classes = {t.name: getattr(disagg_utils.get_kv_class(backend, t), "__qualname__", None)
+           for t in disagg_utils.KVClassType}
+out["classes"] = classes
+out["mooncake_manager"] = disagg_utils.get_kv_class(
+    disagg_utils.TransferBackend.MOONCAKE, disagg_utils.KVClassType.MANAGER).__qualname__
+
+
+def error_of(argv):
+    try:
+        prepare_server_args(argv)
+    except BaseException as exc:  # argparse exits with SystemExit
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+out["refused_pp"] = error_of([*base, "--disaggregation-transfer-backend", "lynx",
+                              "--pp-size", "2"])
+out["refused_bits"] = error_of([*base, "--disaggregation-transfer-backend", "lynx",
+                                "--lynx-anchor-bits", "9"])
+print("PROBE " + json.dumps(out))

@@ -1,0 +1,107 @@
+"""Prefill pool -> two byte streams -> decode pool, without SGLang (lynx_sglang.kv_streams)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lynx_kernels import CodecError, CodecSpec, decode, encode
+from lynx_kernels.wire import WireStream
+from lynx_sglang.kv_streams import (
+    KVPoolView,
+    KVStreamError,
+    apply_anchor,
+    apply_residual,
+    encode_layer,
+    pack_aux,
+    stream_nbytes,
+    unpack_aux,
+)
+
+LAYERS, HEADS, DIM, SLOTS = 3, 3, 64, 600
+
+
+def _pool(seed: int) -> KVPoolView:
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: torch.randn(SLOTS, HEADS, DIM, generator=g)  # noqa: E731
+    return KVPoolView([mk() for _ in range(LAYERS)], [mk() for _ in range(LAYERS)])
+
+
+def _streams(pool, slots, spec, chunk_tokens, tag):
+    anchor, residual = b"", b""
+    for layer in range(LAYERS):
+        a, r = encode_layer(pool, layer, slots, spec, chunk_tokens, request_tag=tag)
+        anchor += b"".join(a)
+        residual += b"".join(r)
+    return anchor, residual
+
+
+@pytest.mark.parametrize("target", ["exact", "int8"])
+@pytest.mark.parametrize("num_tokens", [1, 200, 513])
+def test_round_trip(target, num_tokens):
+    spec = CodecSpec(anchor_bits=4, group_size=64, target=target)
+    src, dst = _pool(0), _pool(1)
+    src_slots = torch.randperm(SLOTS)[:num_tokens]
+    dst_slots = torch.randperm(SLOTS)[:num_tokens]
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[dst_slots] = False
+    before = [t.clone() for t in dst.k]
+    anchor, residual = _streams(src, src_slots, spec, 256, tag=7)
+    sizes = stream_nbytes(spec, src.shape, num_tokens, 256)
+    assert (len(anchor), len(residual)) == (sizes[WireStream.ANCHOR], sizes[WireStream.RESIDUAL])
+
+    anchors = apply_anchor(memoryview(anchor), dst, dst_slots, spec, request_tag=7)
+    for layer in range(LAYERS):
+        x = src.k[layer][src_slots]
+        expect = decode(encode(x, spec, "k"), "anchor")
+        assert torch.equal(dst.k[layer][dst_slots], expect)
+        assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
+
+    apply_residual(memoryview(residual), anchors, dst, dst_slots, spec, request_tag=7)
+    for layer in range(LAYERS):
+        for kind, s, d in (("k", src.k, dst.k), ("v", src.v, dst.v)):
+            x = s[layer][src_slots]
+            full = decode(encode(x, spec, kind), "full")
+            assert torch.equal(d[layer][dst_slots], full)
+            if target == "exact":
+                assert torch.equal(d[layer][dst_slots], x)
+        assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
+
+
+def test_mismatches_are_refused():
+    spec = CodecSpec(target="exact")
+    src, dst = _pool(0), _pool(1)
+    slots = torch.arange(100)
+    anchor, residual = _streams(src, slots, spec, 64, tag=3)
+    with pytest.raises(KVStreamError, match="codec settings"):
+        apply_anchor(memoryview(anchor), dst, slots, CodecSpec(target="int8"), request_tag=3)
+    with pytest.raises(KVStreamError, match="request"):
+        apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=4)
+    with pytest.raises(KVStreamError, match="tokens"):
+        apply_anchor(memoryview(anchor), dst, slots[:50], spec, request_tag=3)
+    corrupt = bytearray(anchor)
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    with pytest.raises(CodecError, match="checksum"):
+        apply_anchor(memoryview(bytes(corrupt)), dst, slots, spec, request_tag=3)
+    anchors = apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=3)
+    with pytest.raises(KVStreamError, match="misses"):
+        apply_residual(memoryview(residual[: len(residual) // 2 // 1]), anchors, dst, slots, spec,
+                       request_tag=3)
+
+
+def test_pool_view_refuses_other_pools():
+    class Paged:
+        page_size = 16
+        k_buffer = v_buffer = (torch.zeros(1, 1, 8),)
+
+    with pytest.raises(KVStreamError, match="page-size"):
+        KVPoolView.from_sglang_pool(Paged())
+    with pytest.raises(KVStreamError, match="MHA"):
+        KVPoolView.from_sglang_pool(object())
+
+
+def test_aux_round_trip():
+    items = [b"\x01\x02", b"", bytes(range(256))]
+    assert unpack_aux(pack_aux(items)) == list(enumerate(items))
+    with pytest.raises(KVStreamError, match="truncated"):
+        unpack_aux(pack_aux(items)[:-1])
