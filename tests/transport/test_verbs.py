@@ -173,7 +173,10 @@ def test_two_rc_qps_per_session_with_service_levels(pair):
     assert attrs[0].ah_attr.traffic_class == 0xB8 and attrs[1].ah_attr.traffic_class == 0x20
     tx.close()
     rx.close()
-    assert not [q for q in _rdma_resources("qp") if q["lqpn"] in ours]
+    # nothing else uses the guest's device: every QP (but the kernel's GSI QP) and MR is gone
+    assert [q for q in _rdma_resources("qp") if q["type"] != "GSI"] == []
+    assert _rdma_resources("mr") == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("lynx-verbs")]
 
 
 @pytest.mark.timeout(180)
@@ -383,17 +386,19 @@ def test_device_and_gid_selection():
 
 @pytest.mark.timeout(240)
 def test_sender_killed_mid_residual_fails_request():
+    """The sender process dies while its Residual is landing: the receiver's Residual fails
+    PEER_DIED (noticed by the verbs keepalive probe: the control-plane heartbeat timeout is set
+    far longer), the Anchor that landed stays COMPLETE."""
     rx = _endpoint("rx")
     proc = None
     try:
-        n = 4096 * KiB  # ~0.4 s at the guest's ~10 MB/s: killed while it is moving
-        proc = _spawn("sender", rx.address, str(n))
+        n_a, n_r = 64 * KiB, 4096 * KiB  # ~0.4 s at the guest's ~10 MB/s: killed while moving
+        proc = _spawn("sender", rx.address, str(n_a), str(n_r))
         s_rx = rx.accept(timeout=90)
         assert s_rx is not None
-        stage = np.zeros(64 * KiB + n, np.uint8)
+        stage = np.zeros(n_a + n_r, np.uint8)
         dst = rx.register(stage)
-        s_rx.announce(1, {A: [(dst.id, 0, 64 * KiB)], R: [(dst.id, 64 * KiB, n)]},
-                      deadline_s=120)
+        s_rx.announce(1, {A: [(dst.id, 0, n_a)], R: [(dst.id, n_a, n_r)]}, deadline_s=120)
         a = s_rx.wait(1, A, timeout=90)
         assert a.ok and a.aux == b"first-token", a
         while s_rx.recv_state(1, R).nbytes == 0:
@@ -403,9 +408,10 @@ def test_sender_killed_mid_residual_fails_request():
         r = s_rx.wait(1, R, timeout=30)
         assert r.status is Status.FAILED and r.reason is FailureReason.PEER_DIED, r
         assert r.t_done - t_kill < 15.0, r.t_done - t_kill
+        assert 0 < r.nbytes < n_r
         assert s_rx.recv_state(1, A).ok  # what landed stays landed
         print(f"sender killed: receiver failed the Residual after {r.t_done - t_kill:.2f}s "
-              f"({r.nbytes}/{n} B landed): {r.detail}")
+              f"({r.nbytes}/{n_r} B landed): {r.detail}")
         s_rx.release(1)
         rx.deregister(dst)
     finally:
@@ -416,32 +422,36 @@ def test_sender_killed_mid_residual_fails_request():
 
 
 @pytest.mark.timeout(240)
-def test_receiver_killed_mid_residual_fails_request():
-    proc = _spawn("receiver", str(4096 * KiB))
+def test_receiver_killed_mid_anchor_fails_request():
+    """The receiver process dies while the Anchor is in flight: the sender's Anchor (and the
+    Residual queued behind it) fail PEER_DIED from the failed RDMA work requests."""
+    n_a, n_r = 4096 * KiB, 64 * KiB
+    proc = _spawn("receiver", str(n_a), str(n_r))
     tx = _endpoint("tx")
     try:
         address = _readline(proc, 90)
         s_tx = tx.connect(address, timeout=60)
-        src = tx.register(_pattern(64 * KiB + 4096 * KiB, 5))
+        src = tx.register(_pattern(n_a + n_r, 5))
         s_tx.wait_announcement(1, timeout=60)
-        s_tx.write_stream(1, A, src, 0, 64 * KiB)
+        s_tx.write_stream(1, A, src, 0, n_a)
         s_tx.finish(1, A)
-        assert s_tx.wait_sent(1, A, timeout=60).ok
-        s_tx.write_stream(1, R, src, 64 * KiB, 4096 * KiB)
+        s_tx.write_stream(1, R, src, n_a, n_r)
         s_tx.finish(1, R)
-        while s_tx.send_state(1, R).nbytes == 0:
+        while s_tx.send_state(1, A).nbytes == 0:
             time.sleep(0.002)
         proc.kill()
         t_kill = time.monotonic()
-        st = s_tx.wait_sent(1, R, timeout=30)
+        st = s_tx.wait_sent(1, A, timeout=30)
         assert st.status is Status.FAILED and st.reason is FailureReason.PEER_DIED, st
         assert st.t_done - t_kill < 15.0, st.t_done - t_kill
-        print(f"receiver killed: sender failed the Residual after {st.t_done - t_kill:.2f}s: "
-              f"{st.detail}")
+        assert st.nbytes < n_a
+        r = s_tx.wait_sent(1, R, timeout=30)
+        assert r.status is Status.FAILED and r.reason is FailureReason.PEER_DIED, r
+        print(f"receiver killed: sender failed the Anchor after {st.t_done - t_kill:.2f}s "
+              f"({st.nbytes}/{n_a} B sent): {st.detail}")
         s_tx.release(1, timeout=5)
         tx.deregister(src)
     finally:
         proc.kill()
         proc.wait(30)
         tx.close()
-
