@@ -37,6 +37,10 @@ even when nothing is being sent.
 Buffer ownership: the caller owns region memory (see `lynx_transport.memory`); this backend only
 registers it. Source bytes of a write are read by the NIC until its chunk's completion is polled
 (`drain` waits for that). Notice buffers are owned here and freed at `session_close`.
+Receiver caveat (one-sided writes): when a receiver releases a request whose chunks the sender has
+already posted, those chunks can still land in the released extents until the sender has drained
+the request (it does so on the RELEASE message); they are never counted. Closing the session is a
+hard fence (the QPs are destroyed, the NIC drops what arrives later).
 """
 
 from __future__ import annotations
