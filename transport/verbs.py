@@ -418,7 +418,8 @@ class VerbsBackend(Backend):
         self._hooks.send_failed(sid, item.op.request_id, stream, FailureReason.CLOSED,
                                 "verbs session is closed")
 
-    def drain(self, session_id: bytes, request_id: int, timeout: float) -> bool:
+    def drain(self, session_id: bytes, request_id: int, timeout: float,
+              stream: Stream | None = None) -> bool:
         end = time.monotonic() + timeout
         while True:
             with self._lock:
@@ -426,9 +427,10 @@ class VerbsBackend(Backend):
                 # A failed QP is in the error state: the NIC reads no more source bytes.
                 if s is None or s.failed:
                     return True
-                for lane in s.lanes:
+                lanes = s.lanes if stream is None else (s.lanes[int(stream)],)
+                for lane in lanes:
                     lane.queue = deque(p for p in lane.queue if p.op.request_id != request_id)
-                busy = any(rid == request_id for lane in s.lanes
+                busy = any(rid == request_id for lane in lanes
                            for rid, _ in lane.inflight.values())
             if not busy:
                 return True
