@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from .netns import RECEIVER_IP, SENDER_IP, Forwarder, ShapedLink
+
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
@@ -58,8 +60,14 @@ class ClusterSpec:
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    # PD only: put prefill and decode in two network namespaces joined by a link shaped to this
+    # rate (e.g. "1gbit"), with this qdisc (see lynx_sglang.netns); None = loopback.
+    link: str | None = None
+    link_qdisc: str = "prio"
 
     def __post_init__(self) -> None:
+        if self.link and self.mode is not ClusterMode.PD:
+            raise ClusterError("--link needs the PD mode (it separates prefill from decode)")
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ClusterError(
                 f"transfer backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
@@ -73,6 +81,7 @@ class _Proc:
     popen: subprocess.Popen
     log_path: Path
     health_url: str
+    host_ip: str
 
 
 def free_port() -> int:
@@ -88,12 +97,12 @@ def _cpu_only() -> bool:
 
 
 def server_command(spec: ClusterSpec, port: int, role: str | None,
-                   bootstrap_port: int | None) -> list[str]:
+                   bootstrap_port: int | None, host: str = HOST) -> list[str]:
     """SGLang server command line for role None (single), "prefill" or "decode"."""
     cmd = [
         sys.executable, "-m", "lynx_sglang.serve",
         "--model-path", spec.model_path,
-        "--host", HOST, "--port", str(port),
+        "--host", host, "--port", str(port),
         "--dtype", "float32",
         "--max-total-tokens", str(spec.max_total_tokens),
         "--skip-server-warmup",
@@ -119,6 +128,8 @@ class Cluster:
         self.run_dir = Path(spec.run_dir or tempfile.mkdtemp(prefix="lynx-cluster-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._procs: list[_Proc] = []
+        self._link: ShapedLink | None = None
+        self._forwarders: list[Forwarder] = []
         self.url = ""
         self.prefill_url = ""
         self.decode_url = ""
@@ -134,26 +145,26 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, host_ip: str) -> dict[str, str]:
         env = dict(os.environ)
-        # Mooncake's engine binds a NIC address otherwise; our transport binds what it is told.
-        env.setdefault("SGLANG_HOST_IP", HOST)
+        # SGLang's KV managers (Mooncake's engine, our transport endpoint) bind this address.
+        env["SGLANG_HOST_IP"] = host_ip
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.spec.extra_env)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], health_url: str) -> _Proc:
+    def _spawn(self, name: str, cmd: list[str], health_url: str, host_ip: str = HOST) -> _Proc:
         log_path = self.run_dir / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child; closed below
         try:
             popen = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(host_ip),
                 start_new_session=True,
             )
         finally:
             log.close()
         (self.run_dir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
-        proc = _Proc(name, cmd, popen, log_path, health_url)
+        proc = _Proc(name, cmd, popen, log_path, health_url, host_ip)
         self._procs.append(proc)
         logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
         return proc
@@ -167,24 +178,52 @@ class Cluster:
             self._wait_healthy(self._procs)
             return
         p_port, d_port, r_port, b_port = free_port(), free_port(), free_port(), free_port()
-        self.prefill_url = f"http://{HOST}:{p_port}"
-        self.decode_url = f"http://{HOST}:{d_port}"
-        self._spawn("prefill", server_command(spec, p_port, "prefill", b_port),
-                    self.prefill_url + "/health")
-        self._spawn("decode", server_command(spec, d_port, "decode", b_port),
-                    self.decode_url + "/health")
+        p_host = d_host = HOST
+        wrap_p = wrap_d = list
+        if spec.link:
+            self._link = ShapedLink(spec.link, spec.link_qdisc)
+            self._link.open()
+            p_host, d_host = SENDER_IP, RECEIVER_IP
+            link = self._link
+            def wrap_p(cmd):
+                return link.wrap(link.sender_ns, cmd)
+            def wrap_d(cmd):
+                return link.wrap(link.receiver_ns, cmd)
+        self.prefill_url = self._reachable(p_host, p_port)
+        self.decode_url = self._reachable(d_host, d_port)
+        self._spawn("prefill", wrap_p(server_command(spec, p_port, "prefill", b_port, p_host)),
+                    self.prefill_url + "/health", p_host)
+        decode_cmd = server_command(spec, d_port, "decode", b_port, d_host)
+        if spec.link:
+            # `ip netns exec` remounts /sys, so SGLang cannot find its memory cgroup to size the
+            # decode's host KV pool automatically; an explicit ratio skips that lookup.
+            decode_cmd += ["--hicache-ratio", "2"]
+        self._spawn("decode", wrap_d(decode_cmd),
+                    self.decode_url + "/health", d_host)
         self._wait_healthy(self._procs)
-        self.url = f"http://{HOST}:{r_port}"
+        self.url = self._reachable(d_host, r_port)
         router = [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--mini-lb", "--prefill", self.prefill_url, str(b_port),
-            "--decode", self.decode_url, "--host", HOST, "--port", str(r_port),
+            "--mini-lb", "--prefill", f"http://{p_host}:{p_port}", str(b_port),
+            "--decode", f"http://{d_host}:{d_port}", "--host", d_host, "--port", str(r_port),
         ]
-        self._spawn("router", router, self.url + "/health")
+        self._spawn("router", wrap_d(router), self.url + "/health", d_host)
         self._wait_healthy(self._procs[-1:])
         (self.run_dir / "cluster.json").write_text(json.dumps(
             {"router": self.url, "prefill": self.prefill_url, "decode": self.decode_url,
-             "bootstrap_port": b_port, "transfer_backend": spec.transfer_backend}, indent=1))
+             "bootstrap_port": b_port, "transfer_backend": spec.transfer_backend,
+             "link": spec.link, "link_qdisc": spec.link_qdisc if spec.link else None,
+             "namespaces": [self._link.sender_ns, self._link.receiver_ns] if self._link else None},
+            indent=1))
+
+    def _reachable(self, host: str, port: int) -> str:
+        """URL of host:port as seen from this process (a forwarder when it is in a namespace)."""
+        if self._link is None:
+            return f"http://{host}:{port}"
+        ns = self._link.sender_ns if host == SENDER_IP else self._link.receiver_ns
+        fwd = Forwarder(ns, host, port)
+        self._forwarders.append(fwd)
+        return fwd.url
 
     def _wait_healthy(self, procs: list[_Proc]) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -230,7 +269,7 @@ class Cluster:
         if old.popen.poll() is None:
             raise ClusterError(f"{name} is still running; kill it first")
         self._procs.remove(old)
-        self._wait_healthy([self._spawn(name, old.cmd, old.health_url)])
+        self._wait_healthy([self._spawn(name, old.cmd, old.health_url, old.host_ip)])
 
     def stop(self) -> None:
         for p in reversed(self._procs):
@@ -250,6 +289,12 @@ class Cluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=5)
         self._procs.clear()
+        for fwd in self._forwarders:
+            fwd.close()
+        self._forwarders.clear()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
 
 def _http_ok(url: str) -> bool:
@@ -279,6 +324,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV transfer backend of the PD pair (default lynx)")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where logs go (default: a new temporary folder)")
+    parser.add_argument("--link", default=None, metavar="RATE",
+                        help="PD only (root): prefill and decode in two network namespaces joined "
+                             "by a link shaped to RATE (e.g. 1gbit, 500mbit)")
+    parser.add_argument("--link-qdisc", choices=("fifo", "prio", "htb"), default="prio",
+                        help="queueing on the shaped link: fifo, prio (pfifo_fast: strict priority "
+                             "by IP TOS, which the Lynx TCP transport sets per stream), htb")
     parser.add_argument("--max-total-tokens", type=int, default=8192)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
@@ -296,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         server_args=tuple(args.server_args),
         max_total_tokens=args.max_total_tokens,
         startup_timeout_s=args.startup_timeout_s,
+        link=args.link,
+        link_qdisc=args.link_qdisc,
     )
     stop = False
 
