@@ -69,7 +69,8 @@ Safety and faults
 A peer can only write into regions announced for the request and stream, inside the announced
 extents; anything else is refused before a byte lands (the sender also refuses locally) and the
 stream fails OUT_OF_BOUNDS / UNKNOWN_REQUEST on both sides. Optional shared-secret ``token`` on the
-handshake. Per-chunk CRC32 (``checksum=True``). Peer death (socket closed/reset), stalled peers
+handshake. Per-chunk checksum (``checksum=True``; tcp: XXH3-64's low 32 bits when both ends
+have ``xxhash``, else CRC32). Peer death (socket closed/reset), stalled peers
 (no control message for ``peer_timeout_s``) and deadlines fail pending streams with a reason on
 both sides; other requests on the session are unaffected by per-request failures.
 """

@@ -106,7 +106,8 @@ def lynx_recv(cfg: dict) -> None:
     cap_a = max(int(e["anchor"]) for e in program)
     cap_r = max(int(e["residual"]) for e in program)
     with Endpoint(host=cfg["host"], name="bench-rx", checksum=cfg.get("checksum", True),
-                  policy=_policy(cfg)) as ep:
+                  policy=_policy(cfg), peer_timeout_s=float(cfg.get("peer_timeout_s", 5.0))
+                  ) as ep:
         _emit({"address": ep.address})
         s = ep.accept(timeout=30)
         if s is None:
@@ -129,8 +130,14 @@ def lynx_recv(cfg: dict) -> None:
                 rec = {"name": e["name"], "req": rid}
                 for st in bounds:  # ANCHOR first
                     r = s.wait(rid, st, timeout=float(cfg.get("timeout", 120)))
+                    if not r.ok and cfg.get("tolerate_failure"):
+                        rec["failed"] = _failure(r)
+                        _emit({"results": [*out, rec]})
+                        return
                     if not r.ok:
                         raise RuntimeError(f"request {rid} {st.name}: {r}")
+                    if cfg.get("progress"):
+                        _emit({"progress": st.name.lower(), "req": rid})
                     rec[st.name.lower()] = {"t_first": r.t_first_byte, "t_done": r.t_done,
                                             "nbytes": r.nbytes}
                     if st is Stream.ANCHOR and Stream.RESIDUAL in bounds:
@@ -155,7 +162,8 @@ def lynx_send(cfg: dict) -> None:
     cap_a = max(int(e["anchor"]) for e in program)
     cap_r = max(int(e["residual"]) for e in program)
     with Endpoint(host=cfg["host"], name="bench-tx", checksum=cfg.get("checksum", True),
-                  policy=_policy(cfg), backend_options=cfg.get("backend_options")) as ep:
+                  policy=_policy(cfg), backend_options=cfg.get("backend_options"),
+                  peer_timeout_s=float(cfg.get("peer_timeout_s", 5.0))) as ep:
         s = ep.connect(cfg["address"], timeout=30)
         src = ep.register(_buffer(cap_a + cap_r + 1, 1))
         out = []
@@ -195,11 +203,20 @@ def lynx_send(cfg: dict) -> None:
                         post_r()
                 for st in ann_streams:
                     r = s.wait_sent(rid, st, timeout=timeout)
+                    if not r.ok and cfg.get("tolerate_failure"):
+                        rec["failed"] = _failure(r)
+                        _emit({"results": [*out, rec]})
+                        return
                     if not r.ok:
                         raise RuntimeError(f"request {rid} {st.name}: {r}")
                 s.release(rid)
                 out.append(rec)
         _emit({"results": out, "cpu_s": _cpu() - cpu0})
+
+
+def _failure(st) -> dict:
+    return {"stream": st.stream.name.lower(), "status": st.status.value,
+            "reason": st.reason.value if st.reason else None, "detail": st.detail}
 
 
 # ----------------------------------------------------------------------------- mooncake
@@ -284,6 +301,11 @@ class NetLab:
     def rate(self, rate: str, mode: str = "fifo") -> None:
         self._run("rate", self.name, rate, mode)
 
+    def link(self, up: bool) -> None:
+        """Take the sender's end of the link down (a stalled link: no FIN, no RST) or up."""
+        subprocess.run(["ip", "-n", self.sender_ns, "link", "set", f"{self.name}-va",
+                        "up" if up else "down"], check=True, capture_output=True)
+
     def class_bytes(self) -> dict[str, int]:
         """Bytes sent per htb class on the sender's veth (after `rate(..., "htb")`)."""
         out = subprocess.run(["tc", "-n", self.sender_ns, "-s", "class", "show", "dev",
@@ -310,32 +332,50 @@ def _spawn(role: str, cfg: dict, netns: str | None) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": "2"})
 
 
-def run_pair(kind: str, cfg: dict, lab: NetLab | None, timeout: float = 300.0) -> tuple[dict, dict]:
-    """Run `kind`-recv in the receiver namespace and `kind`-send in the sender namespace.
-
-    `kind` in raw | lynx | mc. Returns (receiver's last JSON, sender's last JSON)."""
+def start_pair(kind: str, cfg: dict, lab: NetLab | None
+               ) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Start `kind`-recv in the receiver namespace, then `kind`-send in the sender namespace
+    (`kind` in raw | lynx | mc). The caller reads their stdout / waits for them."""
     rx_host = RECEIVER_IP if lab else "127.0.0.1"
     tx_host = SENDER_IP if lab else "127.0.0.1"
     rx = _spawn(f"{kind}-recv", {**cfg, "host": rx_host}, lab.receiver_ns if lab else None)
-    tx = None
     try:
         first = json.loads(rx.stdout.readline() or "{}")
         if "address" not in first:
             raise RuntimeError(f"{kind}-recv did not start")
         tx = _spawn(f"{kind}-send", {**cfg, **first, "host": tx_host},
                     lab.sender_ns if lab else None)
-        tx_out, _ = tx.communicate(timeout=timeout)
-        if tx.returncode != 0:
-            raise RuntimeError(f"{kind}-send failed ({tx.returncode})")
-        rx_out, _ = rx.communicate(timeout=30)  # closes the receiver's stdin: "sender done"
-        if rx.returncode != 0:
-            raise RuntimeError(f"{kind}-recv failed ({rx.returncode})")
-        rx_lines = [ln for ln in rx_out.splitlines() if ln.startswith("{")]
-        tx_lines = [ln for ln in tx_out.splitlines() if ln.startswith("{")]
-        return json.loads(rx_lines[-1]), json.loads(tx_lines[-1])
+    except BaseException:
+        rx.kill()
+        rx.wait()
+        raise
+    return rx, tx
+
+
+def last_json(proc: subprocess.Popen, timeout: float) -> dict:
+    """Wait for `proc` and return the last JSON line it printed (raises if it failed)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(proc.args[-2:-1])} failed ({proc.returncode})")
+    return json.loads(lines[-1])
+
+
+def run_pair(kind: str, cfg: dict, lab: NetLab | None, timeout: float = 300.0) -> tuple[dict, dict]:
+    """Run `kind`-recv and `kind`-send to completion; (receiver's, sender's) last JSON line."""
+    rx, tx = start_pair(kind, cfg, lab)
+    try:
+        tx_res = last_json(tx, timeout)
+        rx_res = last_json(rx, 30)  # communicate() closes the receiver's stdin: "sender done"
+        return rx_res, tx_res
     finally:
         for p in (rx, tx):
-            if p is not None and p.poll() is None:
+            if p.poll() is None:
                 p.kill()
                 p.wait()
 

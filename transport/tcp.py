@@ -13,7 +13,8 @@ RESIDUAL socket has a small TCP_NOTSENT_LOWAT so that little RESIDUAL data waits
 kernel when ANCHOR work arrives. Sockets are marked with IP_TOS / SO_PRIORITY per stream.
 
 Frame (little-endian, 40 bytes): magic u32 'LYNX', kind u8 (1 DATA, 2 FIN), stream u8, flags u16
-(bit 0: crc valid), request u64, region u32, crc32 u32, offset u64 (DATA: destination offset;
+(bit 0: CRC32 valid, bit 1: XXH3 valid), request u64, region u32, checksum u32 (CRC32, or the
+low 32 bits of XXH3-64 when both ends have `xxhash`: ~4x cheaper), offset u64 (DATA: destination offset;
 FIN: total bytes of the stream), length u64 (payload bytes: DATA data, FIN aux).
 """
 
@@ -44,6 +45,17 @@ HDR = struct.Struct("<IBBHQIIQQ")
 assert HDR.size == 40
 KIND_DATA, KIND_FIN = 1, 2
 FLAG_CRC = 1
+FLAG_XXH3 = 2
+try:  # optional: a much cheaper checksum than zlib's CRC32, used when both ends have it
+    import xxhash
+
+    def _xxh3_32(data) -> int:
+        return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+    CHECKSUMS = ["xxh3", "crc32"]
+except ImportError:  # pragma: no cover - xxhash is a dependency; keep working without it
+    _xxh3_32 = None
+    CHECKSUMS = ["crc32"]
 PREAMBLE = struct.Struct("<I16s16sB")  # magic, session id, nonce, stream
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 SIOCOUTQ = 0x5411  # == TIOCOUTQ: bytes in a TCP socket's send queue not yet acknowledged
@@ -117,6 +129,7 @@ class _TcpSession:
     sent_bytes: dict = field(default_factory=lambda: {s: 0 for s in STREAMS})
     recv_bytes: dict = field(default_factory=lambda: {s: 0 for s in STREAMS})
     corrupt_next: set = field(default_factory=set)  # test hook: streams whose next crc is wrong
+    use_xxh3: bool = False
 
 
 class TcpBackend(Backend):
@@ -146,7 +159,7 @@ class TcpBackend(Backend):
 
     # ------------------------------------------------------------------ identity / memory
     def local_info(self) -> dict:
-        return {"host": self.host, "port": self.port}
+        return {"host": self.host, "port": self.port, "checksums": CHECKSUMS}
 
     def register_region(self, region: Region) -> dict:
         region.view  # noqa: B018 - build the memoryview once, up front
@@ -169,6 +182,8 @@ class TcpBackend(Backend):
         ts = self._sessions.get(session_id)
         if ts is None:
             raise HandshakeError("session not prepared")
+        # what we send is verified by the peer: use XXH3 only if it can compute it too
+        ts.use_xxh3 = "xxh3" in CHECKSUMS and "xxh3" in remote_info.get("checksums", [])
         if initiator:
             nonce = bytes.fromhex(remote_prepare["nonce"])
             addr = (remote_info["host"], int(remote_info["port"]))
@@ -329,8 +344,12 @@ class TcpBackend(Backend):
             flags = 0
             crc = 0
             if op.checksum:
-                flags = FLAG_CRC
-                crc = zlib.crc32(view)
+                if ts.use_xxh3:
+                    flags = FLAG_XXH3
+                    crc = _xxh3_32(view)
+                else:
+                    flags = FLAG_CRC
+                    crc = zlib.crc32(view)
                 if stream in ts.corrupt_next:
                     ts.corrupt_next.discard(stream)
                     crc ^= 0x5A5A5A5A
@@ -536,7 +555,8 @@ class TcpBackend(Backend):
                 ts.recv_bytes[stream] += length
                 if diverted:
                     w.finish(0, ok=True)  # the stream already failed/released; nothing to add
-                elif flags & FLAG_CRC and zlib.crc32(view) != crc:
+                elif (flags & FLAG_XXH3 and (_xxh3_32 is None or _xxh3_32(view) != crc)) or (
+                        flags & FLAG_CRC and zlib.crc32(view) != crc):
                     w.finish(length, ok=False, reason=FailureReason.CORRUPTION,
                              detail=f"checksum mismatch in chunk at offset {offset} "
                                     f"({length} B) of region {region}")

@@ -428,3 +428,33 @@ def test_close_joins_threads():
             break
         time.sleep(0.05)
     assert not extra, extra
+
+
+@pytest.mark.timeout(60)
+def test_crc32_used_when_peer_lacks_xxhash():
+    rx = Endpoint(name="rx")
+    tx = Endpoint(name="tx")
+    try:
+        info = rx.backend.local_info()
+        rx.backend.local_info = lambda: {**info, "checksums": ["crc32"]}  # an older/leaner peer
+        s_tx = tx.connect(rx.address, timeout=5)
+        s_rx = rx.accept(timeout=5)
+        assert tx.backend._sessions[s_tx.id].use_xxh3 is False
+        stage = np.zeros(4 * MiB, np.uint8)
+        dst = rx.register(stage)
+        src_arr = _pattern(4 * MiB, 9)
+        src = tx.register(src_arr)
+        s_rx.announce(1, {A: [(dst.id, 0, 2 * MiB)], R: [(dst.id, 2 * MiB, 2 * MiB)]})
+        s_tx.wait_announcement(1, timeout=5)
+        tx.backend.inject_corruption(s_tx.id, R)
+        s_tx.write_stream(1, A, src, 0, 2 * MiB)
+        s_tx.finish(1, A)
+        s_tx.write_stream(1, R, src, 2 * MiB, 2 * MiB)
+        s_tx.finish(1, R)
+        assert s_rx.wait(1, A, timeout=10).ok
+        assert np.array_equal(stage[:2 * MiB], src_arr[:2 * MiB])
+        r = s_rx.wait(1, R, timeout=10)
+        assert r.status is Status.FAILED and r.reason is FailureReason.CORRUPTION, r
+    finally:
+        tx.close()
+        rx.close()

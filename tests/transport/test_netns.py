@@ -10,6 +10,7 @@ scripts/bench_link.py measures the goodput and completion-time ratios.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -75,3 +76,29 @@ def test_side_by_side_with_mooncake_runs(lab):
     g = lb.measure_goodput(lab, 32 * MiB, 1, mooncake=True, raw=False)
     assert g["mooncake_check"] is True
     assert len(g["lynx_s"]) == 1 and len(g["mooncake_s"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_stalled_link_fails_both_sides(lab):
+    """The link goes dark mid-RESIDUAL (no FIN, no RST): heartbeats stop, both sides report
+    PEER_DIED for the RESIDUAL, the ANCHOR that landed stays landed, nothing hangs."""
+    cfg = {"program": [{"name": "stall", "anchor": 4 * MiB, "residual": 400 * MiB}],
+           "progress": True, "tolerate_failure": True, "peer_timeout_s": 1.0}
+    rx, tx = lb.start_pair("lynx", cfg, lab)
+    try:
+        line = json.loads(rx.stdout.readline() or "{}")
+        assert line.get("progress") == "anchor", line
+        lab.link(up=False)
+        rx_res = lb.last_json(rx, 60)["results"][0]
+        tx_res = lb.last_json(tx, 60)["results"][0]
+    finally:
+        lab.link(up=True)
+        for p in (rx, tx):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert rx_res["anchor"]["nbytes"] == 4 * MiB
+    assert rx_res["failed"]["stream"] == "residual", rx_res
+    assert rx_res["failed"]["reason"] == "peer_died", rx_res
+    assert tx_res["failed"]["stream"] == "residual", tx_res
+    assert tx_res["failed"]["reason"] == "peer_died", tx_res
