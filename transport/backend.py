@@ -181,6 +181,9 @@ class Backend(ABC):
     # whose receiver CPU does not see individual writes (verbs RDMA WRITE) sets False: the FIN's
     # total is then trusted (it is still checked against the announced bounds).
     counts_incoming: bool = True
+    # True if bytes land without the receiver's CPU (verbs RDMA WRITE): then Session.release() on
+    # the receiver waits for the sender's RELEASED reply (its drain finished) before returning.
+    one_sided_writes: bool = False
 
     @abstractmethod
     def __init__(

@@ -147,6 +147,9 @@ class Session:
         self._tx: dict[int, _TxRequest] = {}
         self._peer_ann: dict[int, Announcement] = {}
         self._peer_released: set[int] = set()
+        # Receiver, one-sided backends (verbs): requests the sender confirmed drained after our
+        # RELEASE (its "RELEASED" reply); see release().
+        self._peer_fenced: set[int] = set()
         self._local_ready = False
         self._peer_ready = False
         self.closed = False
@@ -441,6 +444,12 @@ class Session:
             tq = self._tx.pop(request_id, None)
             self._peer_ann.pop(request_id, None)
         notify_peer = False
+        # One-sided backends (verbs RDMA WRITE) place bytes without the receiver's help: a stream
+        # that is not COMPLETE may still have chunks in flight, so release must wait until the
+        # sender has drained the request (its RELEASED reply) before the staging is reusable.
+        fence = (rq is not None and not self.closed
+                 and getattr(ep.backend, "one_sided_writes", False)
+                 and any(rs.status is not Status.COMPLETE for rs in rq.streams.values()))
         if rq is not None:
             for rs in rq.streams.values():
                 # taking the lock waits for a chunk landing right now (one bounded socket read)
@@ -450,8 +459,21 @@ class Session:
                         notify_peer = True
             rq.released = True
             ep._region_refs(rq.ann.region_info.keys(), -1)
-            if notify_peer and not self.closed:
-                ep._send(self, "RELEASE", {"req": request_id})
+            if (notify_peer or fence) and not self.closed:
+                ep._send(self, "RELEASE", {"req": request_id, "fence": fence})
+            if fence:
+                end = _now() + timeout
+                with self._cond:
+                    while request_id not in self._peer_fenced and not self.closed:
+                        left = end - _now()
+                        if left <= 0:
+                            break
+                        self._cond.wait(min(left, 0.05))
+                    fenced = request_id in self._peer_fenced
+                    self._peer_fenced.discard(request_id)
+                if not fenced:  # closing destroys the data path: nothing lands after that
+                    ep._close_session(self, FailureReason.TIMEOUT,
+                                      f"sender did not drain request {request_id}", notify=True)
         if tq is not None:
             if not self.closed:
                 ok = ep._drain(self.id, request_id, timeout)
@@ -1145,6 +1167,12 @@ class Endpoint:
                 s._cond.notify_all()
             if s._tx_fail(req, None, FailureReason.RELEASED, "receiver released the request"):
                 self._drain(s.id, req, 0.0)
+            if h.get("fence"):
+                self._start_fence_reply(s, req)
+        elif kind == "RELEASED":
+            with s._cond:
+                s._peer_fenced.add(int(h["req"]))
+                s._cond.notify_all()
         elif kind == "ACK":
             req, stream = int(h["req"]), Stream(int(h["stream"]))
             with s._cond:
@@ -1166,6 +1194,22 @@ class Endpoint:
             reason = _reason(h.get("reason"), FailureReason.ABORTED)
             self._abort_request(s, req, stream, reason, "peer: " + h.get("detail", ""),
                                 notify=False)
+
+    def _start_fence_reply(self, s: Session, req: int) -> None:
+        """Sender side of release()'s fence: once no chunk of `req` is in flight any more, reply
+        RELEASED (off the control thread: draining waits for the data path)."""
+
+        def reply() -> None:
+            if self._drain(s.id, req, 2.0):
+                self._send(s, "RELEASED", {"req": req})
+            else:
+                self._close_session(s, FailureReason.TIMEOUT,
+                                    f"could not drain request {req} for the receiver", True)
+
+        t = threading.Thread(target=reply, name=f"lynx-fence-{req}", daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()]
+        self._threads.append(t)
+        t.start()
 
     def _housekeeping(self, now: float) -> None:
         for s in list(self._sessions.values()):

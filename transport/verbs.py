@@ -37,10 +37,10 @@ even when nothing is being sent.
 Buffer ownership: the caller owns region memory (see `lynx_transport.memory`); this backend only
 registers it. Source bytes of a write are read by the NIC until its chunk's completion is polled
 (`drain` waits for that). Notice buffers are owned here and freed at `session_close`.
-Receiver caveat (one-sided writes): when a receiver releases a request whose chunks the sender has
-already posted, those chunks can still land in the released extents until the sender has drained
-the request (it does so on the RELEASE message); they are never counted. Closing the session is a
-hard fence (the QPs are destroyed, the NIC drops what arrives later).
+Receiver release (one-sided writes): chunks the sender already posted can land without the
+receiver's help, so `one_sided_writes = True` makes `Session.release()` on the receiver wait for
+the sender's RELEASED reply (sent once its drain finished) before it returns, and close the
+session (destroying the QPs: the NIC drops what arrives later) if none comes within its timeout.
 """
 
 from __future__ import annotations
@@ -217,6 +217,8 @@ class VerbsBackend(Backend):
 
     name = "verbs"
     counts_incoming = True  # every chunk is reported through open_incoming
+    # RDMA WRITE lands without the receiver: Session.release() fences with the sender's drain.
+    one_sided_writes = True
 
     def __init__(self, hooks: BackendHooks, host: str, policy: PriorityPolicy,
                  options: dict) -> None:

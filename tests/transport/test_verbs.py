@@ -363,6 +363,40 @@ def test_bounds_refused(pair):
         bad.close()
 
 
+@pytest.mark.timeout(180)
+def test_release_waits_for_in_flight_chunks(pair):
+    """The receiver releases a request while the sender's RDMA WRITEs are in flight: when
+    release() returns no further byte lands in the released extent (it waited for the sender's
+    drain), and the session stays usable."""
+    rx, tx, s_rx, s_tx = pair
+    n = 4096 * KiB
+    stage = np.zeros(n, np.uint8)
+    dst = rx.register(stage)
+    src = tx.register(np.full(n, 0xAB, np.uint8))
+    s_rx.announce(1, {A: [(dst.id, 0, n)]}, deadline_s=120)
+    s_tx.wait_announcement(1, timeout=30)
+    s_tx.write_stream(1, A, src, 0, n)
+    s_tx.finish(1, A)
+    while s_rx.recv_state(1, A).nbytes == 0:
+        time.sleep(0.002)
+    s_rx.release(1, timeout=10)
+    snapshot = stage.copy()
+    assert not s_rx.closed and not s_tx.closed  # fenced by the sender's reply, not by closing
+    time.sleep(0.5)
+    assert np.array_equal(stage, snapshot), "bytes landed after release() returned"
+    landed = int(np.count_nonzero(snapshot))
+    assert 0 < landed < n, landed
+    sent = s_tx.wait_sent(1, A, timeout=30)
+    assert sent.status is Status.FAILED and sent.reason is FailureReason.RELEASED, sent
+    # the same session carries the next request
+    s_rx.announce(2, {A: [(dst.id, 0, 64 * KiB)]}, deadline_s=60)
+    s_tx.wait_announcement(2, timeout=30)
+    s_tx.write_stream(2, A, src, 0, 64 * KiB)
+    s_tx.finish(2, A)
+    assert s_rx.wait(2, A, timeout=30).ok
+    print(f"release mid-transfer: {landed}/{n} B had landed; nothing after release returned")
+
+
 @pytest.mark.timeout(120)
 def test_device_and_gid_selection():
     """Unknown device names are refused with the list of devices; without gid_index the GID
