@@ -332,26 +332,38 @@ class VerbsBackend(Backend):
         with self._lock:
             if self._closed:
                 raise TransportError("verbs backend closed")
-            send_cq = v.CQ(self._ctx, 2 * (slots_a + slots_r) + 8)
-            recv_cq = v.CQ(self._ctx, 2 * recv_slots + 8)
-            lanes = []
-            for stream, slots in ((Stream.ANCHOR, slots_a), (Stream.RESIDUAL, slots_r)):
-                # Each chunk is an unsignaled WRITE + a signaled SEND (two send WRs per slot),
-                # plus one keepalive probe.
-                cap = v.QPCap(max_send_wr=2 * slots + 1, max_recv_wr=recv_slots,
-                              max_send_sge=1, max_recv_sge=1)
-                qp = v.QP(self._pd, v.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=send_cq,
-                                                 rcq=recv_cq, cap=cap))
-                at = v.QPAttr(qp_state=e.IBV_QPS_INIT, port_num=_PORT)
-                at.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-                at.pkey_index = 0
-                qp.to_init(at)
-                send_mr = v.MR(self._pd, slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
-                recv_mr = v.MR(self._pd, recv_slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
-                lane = _Lane(stream, qp, send_mr, recv_mr, slots, list(range(slots)))
-                for slot in range(recv_slots):
-                    self._post_recv(lane, slot)
-                lanes.append(lane)
+            created: list[Any] = []  # closed again, newest first, if anything below fails
+            try:
+                send_cq = v.CQ(self._ctx, 2 * (slots_a + slots_r) + 8)
+                created.append(send_cq)
+                recv_cq = v.CQ(self._ctx, 2 * recv_slots + 8)
+                created.append(recv_cq)
+                lanes = []
+                for stream, slots in ((Stream.ANCHOR, slots_a), (Stream.RESIDUAL, slots_r)):
+                    # Each chunk is an unsignaled WRITE + a signaled SEND (two send WRs per
+                    # slot), plus one keepalive probe.
+                    cap = v.QPCap(max_send_wr=2 * slots + 1, max_recv_wr=recv_slots,
+                                  max_send_sge=1, max_recv_sge=1)
+                    qp = v.QP(self._pd, v.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=send_cq,
+                                                     rcq=recv_cq, cap=cap))
+                    created.append(qp)
+                    at = v.QPAttr(qp_state=e.IBV_QPS_INIT, port_num=_PORT)
+                    at.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+                    at.pkey_index = 0
+                    qp.to_init(at)
+                    send_mr = v.MR(self._pd, slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
+                    created.append(send_mr)
+                    recv_mr = v.MR(self._pd, recv_slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
+                    created.append(recv_mr)
+                    lane = _Lane(stream, qp, send_mr, recv_mr, slots, list(range(slots)))
+                    for slot in range(recv_slots):
+                        self._post_recv(lane, slot)
+                    lanes.append(lane)
+            except self._v.PyverbsError as exc:
+                for obj in reversed(created):
+                    obj.close()
+                raise TransportError(f"creating the session's QPs/CQs/notice buffers failed: "
+                                     f"{exc}") from exc
             self._sessions[session_id] = _Session(session_id, send_cq, recv_cq,
                                                   (lanes[0], lanes[1]))
         return {"qpn": [lanes[0].qp.qp_num, lanes[1].qp.qp_num]}
