@@ -232,7 +232,8 @@ class VerbsBackend(Backend):
         self._mrs: dict[int, Any] = {}
         self._closed = False
         self._stats = {"chunks_sent": 0, "bytes_sent": 0, "notices_received": 0,
-                       "refused": 0, "crc_errors": 0, "probes": 0}
+                       "refused": 0, "crc_errors": 0, "probes": 0,
+                       "peak_inflight_anchor": 0, "peak_inflight_residual": 0}
         v = self._v
         self._device = self._pick_device(self._opts.device)
         try:
@@ -721,6 +722,8 @@ class VerbsBackend(Backend):
                     lane.queue.popleft()
             if budget is not None:
                 budget -= 1
+        key = f"peak_inflight_{lane.stream.name.lower()}"
+        self._stats[key] = max(self._stats[key], len(lane.inflight))
         return posted
 
     def _maybe_probe(self, s: _Session) -> None:

@@ -256,6 +256,10 @@ def test_anchor_overtakes_queued_residual():
         r = s_rx.wait(1, R, timeout=120)
         assert r.ok and a.t_done < r.t_done
         assert np.array_equal(stage, data)
+        peaks = tx.stats()["backend"]
+        # bounded outstanding work: 1 Residual chunk (as configured), ≤ 16 Anchor chunks/FINs
+        assert peaks["peak_inflight_residual"] == 1
+        assert 1 <= peaks["peak_inflight_anchor"] <= 16
         print(f"anchor done at residual {r_at_anchor.nbytes}/{n_r} B; "
               f"anchor {a.t_done - a.t_start:.3f}s residual {r.t_done - r.t_start:.3f}s")
     finally:
