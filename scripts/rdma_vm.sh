@@ -160,7 +160,8 @@ printf '%s\n' "$ROOT" > "$RUN/project_root"
 T1=$(date +%s)
 log "kernel $KVER; booting QEMU (TCG, ${SMP} CPUs, ${MEM} MiB); guest command deadline ${CMD_TIMEOUT}s"
 QEMU_RC=0
-# The serial console carries the guest command's output; ONLCR turns \n into \r\n, undone by tr.
+# The serial console carries the guest command's output. sed -u (line by line, so CI logs stream)
+# undoes ONLCR's \r and drops the firmware's terminal escape sequences.
 timeout -k 10 $((CMD_TIMEOUT + 180)) qemu-system-x86_64 -accel tcg,thread=multi -cpu max \
   -m "$MEM" -smp "$SMP" -nographic -no-reboot -nic none \
   -kernel "$KDIR/vmlinuz" -initrd "$INITRD" \
@@ -170,7 +171,8 @@ timeout -k 10 $((CMD_TIMEOUT + 180)) qemu-system-x86_64 -accel tcg,thread=multi 
   -fsdev local,id=p,path="$ROOT",security_model=none,readonly=on,multidevs=remap \
   -device virtio-9p-pci,fsdev=p,mount_tag=project \
   -fsdev local,id=w,path="$RUN",security_model=none \
-  -device virtio-9p-pci,fsdev=w,mount_tag=work </dev/null 2>&1 | tr -d '\r' || QEMU_RC=$?
+  -device virtio-9p-pci,fsdev=w,mount_tag=work </dev/null 2>&1 |
+  sed -u -e 's/\r//g' -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/\x1bc//g' || QEMU_RC=$?
 T2=$(date +%s)
 [ -z "$OUT" ] || { mkdir -p "$OUT" && cp -a "$RUN/out/." "$OUT/"; }
 log "times: prepare=$((T1 - T0))s qemu=$((T2 - T1))s total=$((T2 - T0))s"
