@@ -61,16 +61,16 @@ def sizes(model: str, context: int, anchor_bits: int = 4, target: str = "int8",
     L = shape.num_layers
 
     def q(bits: int) -> int:
-        return int(round(quantized_nbytes_per_token(bits, shape.num_kv_heads, shape.head_dim,
-                                                    group_size) * L * context))
+        return round(quantized_nbytes_per_token(bits, shape.num_kv_heads, shape.head_dim,
+                                                group_size) * L * context)
 
     return {
         "model": shape.name, "context": context, "layers": L,
         "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
         "spec": {"anchor_bits": anchor_bits, "target": str(target), "group_size": group_size,
                  "sink_tokens": sink, "recent_tokens": recent},
-        "anchor": int(round(per_a * L * context)),
-        "residual": int(round(per_r * L * context)),
+        "anchor": round(per_a * L * context),
+        "residual": round(per_r * L * context),
         "bf16": shape.bf16_bytes_per_token() * context,
         "int8": q(8),
         "int4": q(4),
@@ -87,12 +87,13 @@ def measure(sz: dict, rate: str, link: str, repeat: int) -> dict:
     if link == "netns" and (reason := lb.netns_available()):
         raise SystemExit(f"--link netns unavailable: {reason}")
     bps = _rate_bps(rate)
+    # interleaved rounds (lynx, bf16, int8, int4) x repeat: load changes hit all of them alike
     prog = [
         {"name": "lynx", "anchor": sz["anchor"], "residual": sz["residual"],
-         "anchor_delay": None, "repeat": repeat},
-        *({"name": k, "anchor": sz[k], "residual": 0, "repeat": repeat}
+         "anchor_delay": None, "repeat": 1},
+        *({"name": k, "anchor": sz[k], "residual": 0, "repeat": 1}
           for k in ("bf16", "int8", "int4")),
-    ]
+    ] * repeat
     cfg: dict = {"program": prog}
     if link == "throttle":
         cfg["backend_options"] = {"_throttle_bps": bps / 8}

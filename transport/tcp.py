@@ -87,7 +87,6 @@ DEFAULT_OPTIONS = {
     "sndbuf": 0,  # 0: kernel autotuning
     "rcvbuf": 0,
     "io_timeout_s": 0.2,  # how often blocked threads look at their stop flags
-    "connect_timeout_s": 10.0,
     # test-only fault injection: limit the sender to this many bytes/s (0 = off)
     "_throttle_bps": 0,
 }
