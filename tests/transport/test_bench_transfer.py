@@ -9,6 +9,7 @@ import pytest
 from lynx_sglang import bench_transfer as bt
 
 
+@pytest.mark.timeout(60)
 def test_sizes_follow_the_codec_accounting():
     s = bt.sizes("SmolLM2-135M", 2048)
     assert s["bf16"] == 23040 * 2048

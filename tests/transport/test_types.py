@@ -16,6 +16,8 @@ from lynx_transport import (
     load_backend,
 )
 
+pytestmark = pytest.mark.timeout(60)
+
 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=6), st.data())
 def test_locate_covers_range_in_order(lengths, data):
