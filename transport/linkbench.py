@@ -230,10 +230,13 @@ def mc_recv(cfg: dict) -> None:
     dst = np.zeros(n, np.uint8)
     if te.register_memory(dst.ctypes.data, n) != 0:
         raise RuntimeError("mooncake register_memory failed")
+    dst.fill(1)  # fault the pages in before timing (like the other receivers)
     _emit({"address": f"{cfg['host']}:{te.get_rpc_port()}", "ptr": int(dst.ctypes.data)})
+    cpu0 = _cpu()
     sys.stdin.readline()  # the driver closes stdin when the sender is done
+    cpu = _cpu() - cpu0
     ok = bool(np.array_equal(dst[:4096], _buffer(4096)))
-    _emit({"check": ok})
+    _emit({"check": ok, "cpu_s": cpu})
 
 
 def mc_send(cfg: dict) -> None:
@@ -249,6 +252,7 @@ def mc_send(cfg: dict) -> None:
     if te.transfer_sync_write(peer, src.ctypes.data, ptr, 4096) != 0:  # open the segment
         raise RuntimeError("mooncake warm-up write failed")
     times = []
+    cpu0 = _cpu()
     for _ in range(reps):
         t0 = time.monotonic()
         rc = te.transfer_sync_write(peer, src.ctypes.data, ptr, n)
@@ -256,7 +260,7 @@ def mc_send(cfg: dict) -> None:
         if rc != 0:
             raise RuntimeError(f"mooncake transfer_sync_write returned {rc}")
         times.append([t0, t1])
-    _emit({"times": times})
+    _emit({"times": times, "cpu_s": _cpu() - cpu0})
 
 
 ROLES = {"raw-recv": raw_recv, "raw-send": raw_send, "lynx-recv": lynx_recv,
@@ -407,10 +411,15 @@ def measure_goodput(lab: NetLab | None, nbytes: int, repeat: int, *, mooncake: b
         if mooncake:
             rx, tx = run_pair("mc", {"nbytes": nbytes, "repeat": 1}, lab)
             out["mooncake_s"].append(tx["times"][0][1] - tx["times"][0][0])
+            out.setdefault("mooncake_cpu_s", []).append([tx["cpu_s"], rx["cpu_s"]])
             out["mooncake_check"] = bool(rx.get("check")) and out.get("mooncake_check", True)
     for k in ("raw", "lynx", "mooncake"):
         if out[f"{k}_s"]:
             out[f"{k}_gbps"] = nbytes * 8 / 1e9 / float(np.median(out[f"{k}_s"]))
+        cpu = out.get(f"{k}_cpu_s")
+        if cpu:  # CPU seconds per GB moved, [sender, receiver]: less load-sensitive than time
+            out[f"{k}_cpu_s_per_gb"] = [float(np.median([c[i] for c in cpu])) / (nbytes / 1e9)
+                                        for i in (0, 1)]
     if raw:
         out["goodput_ratio_lynx_over_raw"] = out["lynx_gbps"] / out["raw_gbps"]
     if mooncake:
