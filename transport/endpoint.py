@@ -8,6 +8,7 @@ user threads and backend threads hand it outgoing messages through a queue + wak
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
 import itertools
@@ -150,6 +151,10 @@ class Session:
         # Receiver, one-sided backends (verbs): requests the sender confirmed drained after our
         # RELEASE (its "RELEASED" reply); see release().
         self._peer_fenced: set[int] = set()
+        # Receiver: recently released request ids. A chunk or FIN of one of them that was already
+        # on its way is dropped quietly instead of NACKed as UNKNOWN_REQUEST (which would race the
+        # RELEASE message and give the sender the wrong failure reason).
+        self._rx_released: collections.deque[int] = collections.deque(maxlen=4096)
         self._local_ready = False
         self._peer_ready = False
         self.closed = False
@@ -443,6 +448,8 @@ class Session:
             rq = self._rx.pop(request_id, None)
             tq = self._tx.pop(request_id, None)
             self._peer_ann.pop(request_id, None)
+            if rq is not None:
+                self._rx_released.append(request_id)
         notify_peer = False
         # One-sided backends (verbs RDMA WRITE) place bytes without the receiver's help: a stream
         # that is not COMPLETE may still have chunks in flight, so release must wait until the
@@ -543,6 +550,8 @@ class Session:
             rq = self._rx.get(request_id)
             rs = None if rq is None else rq.streams.get(stream)
         if rs is None:
+            if rq is None and request_id in self._rx_released:
+                return  # FIN of a request released here: it was already on its way
             self._ep._count("fin_unknown_request")
             if not self.closed:
                 self._ep._send(self, "NACK", {"req": request_id, "stream": int(stream),
@@ -932,6 +941,8 @@ class Endpoint:
             rs = None if rq is None else rq.streams.get(stream)
         if rq is None:
             self._count("refused_unknown_request")
+            if request_id in s._rx_released:  # no NACK: the RELEASE message tells the sender
+                raise Refused(FailureReason.RELEASED, f"request {request_id} was released")
             detail = f"write for request {request_id} that is not announced"
             self._send(s, "NACK", {"req": request_id, "stream": int(stream),
                                    "reason": FailureReason.UNKNOWN_REQUEST.value,

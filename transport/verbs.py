@@ -684,7 +684,9 @@ class VerbsBackend(Backend):
         if self._policy.mode == "strict" or not (anchor.queue and residual.queue):
             s.share_bytes = [0, 0]
             self._fill(anchor, budget=None)
-            if not anchor.queue or self._policy.mode != "strict":
+            # Strict: the Residual waits until the Anchor is neither queued nor in flight; the
+            # NIC would otherwise share the link between the two QPs while the Anchor drains.
+            if self._policy.mode != "strict" or not (anchor.queue or anchor.inflight):
                 self._fill(residual, budget=None)
             return
         # Weighted, both backlogged: one item at a time from whichever stream is below its byte
