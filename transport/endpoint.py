@@ -437,8 +437,9 @@ class Session:
         """Forget `request_id` on this session, in whichever roles this side has for it.
 
         Receiver role: the announced bounds are withdrawn; when release returns, no further byte
-        lands in them (a chunk landing at that moment is waited for, at most one socket read), so
-        the staging memory may be reused. Pending streams fail RELEASED and the sender is told.
+        lands in them (a chunk landing at that moment is waited for, at most one socket read; with
+        a one-sided backend such as verbs, release waits for the sender's drain reply), so the
+        staging memory may be reused. Pending streams fail RELEASED and the sender is told.
         Sender role: queued writes are dropped; when release returns, no source byte of the
         request will be read again, so the source memory may be reused or freed.
         If that cannot be guaranteed within `timeout` s (stalled link), the session is closed.
