@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -496,3 +497,38 @@ def test_receiver_killed_mid_anchor_fails_request():
         proc.kill()
         proc.wait(30)
         tx.close()
+
+
+@pytest.mark.timeout(240)
+def test_receiver_stalled_fails_by_heartbeat():
+    """A stopped (SIGSTOP) receiver still ACKs RDMA at the NIC/kernel level but stops taking
+    notices and control messages: the sender stalls (receiver-not-ready) and the request fails
+    PEER_DIED once the control-plane heartbeat times out; tearing down the stalled QPs is clean."""
+    n_a, n_r = 4096 * KiB, 64 * KiB
+    proc = _spawn("receiver", str(n_a), str(n_r))
+    tx = Endpoint(backend="verbs", name="tx", peer_timeout_s=3.0,
+                  policy=PriorityPolicy(chunk_bytes=16 * KiB), backend_options=_options())
+    try:
+        address = _readline(proc, 90)
+        s_tx = tx.connect(address, timeout=60)
+        src = tx.register(_pattern(n_a + n_r, 6))
+        s_tx.wait_announcement(1, timeout=60)
+        s_tx.write_stream(1, A, src, 0, n_a)
+        s_tx.finish(1, A)
+        while s_tx.send_state(1, A).nbytes == 0:
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        st = s_tx.wait_sent(1, A, timeout=60)
+        assert st.status is Status.FAILED and st.reason is FailureReason.PEER_DIED, st
+        assert st.t_done - t_stop < 30.0, st.t_done - t_stop
+        assert st.nbytes < n_a
+        print(f"receiver stopped: sender failed the Anchor after {st.t_done - t_stop:.2f}s "
+              f"({st.nbytes}/{n_a} B sent): {st.detail}")
+        s_tx.release(1, timeout=5)
+        tx.deregister(src)
+    finally:
+        proc.kill()
+        proc.wait(30)
+        tx.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("lynx-verbs")]
