@@ -298,7 +298,7 @@ def test_strict_priority_anchor_overtakes_residual():
     try:
         s_tx = tx.connect(rx.address, timeout=5)
         s_rx = rx.accept(timeout=5)
-        n_r, n_a = 40 * MiB, 4 * MiB
+        n_r, n_a = 40 * MiB, 8 * MiB
         stage = np.zeros(n_r + n_a, np.uint8)
         dst = rx.register(stage)
         src = tx.register(_pattern(n_r + n_a, 5))
@@ -315,9 +315,10 @@ def test_strict_priority_anchor_overtakes_residual():
         a = s_rx.wait(2, A, timeout=30)
         r_after = s_rx.recv_state(1, R)
         assert a.ok and r_after.status is Status.PENDING
-        # a fair share would have moved ~n_a residual bytes meanwhile; strict priority only lets
-        # through what was already handed to the kernel (one capped send) and one paced slice
-        assert r_after.nbytes - r_before <= MiB, (r_before, r_after.nbytes)
+        # a fair share would have moved ~n_a (8 MiB) residual bytes meanwhile; strict priority
+        # only lets through the chunk that was partly sent when the anchor came (and on a loaded
+        # machine one more that lands while the receiver still reads the anchor's tail)
+        assert r_after.nbytes - r_before <= 2 * MiB, (r_before, r_after.nbytes)
         assert s_rx.wait(1, R, timeout=30).ok
         assert np.array_equal(stage, np.asarray(src.view))
     finally:
