@@ -112,6 +112,8 @@ class _RxRoom:
     created: float = field(default_factory=time.monotonic)
     session: Session | None = None
     anchors: dict | None = None
+    # time.monotonic() (system-wide on Linux, so comparable with the transport's timestamps)
+    t_anchor_landed: float | None = None
     t_anchor_applied: float | None = None
     residual_applied: bool = False
     prefill_success: bool = False
@@ -421,6 +423,7 @@ class LynxKVManager(MooncakeKVManager):
             rx.anchors = apply_anchor(view[:a_len], pool, rx.slots, self.spec, rx.room)
             for index, data in unpack_aux(st.aux or b""):
                 AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, rx.aux_index, data)
+            rx.t_anchor_landed = st.t_done
             rx.t_anchor_applied = time.monotonic()
         st = rx.session.recv_state(rx.room, Stream.RESIDUAL)
         if st.status is Status.FAILED:
@@ -434,6 +437,16 @@ class LynxKVManager(MooncakeKVManager):
             torch.cuda.current_stream(pool.device).synchronize()
         rx.residual_applied = True
         rx.anchors = None
+        # One line per request for benchmarks and timelines (wall-clock seconds).
+        now_mono, now_wall = time.monotonic(), time.time()
+        wall = lambda t: None if t is None else round(now_wall - (now_mono - t), 6)  # noqa: E731
+        logger.info("lynx transfer %s", json.dumps({
+            "room": rx.room, "tokens": len(rx.slots),
+            "anchor_bytes": rx.sizes[WireStream.ANCHOR],
+            "residual_bytes": rx.sizes[WireStream.RESIDUAL],
+            "announced": wall(rx.created), "anchor_landed": wall(rx.t_anchor_landed),
+            "anchor_applied": wall(rx.t_anchor_applied), "residual_landed": wall(st.t_done),
+            "residual_applied": round(now_wall, 6)}))
         self._release(rx)
         if rx.prefill_success:
             self._finish(rx)

@@ -14,7 +14,8 @@ lynx chosen: (launcher process, from the `from_cli_args` hook) check the SGLang 
              `get_kv_class` mapping.
 worker with the Lynx config in its environment: install the backend, and in a scheduler process
              (where SGLang's prefill/decode queue modules are already imported) hook the two
-             `_init_kv_manager` methods to hand the KV pool tensors to the Lynx KV manager.
+             `_init_kv_manager` methods to hand the KV pool tensors to the Lynx KV manager;
+             with `LYNX_SGLANG_REFERENCE_KV=1` also the codec reference mode (reference_kv).
 
 Every hook is listed with its target, kind and reason in patches/README.md.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import cpu_compat
+from . import cpu_compat, reference_kv
 from .config import LynxConfig, add_lynx_arguments
 from .sglang_support import check_server_options, check_sglang_version
 
@@ -44,7 +45,7 @@ PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQue
 DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 # Every HookRegistry target (patches/README.md documents each; a test resolves each one).
 HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
-                DECODE_INIT_KV_MANAGER)
+                DECODE_INIT_KV_MANAGER, reference_kv.PROCESS_BATCH_RESULT)
 
 _backend_installed = False
 
@@ -67,6 +68,9 @@ def register() -> None:
             HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
+        if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
+            HookRegistry.register(reference_kv.PROCESS_BATCH_RESULT,
+                                  reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
 
 
 def _add_cli_args_after(result, parser):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 
 import pytest
 
 from lynx_sglang.client import generate
 from lynx_sglang.cluster import Cluster, ClusterMode, ClusterSpec
+from lynx_sglang.config import LynxConfig
 
 # Short prompts keep CI time small; the long one spans several Lynx chunks (256 tokens each) and
 # a partial last group.
@@ -25,6 +27,9 @@ PROMPTS = (
     + " Question: what is the value of key k17? Answer:",
 )
 MAX_NEW_TOKENS = 16
+# Codec of the INT8 reference and of the int8 PD test (for target int8 the full reconstruction
+# depends on the grouping, not on the anchor bits).
+INT8_CODEC = LynxConfig(target="int8", anchor_bits=4, group_size=64)
 
 
 def _skip_reason() -> str | None:
@@ -64,6 +69,25 @@ def start_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pd_link() -> str | None:
+    """The link PD clusters run over: 1 Gbit/s shaped veth between two network namespaces when
+    this runs as root with iproute2 (as in CI), else loopback (None)."""
+    import os
+    import shutil
+
+    from lynx_sglang.netns import NETLAB
+
+    if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") and NETLAB.is_file():
+        return "1gbit"
+    return None
+
+
+@pytest.fixture(scope="session")
+def int8_codec() -> LynxConfig:
+    return INT8_CODEC
+
+
+@pytest.fixture(scope="session")
 def prompts() -> tuple[str, ...]:
     return PROMPTS
 
@@ -73,17 +97,46 @@ def max_new_tokens() -> int:
     return MAX_NEW_TOKENS
 
 
+@dataclasses.dataclass(frozen=True)
+class References:
+    exact: dict[str, list[int]]
+    int8: dict[str, list[int]]
+
+
 @pytest.fixture(scope="session")
-def reference_outputs(tmp_path_factory) -> dict[str, list[int]]:
-    """Greedy output_ids of a single (non-disaggregated) server for PROMPTS; the server is
-    stopped as soon as they are collected."""
+def references(tmp_path_factory) -> References:
+    """Greedy output_ids of one single (non-disaggregated) server for PROMPTS: full precision,
+    and with each prompt's KV reconstructed through the INT8 codec (INT8_CODEC) right after its
+    prefill (`lynx_sglang.reference_kv`). The server is stopped as soon as they are collected."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
+    from lynx_sglang.config import CONFIG_ENV
     from lynx_sglang.model import embedded_model_dir
+    from lynx_sglang.reference_kv import REFERENCE_ENV, REQUEST_FLAG
 
-    spec = ClusterSpec(str(embedded_model_dir()), ClusterMode.SINGLE,
-                       run_dir=tmp_path_factory.mktemp("single"))
+    spec = ClusterSpec(
+        str(embedded_model_dir()), ClusterMode.SINGLE, run_dir=tmp_path_factory.mktemp("single"),
+        server_args=("--disable-radix-cache",),
+        extra_env={CONFIG_ENV: json.dumps(dataclasses.asdict(INT8_CODEC)), REFERENCE_ENV: "1"},
+    )
     with Cluster(spec) as cluster:
-        return {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS).output_ids
+        exact = {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS).output_ids
+                 for p in PROMPTS}
+        int8 = {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
+                            sampling={"custom_params": {REQUEST_FLAG: True}}).output_ids
                 for p in PROMPTS}
+        log = cluster.log_path("server").read_text(errors="replace")
+    # Exactly the flagged requests had their prompt KV reconstructed.
+    assert log.count("lynx reference:") == len(PROMPTS), log[-3000:]
+    return References(exact, int8)
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(references) -> dict[str, list[int]]:
+    return references.exact
+
+
+@pytest.fixture(scope="session")
+def int8_reference_outputs(references) -> dict[str, list[int]]:
+    return references.int8

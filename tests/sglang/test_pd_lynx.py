@@ -1,7 +1,8 @@
 """End to end through real SGLang: prefill + decode + router with
 `--disaggregation-transfer-backend lynx`, greedy decoding.
 
-One cluster for the module (target exact): outputs must be token-identical to a single server.
+One cluster for the module (target exact; over a 1 Gbit/s shaped link between two network
+namespaces when run as root): outputs must be token-identical to a single server.
 The prefill holds each request's Residual back for a few seconds after its Anchor (fault-injection
 knob of the Lynx sender), which lets the last test kill the prefill between Anchor and Residual:
 the client must get an error, not a hang; the decode must free the request's KV slots and serve
@@ -26,9 +27,9 @@ TRANSFER_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def lynx_cluster(sglang_model, start_cluster):
+def lynx_cluster(sglang_model, start_cluster, pd_link):
     return start_cluster(ClusterSpec(
-        sglang_model, ClusterMode.PD, "lynx",
+        sglang_model, ClusterMode.PD, "lynx", link=pd_link,
         server_args=("--lynx-target", "exact",
                      "--lynx-transfer-timeout-s", str(TRANSFER_TIMEOUT_S)),
         extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
