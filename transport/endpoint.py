@@ -875,12 +875,7 @@ class Endpoint:
 
     def _drain(self, sid: bytes, request_id: int, timeout: float,
                stream: Stream | None = None) -> bool:
-        if stream is None:
-            return self.backend.drain(sid, request_id, timeout)
-        try:
-            return self.backend.drain(sid, request_id, timeout, stream=stream)
-        except TypeError:  # a backend written against the first contract (no `stream`)
-            return self.backend.drain(sid, request_id, timeout)
+        return self.backend.drain(sid, request_id, timeout, stream=stream)
 
     def _abort_request(self, s: Session, request_id: int, stream: Stream | None,
                        reason: FailureReason, detail: str, notify: bool) -> None:
