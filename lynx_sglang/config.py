@@ -72,8 +72,6 @@ class LynxConfig:
             raise LynxConfigError(
                 f"--lynx-transport must be one of {TRANSPORTS}, got {self.transport!r}"
             )
-        if self.transport == "verbs" and not self.ib_device:
-            raise LynxConfigError("--lynx-transport verbs needs --lynx-ib-device (e.g. rxe0)")
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.group_size:
             raise LynxConfigError(
                 f"--lynx-chunk-tokens must be a positive multiple of --lynx-group-size "
@@ -147,7 +145,8 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lynx-transport", choices=TRANSPORTS, default=d.transport,
                    help=f"data plane for the two KV streams (default {d.transport})")
     g.add_argument("--lynx-ib-device", default=d.ib_device,
-                   help="RDMA device for --lynx-transport verbs (e.g. mlx5_0, rxe0)")
+                   help="RDMA device for --lynx-transport verbs (e.g. mlx5_0, rxe0; default: the "
+                        "first device)")
     g.add_argument("--lynx-chunk-tokens", type=int, default=d.chunk_tokens,
                    help="tokens per wire chunk, a multiple of the group size "
                         f"(default {d.chunk_tokens})")
