@@ -19,8 +19,9 @@ Data path, per request ("room"):
   travels with the Anchor's completion notice. Then it reports Success to SGLang (its KV may be
   freed: everything it needs is in staging, which is freed when the transport has delivered it).
 - Decode applier thread: when the Anchor stream is complete, dequantize it into the request's KV
-  pool slots and write the aux data; when the Residual stream is complete, overwrite the same
-  slots with the full-precision values. Only then does the room become Success for SGLang (a
+  pool slots (skipped if the Residual has already landed too: nothing reads Anchor-precision KV
+  before Success here) and write the aux data; when the Residual stream is complete, overwrite the
+  same slots with the full-precision values. Only then does the room become Success for SGLang (a
   prefill "Success" status arriving earlier is held back), so nothing in SGLang - attention,
   prefix cache, offload - sees Anchor-precision KV in this non-speculative backend.
 - Sessions: the prefill connects to the decode's transport endpoint (its address is the
@@ -64,12 +65,13 @@ from .config import FAULT_RESIDUAL_DELAY_ENV, LynxConfig
 from .kv_streams import (
     KVPoolView,
     KVStreamError,
-    apply_anchor,
     apply_residual,
     encode_layer,
     pack_aux,
+    parse_anchor,
     stream_nbytes,
     unpack_aux,
+    write_anchor,
 )
 from .sglang_support import check_sglang_version
 from .staging import StagingPool, StagingRange
@@ -420,11 +422,15 @@ class LynxKVManager(MooncakeKVManager):
                 return
             if not st.ok:
                 return
-            rx.anchors = apply_anchor(view[:a_len], pool, rx.slots, self.spec, rx.room)
+            rx.anchors = parse_anchor(view[:a_len], pool, len(rx.slots), self.spec, rx.room)
+            rx.t_anchor_landed = st.t_done
+            # Nothing reads Anchor-precision KV before Success in this non-speculative backend:
+            # when the Residual has landed too, go straight to full precision.
+            if not rx.session.recv_state(rx.room, Stream.RESIDUAL).ok:
+                write_anchor(rx.anchors, pool, rx.slots)
+                rx.t_anchor_applied = time.monotonic()
             for index, data in unpack_aux(st.aux or b""):
                 AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, rx.aux_index, data)
-            rx.t_anchor_landed = st.t_done
-            rx.t_anchor_applied = time.monotonic()
         st = rx.session.recv_state(rx.room, Stream.RESIDUAL)
         if st.status is Status.FAILED:
             self._fail_room(rx, f"Residual stream failed: {st.reason.value} {st.detail}")

@@ -156,21 +156,35 @@ def _check_header(h: ChunkHeader, spec: CodecSpec, shape: KVShape, num_tokens: i
                             f"{shape.num_layers}-layer request of {num_tokens} tokens")
 
 
-def apply_anchor(stream_bytes: memoryview, pool: KVPoolView, slots: torch.Tensor,
+def parse_anchor(stream_bytes: memoryview, pool: KVPoolView, num_tokens: int,
                  spec: CodecSpec, request_tag: int) -> dict[tuple[int, StreamKind, int], Chunk]:
-    """Write the Anchor reconstruction of every chunk into the decode pool's `slots`; return the
-    parsed Anchor chunks keyed by (layer, kind, token_start) for `apply_residual`."""
+    """Validate a landed Anchor stream (every chunk, and that the chunks tile every layer's K and
+    V over [0, num_tokens)); return its chunks keyed by (layer, kind, token_start)."""
     shape = pool.shape
-    num_tokens = len(slots)
-    placed: dict[tuple[int, StreamKind, int], Chunk] = {}
+    chunks: dict[tuple[int, StreamKind, int], Chunk] = {}
     for chunk in iter_chunks(stream_bytes):
         h = chunk.header
         _check_header(h, spec, shape, num_tokens, request_tag, WireStream.ANCHOR)
+        chunks[(h.layer, h.kind, h.token_start)] = chunk
+    _check_coverage(chunks, shape, num_tokens)
+    return chunks
+
+
+def write_anchor(anchors: dict[tuple[int, StreamKind, int], Chunk], pool: KVPoolView,
+                 slots: torch.Tensor) -> None:
+    """Write the Anchor reconstruction of every chunk into the decode pool's `slots`."""
+    for chunk in anchors.values():
+        h = chunk.header
         values = decode(chunk.to_encoded(pool.device), "anchor")
         pool.layer(h.layer, h.kind)[slots[h.token_start: h.token_end]] = values
-        placed[(h.layer, h.kind, h.token_start)] = chunk
-    _check_coverage(placed, shape, num_tokens)
-    return placed
+
+
+def apply_anchor(stream_bytes: memoryview, pool: KVPoolView, slots: torch.Tensor,
+                 spec: CodecSpec, request_tag: int) -> dict[tuple[int, StreamKind, int], Chunk]:
+    """`parse_anchor` then `write_anchor`; returns the parsed chunks for `apply_residual`."""
+    anchors = parse_anchor(stream_bytes, pool, len(slots), spec, request_tag)
+    write_anchor(anchors, pool, slots)
+    return anchors
 
 
 def apply_residual(stream_bytes: memoryview, anchors: dict[tuple[int, StreamKind, int], Chunk],

@@ -14,6 +14,7 @@ from lynx_sglang.kv_streams import (
     apply_residual,
     encode_layer,
     pack_aux,
+    parse_anchor,
     stream_nbytes,
     unpack_aux,
 )
@@ -66,6 +67,21 @@ def test_round_trip(target, num_tokens):
             if target == "exact":
                 assert torch.equal(d[layer][dst_slots], x)
         assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
+
+
+@pytest.mark.parametrize("target", ["exact", "int8"])
+def test_residual_straight_after_parsing(target):
+    """When both streams have landed the decode skips the Anchor write: parse + residual alone
+    must give the same full-precision slots."""
+    spec = CodecSpec(target=target)
+    src, dst = _pool(0), _pool(1)
+    slots = torch.arange(300)
+    anchor, residual = _streams(src, slots, spec, 256, tag=5)
+    anchors = parse_anchor(memoryview(anchor), dst, len(slots), spec, request_tag=5)
+    apply_residual(memoryview(residual), anchors, dst, slots, spec, request_tag=5)
+    for layer in range(LAYERS):
+        full = decode(encode(src.v[layer][slots], spec, "v"), "full")
+        assert torch.equal(dst.v[layer][slots], full)
 
 
 def test_mismatches_are_refused():
