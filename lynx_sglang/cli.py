@@ -38,6 +38,11 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "bytes per token per stream and error statistics of the Lynx codec for a model's KV shape",
     ),
     Subcommand(
+        "demo",
+        "lynx_sglang.demo",
+        "PD demo: Lynx vs mooncake_tcp on one link, long-context request; TTFT table + timeline",
+    ),
+    Subcommand(
         "up",
         "lynx_sglang.cluster",
         "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",

@@ -53,3 +53,70 @@ def generate(url: str, *, text: str | None = None, input_ids: list[int] | None =
     if isinstance(finish, dict) and finish.get("type") == "abort":
         raise GenerateError(f"request aborted: {finish.get('message')}")
     return Generation(reply.get("text", ""), list(reply.get("output_ids", [])), finish, meta)
+
+
+@dataclass(frozen=True)
+class StreamedGeneration:
+    """A streamed /generate: wall-clock `time.time()` of the send, of the first chunk carrying a
+    token and of the last one, and all output ids."""
+
+    output_ids: list[int]
+    prompt_tokens: int
+    t_send: float
+    t_first_token: float
+    t_last_token: float
+
+
+def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
+                    timeout_s: float = 300.0) -> StreamedGeneration:
+    """Greedy /generate with `"stream": true`, reading SGLang's server-sent events. `timeout_s`
+    bounds each socket read; raises GenerateError on HTTP errors, aborts or an empty stream."""
+    import time
+
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    req = urllib.request.Request(
+        url.rstrip("/") + "/generate", data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    chunks: list[list[int]] = []
+    t_first = t_last = None
+    meta: dict = {}
+    t_send = time.time()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise GenerateError(f"server error: {event['error']}")
+                meta = event.get("meta_info", meta)
+                finish = meta.get("finish_reason")
+                if isinstance(finish, dict) and finish.get("type") == "abort":
+                    raise GenerateError(f"request aborted: {finish.get('message')}")
+                ids = list(event.get("output_ids", []))
+                if ids:
+                    now = time.time()
+                    t_first = t_first or now
+                    t_last = now
+                    chunks.append(ids)
+    except urllib.error.HTTPError as exc:
+        raise GenerateError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise GenerateError(f"request to {url} failed: {exc}") from exc
+    if t_first is None:
+        raise GenerateError("the stream carried no output token")
+    # SGLang streams either the new ids per chunk or all ids so far; completion_tokens tells which.
+    n = meta.get("completion_tokens", 0)
+    flat = [i for c in chunks for i in c]
+    output_ids = flat if len(flat) == n else chunks[-1]
+    if len(output_ids) != n:
+        raise GenerateError(f"stream gave {len(flat)} ids in {len(chunks)} chunks, "
+                            f"server says {n} completion tokens")
+    return StreamedGeneration(output_ids, int(meta.get("prompt_tokens", len(input_ids))),
+                              t_send, t_first, t_last)

@@ -16,6 +16,8 @@ worker with the Lynx config in its environment: install the backend, and in a sc
              (where SGLang's prefill/decode queue modules are already imported) hook the two
              `_init_kv_manager` methods to hand the KV pool tensors to the Lynx KV manager;
              with `LYNX_SGLANG_REFERENCE_KV=1` also the codec reference mode (reference_kv).
+any scheduler with `LYNX_SGLANG_TIMELINE=1` (any backend): log when each prefill forward is done
+             (timeline, for the demo).
 
 Every hook is listed with its target, kind and reason in patches/README.md.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import cpu_compat, reference_kv
+from . import cpu_compat, reference_kv, timeline
 from .config import LynxConfig, add_lynx_arguments
 from .sglang_support import check_server_options, check_sglang_version
 
@@ -71,6 +73,9 @@ def register() -> None:
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
             HookRegistry.register(reference_kv.PROCESS_BATCH_RESULT,
                                   reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
+    if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
+        HookRegistry.register(timeline.PROCESS_BATCH_RESULT, timeline.prefill_done_before,
+                              HookType.BEFORE)
 
 
 def _add_cli_args_after(result, parser):
