@@ -42,9 +42,12 @@ class LynxConfig:
     group_size: int = 64
     target: str = "int8"
     k_grouping: str = "channel"
-    sink_tokens: int = 0
-    recent_tokens: int = 0
-    rotate: bool = False
+    # Anchor defaults from the anchor study (README "Anchor defaults: what we measured"): rotation +
+    # 4 sink + 16 recent protected tokens cut the naive Anchor's disagreement with exact decoding
+    # from 6.1% to 1.9% on SmolLM2 for +0.01 of BF16 bytes.
+    sink_tokens: int = 4
+    recent_tokens: int = 16
+    rotate: bool = True
     transport: str = "tcp"
     ib_device: str | None = None
     chunk_tokens: int = 256
@@ -140,8 +143,9 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lynx-recent-tokens", type=int, default=d.recent_tokens,
                    help="last tokens of each request carried at full precision in the Anchor "
                         f"(default {d.recent_tokens})")
-    g.add_argument("--lynx-rotate", action="store_true",
-                   help="apply a random-sign Hadamard rotation over head_dim before quantizing")
+    g.add_argument("--lynx-rotate", action=argparse.BooleanOptionalAction, default=d.rotate,
+                   help="random-sign Hadamard rotation over head_dim before quantizing (needs a "
+                        f"power-of-two head_dim; default {'on' if d.rotate else 'off'})")
     g.add_argument("--lynx-transport", choices=TRANSPORTS, default=d.transport,
                    help=f"data plane for the two KV streams (default {d.transport})")
     g.add_argument("--lynx-ib-device", default=d.ib_device,

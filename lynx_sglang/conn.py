@@ -61,7 +61,7 @@ from lynx_kernels import WireStream
 from lynx_transport import Endpoint, Session, Status, Stream, TransportError
 from lynx_transport.types import MAX_REQUEST_ID
 
-from .config import FAULT_RESIDUAL_DELAY_ENV, LynxConfig
+from .config import FAULT_RESIDUAL_DELAY_ENV, LynxConfig, LynxConfigError
 from .kv_streams import (
     KVPoolView,
     KVStreamError,
@@ -181,6 +181,13 @@ class LynxKVManager(MooncakeKVManager):
     def attach_kv_pool(self, pool) -> None:
         """Called (plugin hook) right after SGLang built this manager, with its KV pool."""
         self.pool = KVPoolView.from_sglang_pool(pool)
+        head_dim = self.pool.shape.head_dim
+        if self.spec.rotate and head_dim & (head_dim - 1):
+            # Refuse at start-up rather than failing every request in the codec later.
+            raise LynxConfigError(
+                f"--lynx-rotate needs a power-of-two head_dim, this model's is {head_dim}: "
+                "pass --no-lynx-rotate on prefill and decode"
+            )
 
     def _require_pool(self) -> KVPoolView:
         if self.pool is None:
