@@ -30,7 +30,8 @@ from .timeline import TIMELINE_ENV, prefill_done_events
 BACKENDS = ("lynx", "mooncake_tcp")
 BACKEND_ARGS = {"lynx": ("--lynx-target", "exact"), "mooncake_tcp": ()}
 WARMUP_PROMPT = "The capital of France is"
-TRANSFER_PREFIX = "lynx transfer "
+# The decode's per-request JSON line (not its "lynx transfer backend selected" start-up line).
+TRANSFER_PREFIX = "lynx transfer {"
 # Lynx timeline points of the decode's `lynx transfer` line, in order.
 LYNX_EVENTS = ("anchor_landed", "anchor_applied", "residual_landed", "residual_applied")
 
@@ -109,7 +110,7 @@ def _last_transfer_line(log_text: str) -> dict:
     lines = [ln for ln in log_text.splitlines() if TRANSFER_PREFIX in ln]
     if not lines:
         raise DemoError("the decode log has no `lynx transfer` line")
-    return json.loads(lines[-1][lines[-1].index(TRANSFER_PREFIX) + len(TRANSFER_PREFIX):])
+    return json.loads(lines[-1][lines[-1].index(TRANSFER_PREFIX) + len(TRANSFER_PREFIX) - 1:])
 
 
 def run_backend(backend: str, *, model_dir: Path, prompt_ids: list[int], max_new_tokens: int,

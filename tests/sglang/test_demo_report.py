@@ -68,3 +68,12 @@ def test_prefill_done_events_parses_log_lines():
            ' "tokens": 5, "t": 1.5}\n')
     assert prefill_done_events(log) == [{"rid": "a", "event": "prefill_done", "tokens": 5,
                                          "t": 1.5}]
+
+
+def test_transfer_line_skips_the_startup_line():
+    from lynx_sglang.demo import _last_transfer_line
+
+    log = ("[t] lynx transfer backend selected: LynxConfig(...)\n"
+           '[t] lynx transfer {"room": 1, "tokens": 9}\n'
+           "[t] lynx transfer backend selected: LynxConfig(...)\n")
+    assert _last_transfer_line(log) == {"room": 1, "tokens": 9}
