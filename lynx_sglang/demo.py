@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -173,8 +174,16 @@ def _fmt_bytes(result: BackendResult) -> str:
             f"Residual {mib(result.stream_bytes['residual'])}")
 
 
+def outputs_identical(results: list[BackendResult]) -> bool | None:
+    """None when there is only one backend to compare."""
+    if len(results) < 2:
+        return None
+    return len({tuple(r.output_ids) for r in results}) == 1
+
+
 def format_table(results: list[BackendResult], link_desc: str) -> str:
-    identical = len({tuple(r.output_ids) for r in results}) == 1
+    identical = outputs_identical(results)
+    verdict = {True: "yes", False: "NO", None: "n/a (one backend)"}[identical]
     head = ("backend", "TTFT", "net TTFT", "bytes per stream", "total")
     rows = [(r.backend, f"{r.ttft_s * 1e3:.0f} ms", f"{r.network_ttft_s * 1e3:.0f} ms",
              _fmt_bytes(r), f"{r.last_token_s * 1e3:.0f} ms") for r in results]
@@ -183,7 +192,7 @@ def format_table(results: list[BackendResult], link_desc: str) -> str:
     lines = [f"link: {link_desc}; prompt {results[0].prompt_tokens} tokens, "
              f"{len(results[0].output_ids)} new tokens, greedy",
              fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows),
-             f"outputs identical across backends: {'yes' if identical else 'NO'}",
+             f"outputs identical across backends: {verdict}",
              "TTFT: send -> first token at the client; net TTFT: prefill forward done (prefill "
              "log) -> first token at the client; total: send -> last token."]
     if any(not r.bytes_measured for r in results):
@@ -281,17 +290,21 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.monotonic()
     results = []
-    for backend in backends:
-        results.append(run_backend(
-            backend, model_dir=model_dir, prompt_ids=prompt_ids,
-            max_new_tokens=args.max_new_tokens, link=link,
-            run_dir=(args.out / "demo_runs" / backend).resolve(), kv_shape=kv_shape,
-            startup_timeout_s=args.startup_timeout_s,
-            request_timeout_s=args.request_timeout_s))
+    try:
+        for backend in backends:
+            results.append(run_backend(
+                backend, model_dir=model_dir, prompt_ids=prompt_ids,
+                max_new_tokens=args.max_new_tokens, link=link,
+                run_dir=(args.out / "demo_runs" / backend).resolve(), kv_shape=kv_shape,
+                startup_timeout_s=args.startup_timeout_s,
+                request_timeout_s=args.request_timeout_s))
+    except KeyboardInterrupt:
+        print("[demo] interrupted; the running cluster was stopped", file=sys.stderr)
+        return 130
     table = format_table(results, link_desc)
     print()
     print(table)
-    identical = len({tuple(r.output_ids) for r in results}) == 1
+    identical = outputs_identical(results)
     (args.out / "demo.json").write_text(json.dumps({
         "link": link, "link_desc": link_desc, "model": str(model_dir),
         "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
@@ -302,6 +315,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{results[0].prompt_tokens}-token prompt, {link_desc}")
     print(f"\n[demo] wrote {args.out / 'demo.json'} and {args.out / 'demo_timeline.png'} "
           f"({time.monotonic() - t0:.0f} s)")
-    return 0 if identical else 1
+    return 1 if identical is False else 0
 
 

@@ -77,3 +77,8 @@ def test_transfer_line_skips_the_startup_line():
            '[t] lynx transfer {"room": 1, "tokens": 9}\n'
            "[t] lynx transfer backend selected: LynxConfig(...)\n")
     assert _last_transfer_line(log) == {"room": 1, "tokens": 9}
+
+
+def test_single_backend_has_no_verdict():
+    table = format_table([_result("lynx", [1, 2], **LYNX)], "loopback")
+    assert "outputs identical across backends: n/a (one backend)" in table
