@@ -45,9 +45,10 @@ FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 # Every HookRegistry target (patches/README.md documents each; a test resolves each one).
 HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
-                DECODE_INIT_KV_MANAGER, reference_kv.PROCESS_BATCH_RESULT)
+                DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT)
 
 _backend_installed = False
 
@@ -71,10 +72,10 @@ def register() -> None:
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
-            HookRegistry.register(reference_kv.PROCESS_BATCH_RESULT,
+            HookRegistry.register(PROCESS_BATCH_RESULT,
                                   reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
-        HookRegistry.register(timeline.PROCESS_BATCH_RESULT, timeline.prefill_done_before,
+        HookRegistry.register(PROCESS_BATCH_RESULT, timeline.prefill_done_before,
                               HookType.BEFORE)
 
 

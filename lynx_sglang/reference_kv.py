@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
 REQUEST_FLAG = "lynx_reference_kv"
-PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 
 
 def enabled() -> bool:

@@ -17,7 +17,6 @@ import time
 logger = logging.getLogger(__name__)
 
 TIMELINE_ENV = "LYNX_SGLANG_TIMELINE"
-PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 PREFIX = "lynx timeline "
 
 

@@ -19,7 +19,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,19 +255,24 @@ class Session:
         return StreamState(request_id, stream, rs.status, rs.landed, rs.expected, rq.t_start,
                            rs.t_first, rs.t_done, rs.reason, rs.detail, rs.aux)
 
-    def wait(self, request_id: int, stream: Stream, timeout: float | None = None) -> StreamState:
-        """Block until (request, stream) is terminal on the receiver side or `timeout` passes;
-        returns the snapshot either way (check `.done`)."""
+    def _wait_done(self, state: Callable[[], StreamState], timeout: float | None) -> StreamState:
+        """Poll `state()` under the session condition until it is terminal or `timeout` passes;
+        returns the last snapshot either way (check `.done`)."""
         end = None if timeout is None else _now() + timeout
         with self._cond:
             while True:
-                st = self.recv_state(request_id, stream)
+                st = state()
                 if st.done:
                     return st
                 left = None if end is None else end - _now()
                 if left is not None and left <= 0:
                     return st
                 self._cond.wait(0.05 if left is None else min(left, 0.05))
+
+    def wait(self, request_id: int, stream: Stream, timeout: float | None = None) -> StreamState:
+        """Block until (request, stream) is terminal on the receiver side or `timeout` passes;
+        returns the snapshot either way (check `.done`)."""
+        return self._wait_done(lambda: self.recv_state(request_id, stream), timeout)
 
     def pending_requests(self) -> list[int]:
         """Request ids announced here and not yet released."""
@@ -417,16 +422,7 @@ class Session:
 
     def wait_sent(self, request_id: int, stream: Stream, timeout: float | None = None
                   ) -> StreamState:
-        end = None if timeout is None else _now() + timeout
-        with self._cond:
-            while True:
-                st = self.send_state(request_id, stream)
-                if st.done:
-                    return st
-                left = None if end is None else end - _now()
-                if left is not None and left <= 0:
-                    return st
-                self._cond.wait(0.05 if left is None else min(left, 0.05))
+        return self._wait_done(lambda: self.send_state(request_id, stream), timeout)
 
     def abort(self, request_id: int, reason: str = "aborted by user") -> None:
         """Fail every pending stream of `request_id` on both sides (either role)."""
