@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from session_pair import connected_pair, pattern
 
 from lynx_transport import (
     Endpoint,
@@ -36,20 +37,8 @@ MiB = 1 << 20
 @pytest.fixture
 def pair():
     """(receiver endpoint, sender endpoint, receiver session, sender session)."""
-    rx = Endpoint(name="rx", peer_timeout_s=3.0)
-    tx = Endpoint(name="tx", peer_timeout_s=3.0)
-    try:
-        s_tx = tx.connect(rx.address, timeout=5)
-        s_rx = rx.accept(timeout=5)
-        assert s_rx is not None
-        yield rx, tx, s_rx, s_tx
-    finally:
-        tx.close()
-        rx.close()
-
-
-def _pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    yield from connected_pair(Endpoint(name="rx", peer_timeout_s=3.0),
+                              Endpoint(name="tx", peer_timeout_s=3.0), timeout=5)
 
 
 @pytest.mark.timeout(60)
@@ -58,7 +47,7 @@ def test_roundtrip_api(pair):
     n_a, n_r = 3 * MiB + 17, 5 * MiB + 3
     stage = np.zeros(n_a + n_r + 100, np.uint8)
     dst = rx.register(stage)
-    src_arr = _pattern(n_a + n_r, 1)
+    src_arr = pattern(n_a + n_r, 1)
     src = tx.register(src_arr)
     # announced in two extents for the residual, to exercise write_stream's scatter
     s_rx.announce(5, {A: [(dst.id, 0, n_a)],
@@ -99,7 +88,7 @@ def test_raw_pointer_regions_and_empty_stream(pair):
     rx, tx, s_rx, s_tx = pair
     n = 1 * MiB
     dst_buf = (ctypes.c_uint8 * n)()
-    src_buf = (ctypes.c_uint8 * n).from_buffer_copy(_pattern(n, 2).tobytes())
+    src_buf = (ctypes.c_uint8 * n).from_buffer_copy(pattern(n, 2).tobytes())
     dst = rx.register(ctypes.addressof(dst_buf), n)
     src = tx.register(ctypes.addressof(src_buf), n)
     s_rx.announce(1, {A: [(dst.id, 0, n)], R: [(dst.id, 0, 0)]})
@@ -236,7 +225,7 @@ def test_corrupt_chunk_reported_never_complete(pair):
     rx, tx, s_rx, s_tx = pair
     stage = np.zeros(8 * MiB, np.uint8)
     dst = rx.register(stage)
-    src = tx.register(_pattern(8 * MiB, 3))
+    src = tx.register(pattern(8 * MiB, 3))
     s_rx.announce(1, {A: [(dst.id, 0, 2 * MiB)], R: [(dst.id, 2 * MiB, 2 * MiB)]})
     s_rx.announce(2, {A: [(dst.id, 4 * MiB, 2 * MiB)], R: [(dst.id, 6 * MiB, 2 * MiB)]})
     s_tx.wait_announcement(2, timeout=5)
@@ -269,7 +258,7 @@ def test_checksum_off_and_weighted_policy():
         n = 8 * MiB
         stage = np.zeros(2 * n, np.uint8)
         dst = rx.register(stage)
-        src_arr = _pattern(2 * n, 4)
+        src_arr = pattern(2 * n, 4)
         src = tx.register(src_arr)
         s_rx.announce(1, {A: [(dst.id, 0, n)], R: [(dst.id, n, n)]})
         s_tx.wait_announcement(1, timeout=5)
@@ -301,7 +290,7 @@ def test_strict_priority_anchor_overtakes_residual():
         n_r, n_a = 40 * MiB, 8 * MiB
         stage = np.zeros(n_r + n_a, np.uint8)
         dst = rx.register(stage)
-        src = tx.register(_pattern(n_r + n_a, 5))
+        src = tx.register(pattern(n_r + n_a, 5))
         s_rx.announce(1, {R: [(dst.id, 0, n_r)]})
         s_rx.announce(2, {A: [(dst.id, n_r, n_a)]})
         s_tx.wait_announcement(2, timeout=5)
@@ -443,7 +432,7 @@ def test_crc32_used_when_peer_lacks_xxhash():
         assert tx.backend._sessions[s_tx.id].use_xxh3 is False
         stage = np.zeros(4 * MiB, np.uint8)
         dst = rx.register(stage)
-        src_arr = _pattern(4 * MiB, 9)
+        src_arr = pattern(4 * MiB, 9)
         src = tx.register(src_arr)
         s_rx.announce(1, {A: [(dst.id, 0, 2 * MiB)], R: [(dst.id, 2 * MiB, 2 * MiB)]})
         s_tx.wait_announcement(1, timeout=5)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from session_pair import connected_pair, pattern
 
 from lynx_transport import (
     BackendUnavailableError,
@@ -72,20 +73,7 @@ def _endpoint(name: str, chunk: int = 64 * KiB, mode: str = "strict", **opts) ->
 @pytest.fixture
 def pair():
     """(receiver endpoint, sender endpoint, receiver session, sender session)."""
-    rx = _endpoint("rx")
-    tx = _endpoint("tx")
-    try:
-        s_tx = tx.connect(rx.address, timeout=30)
-        s_rx = rx.accept(timeout=30)
-        assert s_rx is not None
-        yield rx, tx, s_rx, s_tx
-    finally:
-        tx.close()
-        rx.close()
-
-
-def _pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    yield from connected_pair(_endpoint("rx"), _endpoint("tx"), timeout=30)
 
 
 def _rdma_resources(kind: str) -> list[dict]:
@@ -194,7 +182,7 @@ def test_completion_per_request_and_stream(pair):
         s_rx.announce(rid, {A: [(dst.id, off, na)], R: [(dst.id, off + na, nr)]}, deadline_s=60)
         where[rid] = off
         off += na + nr
-        data[rid] = _pattern(na + nr, rid)
+        data[rid] = pattern(na + nr, rid)
         srcs[rid] = tx.register(data[rid])
     mrs_registered = len(_rdma_resources("mr"))
     for rid, (na, _nr) in sizes.items():
@@ -239,7 +227,7 @@ def test_anchor_overtakes_queued_residual():
         n_r, n_a = 2048 * KiB, 64 * KiB
         stage = np.zeros(n_r + n_a, np.uint8)
         dst = rx.register(stage)
-        data = _pattern(n_r + n_a, 9)
+        data = pattern(n_r + n_a, 9)
         src = tx.register(data)
         s_rx.announce(1, {R: [(dst.id, 0, n_r)]}, deadline_s=120)
         s_rx.announce(2, {A: [(dst.id, n_r, n_a)]}, deadline_s=120)
@@ -284,7 +272,7 @@ def _residual_landed_at_anchor_done(mode: str, share: float) -> tuple[int, int]:
         n_a = n_r = 1024 * KiB
         stage = np.zeros(n_a + n_r, np.uint8)
         dst = rx.register(stage)
-        data = _pattern(n_a + n_r, 11)
+        data = pattern(n_a + n_r, 11)
         src = tx.register(data)
         s_rx.announce(1, {A: [(dst.id, 0, n_a)], R: [(dst.id, n_a, n_r)]}, deadline_s=120)
         s_tx.wait_announcement(1, timeout=30)
@@ -322,7 +310,7 @@ def test_bounds_refused(pair):
     rx, tx, s_rx, s_tx = pair
     stage = np.zeros(128 * KiB, np.uint8)
     dst = rx.register(stage)
-    src = tx.register(_pattern(128 * KiB, 3))
+    src = tx.register(pattern(128 * KiB, 3))
     s_rx.announce(1, {A: [(dst.id, 0, 32 * KiB)]}, deadline_s=60)
     s_tx.wait_announcement(1, timeout=30)
     with pytest.raises(OutOfBoundsError):
@@ -343,7 +331,7 @@ def test_bounds_refused(pair):
     try:
         s_bad = bad.connect(rx.address, timeout=30)
         s_rx2 = rx.accept(timeout=30)
-        src2 = bad.register(_pattern(16 * KiB, 4))
+        src2 = bad.register(pattern(16 * KiB, 4))
         s_rx2.announce(7, {A: [(dst.id, 0, 8 * KiB)]}, deadline_s=60)
         s_bad.wait_announcement(7, timeout=30)
         s_bad.write(7, A, src2, 0, 8 * KiB, dst.id, 96 * KiB)
@@ -473,7 +461,7 @@ def test_receiver_killed_mid_anchor_fails_request():
     try:
         address = _readline(proc, 90)
         s_tx = tx.connect(address, timeout=60)
-        src = tx.register(_pattern(n_a + n_r, 5))
+        src = tx.register(pattern(n_a + n_r, 5))
         s_tx.wait_announcement(1, timeout=60)
         s_tx.write_stream(1, A, src, 0, n_a)
         s_tx.finish(1, A)
@@ -511,7 +499,7 @@ def test_receiver_stalled_fails_by_heartbeat():
     try:
         address = _readline(proc, 90)
         s_tx = tx.connect(address, timeout=60)
-        src = tx.register(_pattern(n_a + n_r, 6))
+        src = tx.register(pattern(n_a + n_r, 6))
         s_tx.wait_announcement(1, timeout=60)
         s_tx.write_stream(1, A, src, 0, n_a)
         s_tx.finish(1, A)

@@ -1,0 +1,28 @@
+"""Helpers shared by the transport test modules (loopback tcp and the soft-RoCE verbs tests):
+a connected endpoint pair that is always closed, and reproducible distinct byte patterns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from lynx_transport import Endpoint, Session
+
+
+def connected_pair(rx: Endpoint, tx: Endpoint, timeout: float
+                   ) -> Iterator[tuple[Endpoint, Endpoint, Session, Session]]:
+    """Yield (receiver endpoint, sender endpoint, receiver session, sender session) for a fixture;
+    both endpoints are closed afterwards, also when connecting fails."""
+    try:
+        s_tx = tx.connect(rx.address, timeout=timeout)
+        s_rx = rx.accept(timeout=timeout)
+        assert s_rx is not None
+        yield rx, tx, s_rx, s_tx
+    finally:
+        tx.close()
+        rx.close()
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
