@@ -28,6 +28,11 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "measure decoding over Anchor/INT-b/BF16 prefix KV against exact decoding (embedded model)",
     ),
     Subcommand(
+        "bench-ttft",
+        "lynx_sglang.bench_ttft",
+        "TTFT/net TTFT/token times of PD variants (mooncake, lynx, lynx-int8) via sglang.bench_serving",
+    ),
+    Subcommand(
         "bench-transfer",
         "lynx_sglang.bench_transfer",
         "time-to-Anchor/Residual vs BF16/INT8/INT4 single-stream KV transfers on a shaped link",

@@ -58,28 +58,37 @@ def generate(url: str, *, text: str | None = None, input_ids: list[int] | None =
 @dataclass(frozen=True)
 class StreamedGeneration:
     """A streamed /generate: wall-clock `time.time()` of the send, of the first chunk carrying a
-    token and of the last one, and all output ids."""
+    token and of the last one, when each output token arrived (`t_tokens[i]`: the chunk that
+    carried token i), all output ids, the final text and the prompt tokens the server found in
+    its prefix cache."""
 
     output_ids: list[int]
     prompt_tokens: int
     t_send: float
     t_first_token: float
     t_last_token: float
+    t_tokens: tuple[float, ...] = ()
+    text: str = ""
+    cached_tokens: int = 0
 
 
 def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
-                    timeout_s: float = 300.0) -> StreamedGeneration:
-    """Greedy /generate with `"stream": true`, reading SGLang's server-sent events. `timeout_s`
-    bounds each socket read; raises GenerateError on HTTP errors, aborts or an empty stream."""
+                    timeout_s: float = 300.0, sampling: dict | None = None) -> StreamedGeneration:
+    """Greedy /generate with `"stream": true` (unless `sampling` overrides it), reading SGLang's
+    server-sent events. `timeout_s` bounds each socket read; raises GenerateError on HTTP errors,
+    aborts or an empty stream."""
     import time
 
-    body = {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    params.update(sampling or {})
+    body = {"input_ids": input_ids, "stream": True, "sampling_params": params}
     req = urllib.request.Request(
         url.rstrip("/") + "/generate", data=json.dumps(body).encode(),
         headers={"content-type": "application/json"},
     )
     chunks: list[list[int]] = []
+    t_chunks: list[float] = []
+    texts: list[str] = []
     t_first = t_last = None
     meta: dict = {}
     t_send = time.time()
@@ -105,6 +114,8 @@ def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
                     t_first = t_first or now
                     t_last = now
                     chunks.append(ids)
+                    t_chunks.append(now)
+                    texts.append(event.get("text") or "")
     except urllib.error.HTTPError as exc:
         raise GenerateError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from exc
     except (urllib.error.URLError, OSError) as exc:
@@ -114,9 +125,18 @@ def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
     # SGLang streams either the new ids per chunk or all ids so far; completion_tokens tells which.
     n = meta.get("completion_tokens", 0)
     flat = [i for c in chunks for i in c]
-    output_ids = flat if len(flat) == n else chunks[-1]
+    # Text follows the same setting (SGLang's --incremental-streaming-output).
+    incremental = len(flat) == n
+    text = "".join(texts) if incremental else texts[-1]
+    output_ids = flat if incremental else chunks[-1]
     if len(output_ids) != n:
         raise GenerateError(f"stream gave {len(flat)} ids in {len(chunks)} chunks, "
                             f"server says {n} completion tokens")
+    t_tokens: list[float] = []
+    for ids, t in zip(chunks, t_chunks, strict=True):
+        # Incremental chunks carry their new ids; cumulative ones all ids so far.
+        new = len(ids) if incremental else len(ids) - len(t_tokens)
+        t_tokens += [t] * new
     return StreamedGeneration(output_ids, int(meta.get("prompt_tokens", len(input_ids))),
-                              t_send, t_first, t_last)
+                              t_send, t_first, t_last, tuple(t_tokens), text,
+                              int(meta.get("cached_tokens", 0)))

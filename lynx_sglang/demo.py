@@ -26,37 +26,16 @@ from pathlib import Path
 from .client import generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .netns import NETLAB
+from .pd_measure import LYNX_EVENTS, TRANSFER_PREFIX, KVShape, transfer_lines
 from .timeline import TIMELINE_ENV, prefill_done_events
 
 BACKENDS = ("lynx", "mooncake_tcp")
 BACKEND_ARGS = {"lynx": ("--lynx-target", "exact"), "mooncake_tcp": ()}
 WARMUP_PROMPT = "The capital of France is"
-# The decode's per-request JSON line (not its "lynx transfer backend selected" start-up line).
-TRANSFER_PREFIX = "lynx transfer {"
-# Lynx timeline points of the decode's `lynx transfer` line, in order.
-LYNX_EVENTS = ("anchor_landed", "anchor_applied", "residual_landed", "residual_applied")
 
 
 class DemoError(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class KVShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 4  # the clusters run --dtype float32, so the KV pool is fp32
-
-    def bytes_for(self, tokens: int) -> int:
-        return tokens * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @classmethod
-    def from_model_dir(cls, model_dir: Path) -> KVShape:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        return cls(cfg["num_hidden_layers"], cfg.get("num_key_value_heads",
-                                                     cfg["num_attention_heads"]), head_dim)
 
 
 @dataclass(frozen=True)
@@ -108,10 +87,10 @@ def build_prompt(tokenizer, prompt_tokens: int) -> list[int]:
 
 
 def _last_transfer_line(log_text: str) -> dict:
-    lines = [ln for ln in log_text.splitlines() if TRANSFER_PREFIX in ln]
+    lines = transfer_lines(log_text)
     if not lines:
         raise DemoError("the decode log has no `lynx transfer` line")
-    return json.loads(lines[-1][lines[-1].index(TRANSFER_PREFIX) + len(TRANSFER_PREFIX) - 1:])
+    return lines[-1]
 
 
 def run_backend(backend: str, *, model_dir: Path, prompt_ids: list[int], max_new_tokens: int,

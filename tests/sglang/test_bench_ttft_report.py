@@ -1,0 +1,186 @@
+"""The TTFT benchmark's pure parts on canned data (no servers): bench_serving result parsing and
+token times from its ITLs, matching the prefill/decode log lines to client requests, medians,
+baseline ratios, the JSON layout, the variant table and the PNG."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from lynx_sglang.bench_ttft import (
+    BENCH_SERVING,
+    LYNX_CLIENT,
+    BenchConfig,
+    BenchError,
+    RequestTiming,
+    VariantResult,
+    bench_serving_command,
+    client_timing,
+    format_table,
+    medians,
+    parse_bench_serving,
+    plot,
+    random_ids_prompts,
+    ratios,
+    result_json,
+    select_variants,
+    token_times_from_itl,
+)
+from lynx_sglang.client import StreamedGeneration
+from lynx_sglang.pd_measure import prefill_done_for, transfer_line_for, transfer_lines
+from lynx_sglang.timeline import prefill_done_events
+
+MARKS = (2, 4)
+
+
+def test_token_times_one_token_per_chunk():
+    assert token_times_from_itl(1.0, [0.1, 0.2, 0.3], 4, (1, 2, 4, 5)) == pytest.approx(
+        {1: 1.0, 2: 1.1, 4: 1.6, 5: None})
+
+
+def test_token_times_first_chunk_of_two_tokens():
+    # 4 tokens, 2 ITLs: the first chunk carried tokens 1 and 2.
+    assert token_times_from_itl(1.0, [0.5, 0.25], 4, (2, 3, 4)) == pytest.approx(
+        {2: 1.0, 3: 1.5, 4: 1.75})
+    with pytest.raises(BenchError):
+        token_times_from_itl(1.0, [0.1] * 4, 4, (2,))
+
+
+def _bench_result(**kw) -> dict:
+    base = {"input_lens": [300, 300], "output_lens": [4, 4], "ttfts": [1.0, 2.0],
+            "itls": [[0.1, 0.1, 0.1], [0.2, 0.2, 0.2]], "generated_texts": ["a", "b"],
+            "errors": ["", ""]}
+    return base | kw
+
+
+def test_parse_bench_serving():
+    got = parse_bench_serving(_bench_result(), MARKS)
+    assert [r.client for r in got] == [BENCH_SERVING] * 2
+    assert [r.ttft_s for r in got] == [1.0, 2.0]
+    assert got[1].token_s == pytest.approx({2: 2.2, 4: 2.6})
+    assert got[0].network_ttft_s is None and got[0].text == "a"
+    with pytest.raises(BenchError, match="1 failed"):
+        parse_bench_serving(_bench_result(errors=["", "Traceback boom"]), MARKS)
+
+
+PREFILL_LOG = "\n".join(
+    f'[t] lynx_sglang.timeline INFO lynx timeline {{"rid": "{r}", "event": "prefill_done", '
+    f'"tokens": {n}, "t": {t}}}' for r, n, t in (("w", 10, 99.0), ("a", 300, 100.5),
+                                                  ("b", 300, 110.5)))
+DECODE_LOG = "\n".join([
+    "[t] lynx transfer backend selected: LynxConfig(...)",
+    *(f'[t] lynx transfer {{"room": {i}, "tokens": 300, "anchor_bytes": 10, "residual_bytes": 30,'
+      f' "announced": {t}, "anchor_landed": {t + 0.2}, "anchor_applied": null, '
+      f'"residual_landed": {t + 0.4}, "residual_applied": {t + 0.5}}}'
+      for i, t in ((1, 100.1), (2, 110.1))),
+])
+
+
+def _streamed(t_send: float) -> StreamedGeneration:
+    return StreamedGeneration([5, 6, 7, 8], 300, t_send, t_send + 1.0, t_send + 1.3,
+                              (t_send + 1.0, t_send + 1.1, t_send + 1.2, t_send + 1.3), "txt")
+
+
+def test_client_timing_matches_each_request_its_own_log_lines():
+    events = prefill_done_events(PREFILL_LOG)
+    lines = transfer_lines(DECODE_LOG)
+    assert [ln["room"] for ln in lines] == [1, 2]  # the start-up line is not a transfer
+    g = _streamed(110.0)
+    done = prefill_done_for(events, 300, g.t_send, g.t_first_token)
+    xfer = transfer_line_for(lines, 300, g.t_send, float("inf"))
+    assert done["rid"] == "b" and xfer["room"] == 2
+    assert transfer_line_for(lines, 300, 100.0, 110.0)["room"] == 1
+    assert prefill_done_for(events, 300, 120.0, 121.0) is None
+    t = client_timing(1, g, MARKS, done, xfer)
+    assert t.client == LYNX_CLIENT and t.output_tokens == 4
+    assert t.ttft_s == pytest.approx(1.0) and t.prefill_done_s == pytest.approx(0.5)
+    assert t.network_ttft_s == pytest.approx(0.5)
+    assert t.token_s == pytest.approx({2: 1.1, 4: 1.3})
+    assert t.stream_bytes == {"anchor": 10, "residual": 30}
+    assert t.lynx_events_s["anchor_applied"] is None
+    assert t.lynx_events_s["residual_applied"] == pytest.approx(0.6)
+
+
+def _timing(client: str, ttft: float, net: float | None = None, t4: float | None = None):
+    return RequestTiming(client, 0, 300, 4, ttft, {2: ttft + 0.1, 4: t4}, network_ttft_s=net)
+
+
+def test_medians_and_ratios():
+    slow = [_timing(BENCH_SERVING, t) for t in (2.0, 4.0, 3.0)] + [
+        _timing(LYNX_CLIENT, 3.0, net=1.0, t4=3.5)]
+    fast = [_timing(BENCH_SERVING, t) for t in (1.0, 1.5, 9.0)] + [
+        _timing(LYNX_CLIENT, 2.0, net=0.25, t4=None)]
+    med_slow, med_fast = medians(slow, MARKS), medians(fast, MARKS)
+    assert med_slow[f"{BENCH_SERVING}.ttft_s"] == 3.0
+    assert med_fast[f"{BENCH_SERVING}.ttft_s"] == 1.5
+    assert f"{BENCH_SERVING}.net_ttft_s" not in med_slow  # bench_serving has no send time
+    assert f"{LYNX_CLIENT}.t4_s" not in med_fast  # no value, no median
+    r = ratios({"mooncake": med_slow, "lynx": med_fast}, "mooncake")
+    assert list(r) == ["mooncake/lynx"]
+    assert r["mooncake/lynx"][f"{BENCH_SERVING}.ttft_s"] == 2.0
+    assert r["mooncake/lynx"][f"{LYNX_CLIENT}.net_ttft_s"] == 4.0
+    assert f"{LYNX_CLIENT}.t4_s" not in r["mooncake/lynx"]
+
+
+def _cfg() -> BenchConfig:
+    return BenchConfig("1gbit", "/m", 300, 4, 1, 42, MARKS, ("mooncake", "lynx"), "mooncake",
+                       300.0, 300.0)
+
+
+def _results() -> list[VariantResult]:
+    moon, lynx = select_variants("mooncake,lynx")
+    return [
+        VariantResult(moon, [_timing(BENCH_SERVING, 2.0), _timing(LYNX_CLIENT, 2.0, 1.0, 2.5)],
+                      {"kv": 1 << 20}, False, True, "/tmp/m"),
+        VariantResult(lynx, [_timing(BENCH_SERVING, 1.0), _timing(LYNX_CLIENT, 1.0, 0.5, 1.5)],
+                      {"anchor": 1 << 19, "residual": 1 << 20}, True, False, "/tmp/l"),
+    ]
+
+
+def test_json_table_and_plot(tmp_path):
+    results, cfg = _results(), _cfg()
+    table_ratios = ratios({r.variant.name: medians(r.requests, MARKS) for r in results},
+                          "mooncake")
+    doc = json.loads(json.dumps(result_json(results, cfg, "1gbit link", table_ratios,
+                                            {"wall_s": 1.0})))
+    assert doc["config"]["prompt_tokens"] == 300 and doc["config"]["wall_s"] == 1.0
+    assert [v["name"] for v in doc["config"]["variant_specs"]] == ["mooncake", "lynx"]
+    lynx = doc["variants"]["lynx"]
+    assert lynx["medians"][f"{LYNX_CLIENT}.net_ttft_s"] == 0.5
+    assert [len(lynx["requests"][c]) for c in (BENCH_SERVING, LYNX_CLIENT)] == [1, 1]
+    assert doc["ratios"]["mooncake/lynx"][f"{LYNX_CLIENT}.net_ttft_s"] == 2.0
+    table = format_table(results, cfg, "1gbit link", table_ratios)
+    lynx_row = next(ln for ln in table.splitlines() if ln.startswith("lynx "))
+    assert "500 ms" in lynx_row and "Anchor 0.50 MiB / Residual 1.00 MiB" in lynx_row
+    assert "KV 1.00 MiB (computed)" in table
+    assert "'lynx': False" in table
+    pytest.importorskip("matplotlib")
+    plot(results, cfg, tmp_path / "b.png", "t")
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_variants_by_name():
+    assert [v.transfer_backend for v in select_variants("lynx-int8, mooncake")] == [
+        "lynx", "mooncake_tcp"]
+    assert select_variants("lynx-int8")[0].server_args == ("--lynx-target", "int8")
+    with pytest.raises(BenchError, match="unknown"):
+        select_variants("lynx,nope")
+
+
+def test_bench_serving_command_is_offline_and_sequential(tmp_path):
+    cmd = bench_serving_command("http://r", tmp_path, 300, 4, 2, 7, tmp_path / "o.jsonl")
+    flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert cmd[1:3] == ["-m", "lynx_sglang.bench_serving_offline"]
+    assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd
+    assert flag("--random-range-ratio") == "1" and flag("--max-concurrency") == "1"
+    assert flag("--tokenizer") == str(tmp_path) and flag("--warmup-requests") == "0"
+
+
+def test_random_ids_prompts():
+    prompts = random_ids_prompts(1000, 50, 4, 3, seed=42)
+    assert [len(p) for p in prompts] == [50] * 3
+    assert all(b == (a + 1) % 1000 for p in prompts for a, b in itertools.pairwise(p))
+    assert random_ids_prompts(1000, 50, 4, 3, seed=42) == prompts
+    assert random_ids_prompts(1000, 50, 4, 3, seed=43) != prompts
