@@ -54,6 +54,10 @@ class LynxConfig:
     staging_mib: int = 256
     connect_timeout_s: float = 30.0
     transfer_timeout_s: float = 120.0
+    # Speculative decoding on the Anchor (decode side; lynx_sglang.speculation).
+    speculate: bool = True
+    spec_max_tokens: int = 32
+    spec_deadline_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 2 <= self.anchor_bits <= 6:
@@ -83,9 +87,13 @@ class LynxConfig:
             )
         if self.staging_mib <= 0:
             raise LynxConfigError(f"--lynx-staging-mib must be positive, got {self.staging_mib}")
-        for name in ("connect_timeout_s", "transfer_timeout_s"):
+        for name in ("connect_timeout_s", "transfer_timeout_s", "spec_deadline_s"):
             if not getattr(self, name) > 0:
-                raise LynxConfigError(f"{name} must be > 0")
+                raise LynxConfigError(f"--lynx-{name.replace('_', '-')} must be > 0")
+        if self.spec_max_tokens < 0:
+            raise LynxConfigError(
+                f"--lynx-spec-max-tokens must be >= 0, got {self.spec_max_tokens}"
+            )
 
     def codec_spec(self):
         from lynx_kernels import CodecSpec
@@ -163,3 +171,16 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lynx-transfer-timeout-s", type=float, default=d.transfer_timeout_s,
                    help="deadline on decode from a request's transfer start to its last Residual "
                         f"chunk; past it the request fails (default {d.transfer_timeout_s:g} s)")
+    g.add_argument("--lynx-speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
+                   help="decode: start generating as soon as a request's Anchor has landed, then "
+                        "verify the speculative tokens with one forward once the Residual is in "
+                        "and roll back what the exact KV disagrees with; the client only ever "
+                        "receives verified tokens (greedy requests speculate; sampled, logprob, "
+                        "grammar and hidden-state requests wait for the Residual instead). "
+                        f"Default {'on' if d.speculate else 'off'}")
+    g.add_argument("--lynx-spec-max-tokens", type=int, default=d.spec_max_tokens,
+                   help="cap on speculative tokens per request; a request that reaches it waits "
+                        f"for its Residual (default {d.spec_max_tokens})")
+    g.add_argument("--lynx-spec-deadline-s", type=float, default=d.spec_deadline_s,
+                   help="stop speculating on a request whose Residual has not landed this long "
+                        f"after its Anchor, and wait for it (default {d.spec_deadline_s:g} s)")

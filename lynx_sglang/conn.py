@@ -19,11 +19,15 @@ Data path, per request ("room"):
   travels with the Anchor's completion notice. Then it reports Success to SGLang (its KV may be
   freed: everything it needs is in staging, which is freed when the transport has delivered it).
 - Decode applier thread: when the Anchor stream is complete, dequantize it into the request's KV
-  pool slots (skipped if the Residual has already landed too: nothing reads Anchor-precision KV
-  before Success here) and write the aux data; when the Residual stream is complete, overwrite the
-  same slots with the full-precision values. Only then does the room become Success for SGLang (a
-  prefill "Success" status arriving earlier is held back), so nothing in SGLang - attention,
-  prefix cache, offload - sees Anchor-precision KV in this non-speculative backend.
+  pool slots (skipped if the Residual has already landed too) and write the aux data; when the
+  Residual stream is complete, overwrite the same slots with the full-precision values.
+  Non-speculative (`--no-lynx-speculate`): only then does the room become Success for SGLang (a
+  prefill "Success" status arriving earlier is held back), so nothing in SGLang sees
+  Anchor-precision KV. Speculative (default): the room becomes Success as soon as the Anchor and
+  the aux data are in the pool, SGLang's decode starts, and the room stays here after the
+  receiver is cleared until `lynx_sglang.speculation` has consumed its Residual outcome
+  (`residual_outcome` / `forget_room`). Anchor-precision KV never reaches a prefix cache: the
+  decode-side radix cache is refused at start-up (`sglang_support`).
 - Sessions: the prefill connects to the decode's transport endpoint (its address is the
   "session id" SGLang carries in the registration) and announces its identity (SGLang rank
   ip:port) as an empty request `IDENTITY_REQUEST`, so the decode knows which session serves which
@@ -43,6 +47,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import torch
@@ -66,7 +71,7 @@ from .kv_streams import (
     KVPoolView,
     KVStreamError,
     apply_residual,
-    encode_layer,
+    encode_layer_into,
     pack_aux,
     parse_anchor,
     stream_nbytes,
@@ -81,6 +86,23 @@ logger = logging.getLogger(__name__)
 # Request id of the identity announcement: above SGLang's bootstrap rooms (< 2**63).
 IDENTITY_REQUEST = MAX_REQUEST_ID
 _STREAM = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
+
+
+class ResidualState(Enum):
+    PENDING = "pending"
+    APPLIED = "applied"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ResidualOutcome:
+    """What the speculation controller needs to know about a room reported at Anchor time.
+    Times are time.monotonic() (None until the event happened)."""
+
+    state: ResidualState
+    reason: str = ""
+    t_anchor_landed: float | None = None
+    t_residual_applied: float | None = None
 
 
 @dataclass
@@ -117,12 +139,28 @@ class _RxRoom:
     # time.monotonic() (system-wide on Linux, so comparable with the transport's timestamps)
     t_anchor_landed: float | None = None
     t_anchor_applied: float | None = None
+    t_residual_applied: float | None = None
     residual_applied: bool = False
     prefill_success: bool = False
+    # Speculative mode: Success was reported to SGLang when the Anchor was applied.
+    reported_at_anchor: bool = False
+    failure: str | None = None
     finished: bool = False
+
+    def outcome(self) -> ResidualOutcome:
+        if self.failure is not None:
+            state = ResidualState.FAILED
+        elif self.residual_applied:
+            state = ResidualState.APPLIED
+        else:
+            state = ResidualState.PENDING
+        return ResidualOutcome(state, self.failure or "", self.t_anchor_landed,
+                               self.t_residual_applied)
 
 
 class LynxKVManager(MooncakeKVManager):
+    # The decode-mode manager of this process (one per scheduler), for the speculation hooks.
+    decode_instance: LynxKVManager | None = None
     sender_trace_module = None
     supports_role_switch = False
     supports_deferred_decode_kv_release = False
@@ -140,6 +178,8 @@ class LynxKVManager(MooncakeKVManager):
         self._sessions_lock = threading.Lock()
         self._prefill_sessions: dict[tuple[str, int], Session] = {}
         self._rx_rooms: dict[int, _RxRoom] = {}
+        # Rooms reported Success at Anchor time, until the speculation controller forgets them.
+        self._spec_rooms: dict[int, _RxRoom] = {}
         self._rx_lock = threading.RLock()
         self._rx_wake = threading.Event()
         # Fault injection for tests only: hold the Residual back after the Anchor is finished.
@@ -153,6 +193,7 @@ class LynxKVManager(MooncakeKVManager):
         else:
             self._start_thread(self._accept_loop, "lynx-accept")
             self._start_thread(self._apply_loop, "lynx-apply")
+            LynxKVManager.decode_instance = self
         logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
                     self.endpoint.address, self.lynx)
 
@@ -292,37 +333,33 @@ class LynxKVManager(MooncakeKVManager):
 
     def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
                        staging: StagingRange, sizes: dict[WireStream, int], aux: bytes) -> None:
-        """Encode layer by layer; each layer's Anchor chunks are written as soon as they are
-        encoded, the Residual chunks after the whole Anchor stream (and its aux) is finished."""
+        """Encode layer by layer straight into staging; each layer's Anchor chunks are written
+        as soon as they are encoded, the Residual stream after the whole Anchor stream (and its
+        aux) is finished."""
+        layers = pool.shape.num_layers
+        # Every layer's share of a stream has the same length (kv_streams.encode_layer_into).
+        a_layer = sizes[WireStream.ANCHOR] // layers
+        r_layer = sizes[WireStream.RESIDUAL] // layers
+        a_base = staging.offset
+        r_base = staging.offset + sizes[WireStream.ANCHOR]
         buf = self.staging.buffer
-        base = {WireStream.ANCHOR: staging.offset,
-                WireStream.RESIDUAL: staging.offset + sizes[WireStream.ANCHOR]}
-        pos = {WireStream.ANCHOR: 0, WireStream.RESIDUAL: 0}
-        residual_writes: list[tuple[int, int, int]] = []
-        for layer in range(pool.shape.num_layers):
-            anchors, residuals = encode_layer(pool, layer, slots, self.spec,
-                                              self.lynx.chunk_tokens, request_tag=room)
-            for ws, chunks in ((WireStream.ANCHOR, anchors), (WireStream.RESIDUAL, residuals)):
-                for chunk in chunks:
-                    off = base[ws] + pos[ws]
-                    buf[off: off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-                    if ws is WireStream.ANCHOR:
-                        session.write_stream(room, Stream.ANCHOR, self.staging_region, off,
-                                             len(chunk), stream_offset=pos[ws])
-                    else:
-                        residual_writes.append((off, len(chunk), pos[ws]))
-                    pos[ws] += len(chunk)
-        for ws, n in sizes.items():
-            if pos[ws] != n:
-                raise KVStreamError(f"{ws.name} stream: encoded {pos[ws]} B, expected {n} B")
+        for layer in range(layers):
+            a_off, r_off = a_base + layer * a_layer, r_base + layer * r_layer
+            written = encode_layer_into(pool, layer, slots, self.spec, self.lynx.chunk_tokens,
+                                        room, buf[a_off: a_off + a_layer],
+                                        buf[r_off: r_off + r_layer])
+            if written != (a_layer, r_layer):
+                raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor and Residual, "
+                                    f"expected {(a_layer, r_layer)}")
+            session.write_stream(room, Stream.ANCHOR, self.staging_region, a_off, a_layer,
+                                 stream_offset=layer * a_layer)
         session.finish(room, Stream.ANCHOR, aux=aux)
         if self._fault_residual_delay_s:
             logger.warning("lynx: room %s Anchor finished; holding the Residual %.1f s (%s)",
                            room, self._fault_residual_delay_s, FAULT_RESIDUAL_DELAY_ENV)
             time.sleep(self._fault_residual_delay_s)
-        for off, n, stream_offset in residual_writes:
-            session.write_stream(room, Stream.RESIDUAL, self.staging_region, off, n,
-                                 stream_offset=stream_offset)
+        session.write_stream(room, Stream.RESIDUAL, self.staging_region, r_base,
+                             sizes[WireStream.RESIDUAL])
         session.finish(room, Stream.RESIDUAL)
 
     def _reap_inflight(self) -> None:
@@ -431,13 +468,19 @@ class LynxKVManager(MooncakeKVManager):
                 return
             rx.anchors = parse_anchor(view[:a_len], pool, len(rx.slots), self.spec, rx.room)
             rx.t_anchor_landed = st.t_done
-            # Nothing reads Anchor-precision KV before Success in this non-speculative backend:
-            # when the Residual has landed too, go straight to full precision.
-            if not rx.session.recv_state(rx.room, Stream.RESIDUAL).ok:
+            # When the Residual has landed too, go straight to full precision.
+            residual_landed = rx.session.recv_state(rx.room, Stream.RESIDUAL).ok
+            if not residual_landed:
                 write_anchor(rx.anchors, pool, rx.slots)
                 rx.t_anchor_applied = time.monotonic()
             for index, data in unpack_aux(st.aux or b""):
                 AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, rx.aux_index, data)
+            if self.lynx.speculate and not residual_landed:
+                if pool.device.type == "cuda":
+                    torch.cuda.current_stream(pool.device).synchronize()
+                rx.reported_at_anchor = True
+                self._spec_rooms[rx.room] = rx
+                MooncakeKVManager.update_status(self, rx.room, KVPoll.Success)
         st = rx.session.recv_state(rx.room, Stream.RESIDUAL)
         if st.status is Status.FAILED:
             self._fail_room(rx, f"Residual stream failed: {st.reason.value} {st.detail}")
@@ -449,6 +492,7 @@ class LynxKVManager(MooncakeKVManager):
         if pool.device.type == "cuda":
             torch.cuda.current_stream(pool.device).synchronize()
         rx.residual_applied = True
+        rx.t_residual_applied = time.monotonic()
         rx.anchors = None
         # One line per request for benchmarks and timelines (wall-clock seconds).
         now_mono, now_wall = time.monotonic(), time.time()
@@ -461,7 +505,9 @@ class LynxKVManager(MooncakeKVManager):
             "anchor_applied": wall(rx.t_anchor_applied), "residual_landed": wall(st.t_done),
             "residual_applied": round(now_wall, 6)}))
         self._release(rx)
-        if rx.prefill_success:
+        if rx.reported_at_anchor:
+            self._finish(rx)  # the speculation controller takes it from here
+        elif rx.prefill_success:
             self._finish(rx)
             MooncakeKVManager.update_status(self, rx.room, KVPoll.Success)
 
@@ -485,16 +531,53 @@ class LynxKVManager(MooncakeKVManager):
         logger.error("lynx: room %s failed: %s", rx.room, reason)
         self._release(rx)
         self._finish(rx)
+        if rx.reported_at_anchor:
+            # SGLang already has Success and no longer polls: the speculation controller aborts
+            # the running request when it reads this outcome.
+            rx.failure = reason
+            return
         self.record_failure(rx.room, reason)
         MooncakeKVManager.update_status(self, rx.room, KVPoll.Failed)
 
-    def drop_rx_room(self, room: int) -> None:
-        """The receiver is done with the room (cleared or aborted): free what it still holds."""
+    def drop_rx_room(self, room: int, *, keep_speculative: bool = False) -> None:
+        """The receiver is done with the room: free what it still holds. With `keep_speculative`
+        (a clear after SGLang committed a room reported at Anchor time) the Residual transfer
+        goes on for the speculation controller."""
         with self._rx_lock:
             rx = self._rx_rooms.get(room)
+            if rx is not None and keep_speculative and rx.reported_at_anchor:
+                return
             if rx is not None:
                 self._release(rx)
                 self._finish(rx)
+            if not keep_speculative:
+                self._spec_rooms.pop(room, None)
+
+    # ---- decode, speculative mode: the interface of lynx_sglang.speculation ------------------
+    def residual_outcome(self, room: int) -> ResidualOutcome | None:
+        """None if the room was not reported at Anchor time (or is forgotten)."""
+        with self._rx_lock:
+            rx = self._spec_rooms.get(room)
+            return None if rx is None else rx.outcome()
+
+    def forget_room(self, room: int) -> None:
+        """The controller consumed the room's APPLIED/FAILED outcome."""
+        with self._rx_lock:
+            self._spec_rooms.pop(room, None)
+
+    def cancel_residual(self, room: int) -> bool:
+        """The request's KV slots are being freed: stop its transfer so nothing is written into
+        them any more. Returns True if a pending Residual was cancelled. Holding the lock the
+        applier holds while it writes makes this a barrier: no write happens after the return."""
+        with self._rx_lock:
+            rx = self._spec_rooms.pop(room, None)
+            if rx is None or rx.finished:
+                return False
+            logger.info("lynx: room %s released before its Residual was applied; transfer "
+                        "cancelled", room)
+            self._release(rx)
+            self._finish(rx)
+            return True
 
     def update_status(self, bootstrap_room: int, status: KVPoll):
         if self.disaggregation_mode == DisaggregationMode.DECODE and status == KVPoll.Success:
@@ -502,12 +585,15 @@ class LynxKVManager(MooncakeKVManager):
                 rx = self._rx_rooms.get(bootstrap_room)
                 if rx is not None and not rx.finished:
                     # The prefill has sent everything; hold Success until the Residual is in
-                    # the KV pool (the applier thread concludes the room).
+                    # the KV pool (the applier thread concludes the room), or, speculative, it
+                    # was reported when the Anchor was applied.
                     rx.prefill_success = True
-                    if not rx.residual_applied:
+                    if not rx.residual_applied or rx.reported_at_anchor:
                         self._rx_wake.set()
                         return
                     self._finish(rx)
+                elif bootstrap_room in self._spec_rooms:
+                    return
         super().update_status(bootstrap_room, status)
 
 
@@ -553,7 +639,7 @@ class LynxKVReceiver(CommonKVReceiver):
 
     def clear(self) -> None:
         super().clear()
-        self.kv_mgr.drop_rx_room(self.bootstrap_room)
+        self.kv_mgr.drop_rx_room(self.bootstrap_room, keep_speculative=True)
 
     def abort(self):
         super().abort()

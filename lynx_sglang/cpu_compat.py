@@ -11,9 +11,12 @@ and no CUDA device is visible, so nothing here ever runs on a GPU box:
   function that raises with the op's name, so a missing op fails loudly instead of silently.
 - CPU guards applied right after SGLang modules load (post-import patches), see
   patches/README.md: `mem_cache.pool_host.common._cuda_host_register` becomes a no-op (the decode
-  server's host KV pool pins memory with `torch.cuda.cudart()`), and
+  server's host KV pool pins memory with `torch.cuda.cudart()`),
   `MooncakeKVSender.supports_host_tensor_indices` becomes False (prefill would otherwise take a
-  pinned-memory + `torch.cuda.Event` path).
+  pinned-memory + `torch.cuda.Event` path), and the host-memory reserve SGLang keeps free before
+  sizing a HiCache host pool (`pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES`, 10 GiB, meant
+  for a GPU server's host) drops to 1 GiB: on a CPU box the "device" KV pool is host memory too,
+  and the decode server refused to start whenever less than 10 GiB was free.
 
 Called by `lynx_sglang.plugin` (SGLang's plugin hook, main process) and at import of
 `lynx_sglang.serve` (every process of a server started through it, see that module for why the
@@ -70,6 +73,7 @@ def activate() -> bool:
         {
             "sglang.srt.mem_cache.pool_host.common": _guard_cuda_host_register,
             "sglang.srt.disaggregation.mooncake.conn": _guard_mooncake_host_indices,
+            "sglang.srt.mem_cache.pool_host.base": _cpu_host_memory_reserve,
         }
     )
     sys.meta_path.insert(0, post_import)
@@ -186,6 +190,13 @@ def _guard_cuda_host_register(module: types.ModuleType) -> None:
 
 def _guard_mooncake_host_indices(module: types.ModuleType) -> None:
     module.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+CPU_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+
+
+def _cpu_host_memory_reserve(module: types.ModuleType) -> None:
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = CPU_HOST_MEMORY_RESERVE_BYTES
 
 
 class _PostImportPatcher(importlib.abc.MetaPathFinder):

@@ -46,9 +46,30 @@ GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+# Speculative decoding on the Anchor (lynx_sglang.speculation), decode scheduler processes.
+SPEC_PROCESS_DECODE_QUEUE = (
+    "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue")
+SPEC_COMMIT_TRANSFER = (
+    "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req")
+SPEC_PREBUILT_RESULT = ("sglang.srt.managers.scheduler_components.batch_result_processor."
+                        "SchedulerBatchResultProcessor.process_batch_result_prebuilt")
+SPEC_UPDATE_FINISH = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
+SPEC_STREAM_ACCEPT = ("sglang.srt.managers.scheduler_components.output_streamer."
+                      "_GenerationStreamAccumulator.accept")
+SPEC_RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
+SPEC_FULLY_IDLE = "sglang.srt.managers.scheduler.Scheduler.is_fully_idle"
+SPEC_HOOKS = (
+    (SPEC_PROCESS_DECODE_QUEUE, "process_decode_queue_before", "BEFORE"),
+    (SPEC_COMMIT_TRANSFER, "commit_transfer_after", "AFTER"),
+    (SPEC_PREBUILT_RESULT, "process_batch_result_prebuilt_after", "AFTER"),
+    (SPEC_UPDATE_FINISH, "update_finish_state_around", "AROUND"),
+    (SPEC_STREAM_ACCEPT, "accept_around", "AROUND"),
+    (SPEC_RELEASE_KV, "release_kv_cache_before", "BEFORE"),
+    (SPEC_FULLY_IDLE, "is_fully_idle_around", "AROUND"),
+)
 # Every HookRegistry target (patches/README.md documents each; a test resolves each one).
 HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
-                DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT)
+                DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, *(t for t, _, _ in SPEC_HOOKS))
 
 _backend_installed = False
 
@@ -65,18 +86,32 @@ def register() -> None:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
     HookRegistry.register(ADD_CLI_ARGS, _add_cli_args_after, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _from_cli_args_around, HookType.AROUND)
-    if LynxConfig.from_env() is not None:
+    config = LynxConfig.from_env()
+    if config is not None:
         install_backend()
         if all(name in sys.modules for name in _SCHEDULER_MODULES):
             HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
+            if config.speculate:
+                _register_speculation_hooks()
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
             HookRegistry.register(PROCESS_BATCH_RESULT,
                                   reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
         HookRegistry.register(PROCESS_BATCH_RESULT, timeline.prefill_done_before,
                               HookType.BEFORE)
+
+
+def _register_speculation_hooks() -> None:
+    """Scheduler process: the speculation hooks act only once a decode-mode Lynx manager exists
+    (`speculation.controller()`), so a prefill scheduler pays one attribute check per call."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import speculation
+
+    for target, name, kind in SPEC_HOOKS:
+        HookRegistry.register(target, getattr(speculation, name), HookType[kind])
 
 
 def _add_cli_args_after(result, parser):

@@ -67,6 +67,9 @@ def _refusals(ns: argparse.Namespace) -> list[Refusal]:
     if get("enable_hierarchical_cache") and get("disaggregation_mode") == "decode":
         out.append(Refusal("--enable-hierarchical-cache on decode",
                            "Anchor-precision KV must never be offloaded before refinement"))
+    if get("disaggregation_decode_enable_offload_kvcache"):
+        out.append(Refusal("--disaggregation-decode-enable-offload-kvcache",
+                           "Anchor-precision KV must never be offloaded before refinement"))
     if get("enable_hisparse"):
         out.append(Refusal("--enable-hisparse", "host-resident KV destinations are not supported"))
     if get("disaggregation_enable_kv_checksum"):

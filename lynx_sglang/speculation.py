@@ -1,0 +1,447 @@
+"""Speculative decoding on the Anchor inside SGLang's PD decode scheduler: park, verify, roll back.
+
+The Lynx KV manager (`conn.LynxKVManager`, speculative mode) reports a room Success as soon as its
+Anchor and aux data (the exact first token from prefill) are in the decode KV pool, so SGLang
+commits the request and decodes it like any other, reading Anchor-precision prompt KV. This module
+owns what happens to such a request until its Residual has refined the pool:
+
+- `SpecState` rides on the request (`req.lynx_spec`) from the commit until verification.
+- Speculative tokens are provisional: the output streamer only ever sees the verified prefix
+  (`accept_around`), and a speculative EOS / stop string / length finish is held back
+  (`update_finish_state_around`) and parks the request instead.
+- A request is parked (taken out of the running batch, its KV kept) when it must not or need not
+  speculate further: not speculable (sampled, logprobs, grammar, penalties, ...: it waits for the
+  Residual with no speculative token at all), a held-back finish, the token cap, or the deadline.
+- When the manager says the Residual is applied, one forward (an EXTEND over the speculative
+  positions [first token, spec tokens...) on top of the refined prompt KV, which also rewrites their
+  KV at full precision) gives the exact next-token logits at every speculative position. Greedy:
+  the longest agreeing prefix is kept, the first disagreeing token is replaced by the exact one,
+  the KV slots of rejected positions are freed. Then the request either finishes (the finish check
+  runs over the verified tokens) or rejoins the running batch as an ordinary request.
+- A Residual that fails aborts the request; a request released early (client abort, a first token
+  that already finishes it) cancels its transfer before its slots can be reused
+  (`release_kv_cache_before`).
+
+Called from the SGLang hooks registered by `lynx_sglang.plugin` in a decode scheduler process:
+`Scheduler.process_decode_queue` (BEFORE: `step`), `process_batch_result_prebuilt` (AFTER: park
+the non-speculable), `DecodeTransferQueue._commit_transfer_to_req` (AFTER: attach the state),
+`Req.update_finish_state`, `_GenerationStreamAccumulator.accept` and `release_kv_cache`.
+Single scheduler thread: no locking here (the manager's outcome calls are thread-safe).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import torch
+
+from .conn import LynxKVManager, ResidualState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecState:
+    """Speculation bookkeeping of one request (attribute `lynx_spec` of SGLang's Req)."""
+
+    room: int
+    t_committed: float = field(default_factory=time.monotonic)
+    # Tokens of output_ids known exact: the first token comes from the prefill's exact forward.
+    verified_len: int = 1
+    # Why this request does not speculate at all (None: it does).
+    no_spec_reason: str | None = None
+    finish_pending: bool = False
+    parked_reason: str | None = None
+    t_parked: float | None = None
+
+
+@dataclass
+class SpecCounters:
+    """Totals since start-up (logged with every verification; the metrics exporter reads them)."""
+
+    requests: int = 0
+    verifications: int = 0
+    verify_forwards: int = 0
+    speculated_tokens: int = 0
+    accepted_tokens: int = 0
+    rolled_back_tokens: int = 0
+    failed_requests: int = 0
+    verify_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one request's speculative tokens."""
+
+    speculated: int
+    accepted: int
+    corrected_token: int | None
+
+
+def not_speculable_reason(req) -> str | None:
+    """Why a request must wait for its Residual instead of decoding on the Anchor (None if it
+    may speculate). Greedy verification compares argmaxes, so only plain greedy requests qualify;
+    the others would need draft probabilities, logprob rewriting or grammar rollback."""
+    sp = req.sampling_params
+    if not (sp.temperature == 0 or sp.top_k == 1):
+        return "sampled (temperature > 0)"
+    if req.return_logprob:
+        return "returns logprobs"
+    if req.grammar is not None:
+        return "grammar-constrained"
+    if req.return_hidden_states:
+        return "returns hidden states"
+    if (sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+            or sp.logit_bias or sp.min_new_tokens or getattr(sp, "custom_params", None)
+            or req.custom_logit_processor):
+        return "penalties, logit bias, min_new_tokens or a custom logit processor"
+    return None
+
+
+class SpecController:
+    """Per-decode-scheduler controller. `step` runs at the top of every scheduler iteration."""
+
+    def __init__(self, kv_mgr: LynxKVManager):
+        self.kv_mgr = kv_mgr
+        self.max_tokens = kv_mgr.lynx.spec_max_tokens
+        self.deadline_s = kv_mgr.lynx.spec_deadline_s
+        self.parked: list = []
+        self.counters = SpecCounters()
+
+    # ---- hook entry points ------------------------------------------------------------------
+    def on_commit(self, req) -> None:
+        """SGLang committed a transferred request (first token appended)."""
+        room = req.bootstrap_room
+        if room is None or self.kv_mgr.residual_outcome(room) is None:
+            return  # not reported at Anchor time: its KV is already exact
+        reason = not_speculable_reason(req)
+        if reason is None and self.max_tokens == 0:
+            reason = "--lynx-spec-max-tokens 0"
+        req.lynx_spec = SpecState(room=room, no_spec_reason=reason)
+        self.counters.requests += 1
+
+    def on_prebuilt(self, batch) -> None:
+        """After the prebuilt batch's first tokens went out: park the requests that must not
+        take a single speculative step, before SGLang merges the batch into the running one."""
+        keep = []
+        for i, req in enumerate(batch.reqs):
+            st = getattr(req, "lynx_spec", None)
+            if st is not None and st.no_spec_reason is not None and not req.finished():
+                self._park(req, st.no_spec_reason)
+            else:
+                keep.append(i)
+        if len(keep) != len(batch.reqs):
+            batch.filter_batch(keep_indices=keep)
+
+    def step(self, scheduler) -> None:
+        running = scheduler.running_batch
+        now = time.monotonic()
+        verify, abort, keep = [], [], []
+        for i, req in enumerate(running.reqs):
+            st = getattr(req, "lynx_spec", None)
+            if st is None or req.finished():
+                keep.append(i)
+                continue
+            state, reason = self._outcome(st)
+            if state is ResidualState.APPLIED:
+                verify.append(req)
+            elif state is ResidualState.FAILED:
+                abort.append((req, reason))
+            else:
+                why = self._park_reason(req, st, now)
+                if why is None:
+                    keep.append(i)
+                else:
+                    self._park(req, why)
+        if len(keep) != len(running.reqs):
+            running.filter_batch(keep_indices=keep)
+        still_parked = []
+        for req in self.parked:
+            state, reason = self._outcome(req.lynx_spec)
+            if state is ResidualState.APPLIED:
+                verify.append(req)
+            elif state is ResidualState.FAILED:
+                abort.append((req, reason))
+            else:
+                still_parked.append(req)
+        self.parked = still_parked
+        for req, reason in abort:
+            self._abort(scheduler, req, reason)
+        if verify:
+            self._verify_and_resume(scheduler, verify)
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def _outcome(self, st: SpecState) -> tuple[ResidualState, str]:
+        out = self.kv_mgr.residual_outcome(st.room)
+        if out is None:
+            return ResidualState.FAILED, "Residual transfer cancelled"
+        return out.state, out.reason
+
+    def _park_reason(self, req, st: SpecState, now: float) -> str | None:
+        if st.finish_pending:
+            return "speculative finish (EOS, stop or length) held for verification"
+        if len(req.output_ids) - st.verified_len >= self.max_tokens:
+            return f"speculative token cap ({self.max_tokens}) reached"
+        if now - st.t_committed > self.deadline_s:
+            return f"Residual later than --lynx-spec-deadline-s {self.deadline_s:g} s"
+        return None
+
+    def _park(self, req, reason: str) -> None:
+        st = req.lynx_spec
+        st.parked_reason = reason
+        st.t_parked = time.monotonic()
+        self.parked.append(req)
+        logger.debug("lynx spec: %s parked: %s", req.rid, reason)
+
+    # ---- abort --------------------------------------------------------------------------------
+    def _abort(self, scheduler, req, reason: str) -> None:
+        from sglang.srt.disaggregation.utils import prepare_abort
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        st = req.lynx_spec
+        self.kv_mgr.forget_room(st.room)
+        self.counters.failed_requests += 1
+        message = f"Lynx: the Residual KV of this request did not arrive: {reason}"
+        logger.error("lynx spec: request %s (room %s) aborted: %s", req.rid, st.room, reason)
+        # Roll back to the verified prefix first: a partial answer must not contain a token
+        # the exact KV never confirmed.
+        self._truncate_output(req, st.verified_len)
+        prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+        release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
+        req.lynx_spec = None
+        scheduler.output_streamer.stream_output([req], req.return_logprob)
+
+    # ---- verification -------------------------------------------------------------------------
+    def _verify_and_resume(self, scheduler, reqs: list) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        to_check = [r for r in reqs if len(r.output_ids) > r.lynx_spec.verified_len]
+        t0 = time.monotonic()
+        logits = verify_forward(scheduler, to_check) if to_check else []
+        verify_s = time.monotonic() - t0
+        if to_check:
+            self.counters.verify_forwards += 1
+            self.counters.verify_seconds += verify_s
+        by_req = dict(zip((id(r) for r in to_check), logits, strict=True))
+        resume = []
+        for req in reqs:
+            st: SpecState = req.lynx_spec
+            self.kv_mgr.forget_room(st.room)
+            result = VerifyResult(0, 0, None)
+            if id(req) in by_req:
+                result = accept_greedy(req, st.verified_len, by_req[id(req)])
+                rollback(scheduler, req, st.verified_len, result)
+            req.lynx_spec = None
+            self._record(req, st, result, verify_s if id(req) in by_req else 0.0)
+            if len(req.output_ids) > st.verified_len:
+                req.update_finish_state(len(req.output_ids) - st.verified_len)
+            if req.finished():
+                release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
+                req.time_stats.set_completion_time()
+            else:
+                resume.append(req)
+        scheduler.output_streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
+        if resume:
+            batch = scheduler._build_hisparse_decode_batch(resume)
+            if scheduler.running_batch.is_empty():
+                scheduler.running_batch = batch
+            else:
+                scheduler.running_batch.merge_batch(batch)
+
+    def _record(self, req, st: SpecState, result: VerifyResult, verify_s: float) -> None:
+        c = self.counters
+        c.verifications += 1
+        c.speculated_tokens += result.speculated
+        c.accepted_tokens += result.accepted
+        c.rolled_back_tokens += result.speculated - result.accepted
+        out = self.kv_mgr_outcome_times(st)
+        logger.info("lynx spec %s", json.dumps({
+            "rid": req.rid, "room": st.room, "speculated": result.speculated,
+            "accepted": result.accepted, "rolled_back": result.speculated - result.accepted,
+            "corrected": result.corrected_token is not None,
+            "no_spec_reason": st.no_spec_reason, "parked_reason": st.parked_reason,
+            "verify_ms": round(verify_s * 1e3, 3), **out,
+            "totals": {"verifications": c.verifications, "speculated": c.speculated_tokens,
+                       "accepted": c.accepted_tokens, "rolled_back": c.rolled_back_tokens,
+                       "verify_forwards": c.verify_forwards}}))
+
+    @staticmethod
+    def kv_mgr_outcome_times(st: SpecState) -> dict:
+        waited = None if st.t_parked is None else round(time.monotonic() - st.t_parked, 6)
+        return {"committed_to_verified_s": round(time.monotonic() - st.t_committed, 6),
+                "parked_s": waited}
+
+    @staticmethod
+    def _truncate_output(req, length: int) -> None:
+        del req.output_ids[length:]
+
+
+def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
+    """One EXTEND forward over every request's speculative positions on top of its (refined)
+    prompt KV; returns, per request, the logits [n, vocab] predicting output_ids[1..n].
+
+    Request i has prompt length P and output_ids [t0 .. tn]; KV slots for t0..t(n-1) exist at
+    positions P..P+n-1 (written during speculation). The extend feeds t0..t(n-1) at those
+    positions into the same slots, so their KV is rewritten at full precision.
+    """
+    from sglang.srt.layers.logits_processor import LogitsMetadata
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    device = scheduler.req_to_token_pool.device
+    req_to_token = scheduler.req_to_token_pool.req_to_token
+    tokens, locs, prefix_lens, extend_lens, seq_lens = [], [], [], [], []
+    for req in reqs:
+        p = len(req.origin_input_ids)
+        n = len(req.output_ids) - 1
+        if req.kv.kv_committed_len != p + n:
+            raise RuntimeError(f"lynx verify: request {req.rid} holds KV for "
+                               f"{req.kv.kv_committed_len} positions, expected {p + n}")
+        tokens.extend(req.output_ids[:n])
+        locs.append(req_to_token[req.kv.req_pool_idx, p: p + n].to(torch.int64))
+        prefix_lens.append(p)
+        extend_lens.append(n)
+        seq_lens.append(p + n)
+    batch = ScheduleBatch.init_new(
+        reqs=reqs, req_to_token_pool=scheduler.req_to_token_pool,
+        token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator,
+        tree_cache=scheduler.tree_cache, model_config=scheduler.model_config,
+        enable_overlap=False, spec_algorithm=scheduler.spec_algorithm,
+    )
+    batch.forward_mode = ForwardMode.EXTEND
+    batch.return_logprob = False
+    batch.input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+    pool_idx = [r.kv.req_pool_idx for r in reqs]
+    batch.req_pool_indices = torch.tensor(pool_idx, dtype=torch.int64, device=device)
+    batch.req_pool_indices_cpu = torch.tensor(pool_idx, dtype=torch.int64)
+    batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+    batch.orig_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    batch.seq_lens_sum = sum(seq_lens)
+    batch.out_cache_loc = torch.cat(locs)
+    batch.prefix_lens = prefix_lens
+    batch.extend_lens = extend_lens
+    batch.extend_num_tokens = sum(extend_lens)
+    batch.extend_logprob_start_lens = list(extend_lens)
+    batch.multimodal_inputs = [None] * len(reqs)
+    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch,
+                                                                scheduler.model_config.vocab_size)
+    result = scheduler.tp_worker.forward_batch_generation(
+        batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+    hidden = result.logits_output.hidden_states
+    model = scheduler.tp_worker.model_runner.model
+    logits = model.logits_processor._get_logits(
+        hidden, model.lm_head, LogitsMetadata(forward_mode=ForwardMode.DECODE),
+        use_logits_buffer=False,
+    )[:, : scheduler.model_config.vocab_size]
+    return list(torch.split(logits, extend_lens))
+
+
+def accept_greedy(req, verified_len: int, logits: torch.Tensor) -> VerifyResult:
+    """Longest prefix of the speculative tokens that the exact logits' argmax agrees with; the
+    first disagreeing position gets the exact argmax instead (output_ids is edited in place)."""
+    exact = logits.argmax(dim=-1).tolist()
+    spec = list(req.output_ids[verified_len:])
+    n = len(spec)
+    accepted = 0
+    while accepted < n and spec[accepted] == exact[accepted]:
+        accepted += 1
+    if accepted == n:
+        return VerifyResult(n, n, None)
+    del req.output_ids[verified_len + accepted:]
+    req.output_ids.append(exact[accepted])
+    return VerifyResult(n, accepted, exact[accepted])
+
+
+def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:
+    """Free the KV slots of the rejected positions. After `accept_greedy`, output_ids ends in the
+    token the next decode step feeds, so the request keeps KV for prompt + output_ids[:-1]."""
+    keep = len(req.origin_input_ids) + len(req.output_ids) - 1
+    held = req.kv.kv_allocated_len
+    if held > keep:
+        scheduler.tree_cache.free_kv_row(req.kv, [(keep, held)])
+        req.kv.kv_allocated_len = keep
+    req.kv.kv_committed_len = keep
+
+
+# ---- hook functions (registered by lynx_sglang.plugin in decode scheduler processes) ----------
+
+_controller: SpecController | None = None
+
+
+def controller() -> SpecController | None:
+    """The process's controller, created once the decode Lynx KV manager exists (speculative)."""
+    global _controller
+    if _controller is None:
+        mgr = LynxKVManager.decode_instance
+        if mgr is not None and mgr.lynx.speculate:
+            _controller = SpecController(mgr)
+    return _controller
+
+
+def process_decode_queue_before(scheduler):
+    ctl = controller()
+    if ctl is not None:
+        ctl.step(scheduler)
+        if ctl.parked and scheduler.running_batch.is_empty():
+            time.sleep(0.001)  # waiting on Residuals only: leave the CPU to the applier thread
+
+
+def is_fully_idle_around(original, scheduler, *args, **kwargs):
+    # Parked requests hold KV outside SGLang's queues: the scheduler is not idle (its idle path
+    # would report their slots as a leak, or sleep until the next request arrives).
+    ctl = controller()
+    if ctl is not None and ctl.parked and not kwargs.get("for_health_check", False):
+        return False
+    return original(scheduler, *args, **kwargs)
+
+
+def commit_transfer_after(result, queue, decode_req):
+    ctl = controller()
+    if ctl is not None and decode_req.req.finished_reason is None:
+        ctl.on_commit(decode_req.req)
+    return result
+
+
+def process_batch_result_prebuilt_after(result, processor, batch):
+    ctl = controller()
+    if ctl is not None:
+        ctl.on_prebuilt(batch)
+    return result
+
+
+def update_finish_state_around(original, req, new_accepted_len: int = 1):
+    st = getattr(req, "lynx_spec", None)
+    if st is None or req.to_finish is not None or len(req.output_ids) <= st.verified_len:
+        return original(req, new_accepted_len)
+    original(req, new_accepted_len)
+    if req.finished_reason is not None:
+        # A finish decided on unverified tokens: hold it; verification decides for real.
+        req.finished_reason = None
+        req.finished_len = None
+        st.finish_pending = True
+    return None
+
+
+def accept_around(original, accumulator, *, req):
+    st = getattr(req, "lynx_spec", None)
+    if st is None or len(req.output_ids) <= st.verified_len:
+        return original(accumulator, req=req)
+    full = req.output_ids
+    req.output_ids = full[: st.verified_len]
+    try:
+        return original(accumulator, req=req)
+    finally:
+        req.output_ids = full
+
+
+def release_kv_cache_before(req, tree_cache, *, checkpoint: bool):
+    mgr = LynxKVManager.decode_instance
+    room = getattr(req, "bootstrap_room", None)
+    if mgr is not None and room is not None:
+        mgr.cancel_residual(room)
