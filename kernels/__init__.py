@@ -7,8 +7,9 @@
     full = decode(enc, stage="full")          # target precision; bit-identical to x for "exact"
     enc.nbytes("anchor"), enc.nbytes("residual")
 
-Wire format: `to_chunks(enc, chunk_tokens, stream=...)` -> bytes chunks; `parse_chunk`, `assemble`
-on the receiving side; `refine_(pool_slots, enc)` rewrites Anchor-precision values in place.
+Wire format: `to_chunks(enc, chunk_tokens, stream=...)` -> bytes chunks (or `write_chunks` straight
+into a buffer); `parse_chunk`, `assemble` on the receiving side; `refine_(pool_slots, enc)`
+rewrites Anchor-precision values in place.
 Modules: spec (parameters), codec (encode/decode), wire (chunks), sizes (byte accounting),
 shapes (model KV presets),
 rotation, ops_torch (reference), ops_triton (CUDA kernels). This package never imports SGLang.
@@ -18,7 +19,15 @@ from .codec import EncodedKV, decode, encode, protected_positions, refine_
 from .shapes import PRESETS, KVShape, preset
 from .sizes import StreamBytes, quantized_nbytes_per_token, stream_nbytes_per_token
 from .spec import CodecError, CodecSpec, KGrouping, Stage, StreamKind, Target
-from .wire import Chunk, ChunkHeader, WireStream, assemble, parse_chunk, to_chunks
+from .wire import (
+    Chunk,
+    ChunkHeader,
+    WireStream,
+    assemble,
+    parse_chunk,
+    to_chunks,
+    write_chunks,
+)
 
 __all__ = [
     "PRESETS",
@@ -44,4 +53,5 @@ __all__ = [
     "refine_",
     "stream_nbytes_per_token",
     "to_chunks",
+    "write_chunks",
 ]

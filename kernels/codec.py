@@ -52,6 +52,13 @@ def protected_positions(total: int, sink: int, recent: int, start: int, end: int
     return pos[(pos < sink) | (pos >= total - recent)]
 
 
+def protected_count(total: int, sink: int, recent: int, start: int, end: int) -> int:
+    """`len(protected_positions(...))` in integer arithmetic (the wire code calls it per chunk)."""
+    sinks = max(0, min(end, sink) - start)
+    recents = max(0, end - max(total - recent, sink, start))
+    return sinks + recents
+
+
 @dataclass
 class EncodedKV:
     """An encoded run of one layer's K or V (see the module docstring for the tensor layout)."""
@@ -112,12 +119,14 @@ class EncodedKV:
             zero, scale = self.zero[lo // g: -(-hi // g)], self.scale[lo // g: -(-hi // g)]
         else:
             zero, scale = self.zero[lo:hi], self.scale[lo:hi]
-        mine = protected_positions(self.total_tokens, self.spec.sink_tokens,
-                                   self.spec.recent_tokens, self.token_start, self.token_end)
-        keep = ((mine >= start) & (mine < end)).nonzero().flatten().to(self.protected.device)
+        # This run's protected rows are its protected positions in ascending order, so those in
+        # [start, end) are one contiguous block of rows.
+        counts = (self.total_tokens, self.spec.sink_tokens, self.spec.recent_tokens)
+        first = protected_count(*counts, self.token_start, start)
+        mine = protected_count(*counts, start, end)
         return replace(
             self, token_start=start, num_tokens=end - start, anchor=self.anchor[lo:hi],
-            zero=zero, scale=scale, protected=self.protected[keep],
+            zero=zero, scale=scale, protected=self.protected[first: first + mine],
             residual=None if self.residual is None else self.residual[lo:hi],
         )
 
@@ -144,6 +153,10 @@ def _check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int)
         )
     if spec.rotate and not is_power_of_two(head_dim):
         raise CodecError(f"{where}: rotation needs a power-of-two head_dim, got {head_dim}")
+
+
+def _check_finite(x: torch.Tensor, kind: StreamKind, layer: int) -> None:
+    where = f"layer {layer} {kind.value.upper()}"
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         t, h, d = (int(i) for i in (~finite).nonzero()[0])
@@ -153,23 +166,34 @@ def _check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int)
         )
 
 
-def _group_stats(x32: torch.Tensor, spec: CodecSpec, over_tokens: bool, protected: torch.Tensor):
+def _group_stats(x32: torch.Tensor, spec: CodecSpec, over_tokens: bool):
     """fp16 (zero, scale) per group for `[n, hd]` values; protected rows are left out when groups
     span tokens (a sink token's outliers would otherwise widen every group it belongs to)."""
     n, hd = x32.shape
     g = spec.group_size
     if over_tokens:
-        groups = -(-n // g)
-        valid = torch.ones(groups * g, dtype=torch.bool, device=x32.device)
-        valid[protected.to(x32.device)] = False
-        valid[n:] = False
-        padded = torch.zeros((groups * g, hd), dtype=torch.float32, device=x32.device)
-        padded[:n] = x32
-        valid = valid[:, None]
-        lo = torch.where(valid, padded, torch.inf).view(groups, g, hd).amin(dim=1)
-        hi = torch.where(valid, padded, -torch.inf).view(groups, g, hd).amax(dim=1)
-        empty = torch.isinf(lo)
-        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+        groups, full = -(-n // g), n // g
+        lo = torch.empty((groups, hd), dtype=torch.float32, device=x32.device)
+        hi = torch.empty_like(lo)
+        if full:
+            whole = x32[: full * g].view(full, g, hd)
+            torch.amin(whole, dim=1, out=lo[:full])
+            torch.amax(whole, dim=1, out=hi[:full])
+        # The protected tokens are [0, sink) and [n - recent, n), so a group's other tokens are
+        # one range; only groups holding a protected token, and the partial tail, need it (the
+        # others were reduced over all their rows above).
+        first_kept, end_kept = spec.sink_tokens, n - spec.recent_tokens
+        for i in range(groups):
+            start, end = i * g, min(n, (i + 1) * g)
+            if i < full and first_kept <= start and end <= end_kept:
+                continue
+            lo_row = max(start, first_kept)
+            kept = x32[lo_row: max(lo_row, min(end, end_kept))]
+            if len(kept):
+                torch.amin(kept, dim=0, out=lo[i])
+                torch.amax(kept, dim=0, out=hi[i])
+            else:  # every token of the group is protected
+                lo[i], hi[i] = 0.0, 0.0
     else:
         grouped = x32.view(n, hd // g, g)
         lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
@@ -199,8 +223,12 @@ def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
     x32 = x.to(torch.float32)
     if spec.rotate:
         x32 = rotate(x32, spec.rotation_seed)
-    peak = float(x32.abs().max())
-    if peak >= FP16_MAX:
+    low, high = (float(v) for v in torch.aminmax(x32))
+    peak = max(-low, high)
+    # A non-finite input makes the extremes non-finite (the rotation has no zero entry), so the
+    # costly per-value finiteness check only runs to name the culprit.
+    if not (-low < FP16_MAX and high < FP16_MAX):
+        _check_finite(x, kind, layer)
         raise CodecError(
             f"layer {layer} {kind.value.upper()}: |value| up to {peak:g} is beyond what fp16 "
             f"scale/zero can represent ({FP16_MAX:g})"
@@ -208,7 +236,7 @@ def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
     x32 = x32.reshape(tokens, hd)
     over_tokens = spec.groups_over_tokens(kind)
     protected = protected_positions(tokens, spec.sink_tokens, spec.recent_tokens, 0, tokens)
-    zero, scale = _group_stats(x32, spec, over_tokens, protected)
+    zero, scale = _group_stats(x32, spec, over_tokens)
     scale32 = scale.float()
     inv_scale = torch.where(scale32 > 0, 1.0 / scale32, torch.zeros_like(scale32))
     with_residual_bits = spec.target is Target.INT8

@@ -34,11 +34,17 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _rows_times(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    # One 2-D matmul over all rows: a [tokens, heads, head_dim] operand would otherwise go through
+    # the slower batched path (same products, same per-row sums).
+    return (x.reshape(-1, x.shape[-1]) @ matrix).view(x.shape)
+
+
 def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
     """fp32 `[..., head_dim]` rows into the rotated basis."""
-    return x @ rotation_matrix(x.shape[-1], seed, x.device)
+    return _rows_times(x, rotation_matrix(x.shape[-1], seed, x.device))
 
 
 def unrotate(x: torch.Tensor, seed: int) -> torch.Tensor:
     """fp32 `[..., head_dim]` rows back from the rotated basis."""
-    return x @ rotation_matrix(x.shape[-1], seed, x.device).T
+    return _rows_times(x, rotation_matrix(x.shape[-1], seed, x.device).T)

@@ -24,12 +24,14 @@ import itertools
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
+from functools import lru_cache
 
+import numpy as np
 import torch
 
-from .codec import EncodedKV, protected_positions
+from .codec import EncodedKV, protected_count
 from .spec import CodecError, CodecSpec, KGrouping, StreamKind, Target
 
 MAGIC = b"LYNX"
@@ -83,16 +85,15 @@ class ChunkHeader:
         """Byte length of each payload section, derived from the header alone."""
         hd = self.num_heads * self.head_dim
         n = self.num_tokens
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         if self.stream is WireStream.RESIDUAL:
             if self.spec.target is Target.EXACT:
                 return {"residual": n * hd * itemsize}
             return {"residual": n * hd * self.spec.residual_bits // 8}
         g = self.spec.group_size
         groups = (-(-n // g)) * hd if self.spec.groups_over_tokens(self.kind) else n * hd // g
-        protected = len(protected_positions(self.total_tokens, self.spec.sink_tokens,
-                                            self.spec.recent_tokens, self.token_start,
-                                            self.token_end))
+        protected = protected_count(self.total_tokens, self.spec.sink_tokens,
+                                    self.spec.recent_tokens, self.token_start, self.token_end)
         return {
             "anchor": n * hd * self.spec.anchor_bits // 8,
             "zero": groups * 2,
@@ -112,33 +113,15 @@ class Chunk:
 
     def to_encoded(self, device: torch.device | str = "cpu") -> EncodedKV:
         """The Anchor chunk as an EncodedKV for its token range (tensors copied onto `device`)."""
-        h = self.header
-        if h.stream is not WireStream.ANCHOR:
+        if self.header.stream is not WireStream.ANCHOR:
             raise CodecError("to_encoded needs an Anchor chunk; attach Residuals with assemble()")
-        sections = _split(self.payload, h.section_sizes())
-        hd = h.num_heads * h.head_dim
-        over_tokens = h.spec.groups_over_tokens(h.kind)
-        group_cols = hd if over_tokens else hd // h.spec.group_size
-        return EncodedKV(
-            spec=h.spec, kind=h.kind, layer=h.layer, dtype=h.dtype, num_heads=h.num_heads,
-            head_dim=h.head_dim, total_tokens=h.total_tokens, token_start=h.token_start,
-            num_tokens=h.num_tokens,
-            anchor=_tensor(sections["anchor"], torch.uint8, (h.num_tokens, -1), device),
-            zero=_tensor(sections["zero"], torch.float16, (-1, group_cols), device),
-            scale=_tensor(sections["scale"], torch.float16, (-1, group_cols), device),
-            protected=_tensor(sections["protected"], h.dtype, (-1, h.num_heads, h.head_dim),
-                              device),
-            residual=None,
-        )
+        return _anchor_run([self], device)
 
     def residual_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The Residual chunk's payload, shaped as `EncodedKV.residual` rows for its range."""
-        h = self.header
-        if h.stream is not WireStream.RESIDUAL:
+        if self.header.stream is not WireStream.RESIDUAL:
             raise CodecError("residual_tensor needs a Residual chunk")
-        if h.spec.target is Target.EXACT:
-            return _tensor(self.payload, h.dtype, (h.num_tokens, h.num_heads, h.head_dim), device)
-        return _tensor(self.payload, torch.uint8, (h.num_tokens, -1), device)
+        return _residual_rows([self], device)
 
 
 def _checksum(header: ChunkHeader, payload: bytes | memoryview) -> int:
@@ -153,35 +136,63 @@ def _split(payload: memoryview, sizes: dict[str, int]) -> dict[str, memoryview]:
     return out
 
 
-def _tensor(view: memoryview, dtype: torch.dtype, shape, device) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(view), dtype=torch.uint8) if len(view) else torch.empty(
-        0, dtype=torch.uint8)
+def _tensor(views: Sequence[memoryview], dtype: torch.dtype, shape, device) -> torch.Tensor:
+    """The bytes of `views`, joined, as a new tensor (one copy; the views may be read-only)."""
+    parts = [np.frombuffer(v, dtype=np.uint8) for v in views if len(v)]
+    raw = torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape).to(device)
 
 
-def _as_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
-def _chunk(enc: EncodedKV, stream: WireStream, request_tag: int) -> bytes:
-    if stream is WireStream.ANCHOR:
-        body = b"".join(_as_bytes(t) for t in (enc.anchor, enc.zero, enc.scale, enc.protected))
-    else:
-        if enc.residual is None:
-            raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
-        body = _as_bytes(enc.residual)
-    header = ChunkHeader(
-        stream=stream, spec=enc.spec, kind=enc.kind, dtype=enc.dtype, layer=enc.layer,
-        num_heads=enc.num_heads, head_dim=enc.head_dim, request_tag=request_tag,
-        total_tokens=enc.total_tokens, token_start=enc.token_start, token_end=enc.token_end,
-        payload_len=len(body),
+def _anchor_run(anchors: Sequence[Chunk], device) -> EncodedKV:
+    """Anchor chunks that tile a run, in token order, as one EncodedKV (no residual)."""
+    h, last = anchors[0].header, anchors[-1].header
+    sections = [_split(c.payload, c.header.section_sizes()) for c in anchors]
+    joined = lambda name, dtype, shape: _tensor([s[name] for s in sections], dtype, shape,  # noqa: E731
+                                                device)
+    hd = h.num_heads * h.head_dim
+    group_cols = hd if h.spec.groups_over_tokens(h.kind) else hd // h.spec.group_size
+    num_tokens = last.token_end - h.token_start
+    return EncodedKV(
+        spec=h.spec, kind=h.kind, layer=h.layer, dtype=h.dtype, num_heads=h.num_heads,
+        head_dim=h.head_dim, total_tokens=h.total_tokens, token_start=h.token_start,
+        num_tokens=num_tokens,
+        anchor=joined("anchor", torch.uint8, (num_tokens, -1)),
+        zero=joined("zero", torch.float16, (-1, group_cols)),
+        scale=joined("scale", torch.float16, (-1, group_cols)),
+        protected=joined("protected", h.dtype, (-1, h.num_heads, h.head_dim)),
+        residual=None,
     )
-    return header.pack(_checksum(header, body)) + body
 
 
-def to_chunks(enc: EncodedKV, chunk_tokens: int, *, stream: str = "anchor",
-              request_tag: int = 0) -> list[bytes]:
-    """Serialize `stream` ("anchor" or "residual") of `enc` as chunks of `chunk_tokens` tokens."""
+def _residual_rows(residuals: Sequence[Chunk], device) -> torch.Tensor:
+    """Residual chunks that tile a run, in token order, as `EncodedKV.residual` rows."""
+    h = residuals[0].header
+    n = residuals[-1].header.token_end - h.token_start
+    payloads = [c.payload for c in residuals]
+    if h.spec.target is Target.EXACT:
+        return _tensor(payloads, h.dtype, (n, h.num_heads, h.head_dim), device)
+    return _tensor(payloads, torch.uint8, (n, -1), device)
+
+
+def _sections(enc: EncodedKV, stream: WireStream) -> tuple[torch.Tensor, ...]:
+    if stream is WireStream.ANCHOR:
+        return enc.anchor, enc.zero, enc.scale, enc.protected
+    if enc.residual is None:
+        raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
+    return (enc.residual,)
+
+
+def _on_cpu(enc: EncodedKV) -> EncodedKV:
+    if enc.device.type == "cpu":
+        return enc
+    move = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return replace(enc, anchor=move(enc.anchor), zero=move(enc.zero), scale=move(enc.scale),
+                   protected=move(enc.protected), residual=move(enc.residual))
+
+
+def _plan(enc: EncodedKV, chunk_tokens: int, stream: str,
+          request_tag: int) -> list[tuple[EncodedKV, ChunkHeader]]:
+    """Each chunk of `stream` of `enc`: its token slice and its header (checksum still to come)."""
     try:
         wire_stream = WireStream[stream.upper()]
     except KeyError:
@@ -195,11 +206,62 @@ def to_chunks(enc: EncodedKV, chunk_tokens: int, *, stream: str = "anchor",
         )
     if not 0 <= request_tag < 2**64:
         raise CodecError(f"request_tag must fit in 64 bits, got {request_tag}")
-    return [
-        _chunk(enc.slice(start, min(start + chunk_tokens, enc.token_end)), wire_stream,
-               request_tag)
-        for start in range(enc.token_start, enc.token_end, chunk_tokens)
-    ]
+    if wire_stream is WireStream.RESIDUAL and enc.residual is None:
+        raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
+    plan = []
+    for start in range(enc.token_start, enc.token_end, chunk_tokens):
+        part = enc.slice(start, min(start + chunk_tokens, enc.token_end))
+        header = ChunkHeader(
+            stream=wire_stream, spec=enc.spec, kind=enc.kind, dtype=enc.dtype, layer=enc.layer,
+            num_heads=enc.num_heads, head_dim=enc.head_dim, request_tag=request_tag,
+            total_tokens=enc.total_tokens, token_start=part.token_start,
+            token_end=part.token_end,
+            payload_len=sum(t.numel() * t.element_size() for t in _sections(part, wire_stream)),
+        )
+        plan.append((part, header))
+    return plan
+
+
+def _write_chunk(part: EncodedKV, header: ChunkHeader, out: np.ndarray) -> int:
+    """Header and payload of one chunk into the start of `out`; returns its length."""
+    end = HEADER.size + header.payload_len
+    if len(out) < end:
+        raise CodecError(f"output buffer of {len(out)} B is too small for a {end} B chunk")
+    pos = HEADER.size
+    for t in _sections(part, header.stream):
+        n = t.numel() * t.element_size()
+        torch.from_numpy(out[pos: pos + n]).copy_(t.detach().reshape(-1).view(torch.uint8))
+        pos += n
+    out[:HEADER.size] = np.frombuffer(header.pack(0), dtype=np.uint8)
+    # zlib.crc32(header + payload) == _checksum(header, payload): one pass over the placed bytes.
+    out[:HEADER.size] = np.frombuffer(header.pack(zlib.crc32(out[:end])), dtype=np.uint8)
+    return end
+
+
+def write_chunks(enc: EncodedKV, chunk_tokens: int, out, *, stream: str = "anchor",
+                 request_tag: int = 0) -> list[int]:
+    """`to_chunks` written back to back into the writable buffer `out` (a staging region, say)
+    instead of new `bytes`; returns the chunks' lengths. The bytes are exactly `to_chunks`'."""
+    buf = np.frombuffer(out, dtype=np.uint8)
+    plan = _plan(_on_cpu(enc), chunk_tokens, stream, request_tag)
+    lengths, pos = [], 0
+    for part, header in plan:
+        n = _write_chunk(part, header, buf[pos:])
+        lengths.append(n)
+        pos += n
+    return lengths
+
+
+def to_chunks(enc: EncodedKV, chunk_tokens: int, *, stream: str = "anchor",
+              request_tag: int = 0) -> list[bytes]:
+    """Serialize `stream` ("anchor" or "residual") of `enc` as chunks of `chunk_tokens` tokens."""
+    plan = _plan(_on_cpu(enc), chunk_tokens, stream, request_tag)
+    chunks = []
+    for part, header in plan:
+        out = np.empty(HEADER.size + header.payload_len, dtype=np.uint8)
+        _write_chunk(part, header, out)
+        chunks.append(out.tobytes())
+    return chunks
 
 
 def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
@@ -220,13 +282,7 @@ def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
         raise CodecError(f"corrupt chunk header (unknown flags {flags:#x})")
     if not start < end <= total:
         raise CodecError(f"corrupt chunk header (token range [{start}, {end}) of {total})")
-    spec = CodecSpec(
-        anchor_bits=anchor_bits, group_size=group_size,
-        target=Target.EXACT if flags & _FLAG_EXACT else Target.INT8,
-        k_grouping=KGrouping.TOKEN if flags & _FLAG_K_PER_TOKEN else KGrouping.CHANNEL,
-        sink_tokens=sink, recent_tokens=recent, rotate=bool(flags & _FLAG_ROTATE),
-        rotation_seed=seed,
-    )
+    spec = _spec(anchor_bits, group_size, flags, sink, recent, seed)
     header = ChunkHeader(
         stream=WireStream(stream), spec=spec, kind=_KINDS_BY_CODE[kind],
         dtype=_DTYPES_BY_CODE[dtype], layer=layer, num_heads=heads, head_dim=head_dim,
@@ -253,6 +309,19 @@ def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
     if header.spec.groups_over_tokens(header.kind) and start % group_size:
         raise CodecError(f"chunk starts at token {start}, not a multiple of group_size")
     return Chunk(header=header, payload=payload)
+
+
+@lru_cache(maxsize=64)
+def _spec(anchor_bits: int, group_size: int, flags: int, sink: int, recent: int,
+          seed: int) -> CodecSpec:
+    # Every chunk of a transfer carries the same parameters: validate and build them once.
+    return CodecSpec(
+        anchor_bits=anchor_bits, group_size=group_size,
+        target=Target.EXACT if flags & _FLAG_EXACT else Target.INT8,
+        k_grouping=KGrouping.TOKEN if flags & _FLAG_K_PER_TOKEN else KGrouping.CHANNEL,
+        sink_tokens=sink, recent_tokens=recent, rotate=bool(flags & _FLAG_ROTATE),
+        rotation_seed=seed,
+    )
 
 
 def _same_run(a: ChunkHeader, b: ChunkHeader) -> bool:
@@ -294,9 +363,8 @@ def assemble(chunks: Iterable[bytes | bytearray | memoryview | Chunk],
                 f"{first.kind.value.upper()} (tag {first.request_tag})"
             )
     anchors = _contiguous(anchors, "Anchor")
-    parts = [c.to_encoded(device) for c in anchors]
-    start, end = parts[0].token_start, parts[-1].token_end
-    residual = None
+    enc = _anchor_run(anchors, device)
+    start, end = enc.token_start, enc.token_end
     if residuals:
         residuals = _contiguous(residuals, "Residual")
         if (residuals[0].header.token_start, residuals[-1].header.token_end) != (start, end):
@@ -304,14 +372,6 @@ def assemble(chunks: Iterable[bytes | bytearray | memoryview | Chunk],
                 f"Residual chunks cover [{residuals[0].header.token_start}, "
                 f"{residuals[-1].header.token_end}), Anchor chunks [{start}, {end})"
             )
-        residual = torch.cat([c.residual_tensor(device) for c in residuals])
-    head = parts[0]
-    return EncodedKV(
-        spec=head.spec, kind=head.kind, layer=head.layer, dtype=head.dtype,
-        num_heads=head.num_heads, head_dim=head.head_dim, total_tokens=head.total_tokens,
-        token_start=start, num_tokens=end - start,
-        anchor=torch.cat([p.anchor for p in parts]), zero=torch.cat([p.zero for p in parts]),
-        scale=torch.cat([p.scale for p in parts]),
-        protected=torch.cat([p.protected for p in parts]), residual=residual,
-    )
+        enc = replace(enc, residual=_residual_rows(residuals, device))
+    return enc
 

@@ -34,6 +34,7 @@ from lynx_kernels import (
     encode,
     parse_chunk,
     to_chunks,
+    write_chunks,
 )
 from lynx_kernels.wire import HEADER
 
@@ -111,7 +112,8 @@ def stream_nbytes(spec: CodecSpec, shape: KVShape, num_tokens: int,
 
 def encode_layer(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
                  chunk_tokens: int, request_tag: int) -> tuple[list[bytes], list[bytes]]:
-    """Anchor and Residual chunks of one layer (K then V) of the tokens held in `slots`."""
+    """Anchor and Residual chunks of one layer (K then V) of the tokens held in `slots`, as new
+    `bytes` (`encode_layer_into` writes the same bytes straight into a buffer)."""
     anchors: list[bytes] = []
     residuals: list[bytes] = []
     for kind in KINDS:
@@ -120,6 +122,22 @@ def encode_layer(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecS
         anchors += to_chunks(enc, chunk_tokens, stream="anchor", request_tag=request_tag)
         residuals += to_chunks(enc, chunk_tokens, stream="residual", request_tag=request_tag)
     return anchors, residuals
+
+
+def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
+                      chunk_tokens: int, request_tag: int, anchor_out, residual_out) -> tuple[int, int]:
+    """`encode_layer`'s Anchor chunks written back to back into the writable buffer `anchor_out`
+    and its Residual chunks into `residual_out` (staging ranges: no intermediate `bytes`);
+    returns the bytes written to each. Every layer's share of a stream has the same length, so
+    layer l's lies at l * that length (`stream_nbytes` / num_layers)."""
+    written = [0, 0]
+    for kind in KINDS:
+        x = pool.layer(layer, kind).index_select(0, slots)
+        enc = encode(x, spec, kind.value, layer=layer)
+        for i, (stream, out) in enumerate((("anchor", anchor_out), ("residual", residual_out))):
+            written[i] += sum(write_chunks(enc, chunk_tokens, out[written[i]:], stream=stream,
+                                           request_tag=request_tag))
+    return written[0], written[1]
 
 
 def iter_chunks(stream_bytes: memoryview) -> Iterator[Chunk]:
@@ -170,13 +188,32 @@ def parse_anchor(stream_bytes: memoryview, pool: KVPoolView, num_tokens: int,
     return chunks
 
 
+def _runs(chunks: dict[tuple[int, StreamKind, int], Chunk]) -> dict[tuple[int, StreamKind],
+                                                                    list[Chunk]]:
+    """The chunks of each (layer, kind), in token order."""
+    runs: dict[tuple[int, StreamKind], list[Chunk]] = {}
+    for key in sorted(chunks, key=lambda k: (k[0], KINDS.index(k[1]), k[2])):
+        runs.setdefault(key[:2], []).append(chunks[key])
+    return runs
+
+
+def _write_run(pool: KVPoolView, layer: int, kind: StreamKind, slots: torch.Tensor,
+               chunks: list[Chunk], stage: str) -> None:
+    # One decode and one indexed write per layer's K or V: the codec's per-call cost, not per
+    # chunk. The values are the same as chunk by chunk (every step is per token or per group).
+    try:
+        enc = assemble(chunks, device=pool.device)
+    except CodecError as exc:
+        raise KVStreamError(str(exc)) from exc
+    pool.layer(layer, kind).index_copy_(0, slots[enc.token_start: enc.token_end],
+                                        decode(enc, stage))
+
+
 def write_anchor(anchors: dict[tuple[int, StreamKind, int], Chunk], pool: KVPoolView,
                  slots: torch.Tensor) -> None:
     """Write the Anchor reconstruction of every chunk into the decode pool's `slots`."""
-    for chunk in anchors.values():
-        h = chunk.header
-        values = decode(chunk.to_encoded(pool.device), "anchor")
-        pool.layer(h.layer, h.kind)[slots[h.token_start: h.token_end]] = values
+    for (layer, kind), run in _runs(anchors).items():
+        _write_run(pool, layer, kind, slots, run, "anchor")
 
 
 def apply_anchor(stream_bytes: memoryview, pool: KVPoolView, slots: torch.Tensor,
@@ -193,7 +230,7 @@ def apply_residual(stream_bytes: memoryview, anchors: dict[tuple[int, StreamKind
     """Overwrite the Anchor-precision values in `slots` with the full-precision ones."""
     shape = pool.shape
     num_tokens = len(slots)
-    done = set()
+    residuals: dict[tuple[int, StreamKind, int], Chunk] = {}
     for chunk in iter_chunks(stream_bytes):
         h = chunk.header
         _check_header(h, spec, shape, num_tokens, request_tag, WireStream.RESIDUAL)
@@ -202,24 +239,23 @@ def apply_residual(stream_bytes: memoryview, anchors: dict[tuple[int, StreamKind
         if anchor is None or anchor.header.token_end != h.token_end:
             raise KVStreamError(f"Residual chunk layer {h.layer} {h.kind.value} tokens "
                                 f"[{h.token_start}, {h.token_end}) has no matching Anchor chunk")
-        try:
-            enc = assemble([anchor, chunk], device=pool.device)
-        except CodecError as exc:
-            raise KVStreamError(str(exc)) from exc
-        pool.layer(h.layer, h.kind)[slots[h.token_start: h.token_end]] = decode(enc, "full")
-        done.add(key)
-    if done != set(anchors):
-        missing = sorted(set(anchors) - done)[:3]
-        raise KVStreamError(f"Residual stream misses {len(anchors) - len(done)} chunks "
+        residuals[key] = chunk
+    if residuals.keys() != anchors.keys():
+        missing = sorted(set(anchors) - set(residuals))[:3]
+        raise KVStreamError(f"Residual stream misses {len(anchors) - len(residuals)} chunks "
                             f"(e.g. {missing})")
+    # Nothing is written until the whole Residual stream has checked out.
+    runs = _runs(residuals)
+    for (layer, kind), run in _runs(anchors).items():
+        _write_run(pool, layer, kind, slots, run + runs[(layer, kind)], "full")
 
 
 def _check_coverage(placed, shape: KVShape, num_tokens: int) -> None:
     """Every layer's K and V must be tiled by Anchor chunks over [0, num_tokens)."""
+    runs = _runs(placed)
     for layer in range(shape.num_layers):
         for kind in KINDS:
-            covered = sorted((s, placed[(layer, kind, s)].header.token_end)
-                             for (lyr, k, s) in placed if lyr == layer and k is kind)
+            covered = [(c.header.token_start, c.header.token_end) for c in runs.get((layer, kind), [])]
             pos = 0
             for start, end in covered:
                 if start != pos:

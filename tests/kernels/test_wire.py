@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +19,7 @@ from lynx_kernels import (
     encode,
     parse_chunk,
     to_chunks,
+    write_chunks,
 )
 from lynx_kernels.wire import FORMAT_VERSION, HEADER
 
@@ -142,3 +146,38 @@ def test_header_layout_is_pinned():
     """Changing the header layout must come with a FORMAT_VERSION bump; this pins version 1."""
     assert FORMAT_VERSION == 1
     assert HEADER.format == "<4sBBBBBBHHHHHHIQIIIII" and HEADER.size == 54
+
+
+def test_stream_bytes_are_pinned():
+    """The chunks and the Anchor reconstruction of a fixed input, byte for byte as the codec made
+    them before its CPU speed-up (values exactly representable and no rotation, so the bytes do
+    not depend on BLAS or libm): a faster codec must not change what goes on the wire."""
+    digest = hashlib.sha256()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = ((torch.arange(300 * 2 * 64) * 7919 % 1001 - 500) / 64.0).reshape(300, 2, 64).to(dtype)
+        for target in ("int8", "exact"):
+            for k_grouping in ("channel", "token"):
+                spec = CodecSpec(anchor_bits=3, group_size=32, target=target,
+                                 k_grouping=k_grouping, sink_tokens=4, recent_tokens=16)
+                for kind in "kv":
+                    enc = encode(x, spec, kind, layer=5)
+                    for stream in ("anchor", "residual"):
+                        for chunk in to_chunks(enc, 64, stream=stream, request_tag=9):
+                            digest.update(chunk)
+                    digest.update(decode(enc, "anchor").contiguous().view(torch.uint8).numpy())
+    assert digest.hexdigest() == "2a6a2d00a4bbec7e81b211075cbac271f627a2a4f7e6185b1a80e1e64107c8aa"
+
+
+@settings(max_examples=30, deadline=None)
+@given(encoded_runs(), st.sampled_from(["anchor", "residual"]))
+def test_write_chunks_places_the_to_chunks_bytes(run, stream):
+    enc, chunk_tokens, _ = run
+    chunks = to_chunks(enc, chunk_tokens, stream=stream, request_tag=3)
+    total = sum(len(c) for c in chunks)
+    buf = np.full(total + 20, 0xAB, dtype=np.uint8)
+    lengths = write_chunks(enc, chunk_tokens, buf[7:], stream=stream, request_tag=3)
+    assert lengths == [len(c) for c in chunks]
+    assert buf[7: 7 + total].tobytes() == b"".join(chunks)
+    assert (buf[:7] == 0xAB).all() and (buf[7 + total:] == 0xAB).all()
+    with pytest.raises(CodecError, match="too small"):
+        write_chunks(enc, chunk_tokens, bytearray(total - 1), stream=stream)

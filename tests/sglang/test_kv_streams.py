@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from lynx_sglang.kv_streams import (
     apply_anchor,
     apply_residual,
     encode_layer,
+    encode_layer_into,
     pack_aux,
     parse_anchor,
     stream_nbytes,
@@ -67,6 +69,26 @@ def test_round_trip(target, num_tokens):
             if target == "exact":
                 assert torch.equal(d[layer][dst_slots], x)
         assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
+
+
+@pytest.mark.parametrize("target", ["exact", "int8"])
+def test_encode_into_staging_writes_the_same_streams(target):
+    """What the prefill writes straight into staging, layer by layer at its fixed offset, is
+    byte for byte the streams of `encode_layer`."""
+    spec = CodecSpec(target=target, sink_tokens=4, recent_tokens=16, rotate=True)
+    src = _pool(0)
+    slots = torch.randperm(SLOTS)[:345]
+    anchor, residual = _streams(src, slots, spec, 128, tag=11)
+    sizes = stream_nbytes(spec, src.shape, len(slots), 128)
+    a_layer, r_layer = (sizes[s] // LAYERS for s in (WireStream.ANCHOR, WireStream.RESIDUAL))
+    staging = np.zeros(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL], dtype=np.uint8)
+    for layer in range(LAYERS):
+        r_off = sizes[WireStream.ANCHOR] + layer * r_layer
+        written = encode_layer_into(src, layer, slots, spec, 128, 11,
+                                    staging[layer * a_layer: (layer + 1) * a_layer],
+                                    staging[r_off: r_off + r_layer])
+        assert written == (a_layer, r_layer)
+    assert staging.tobytes() == anchor + residual
 
 
 @pytest.mark.parametrize("target", ["exact", "int8"])

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""CPU cost of the Lynx KV data path of one request, as SGLang's `lynx` backend runs it.
+
+Prefill side: encode every layer's K and V of the request's pool slots into Anchor and Residual
+chunks placed in a staging numpy buffer (what `LynxKVManager._write_streams` does, without the
+transport). Decode side: parse + write the Anchor into the decode pool's slots, then apply the
+Residual (what the decode applier does when the streams have landed). Each is reported in seconds
+(the best of --repeats runs after a warm-up: the least disturbed by other work on a shared
+machine), as a ratio to a plain copy of the request's KV bytes
+(gather of every layer's K and V slots into a staging buffer, what a raw-bytes backend does), and
+as a ratio to sending those fp32 bytes at 1 Gbit/s (bytes * 8 / 1e9 s).
+
+    .venv/bin/python scripts/bench_kv_path.py --json out/bench_kv_path.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lynx_kernels import CodecSpec, preset
+from lynx_kernels.wire import WireStream
+from lynx_sglang.kv_streams import (
+    KVPoolView,
+    apply_residual,
+    encode_layer_into,
+    parse_anchor,
+    stream_nbytes,
+    write_anchor,
+)
+
+LINK_BPS = 1e9
+
+
+def timed(fn, repeats: int) -> float:
+    """Fewest seconds of `fn()` over `repeats` runs after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return min(samples)
+
+
+def make_pool(layers: int, heads: int, head_dim: int, slots: int, seed: int) -> KVPoolView:
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: torch.randn(slots, heads, head_dim, generator=g)  # noqa: E731
+    return KVPoolView([mk() for _ in range(layers)], [mk() for _ in range(layers)])
+
+
+def encode_request(pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec, chunk_tokens: int,
+                   buf: np.ndarray, sizes: dict[WireStream, int]) -> None:
+    """Every layer's chunks into `buf` (Anchor stream, then Residual stream), as _write_streams."""
+    layers = len(pool.k)
+    a_layer = sizes[WireStream.ANCHOR] // layers
+    r_layer = sizes[WireStream.RESIDUAL] // layers
+    r_base = sizes[WireStream.ANCHOR]
+    for layer in range(layers):
+        encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1,
+                          buf[layer * a_layer: (layer + 1) * a_layer],
+                          buf[r_base + layer * r_layer: r_base + (layer + 1) * r_layer])
+
+
+def decode_request(buf: np.ndarray, pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
+                   sizes: dict[WireStream, int]) -> None:
+    view = memoryview(buf)
+    a = sizes[WireStream.ANCHOR]
+    anchors = parse_anchor(view[:a], pool, len(slots), spec, request_tag=1)
+    write_anchor(anchors, pool, slots)
+    apply_residual(view[a: a + sizes[WireStream.RESIDUAL]], anchors, pool, slots, spec,
+                   request_tag=1)
+
+
+def plain_copy(pool: KVPoolView, slots: torch.Tensor, out: torch.Tensor) -> None:
+    for layer in range(len(pool.k)):
+        torch.index_select(pool.k[layer], 0, slots, out=out[layer, 0])
+        torch.index_select(pool.v[layer], 0, slots, out=out[layer, 1])
+
+
+def bench(tokens: int, args, spec: CodecSpec) -> dict:
+    shape = preset(args.model)
+    slots_total = 2 * tokens + 64
+    src = make_pool(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots_total, 0)
+    dst = make_pool(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots_total, 1)
+    g = torch.Generator().manual_seed(2)
+    src_slots = torch.randperm(slots_total, generator=g)[:tokens]
+    dst_slots = torch.randperm(slots_total, generator=g)[:tokens]
+    sizes = stream_nbytes(spec, src.shape, tokens, args.chunk_tokens)
+    buf = np.zeros(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL], dtype=np.uint8)
+    kv_bytes = 2 * shape.num_layers * tokens * shape.num_kv_heads * shape.head_dim * 4
+    copy_out = torch.empty(shape.num_layers, 2, tokens, shape.num_kv_heads, shape.head_dim)
+
+    t_copy = timed(lambda: plain_copy(src, src_slots, copy_out), args.repeats)
+    t_prefill = timed(
+        lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, sizes), args.repeats)
+    t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, sizes), args.repeats)
+    for layer in range(shape.num_layers):  # the bytes it times must also be the right ones
+        if spec.target.value == "exact" and not torch.equal(dst.k[layer][dst_slots],
+                                                            src.k[layer][src_slots]):
+            raise SystemExit(f"layer {layer}: decoded K differs from the prefill's")
+    link_s = kv_bytes * 8 / LINK_BPS
+    row = {"tokens": tokens, "kv_bytes": kv_bytes,
+           "anchor_bytes": sizes[WireStream.ANCHOR], "residual_bytes": sizes[WireStream.RESIDUAL],
+           "copy_s": t_copy, "link_1gbit_s": link_s}
+    for name, t in (("prefill", t_prefill), ("decode", t_decode)):
+        row[f"{name}_s"] = t
+        row[f"{name}_vs_copy"] = t / t_copy
+        row[f"{name}_vs_link"] = t / link_s
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1500, 4000])
+    parser.add_argument("--target", choices=["int8", "exact"], nargs="+", default=["exact", "int8"])
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: SGLang CPU servers run 1-2)")
+    parser.add_argument("--json", type=Path, default=Path("out/bench_kv_path.json"))
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for target in args.target:
+        # The serving defaults (lynx_sglang.config): 4 Anchor bits, K per channel, rotation on.
+        spec = CodecSpec(anchor_bits=4, group_size=64, target=target, sink_tokens=4,
+                         recent_tokens=16, rotate=True)
+        for tokens in args.tokens:
+            row = {"target": target, **bench(tokens, args, spec)}
+            rows.append(row)
+            print(f"{target:5s} {tokens:5d} tok: prefill {row['prefill_s'] * 1e3:7.1f} ms "
+                  f"({row['prefill_vs_copy']:6.1f}x copy, {row['prefill_vs_link']:5.2f}x 1 Gbit/s)"
+                  f"  decode {row['decode_s'] * 1e3:7.1f} ms ({row['decode_vs_copy']:6.1f}x copy, "
+                  f"{row['decode_vs_link']:5.2f}x 1 Gbit/s)  copy {row['copy_s'] * 1e3:.2f} ms",
+                  file=sys.stderr)
+    report = {"model": args.model, "threads": args.threads, "chunk_tokens": args.chunk_tokens,
+              "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
