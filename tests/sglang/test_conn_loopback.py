@@ -1,0 +1,471 @@
+"""The `lynx` transfer backend's conn classes (lynx_sglang.conn) with SGLang's own machinery, in one
+process over loopback: real `KVArgs` filled the way SGLang's `PrefillBootstrapQueue._init_kv_manager`
+and `DecodePreallocQueue._init_kv_manager` fill them (SGLang's `get_kv_transfer_buf_infos`,
+`build_kv_layer_ids`, `setup_state_kv_args`, `MetadataBuffers.get_buf_infos`), real CPU KV pools
+(SGLang's `MHATokenToKVPool`, bf16, page size 1), a real `LynxKVBootstrapServer`, a prefill and a
+decode `LynxKVManager` (SGLang's ZMQ control plane, the lynx_transport tcp data plane) and one
+`LynxKVSender` / `LynxKVReceiver` pair per request. No model, no SGLang server processes.
+
+What stands in for SGLang's scheduler (the smallest honest substitute):
+- the scheduler's published config: `RuntimeContext.override_server_args` (SGLang's own test hook)
+  with the bootstrap host on loopback, and `get_parallel().override` for the ranks a scheduler
+  process writes when it builds its process groups (all 0, single rank; no pipeline group);
+- `enable_pd_role_switch=True`: it only makes SGLang's manager threads poll their ZMQ sockets with a
+  timeout instead of blocking, so `teardown()` can stop them between tests;
+- the bootstrap/prealloc/transfer queues: each test drives the sender and receiver in the order the
+  queues do (receiver: `try_ensure_parallel_info`, `init`, `send_metadata`; sender: wait for
+  WaitingForInput, `init`, `send`; `failure_exception` on Failed) and writes the request's first
+  output token and bootstrap room into the prefill's metadata row, as the prefill's batch result
+  processing does;
+- `attach_kv_pool`, which the plugin's `_init_kv_manager` hook calls in a real scheduler;
+- stopping a manager: LynxKVManager has no teardown of its own threads, so the fixture sets its
+  `_stop` event before SGLang's `teardown()`.
+
+The managers run non-speculative (`--no-lynx-speculate`): the contract checked is that a decode
+room becomes Success only once the Residual is in the KV pool, and Failed (with its staging freed)
+when the transfer cannot finish. Two tests are strict xfails naming a conn.py bug each; they fail
+(XPASS) once it is fixed, and the marker goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+import torch
+
+from lynx_kernels import decode, encode
+from lynx_sglang.config import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV, LynxConfig
+
+pytestmark = pytest.mark.sglang
+
+LOOPBACK = "127.0.0.1"
+LAYERS, HEADS, HEAD_DIM, POOL_TOKENS = 2, 2, 64, 1024
+NUM_TOKENS = 300  # two Lynx chunks (256 + 44 tokens), a partial quantization group
+AUX_ROWS = 4
+# Small deadlines so a failure path ends in seconds; the Residual hold is long enough for a test
+# to act between the Anchor and the Residual, short enough to keep the file quick.
+TIMEOUTS = {"connect_timeout_s": 2.0, "transfer_timeout_s": 4.0}
+RESIDUAL_HOLD_S = 2.0
+WAIT_S = 20.0
+
+
+@dataclass
+class _SGLang:
+    """The SGLang names the tests use, imported once the CPU engine is set up."""
+
+    KVPoll: type
+    KVTransferError: type
+    DisaggregationMode: type
+    # What SGLang's get_kv_class answers for the `lynx` backend.
+    KVArgs: type
+    Manager: type
+    Sender: type
+    Receiver: type
+    BootstrapServer: type
+    MetadataBuffers: type
+    MHATokenToKVPool: type
+    get_kv_transfer_buf_infos: Callable
+    get_pd_kv_layout: Callable
+    build_kv_layer_ids: Callable
+    setup_state_kv_args: Callable
+    get_free_port: Callable
+    context: object
+    server_args: object
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (scripts/install.sh installs it)")
+    with pytest.MonkeyPatch.context() as mp, contextlib.ExitStack() as stack:
+        from lynx_sglang import cpu_compat
+
+        if not cpu_compat.cuda_device_present():
+            # As lynx_sglang.serve does: SGLang's CPU engine, with the import fallbacks.
+            mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")
+        cpu_compat.activate()
+        from lynx_sglang import plugin
+
+        # Before importing get_kv_class: the hook patches module attributes, not this frame's.
+        plugin.install_backend()
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.common.conn import KVTransferError
+        from sglang.srt.disaggregation.utils import (
+            DisaggregationMode,
+            KVClassType,
+            MetadataBuffers,
+            TransferBackend,
+            build_kv_layer_ids,
+            get_kv_class,
+            get_kv_transfer_buf_infos,
+            get_pd_kv_layout,
+            setup_state_kv_args,
+        )
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.runtime_context import get_context, get_parallel
+        from sglang.srt.utils.network import get_free_port
+
+        backend = TransferBackend(plugin.BACKEND_NAME)
+        override = get_context().override_server_args(
+            host=LOOPBACK, disaggregation_transfer_backend=plugin.BACKEND_NAME,
+            enable_pd_role_switch=True)
+        # The managers read the flag from the ServerArgs they are given (the published one keeps
+        # its raw, unresolved value), so they get a copy with it set.
+        server_args = msgspec.structs.replace(override.install(), enable_pd_role_switch=True)
+        stack.callback(override.restore)
+        stack.enter_context(get_parallel().override(
+            attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0, pp_group=None))
+        yield _SGLang(
+            KVPoll=KVPoll, KVTransferError=KVTransferError, DisaggregationMode=DisaggregationMode,
+            KVArgs=get_kv_class(backend, KVClassType.KVARGS),
+            Manager=get_kv_class(backend, KVClassType.MANAGER),
+            Sender=get_kv_class(backend, KVClassType.SENDER),
+            Receiver=get_kv_class(backend, KVClassType.RECEIVER),
+            BootstrapServer=get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER),
+            MetadataBuffers=MetadataBuffers, MHATokenToKVPool=MHATokenToKVPool,
+            get_kv_transfer_buf_infos=get_kv_transfer_buf_infos,
+            get_pd_kv_layout=get_pd_kv_layout, build_kv_layer_ids=build_kv_layer_ids,
+            setup_state_kv_args=setup_state_kv_args, get_free_port=get_free_port,
+            context=get_context(), server_args=server_args,
+        )
+
+
+@dataclass
+class Side:
+    """One server's KV manager with the KV pool and metadata buffers it was built from."""
+
+    mgr: object
+    pool: object
+    meta: object
+
+
+@dataclass
+class PD:
+    prefill: Side
+    decode: Side
+    bootstrap_addr: str
+
+
+def _build_side(sgl: _SGLang, mode) -> Side:
+    """What `_init_kv_manager` of SGLang's prefill / decode queue does, for an MHA pool on CPU."""
+    pool = sgl.MHATokenToKVPool(size=POOL_TOKENS, page_size=1, dtype=torch.bfloat16,
+                                head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                                enable_memory_saver=False)
+    meta = sgl.MetadataBuffers(AUX_ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16,
+                               max_sampling_mask_tokens=16)
+    kv_args = sgl.KVArgs()
+    kv_args.engine_rank = 0
+    kv_args.pp_rank = 0
+    kv_args.system_dp_rank = 0
+    kv_args.rust_http_port = None
+    kv_args.kv_cache_dtype_str = "auto"
+    kv_args.kv_layout = sgl.get_pd_kv_layout(pool)
+    kv_args.prefill_start_layer = pool.start_layer
+    kv_args.prefill_end_layer = pool.end_layer
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (
+        sgl.get_kv_transfer_buf_infos(pool))
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = sgl.build_kv_layer_ids(
+        token_to_kv_pool=pool, draft_token_to_kv_pool=None, num_draft_entries=0,
+        num_hidden_layers=LAYERS)
+    kv_args.kv_head_num = HEADS
+    kv_args.total_kv_head_num = HEADS
+    kv_args.page_size = pool.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
+    kv_args.ib_device = None
+    kv_args.gpu_id = 0
+    sgl.setup_state_kv_args(kv_args, pool, None, LAYERS, req_to_token_pool=None)
+    mgr = sgl.Manager(kv_args, mode, sgl.server_args, False)
+    mgr.attach_kv_pool(pool)
+    return Side(mgr, pool, meta)
+
+
+def _stop(mgr) -> None:
+    # LynxKVManager's own threads watch `_stop`; SGLang's teardown() stops the rest, closes the
+    # ZMQ sockets and (deregister_buffer_to_engine) the transport endpoint.
+    mgr._stop.set()
+    mgr.teardown()
+
+
+@pytest.fixture
+def make_pd(sgl, monkeypatch):
+    """make_pd(prefill=LynxConfig, decode=LynxConfig, residual_hold_s=0) -> PD, on a fresh
+    bootstrap server; everything is stopped at the end of the test."""
+    started: list = []
+
+    def _make(prefill: LynxConfig, decode: LynxConfig | None = None,
+              residual_hold_s: float = 0.0) -> PD:
+        port = sgl.get_free_port()
+        sgl.context.override("test_conn_loopback", disaggregation_bootstrap_port=port)
+        server = sgl.BootstrapServer(host=LOOPBACK, port=port)
+        started.append(server.close)
+        # SGLang's managers bind to, and announce, get_local_ip_auto().
+        monkeypatch.setenv("SGLANG_HOST_IP", LOOPBACK)
+        sides = []
+        for mode, cfg, hold in ((sgl.DisaggregationMode.PREFILL, prefill, residual_hold_s),
+                                (sgl.DisaggregationMode.DECODE, decode or prefill, 0.0)):
+            monkeypatch.setenv(CONFIG_ENV, json.dumps(dataclasses.asdict(cfg)))
+            monkeypatch.setenv(FAULT_RESIDUAL_DELAY_ENV, str(hold))
+            side = _build_side(sgl, mode)
+            started.append(lambda m=side.mgr: _stop(m))
+            sides.append(side)
+        return PD(sides[0], sides[1], f"{LOOPBACK}:{port}")
+
+    yield _make
+    for stop in reversed(started):
+        stop()
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def _cfg(**kw) -> LynxConfig:
+    # The non-speculative contract (`--no-lynx-speculate`): Success only with the Residual in the
+    # pool, failures reported to SGLang as Failed.
+    return LynxConfig(staging_mib=4, speculate=False, **TIMEOUTS, **kw)
+
+
+def _wait(what: str, cond: Callable[[], object], timeout: float = WAIT_S):
+    """Poll `cond` until it is truthy; fail (not hang) after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout:g} s waiting for {what}")
+        time.sleep(0.005)
+
+
+@dataclass
+class Request:
+    room: int
+    sender: object
+    receiver: object
+    prefill_slots: torch.Tensor
+    decode_slots: torch.Tensor
+    prefill_aux: int
+    decode_aux: int
+
+
+def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int) -> Request:
+    """Fill random prefill KV, then run one request through the conn classes in the order SGLang's
+    prefill bootstrap queue and decode prealloc queue drive them."""
+    g = torch.Generator().manual_seed(seed)
+    # Slot 0 is SGLang's padding slot.
+    prefill_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
+    decode_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        for layer in range(LAYERS):
+            x = torch.randn(NUM_TOKENS, HEADS, HEAD_DIM, generator=g) * (layer + 1)
+            buffers[layer][prefill_slots] = x.to(torch.bfloat16)
+    prefill_aux, decode_aux = seed % AUX_ROWS, (seed + 1) % AUX_ROWS
+    meta = pd.prefill.meta
+    meta.output_ids[prefill_aux].copy_(torch.randint(1, 50000, (16,), generator=g))
+    meta.bootstrap_room[prefill_aux, 0] = room
+
+    sender = sgl.Sender(mgr=pd.prefill.mgr, bootstrap_addr=pd.bootstrap_addr, bootstrap_room=room)
+    receiver = sgl.Receiver(mgr=pd.decode.mgr, bootstrap_addr=pd.bootstrap_addr,
+                            bootstrap_room=room)
+    assert pd.decode.mgr.try_ensure_parallel_info(pd.bootstrap_addr)
+    receiver.init(0)
+    # SGLang's KV indices are int32 (req_to_token); the metadata message carries their raw bytes.
+    receiver.send_metadata(decode_slots.to(torch.int32).numpy(), decode_aux)
+    _wait("the prefill to get the decode's KV indices",
+          lambda: sender.poll() == sgl.KVPoll.WaitingForInput)
+    sender.init(NUM_TOKENS, prefill_aux)
+    sender.send(prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    return Request(room, sender, receiver, prefill_slots, decode_slots, prefill_aux, decode_aux)
+
+
+def _poll_until_done(sgl: _SGLang, party) -> int:
+    done = (sgl.KVPoll.Success, sgl.KVPoll.Failed)
+    # A 1-tuple: KVPoll.Failed is 0, which _wait would take for "not yet".
+    return _wait(f"{type(party).__name__} to reach Success or Failed",
+                 lambda: (s,) if (s := party.poll()) in done else None)[0]
+
+
+def _failure_message(sgl: _SGLang, party) -> str:
+    """What SGLang's queues do with a Failed room: failure_exception() (clears it, raises)."""
+    with pytest.raises(sgl.KVTransferError) as info:
+        party.failure_exception()
+    return str(info.value)
+
+
+def _expected(pd: PD, req: Request, stage: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(decode slots now, codec reconstruction `stage` of the prefill slots) per layer and kind."""
+    spec = pd.decode.mgr.spec
+    out = []
+    for kind, src, dst in (("k", pd.prefill.pool.k_buffer, pd.decode.pool.k_buffer),
+                           ("v", pd.prefill.pool.v_buffer, pd.decode.pool.v_buffer)):
+        for layer in range(LAYERS):
+            x = src[layer][req.prefill_slots]
+            out.append((dst[layer][req.decode_slots], decode(encode(x, spec, kind, layer=layer),
+                                                             stage)))
+    return out
+
+
+def _prefill_staging_free(pd: PD) -> bool:
+    return pd.prefill.mgr.staging.free_bytes() == pd.prefill.mgr.staging.nbytes
+
+
+def _holds(pd: PD, req: Request, stage: str) -> bool:
+    return all(torch.equal(got, want) for got, want in _expected(pd, req, stage))
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["exact", "int8"])
+def test_one_request(sgl, make_pd, target):
+    pd = make_pd(_cfg(target=target))
+    untouched = torch.ones(POOL_TOKENS + 1, dtype=torch.bool)  # the pool has a padding slot 0
+    before = [t.clone() for t in pd.decode.pool.k_buffer + pd.decode.pool.v_buffer]
+    req = _start_request(sgl, pd, room=1001, seed=1)
+    untouched[req.decode_slots] = False
+
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    if target == "exact":
+        for kind in ("k_buffer", "v_buffer"):
+            for layer in range(LAYERS):
+                src = getattr(pd.prefill.pool, kind)[layer][req.prefill_slots]
+                dst = getattr(pd.decode.pool, kind)[layer][req.decode_slots]
+                assert torch.equal(dst, src), (kind, layer)
+    else:
+        for got, want in _expected(pd, req, "full"):
+            assert torch.equal(got, want)
+        # INT8 is lossy: the test would pass vacuously if the pool held the source values.
+        assert not torch.equal(pd.decode.pool.k_buffer[0][req.decode_slots],
+                               pd.prefill.pool.k_buffer[0][req.prefill_slots])
+    after = pd.decode.pool.k_buffer + pd.decode.pool.v_buffer
+    for t_before, t_after in zip(before, after, strict=True):
+        assert torch.equal(t_after[untouched], t_before[untouched])
+    # SGLang's metadata row (first output token, bootstrap room, ...) arrived with the KV.
+    src, dst = pd.prefill.meta, pd.decode.meta
+    for name in ("output_ids", "cached_tokens", "output_token_logprobs_val", "bootstrap_room"):
+        assert torch.equal(getattr(dst, name)[req.decode_aux],
+                           getattr(src, name)[req.prefill_aux]), name
+    assert int(dst.bootstrap_room[req.decode_aux, 0]) == req.room
+    # Both staging ranges are given back once the room is done.
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+
+
+def test_success_waits_for_the_residual(sgl, make_pd):
+    """The prefill's Success reaching the decode early (here: sent by the test over SGLang's
+    control plane while the prefill holds the Residual back) must not make the room Success
+    before the Residual is in the KV pool."""
+    pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
+    req = _start_request(sgl, pd, room=2002, seed=2)
+    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    assert req.receiver.poll() != sgl.KVPoll.Success
+
+    prefill = pd.prefill.mgr
+    targets = [(i.endpoint, i.dst_port) for i in prefill.transfer_infos[req.room].values()]
+    prefill.send_kv_status_message(targets=targets, bootstrap_room=req.room,
+                                   status=sgl.KVPoll.Success)
+    _wait("the decode to take the prefill's Success",
+          lambda: pd.decode.mgr.prefill_response_tracker.get(req.room))
+    held = 0
+    while True:
+        status = req.receiver.poll()  # before the pool: Success must imply full precision
+        full = _holds(pd, req, "full")
+        if status == sgl.KVPoll.Success:
+            assert full, "Success reported while the decode pool holds Anchor-precision KV"
+            break
+        assert status != sgl.KVPoll.Failed, _failure_message(sgl, req.receiver)
+        held += not full
+        time.sleep(0.005)
+    assert held, "the Residual was applied before the test could poll; raise RESIDUAL_HOLD_S"
+    for got, src in _expected(pd, req, "full"):
+        assert torch.equal(got, src)
+
+
+@pytest.mark.parametrize("field, prefill_value, decode_value, detected_by", [
+    ("target", "exact", "int8", "prefill"),  # different stream sizes: the prefill refuses
+    ("rotate", True, False, "decode"),  # same sizes: the decode refuses the chunk headers
+])
+def test_codec_mismatch_fails_both_sides(sgl, make_pd, field, prefill_value, decode_value,
+                                         detected_by):
+    pd = make_pd(_cfg(**{field: prefill_value}), _cfg(**{field: decode_value}))
+    req = _start_request(sgl, pd, room=3003, seed=3)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    decode_msg = _failure_message(sgl, req.receiver)
+    # failure_exception() cleared the receiver: nothing of the room is left in decode staging.
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+    if detected_by == "prefill":
+        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+        assert "differ between prefill and decode" in _failure_message(sgl, req.sender)
+        # What the decode is told: test_decode_is_told_why_the_prefill_failed.
+    else:
+        assert "codec settings" in decode_msg and "differ" in decode_msg, decode_msg
+        # The prefill delivered every byte; only the decode can see that they do not fit.
+        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    assert not _holds(pd, req, "full")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "LynxKVManager keeps MooncakeKVManager's status message, which carries no reason frame: the "
+    "decode only learns SGLang's default 'Failed to get kvcache from prefill instance' "
+    "(fix: kv_status_msg_carries_reason = True on LynxKVManager)"))
+def test_decode_is_told_why_the_prefill_failed(sgl, make_pd):
+    pd = make_pd(_cfg(target="exact"), _cfg(target="int8"))
+    req = _start_request(sgl, pd, room=3013, seed=3)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    msg = _failure_message(sgl, req.receiver)
+    assert "differ between prefill and decode" in msg, msg
+
+
+def test_abort_mid_transfer_frees_staging(sgl, make_pd):
+    pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
+    decode = pd.decode.mgr
+    req = _start_request(sgl, pd, room=4004, seed=4)
+    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    assert decode.staging.free_bytes() < decode.staging.nbytes
+    req.receiver.abort()
+    assert req.receiver.poll() == sgl.KVPoll.Failed
+    assert decode.staging.free_bytes() == decode.staging.nbytes
+    # The prefill sends the Residual of the now unknown room when its hold ends: it fails the
+    # room, and nothing lands in the decode pool.
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    assert _holds(pd, req, "anchor")
+    assert decode.staging.free_bytes() == decode.staging.nbytes
+    # The session between the two survives an aborted room: the next request goes through.
+    nxt = _start_request(sgl, pd, room=4005, seed=5)
+    assert _poll_until_done(sgl, nxt.receiver) == sgl.KVPoll.Success
+    assert _holds(pd, nxt, "full")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "LynxKVManager._send_room keeps the room's _InFlight entry when _write_streams raises (here: "
+    "the Residual write to a room the decode released); its never-written Residual stream stays "
+    "PENDING, so _reap_inflight never frees the prefill staging range"))
+def test_prefill_staging_freed_after_decode_abort(sgl, make_pd):
+    pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
+    req = _start_request(sgl, pd, room=4014, seed=4)
+    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    req.receiver.abort()
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    # The reaper runs every 50 ms: a few seconds is a generous bound for a freed range.
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd), timeout=5.0)
+
+
+def test_prefill_death_mid_transfer_fails_the_room(sgl, make_pd):
+    pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
+    req = _start_request(sgl, pd, room=5005, seed=6)
+    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    pd.prefill.mgr.endpoint.close()  # the prefill's data plane dies between the two streams
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    msg = _failure_message(sgl, req.receiver)
+    assert "Residual stream failed" in msg, msg
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+    assert _holds(pd, req, "anchor")
