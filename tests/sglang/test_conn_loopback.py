@@ -21,10 +21,11 @@ What stands in for SGLang's scheduler (the smallest honest substitute):
 - stopping a manager: LynxKVManager has no teardown of its own threads, so the fixture sets its
   `_stop` event before SGLang's `teardown()`.
 
-The managers run non-speculative (`--no-lynx-speculate`): the contract checked is that a decode
-room becomes Success only once the Residual is in the KV pool, and Failed (with its staging freed)
-when the transfer cannot finish. Two tests are strict xfails naming a conn.py bug each; they fail
-(XPASS) once it is fixed, and the marker goes.
+Most tests run the managers non-speculative (`--no-lynx-speculate`): a decode room becomes
+Success only once the Residual is in the KV pool, and Failed (with its staging freed) when the
+transfer cannot finish. The last test checks the speculative contract instead (Success at Anchor
+time, the Residual's outcome reported through `residual_outcome`). Two tests are strict xfails
+naming a conn.py bug each; they fail (XPASS) once it is fixed, and the marker goes.
 """
 
 from __future__ import annotations
@@ -228,9 +229,9 @@ def make_pd(sgl, monkeypatch):
 
 
 def _cfg(**kw) -> LynxConfig:
-    # The non-speculative contract (`--no-lynx-speculate`): Success only with the Residual in the
-    # pool, failures reported to SGLang as Failed.
-    return LynxConfig(staging_mib=4, speculate=False, **TIMEOUTS, **kw)
+    # By default the non-speculative contract (`--no-lynx-speculate`): Success only with the
+    # Residual in the pool, failures reported to SGLang as Failed.
+    return LynxConfig(**{"staging_mib": 4, "speculate": False, **TIMEOUTS, **kw})
 
 
 def _wait(what: str, cond: Callable[[], object], timeout: float = WAIT_S):
@@ -469,3 +470,49 @@ def test_prefill_death_mid_transfer_fails_the_room(sgl, make_pd):
     assert "Residual stream failed" in msg, msg
     assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
     assert _holds(pd, req, "anchor")
+
+
+@pytest.mark.parametrize("then", ["applied", "prefill_dies", "cancelled"])
+def test_speculative_success_at_anchor_time(sgl, make_pd, then):
+    """Speculative mode (the default): the room is Success for SGLang once the Anchor and the aux
+    data are in the pool; the Residual goes on after SGLang has cleared the receiver, and its
+    outcome is reported to the speculation controller (`residual_outcome`), not to SGLang."""
+    from lynx_sglang.conn import ResidualState
+
+    pd = make_pd(_cfg(target="exact", speculate=True), residual_hold_s=RESIDUAL_HOLD_S)
+    decode = pd.decode.mgr
+    req = _start_request(sgl, pd, room=6006, seed=7)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+    assert _holds(pd, req, "anchor")
+    assert torch.equal(pd.decode.meta.output_ids[req.decode_aux],
+                       pd.prefill.meta.output_ids[req.prefill_aux])
+    assert decode.residual_outcome(req.room).state is ResidualState.PENDING
+    req.receiver.clear()  # SGLang commits the request to its running batch
+    assert decode.staging.free_bytes() < decode.staging.nbytes  # the Residual is still expected
+
+    if then == "applied":
+        outcome = _wait("the Residual outcome", lambda: (
+            o if (o := decode.residual_outcome(req.room)).state is not ResidualState.PENDING
+            else None))
+        assert outcome.state is ResidualState.APPLIED, outcome
+        for kind in ("k_buffer", "v_buffer"):
+            for layer in range(LAYERS):
+                assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
+                                   getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+        decode.forget_room(req.room)
+        assert decode.residual_outcome(req.room) is None
+    elif then == "prefill_dies":
+        pd.prefill.mgr.endpoint.close()
+        outcome = _wait("the Residual outcome", lambda: (
+            o if (o := decode.residual_outcome(req.room)).state is not ResidualState.PENDING
+            else None))
+        assert outcome.state is ResidualState.FAILED, outcome
+        assert "Residual stream failed" in outcome.reason, outcome
+        assert _holds(pd, req, "anchor")
+    else:
+        # The request's KV slots are being freed: nothing may be written into them afterwards.
+        assert decode.cancel_residual(req.room)
+        assert decode.residual_outcome(req.room) is None
+        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed  # its Residual is refused
+        assert _holds(pd, req, "anchor")
+    assert decode.staging.free_bytes() == decode.staging.nbytes
