@@ -37,14 +37,25 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .client import StreamedGeneration, generate, generate_stream
+from .client import GenerateError, StreamedGeneration, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
-from .pd_measure import LYNX_EVENTS, KVShape, prefill_done_for, transfer_line_for, transfer_lines, wait_for
+from .pd_measure import (
+    LYNX_EVENTS,
+    KVShape,
+    prefill_done_for,
+    selected_config,
+    transfer_line_for,
+    transfer_lines,
+    wait_for,
+)
 from .timeline import TIMELINE_ENV, prefill_done_events
 
 BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
 LYNX_CLIENT = "lynx_client"      # lynx_sglang.client.generate_stream's per-request numbers
 CLIENTS = (BENCH_SERVING, LYNX_CLIENT)
+# The warm-up also opens the prefill -> decode transport session, whose set-up counts against the
+# Lynx connect timeout; on a loaded machine the first attempt can run out of it. Not measured.
+WARMUP_ATTEMPTS = 2
 
 
 class BenchError(RuntimeError):
@@ -179,7 +190,10 @@ def medians(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, 
 
 def ratios(medians_by_variant: dict[str, dict[str, float]], baseline: str) -> dict[str, dict]:
     """`<baseline>/<variant>` -> metric -> baseline median ÷ variant median (> 1: the variant is
-    faster). Metrics missing on either side, or zero at the variant, are left out."""
+    faster). Metrics missing on either side, or zero at the variant, are left out; no ratios
+    before the baseline has been measured."""
+    if baseline not in medians_by_variant:
+        return {}
     base = medians_by_variant[baseline]
     out = {}
     for name, med in medians_by_variant.items():
@@ -200,6 +214,9 @@ class VariantResult:
     # Whether both clients got the same text for each prompt (same prompts, greedy).
     same_text_both_clients: bool
     run_dir: str
+    warmup_attempts: int = 1
+    # Lynx: the decode's effective configuration as it logged it at start-up.
+    server_config: str | None = None
 
 
 def random_ids_prompts(vocab_size: int, prompt_tokens: int, max_new_tokens: int, requests: int,
@@ -279,9 +296,17 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
     t0 = time.monotonic()
     is_lynx = variant.transfer_backend == "lynx"
     with Cluster(spec) as cluster:
-        log(f"up in {time.monotonic() - t0:.0f} s; warm-up request ({len(warmup_ids)} tokens)")
-        generate(cluster.url, input_ids=warmup_ids, max_new_tokens=4,
-                 timeout_s=cfg.request_timeout_s)
+        for attempt in range(1, WARMUP_ATTEMPTS + 1):
+            log(f"up in {time.monotonic() - t0:.0f} s; warm-up request ({len(warmup_ids)} "
+                f"tokens), attempt {attempt}")
+            try:
+                generate(cluster.url, input_ids=warmup_ids, max_new_tokens=4,
+                         timeout_s=cfg.request_timeout_s)
+                break
+            except GenerateError as exc:
+                log(f"warm-up failed: {exc}")
+                if attempt == WARMUP_ATTEMPTS:
+                    raise
         out_file = run_dir / "bench_serving.jsonl"
         out_file.unlink(missing_ok=True)  # bench_serving appends
         cmd = bench_serving_command(cluster.url, Path(cfg.model), cfg.prompt_tokens,
@@ -324,6 +349,7 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
         # The servers log asynchronously; give the last lines a moment to reach the files.
         wait_for(complete)
         done, xfer = matched()
+        server_config = selected_config(decode_log.read_text(errors="replace"))
     if any(d is None for d in done):
         raise BenchError(f"{variant.name}: a request has no `lynx timeline` prefill_done line in "
                          f"{prefill_log}")
@@ -339,7 +365,8 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
     else:
         stream_bytes = {"kv": kv_shape.bytes_for(cfg.prompt_tokens)}
     same_text = [b.text for b in bench] == [c.text for c in client]
-    return VariantResult(variant, bench + client, stream_bytes, is_lynx, same_text, str(run_dir))
+    return VariantResult(variant, bench + client, stream_bytes, is_lynx, same_text, str(run_dir),
+                         attempt, server_config)
 
 
 def _mib(b: int) -> str:
@@ -415,6 +442,7 @@ def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
         "variants": {r.variant.name: {
             "stream_bytes": r.stream_bytes, "bytes_measured": r.bytes_measured,
             "same_text_both_clients": r.same_text_both_clients, "run_dir": r.run_dir,
+            "warmup_attempts": r.warmup_attempts, "server_config": r.server_config,
             "medians": medians(r.requests, cfg.token_marks),
             "requests": {c: [asdict(q) for q in r.requests if q.client == c] for c in CLIENTS},
         } for r in results},
@@ -483,26 +511,33 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.monotonic()
     load_start = os.getloadavg()
-    results = []
+    results: list[VariantResult] = []
+
+    def write(complete: bool) -> dict:
+        """The JSON so far: written after every variant, so a run cut short keeps what it has."""
+        ratio_table = ratios({r.variant.name: medians(r.requests, cfg.token_marks)
+                              for r in results}, cfg.baseline)
+        extra = {"complete": complete, "cpus": os.cpu_count(), "loadavg_start": load_start,
+                 "loadavg_end": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1),
+                 "bench_serving": "sglang.bench_serving --backend sglang --dataset-name random-ids "
+                                  "--tokenize-prompt --random-range-ratio 1 --max-concurrency 1 "
+                                  "--warmup-requests 0 (via lynx_sglang.bench_serving_offline)"}
+        (args.out / "bench_ttft.json").write_text(
+            json.dumps(result_json(results, cfg, link_desc, ratio_table, extra), indent=1))
+        return ratio_table
+
     try:
         for v in variants:
             results.append(run_variant(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
                                        kv_shape=kv_shape,
                                        run_dir=(args.out / "bench_ttft_runs" / v.name).resolve()))
+            write(complete=False)
     except KeyboardInterrupt:
         print("[bench-ttft] interrupted; the running cluster was stopped", file=sys.stderr)
         return 130
-    ratio_table = ratios({r.variant.name: medians(r.requests, cfg.token_marks) for r in results},
-                         cfg.baseline)
+    ratio_table = write(complete=True)
     print()
     print(format_table(results, cfg, link_desc, ratio_table))
-    extra = {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-             "wall_s": round(time.monotonic() - t0, 1),
-             "bench_serving": "sglang.bench_serving --backend sglang --dataset-name random-ids "
-                              "--tokenize-prompt --random-range-ratio 1 --max-concurrency 1 "
-                              "--warmup-requests 0 (via lynx_sglang.bench_serving_offline)"}
-    (args.out / "bench_ttft.json").write_text(
-        json.dumps(result_json(results, cfg, link_desc, ratio_table, extra), indent=1))
     plot(results, cfg, args.out / "bench_ttft.png",
          f"{cfg.prompt_tokens}-token prompts, {cfg.max_new_tokens} new tokens, {link_desc}")
     print(f"\n[bench-ttft] wrote {args.out / 'bench_ttft.json'} and {args.out / 'bench_ttft.png'} "

@@ -18,6 +18,8 @@ from pathlib import Path
 
 # The decode's per-request JSON line (not its "lynx transfer backend selected" start-up line).
 TRANSFER_PREFIX = "lynx transfer {"
+# The start-up line with the server's effective Lynx configuration.
+CONFIG_PREFIX = "lynx transfer backend selected:"
 # Lynx timeline points of the decode's `lynx transfer` line, in order.
 LYNX_EVENTS = ("anchor_landed", "anchor_applied", "residual_landed", "residual_applied")
 
@@ -38,6 +40,13 @@ class KVShape:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         return cls(cfg["num_hidden_layers"], cfg.get("num_key_value_heads",
                                                      cfg["num_attention_heads"]), head_dim)
+
+
+def selected_config(log_text: str) -> str | None:
+    """The `LynxConfig(...)` a Lynx server logged at start-up (its effective `--lynx-*` flags)."""
+    found = [ln[ln.index(CONFIG_PREFIX) + len(CONFIG_PREFIX):].strip()
+             for ln in log_text.splitlines() if CONFIG_PREFIX in ln]
+    return found[-1] if found else None
 
 
 def transfer_lines(log_text: str) -> list[dict]:

@@ -29,7 +29,7 @@ from lynx_sglang.bench_ttft import (
     token_times_from_itl,
 )
 from lynx_sglang.client import StreamedGeneration
-from lynx_sglang.pd_measure import prefill_done_for, transfer_line_for, transfer_lines
+from lynx_sglang.pd_measure import prefill_done_for, selected_config, transfer_line_for, transfer_lines
 from lynx_sglang.timeline import prefill_done_events
 
 MARKS = (2, 4)
@@ -87,6 +87,8 @@ def test_client_timing_matches_each_request_its_own_log_lines():
     events = prefill_done_events(PREFILL_LOG)
     lines = transfer_lines(DECODE_LOG)
     assert [ln["room"] for ln in lines] == [1, 2]  # the start-up line is not a transfer
+    assert selected_config(DECODE_LOG) == "LynxConfig(...)"
+    assert selected_config(PREFILL_LOG) is None
     g = _streamed(110.0)
     done = prefill_done_for(events, 300, g.t_send, g.t_first_token)
     xfer = transfer_line_for(lines, 300, g.t_send, float("inf"))
@@ -122,6 +124,7 @@ def test_medians_and_ratios():
     assert r["mooncake/lynx"][f"{BENCH_SERVING}.ttft_s"] == 2.0
     assert r["mooncake/lynx"][f"{LYNX_CLIENT}.net_ttft_s"] == 4.0
     assert f"{LYNX_CLIENT}.t4_s" not in r["mooncake/lynx"]
+    assert ratios({"lynx": med_fast}, "mooncake") == {}  # baseline not measured (yet)
 
 
 def _cfg() -> BenchConfig:
@@ -150,6 +153,7 @@ def test_json_table_and_plot(tmp_path):
     lynx = doc["variants"]["lynx"]
     assert lynx["medians"][f"{LYNX_CLIENT}.net_ttft_s"] == 0.5
     assert [len(lynx["requests"][c]) for c in (BENCH_SERVING, LYNX_CLIENT)] == [1, 1]
+    assert lynx["warmup_attempts"] == 1 and lynx["server_config"] is None
     assert doc["ratios"]["mooncake/lynx"][f"{LYNX_CLIENT}.net_ttft_s"] == 2.0
     table = format_table(results, cfg, "1gbit link", table_ratios)
     lynx_row = next(ln for ln in table.splitlines() if ln.startswith("lynx "))
