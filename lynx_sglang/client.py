@@ -5,6 +5,7 @@ Used by the tests and the demo to get greedy `output_ids`; every call has a time
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.error
 import urllib.request
@@ -72,8 +73,9 @@ class StreamedGeneration:
     cached_tokens: int = 0
 
 
-def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
-                    timeout_s: float = 300.0, sampling: dict | None = None) -> StreamedGeneration:
+def generate_stream(url: str, *, input_ids: list[int] | None = None, text: str | None = None,
+                    max_new_tokens: int = 16, timeout_s: float = 300.0,
+                    sampling: dict | None = None) -> StreamedGeneration:
     """Greedy /generate with `"stream": true` (unless `sampling` overrides it), reading SGLang's
     server-sent events. `timeout_s` bounds each socket read; raises GenerateError on HTTP errors,
     aborts or an empty stream."""
@@ -81,7 +83,10 @@ def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
 
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     params.update(sampling or {})
-    body = {"input_ids": input_ids, "stream": True, "sampling_params": params}
+    if (text is None) == (input_ids is None):
+        raise ValueError("give exactly one of text / input_ids")
+    body = {"stream": True, "sampling_params": params}
+    body.update({"text": text} if text is not None else {"input_ids": input_ids})
     req = urllib.request.Request(
         url.rstrip("/") + "/generate", data=json.dumps(body).encode(),
         headers={"content-type": "application/json"},
@@ -129,6 +134,11 @@ def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
     incremental = len(flat) == n
     text = "".join(texts) if incremental else texts[-1]
     output_ids = flat if incremental else chunks[-1]
+    if not incremental:
+        for before, after in itertools.pairwise(chunks):
+            if after[: len(before)] != before:
+                raise GenerateError("the stream took back tokens it had sent: a chunk does not "
+                                    "extend the previous one")
     if len(output_ids) != n:
         raise GenerateError(f"stream gave {len(flat)} ids in {len(chunks)} chunks, "
                             f"server says {n} completion tokens")
@@ -137,6 +147,6 @@ def generate_stream(url: str, *, input_ids: list[int], max_new_tokens: int = 16,
         # Incremental chunks carry their new ids; cumulative ones all ids so far.
         new = len(ids) if incremental else len(ids) - len(t_tokens)
         t_tokens += [t] * new
-    return StreamedGeneration(output_ids, int(meta.get("prompt_tokens", len(input_ids))),
+    return StreamedGeneration(output_ids, int(meta.get("prompt_tokens", len(input_ids or ()))),
                               t_send, t_first, t_last, tuple(t_tokens), text,
                               int(meta.get("cached_tokens", 0)))

@@ -66,6 +66,9 @@ class SpecCounters:
     requests: int = 0
     verifications: int = 0
     verify_forwards: int = 0
+    # Model forward passes run while verifying (SGLang's ModelRunner.forward_pass_id): one per
+    # verification batch, whatever the number of speculative tokens.
+    verify_model_passes: int = 0
     speculated_tokens: int = 0
     accepted_tokens: int = 0
     rolled_back_tokens: int = 0
@@ -220,11 +223,15 @@ class SpecController:
         from sglang.srt.mem_cache.common import release_kv_cache
 
         to_check = [r for r in reqs if len(r.output_ids) > r.lynx_spec.verified_len]
+        runner = scheduler.tp_worker.model_runner
+        passes_before = runner.forward_pass_id
         t0 = time.monotonic()
         logits = verify_forward(scheduler, to_check) if to_check else []
         verify_s = time.monotonic() - t0
+        passes = runner.forward_pass_id - passes_before
         if to_check:
             self.counters.verify_forwards += 1
+            self.counters.verify_model_passes += passes
             self.counters.verify_seconds += verify_s
         by_req = dict(zip((id(r) for r in to_check), logits, strict=True))
         resume = []
@@ -236,7 +243,9 @@ class SpecController:
                 result = accept_greedy(req, st.verified_len, by_req[id(req)])
                 rollback(scheduler, req, st.verified_len, result)
             req.lynx_spec = None
-            self._record(req, st, result, verify_s if id(req) in by_req else 0.0)
+            checked = id(req) in by_req
+            self._record(req, st, result, verify_s if checked else 0.0, passes if checked else 0,
+                         len(to_check))
             if len(req.output_ids) > st.verified_len:
                 req.update_finish_state(len(req.output_ids) - st.verified_len)
             if req.finished():
@@ -252,7 +261,8 @@ class SpecController:
             else:
                 scheduler.running_batch.merge_batch(batch)
 
-    def _record(self, req, st: SpecState, result: VerifyResult, verify_s: float) -> None:
+    def _record(self, req, st: SpecState, result: VerifyResult, verify_s: float,
+                model_passes: int, batch_size: int) -> None:
         c = self.counters
         c.verifications += 1
         c.speculated_tokens += result.speculated
@@ -264,10 +274,12 @@ class SpecController:
             "accepted": result.accepted, "rolled_back": result.speculated - result.accepted,
             "corrected": result.corrected_token is not None,
             "no_spec_reason": st.no_spec_reason, "parked_reason": st.parked_reason,
-            "verify_ms": round(verify_s * 1e3, 3), **out,
+            "verify_ms": round(verify_s * 1e3, 3), "verify_model_passes": model_passes,
+            "verify_batch": batch_size, **out,
             "totals": {"verifications": c.verifications, "speculated": c.speculated_tokens,
                        "accepted": c.accepted_tokens, "rolled_back": c.rolled_back_tokens,
-                       "verify_forwards": c.verify_forwards}}))
+                       "verify_forwards": c.verify_forwards,
+                       "verify_model_passes": c.verify_model_passes}}))
 
     @staticmethod
     def kv_mgr_outcome_times(st: SpecState) -> dict:

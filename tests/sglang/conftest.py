@@ -98,9 +98,20 @@ def max_new_tokens() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class StopCase:
+    """A greedy request that a stop token ends early: the prompt, the stop token (the first
+    token of the exact output that first occurs at position >= 2) and the single server's output."""
+
+    prompt: str
+    stop_token_id: int
+    output_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
 class References:
     exact: dict[str, list[int]]
     int8: dict[str, list[int]]
+    stop: StopCase
 
 
 @pytest.fixture(scope="session")
@@ -126,10 +137,17 @@ def references(tmp_path_factory) -> References:
         int8 = {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
                             sampling={"custom_params": {REQUEST_FLAG: True}}).output_ids
                 for p in PROMPTS}
+        stop_prompt = PROMPTS[2]
+        ids = exact[stop_prompt]
+        stop_token = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+        stop = StopCase(stop_prompt, stop_token, generate(
+            cluster.url, text=stop_prompt, max_new_tokens=MAX_NEW_TOKENS,
+            sampling={"stop_token_ids": [stop_token]}).output_ids)
         log = cluster.log_path("server").read_text(errors="replace")
     # Exactly the flagged requests had their prompt KV reconstructed.
     assert log.count("lynx reference:") == len(PROMPTS), log[-3000:]
-    return References(exact, int8)
+    assert len(stop.output_ids) < MAX_NEW_TOKENS, stop
+    return References(exact, int8, stop)
 
 
 @pytest.fixture(scope="session")
@@ -140,3 +158,8 @@ def reference_outputs(references) -> dict[str, list[int]]:
 @pytest.fixture(scope="session")
 def int8_reference_outputs(references) -> dict[str, list[int]]:
     return references.int8
+
+
+@pytest.fixture(scope="session")
+def stop_case(references) -> StopCase:
+    return references.stop

@@ -1,0 +1,98 @@
+"""Speculative decoding on the Anchor through real SGLang PD (prefill + decode + router, CPU).
+
+The cluster uses a deliberately coarse Anchor (2 bits, nothing protected, no rotation) so the
+Anchor-precision KV often disagrees with the exact one and verification must roll back, and the
+prefill holds every Residual back a few seconds after its Anchor (the sender's fault-injection
+knob) so the decode speculates before it can verify. Target exact: every answer must still be
+token-identical to a single full-precision server (`references`).
+
+What each test reads from the decode's log: one `lynx spec {json}` line per verified request
+(lynx_sglang.speculation) with the tokens speculated / accepted / rolled back, why the request was
+parked, and how many model forward passes the verification took.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lynx_sglang.client import generate, generate_stream
+from lynx_sglang.cluster import ClusterMode, ClusterSpec
+from lynx_sglang.config import FAULT_RESIDUAL_DELAY_ENV
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+RESIDUAL_DELAY_S = 3.0
+SPEC_MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def spec_cluster(sglang_model, start_cluster, pd_link):
+    return start_cluster(ClusterSpec(
+        sglang_model, ClusterMode.PD, "lynx", link=pd_link,
+        server_args=("--lynx-target", "exact", "--lynx-speculate",
+                     "--lynx-anchor-bits", "2", "--no-lynx-rotate",
+                     "--lynx-sink-tokens", "0", "--lynx-recent-tokens", "0",
+                     "--lynx-spec-max-tokens", str(SPEC_MAX_TOKENS)),
+        extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
+    ))
+
+
+def _spec_lines(cluster) -> list[dict]:
+    log = cluster.log_path("decode").read_text(errors="replace")
+    marker = "lynx spec "
+    return [json.loads(line.split(marker, 1)[1]) for line in log.splitlines() if marker in line]
+
+
+def test_greedy_identical_with_rollbacks_and_one_verify_forward(spec_cluster, reference_outputs,
+                                                                prompts, max_new_tokens):
+    before = len(_spec_lines(spec_cluster))
+    for prompt in prompts:
+        got = generate(spec_cluster.url, text=prompt, max_new_tokens=max_new_tokens)
+        assert got.output_ids == reference_outputs[prompt], prompt[:60]
+    lines = _spec_lines(spec_cluster)[before:]
+    assert len(lines) == len(prompts), lines
+    # The decode really speculated, the coarse Anchor made it wrong somewhere, and verification
+    # repaired it: identical outputs above are not a run where nothing was speculative.
+    assert all(rec["speculated"] > 0 for rec in lines), lines
+    assert sum(rec["rolled_back"] for rec in lines) > 0, lines
+    assert any(rec["corrected"] for rec in lines), lines
+    # A request longer than the cap stops at the cap and waits for its Residual.
+    assert any("cap" in (rec["parked_reason"] or "") for rec in lines), lines
+    # Verification is one model forward however many speculative tokens it checks.
+    multi = [rec for rec in lines if rec["speculated"] >= 2]
+    assert multi, lines
+    assert all(rec["verify_model_passes"] == 1 for rec in multi), multi
+
+
+def test_stop_token_during_speculation_waits_for_verification(spec_cluster, stop_case,
+                                                              max_new_tokens):
+    before = len(_spec_lines(spec_cluster))
+    got = generate(spec_cluster.url, text=stop_case.prompt, max_new_tokens=max_new_tokens,
+                   sampling={"stop_token_ids": [stop_case.stop_token_id]})
+    assert got.output_ids == stop_case.output_ids
+    (rec,) = _spec_lines(spec_cluster)[before:]
+    # Unless a rollback removed the speculative stop first, the finish was held for verification.
+    assert (rec["parked_reason"] or "").startswith("speculative finish") or rec["rolled_back"], rec
+
+
+def test_stream_carries_only_verified_tokens(spec_cluster, reference_outputs, prompts,
+                                             max_new_tokens):
+    before = len(_spec_lines(spec_cluster))
+    prompt = prompts[-1]
+    got = generate_stream(spec_cluster.url, text=prompt, max_new_tokens=max_new_tokens)
+    # generate_stream raises if a chunk ever took back a token; the ids must be the exact ones.
+    assert got.output_ids == reference_outputs[prompt]
+    (rec,) = _spec_lines(spec_cluster)[before:]
+    assert rec["speculated"] > 0, rec
+
+
+def test_sampled_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
+    before = len(_spec_lines(spec_cluster))
+    got = generate(spec_cluster.url, text=prompts[0], max_new_tokens=max_new_tokens,
+                   sampling={"temperature": 0.8, "sampling_seed": 7})
+    assert len(got.output_ids) == max_new_tokens
+    (rec,) = _spec_lines(spec_cluster)[before:]
+    assert rec["no_spec_reason"] == "sampled (temperature > 0)", rec
+    assert rec["speculated"] == 0, rec
