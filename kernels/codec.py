@@ -17,12 +17,13 @@ total_tokens (hd = heads * head_dim; a/r = anchor/residual bits):
              fp16 [n, hd / G]          groups over channels (per token)
   protected dtype [p, heads, head_dim] original values of the sink/recent tokens in range
   residual  uint8 [n, hd * r / 8] (target int8) | dtype [n, heads, head_dim] (target exact) | None
-Tensors are owned by the EncodedKV; `slice` returns views, so slices share memory with their parent.
+Tensors are owned by the EncodedKV; `rows` says which rows of each hold a token range (the wire
+format cuts chunks with it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -101,8 +102,9 @@ class EncodedKV:
             return self.residual.numel() * self.residual.element_size()
         raise CodecError(f"stream must be 'anchor' or 'residual', got {stream!r}")
 
-    def slice(self, start: int, end: int) -> EncodedKV:
-        """The tokens [start, end) (absolute positions) as an EncodedKV sharing this one's memory."""
+    def rows(self, start: int, end: int) -> tuple[slice, slice, slice]:
+        """Which rows hold the tokens [start, end) (absolute positions): of anchor/residual, of
+        zero/scale and of protected."""
         if not self.token_start <= start < end <= self.token_end:
             raise CodecError(
                 f"token range [{start}, {end}) is not a non-empty part of "
@@ -116,19 +118,15 @@ class EncodedKV:
                     f"K grouped per channel is cut on multiples of group_size={g} tokens; "
                     f"[{start}, {end}) is not"
                 )
-            zero, scale = self.zero[lo // g: -(-hi // g)], self.scale[lo // g: -(-hi // g)]
+            groups = slice(lo // g, -(-hi // g))
         else:
-            zero, scale = self.zero[lo:hi], self.scale[lo:hi]
+            groups = slice(lo, hi)
         # This run's protected rows are its protected positions in ascending order, so those in
         # [start, end) are one contiguous block of rows.
         counts = (self.total_tokens, self.spec.sink_tokens, self.spec.recent_tokens)
         first = protected_count(*counts, self.token_start, start)
         mine = protected_count(*counts, start, end)
-        return replace(
-            self, token_start=start, num_tokens=end - start, anchor=self.anchor[lo:hi],
-            zero=zero, scale=scale, protected=self.protected[first: first + mine],
-            residual=None if self.residual is None else self.residual[lo:hi],
-        )
+        return slice(lo, hi), groups, slice(first, first + mine)
 
 
 def _check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int) -> None:

@@ -174,25 +174,24 @@ def _residual_rows(residuals: Sequence[Chunk], device) -> torch.Tensor:
     return _tensor(payloads, torch.uint8, (n, -1), device)
 
 
-def _sections(enc: EncodedKV, stream: WireStream) -> tuple[torch.Tensor, ...]:
+def _byte_rows(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's rows as a `[rows, row bytes]` uint8 array sharing its memory."""
+    row_bytes = t[0].numel() * t.element_size() if len(t) else 0
+    return t.detach().contiguous().view(torch.uint8).reshape(len(t), row_bytes).numpy()
+
+
+def _sections(enc: EncodedKV, stream: WireStream) -> list[tuple[np.ndarray, int]]:
+    """The run's tensors of `stream`, in payload order, as byte rows, each with which of
+    `EncodedKV.rows` indexes it (0 tokens, 1 groups, 2 protected)."""
     if stream is WireStream.ANCHOR:
-        return enc.anchor, enc.zero, enc.scale, enc.protected
+        return [(_byte_rows(enc.anchor), 0), (_byte_rows(enc.zero), 1),
+                (_byte_rows(enc.scale), 1), (_byte_rows(enc.protected), 2)]
     if enc.residual is None:
         raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
-    return (enc.residual,)
+    return [(_byte_rows(enc.residual), 0)]
 
 
-def _on_cpu(enc: EncodedKV) -> EncodedKV:
-    if enc.device.type == "cpu":
-        return enc
-    move = lambda t: None if t is None else t.cpu()  # noqa: E731
-    return replace(enc, anchor=move(enc.anchor), zero=move(enc.zero), scale=move(enc.scale),
-                   protected=move(enc.protected), residual=move(enc.residual))
-
-
-def _plan(enc: EncodedKV, chunk_tokens: int, stream: str,
-          request_tag: int) -> list[tuple[EncodedKV, ChunkHeader]]:
-    """Each chunk of `stream` of `enc`: its token slice and its header (checksum still to come)."""
+def _checked_stream(enc: EncodedKV, chunk_tokens: int, stream: str, request_tag: int) -> WireStream:
     try:
         wire_stream = WireStream[stream.upper()]
     except KeyError:
@@ -206,61 +205,72 @@ def _plan(enc: EncodedKV, chunk_tokens: int, stream: str,
         )
     if not 0 <= request_tag < 2**64:
         raise CodecError(f"request_tag must fit in 64 bits, got {request_tag}")
-    if wire_stream is WireStream.RESIDUAL and enc.residual is None:
-        raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
-    plan = []
-    for start in range(enc.token_start, enc.token_end, chunk_tokens):
-        part = enc.slice(start, min(start + chunk_tokens, enc.token_end))
-        header = ChunkHeader(
-            stream=wire_stream, spec=enc.spec, kind=enc.kind, dtype=enc.dtype, layer=enc.layer,
-            num_heads=enc.num_heads, head_dim=enc.head_dim, request_tag=request_tag,
-            total_tokens=enc.total_tokens, token_start=part.token_start,
-            token_end=part.token_end,
-            payload_len=sum(t.numel() * t.element_size() for t in _sections(part, wire_stream)),
-        )
-        plan.append((part, header))
-    return plan
-
-
-def _write_chunk(part: EncodedKV, header: ChunkHeader, out: np.ndarray) -> int:
-    """Header and payload of one chunk into the start of `out`; returns its length."""
-    end = HEADER.size + header.payload_len
-    if len(out) < end:
-        raise CodecError(f"output buffer of {len(out)} B is too small for a {end} B chunk")
-    pos = HEADER.size
-    for t in _sections(part, header.stream):
-        n = t.numel() * t.element_size()
-        torch.from_numpy(out[pos: pos + n]).copy_(t.detach().reshape(-1).view(torch.uint8))
-        pos += n
-    out[:HEADER.size] = np.frombuffer(header.pack(0), dtype=np.uint8)
-    # zlib.crc32(header + payload) == _checksum(header, payload): one pass over the placed bytes.
-    out[:HEADER.size] = np.frombuffer(header.pack(zlib.crc32(out[:end])), dtype=np.uint8)
-    return end
+    return wire_stream
 
 
 def write_chunks(enc: EncodedKV, chunk_tokens: int, out, *, stream: str = "anchor",
                  request_tag: int = 0) -> list[int]:
     """`to_chunks` written back to back into the writable buffer `out` (a staging region, say)
     instead of new `bytes`; returns the chunks' lengths. The bytes are exactly `to_chunks`'."""
+    wire_stream = _checked_stream(enc, chunk_tokens, stream, request_tag)
     buf = np.frombuffer(out, dtype=np.uint8)
-    plan = _plan(_on_cpu(enc), chunk_tokens, stream, request_tag)
+    # Byte views of the whole run once (one device copy for CUDA); chunks are row ranges of them.
+    sections = _sections(_on_cpu(enc), wire_stream)
     lengths, pos = [], 0
-    for part, header in plan:
-        n = _write_chunk(part, header, buf[pos:])
-        lengths.append(n)
-        pos += n
+    for start, end, ranges in _chunk_rows(enc, chunk_tokens):
+        parts = [rows[ranges[which]] for rows, which in sections]
+        header = ChunkHeader(
+            stream=wire_stream, spec=enc.spec, kind=enc.kind, dtype=enc.dtype, layer=enc.layer,
+            num_heads=enc.num_heads, head_dim=enc.head_dim, request_tag=request_tag,
+            total_tokens=enc.total_tokens, token_start=start, token_end=end,
+            payload_len=sum(p.size for p in parts),
+        )
+        chunk_end = pos + HEADER.size + header.payload_len
+        if chunk_end > len(buf):
+            raise CodecError(f"output buffer of {len(buf)} B is too small: chunk of tokens "
+                             f"[{start}, {end}) ends at byte {chunk_end}")
+        at = pos + HEADER.size
+        for p in parts:
+            buf[at: at + p.size] = p.reshape(-1)
+            at += p.size
+        buf[pos: pos + HEADER.size] = np.frombuffer(header.pack(0), dtype=np.uint8)
+        # zlib.crc32(header + payload) == _checksum(header, payload): one pass over the bytes.
+        checksum = zlib.crc32(buf[pos: chunk_end])
+        buf[pos: pos + HEADER.size] = np.frombuffer(header.pack(checksum), dtype=np.uint8)
+        lengths.append(chunk_end - pos)
+        pos = chunk_end
     return lengths
+
+
+def _chunk_rows(enc: EncodedKV, chunk_tokens: int):
+    """(start, end, `enc.rows(start, end)`) of each chunk."""
+    for start in range(enc.token_start, enc.token_end, chunk_tokens):
+        end = min(start + chunk_tokens, enc.token_end)
+        yield start, end, enc.rows(start, end)
+
+
+def _on_cpu(enc: EncodedKV) -> EncodedKV:
+    if enc.device.type == "cpu":
+        return enc
+    move = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return replace(enc, anchor=move(enc.anchor), zero=move(enc.zero), scale=move(enc.scale),
+                   protected=move(enc.protected), residual=move(enc.residual))
 
 
 def to_chunks(enc: EncodedKV, chunk_tokens: int, *, stream: str = "anchor",
               request_tag: int = 0) -> list[bytes]:
     """Serialize `stream` ("anchor" or "residual") of `enc` as chunks of `chunk_tokens` tokens."""
-    plan = _plan(_on_cpu(enc), chunk_tokens, stream, request_tag)
-    chunks = []
-    for part, header in plan:
-        out = np.empty(HEADER.size + header.payload_len, dtype=np.uint8)
-        _write_chunk(part, header, out)
-        chunks.append(out.tobytes())
+    enc = _on_cpu(enc)
+    sections = _sections(enc, _checked_stream(enc, chunk_tokens, stream, request_tag))
+    buf = bytearray(sum(
+        HEADER.size + sum((ranges[which].stop - ranges[which].start) * rows.shape[1]
+                          for rows, which in sections)
+        for _, _, ranges in _chunk_rows(enc, chunk_tokens)))
+    lengths = write_chunks(enc, chunk_tokens, buf, stream=stream, request_tag=request_tag)
+    chunks, pos = [], 0
+    for n in lengths:
+        chunks.append(bytes(buf[pos: pos + n]))
+        pos += n
     return chunks
 
 
