@@ -164,6 +164,9 @@ class LynxKVManager(MooncakeKVManager):
     sender_trace_module = None
     supports_role_switch = False
     supports_deferred_decode_kv_release = False
+    # Both ends are Lynx: a prefill-side failure reason (e.g. a codec flag mismatch) travels to
+    # the decode in the status message instead of SGLang's generic "prefill might be dead".
+    kv_status_msg_carries_reason = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: bool | None = False):
@@ -326,8 +329,20 @@ class LynxKVManager(MooncakeKVManager):
                         "the model differ between prefill and decode")
             staging = self.staging.allocate(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL],
                                             timeout_s=self.lynx.transfer_timeout_s)
-            self._inflight.append(_InFlight(room, session, staging))
-            self._write_streams(session, room, pool, slots, staging, sizes, aux)
+            inflight = _InFlight(room, session, staging)
+            self._inflight.append(inflight)
+            try:
+                self._write_streams(session, room, pool, slots, staging, sizes, aux)
+            except Exception:
+                # A stream never written stays pending for the transport, so the reaper would
+                # never free this range: give it back now.
+                self._inflight.remove(inflight)
+                try:
+                    session.release(room)
+                except TransportError as exc:
+                    logger.debug("lynx: release of room %s: %s", room, exc)
+                self.staging.free(staging)
+                raise
         self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success,
                                targets=[(i.endpoint, i.dst_port) for i in infos])
 

@@ -24,8 +24,7 @@ What stands in for SGLang's scheduler (the smallest honest substitute):
 Most tests run the managers non-speculative (`--no-lynx-speculate`): a decode room becomes
 Success only once the Residual is in the KV pool, and Failed (with its staging freed) when the
 transfer cannot finish. The last test checks the speculative contract instead (Success at Anchor
-time, the Residual's outcome reported through `residual_outcome`). Two tests are strict xfails
-naming a conn.py bug each; they fail (XPASS) once it is fixed, and the marker goes.
+time, the Residual's outcome reported through `residual_outcome`).
 """
 
 from __future__ import annotations
@@ -414,10 +413,6 @@ def test_codec_mismatch_fails_both_sides(sgl, make_pd, field, prefill_value, dec
     assert not _holds(pd, req, "full")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "LynxKVManager keeps MooncakeKVManager's status message, which carries no reason frame: the "
-    "decode only learns SGLang's default 'Failed to get kvcache from prefill instance' "
-    "(fix: kv_status_msg_carries_reason = True on LynxKVManager)"))
 def test_decode_is_told_why_the_prefill_failed(sgl, make_pd):
     pd = make_pd(_cfg(target="exact"), _cfg(target="int8"))
     req = _start_request(sgl, pd, room=3013, seed=3)
@@ -446,10 +441,6 @@ def test_abort_mid_transfer_frees_staging(sgl, make_pd):
     assert _holds(pd, nxt, "full")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "LynxKVManager._send_room keeps the room's _InFlight entry when _write_streams raises (here: "
-    "the Residual write to a room the decode released); its never-written Residual stream stays "
-    "PENDING, so _reap_inflight never frees the prefill staging range"))
 def test_prefill_staging_freed_after_decode_abort(sgl, make_pd):
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     req = _start_request(sgl, pd, room=4014, seed=4)
