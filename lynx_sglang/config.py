@@ -56,6 +56,8 @@ class LynxConfig:
     transfer_timeout_s: float = 120.0
     # Speculative decoding on the Anchor (decode side; lynx_sglang.speculation).
     speculate: bool = True
+    # False: send the Anchor only and serve it as the final KV (a lossy benchmark baseline).
+    residual: bool = True
     spec_max_tokens: int = 32
     spec_deadline_s: float = 30.0
 
@@ -90,6 +92,9 @@ class LynxConfig:
         for name in ("connect_timeout_s", "transfer_timeout_s", "spec_deadline_s"):
             if not getattr(self, name) > 0:
                 raise LynxConfigError(f"--lynx-{name.replace('_', '-')} must be > 0")
+        if self.speculate and not self.residual:
+            raise LynxConfigError("--no-lynx-residual serves the Anchor as the final KV: there is "
+                                  "nothing to verify, pass --no-lynx-speculate too")
         if self.spec_max_tokens < 0:
             raise LynxConfigError(
                 f"--lynx-spec-max-tokens must be >= 0, got {self.spec_max_tokens}"
@@ -178,6 +183,10 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
                         "receives verified tokens (greedy requests speculate; sampled, logprob, "
                         "grammar and hidden-state requests wait for the Residual instead). "
                         f"Default {'on' if d.speculate else 'off'}")
+    g.add_argument("--lynx-residual", action=argparse.BooleanOptionalAction, default=d.residual,
+                   help="send the Residual stream; --no-lynx-residual sends only the Anchor and "
+                        "the decode keeps Anchor-precision KV (lossy, like plain low-bit KV "
+                        "quantization: a benchmark baseline, needs --no-lynx-speculate)")
     g.add_argument("--lynx-spec-max-tokens", type=int, default=d.spec_max_tokens,
                    help="cap on speculative tokens per request; a request that reaches it waits "
                         f"for its Residual (default {d.spec_max_tokens})")

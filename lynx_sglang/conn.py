@@ -373,16 +373,18 @@ class LynxKVManager(MooncakeKVManager):
             logger.warning("lynx: room %s Anchor finished; holding the Residual %.1f s (%s)",
                            room, self._fault_residual_delay_s, FAULT_RESIDUAL_DELAY_ENV)
             time.sleep(self._fault_residual_delay_s)
-        session.write_stream(room, Stream.RESIDUAL, self.staging_region, r_base,
-                             sizes[WireStream.RESIDUAL])
-        session.finish(room, Stream.RESIDUAL)
+        if self.lynx.residual:
+            session.write_stream(room, Stream.RESIDUAL, self.staging_region, r_base,
+                                 sizes[WireStream.RESIDUAL])
+            session.finish(room, Stream.RESIDUAL)
 
     def _reap_inflight(self) -> None:
         keep = []
         for f in self._inflight:
             try:
-                done = all(f.session.send_state(f.room, s).done
-                           for s in (Stream.ANCHOR, Stream.RESIDUAL))
+                streams = (Stream.ANCHOR, Stream.RESIDUAL) if self.lynx.residual else (
+                    Stream.ANCHOR,)
+                done = all(f.session.send_state(f.room, s).done for s in streams)
             except TransportError:
                 done = True
             if not done:
@@ -490,9 +492,13 @@ class LynxKVManager(MooncakeKVManager):
                 rx.t_anchor_applied = time.monotonic()
             for index, data in unpack_aux(st.aux or b""):
                 AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, rx.aux_index, data)
+            if pool.device.type == "cuda":
+                torch.cuda.current_stream(pool.device).synchronize()
+            if not self.lynx.residual:
+                # Anchor-only baseline: the Anchor is the final KV.
+                self._conclude(rx, residual_landed_at=None)
+                return
             if self.lynx.speculate and not residual_landed:
-                if pool.device.type == "cuda":
-                    torch.cuda.current_stream(pool.device).synchronize()
                 rx.reported_at_anchor = True
                 self._spec_rooms[rx.room] = rx
                 MooncakeKVManager.update_status(self, rx.room, KVPoll.Success)
@@ -506,6 +512,11 @@ class LynxKVManager(MooncakeKVManager):
         apply_residual(view[a_len: a_len + r_len], rx.anchors, pool, rx.slots, self.spec, rx.room)
         if pool.device.type == "cuda":
             torch.cuda.current_stream(pool.device).synchronize()
+        self._conclude(rx, residual_landed_at=st.t_done)
+
+    def _conclude(self, rx: _RxRoom, residual_landed_at: float | None) -> None:
+        """The room's KV is final in the pool: log it, give back the transfer resources, and
+        report Success unless that happened at Anchor time (or waits for the prefill's)."""
         rx.residual_applied = True
         rx.t_residual_applied = time.monotonic()
         rx.anchors = None
@@ -515,10 +526,11 @@ class LynxKVManager(MooncakeKVManager):
         logger.info("lynx transfer %s", json.dumps({
             "room": rx.room, "tokens": len(rx.slots),
             "anchor_bytes": rx.sizes[WireStream.ANCHOR],
-            "residual_bytes": rx.sizes[WireStream.RESIDUAL],
+            "residual_bytes": rx.sizes[WireStream.RESIDUAL] if self.lynx.residual else 0,
             "announced": wall(rx.created), "anchor_landed": wall(rx.t_anchor_landed),
-            "anchor_applied": wall(rx.t_anchor_applied), "residual_landed": wall(st.t_done),
-            "residual_applied": round(now_wall, 6)}))
+            "anchor_applied": wall(rx.t_anchor_applied),
+            "residual_landed": wall(residual_landed_at),
+            "residual_applied": round(now_wall, 6) if self.lynx.residual else None}))
         self._release(rx)
         if rx.reported_at_anchor:
             self._finish(rx)  # the speculation controller takes it from here
