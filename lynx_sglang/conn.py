@@ -77,6 +77,7 @@ from .kv_streams import (
     stream_nbytes,
     unpack_aux,
     write_anchor,
+    write_residual_into,
 )
 from .sglang_support import check_sglang_version
 from .staging import StagingPool, StagingRange
@@ -348,9 +349,9 @@ class LynxKVManager(MooncakeKVManager):
 
     def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
                        staging: StagingRange, sizes: dict[WireStream, int], aux: bytes) -> None:
-        """Encode layer by layer straight into staging; each layer's Anchor chunks are written
-        as soon as they are encoded, the Residual stream after the whole Anchor stream (and its
-        aux) is finished."""
+        """Encode layer by layer straight into staging: each layer's Anchor chunks are written
+        as soon as they are encoded; the Residual chunks are made only after the whole Anchor
+        stream (and its aux) is finished, each layer's written as soon as it is placed."""
         layers = pool.shape.num_layers
         # Every layer's share of a stream has the same length (kv_streams.encode_layer_into).
         a_layer = sizes[WireStream.ANCHOR] // layers
@@ -358,25 +359,35 @@ class LynxKVManager(MooncakeKVManager):
         a_base = staging.offset
         r_base = staging.offset + sizes[WireStream.ANCHOR]
         buf = self.staging.buffer
+        encoded = []
         for layer in range(layers):
-            a_off, r_off = a_base + layer * a_layer, r_base + layer * r_layer
-            written = encode_layer_into(pool, layer, slots, self.spec, self.lynx.chunk_tokens,
-                                        room, buf[a_off: a_off + a_layer],
-                                        buf[r_off: r_off + r_layer])
-            if written != (a_layer, r_layer):
-                raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor and Residual, "
-                                    f"expected {(a_layer, r_layer)}")
+            a_off = a_base + layer * a_layer
+            written, layer_encoding = encode_layer_into(
+                pool, layer, slots, self.spec, self.lynx.chunk_tokens, room,
+                buf[a_off: a_off + a_layer])
+            if written != a_layer:
+                raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
+                                    f"expected {a_layer} B")
             session.write_stream(room, Stream.ANCHOR, self.staging_region, a_off, a_layer,
                                  stream_offset=layer * a_layer)
+            encoded.append(layer_encoding)
         session.finish(room, Stream.ANCHOR, aux=aux)
         if self._fault_residual_delay_s:
             logger.warning("lynx: room %s Anchor finished; holding the Residual %.1f s (%s)",
                            room, self._fault_residual_delay_s, FAULT_RESIDUAL_DELAY_ENV)
             time.sleep(self._fault_residual_delay_s)
-        if self.lynx.residual:
-            session.write_stream(room, Stream.RESIDUAL, self.staging_region, r_base,
-                                 sizes[WireStream.RESIDUAL])
-            session.finish(room, Stream.RESIDUAL)
+        if not self.lynx.residual:
+            return
+        for layer, layer_encoding in enumerate(encoded):
+            r_off = r_base + layer * r_layer
+            written = write_residual_into(pool, layer_encoding, slots, self.lynx.chunk_tokens,
+                                          room, buf[r_off: r_off + r_layer])
+            if written != r_layer:
+                raise KVStreamError(f"layer {layer}: encoded {written} B of Residual, "
+                                    f"expected {r_layer} B")
+            session.write_stream(room, Stream.RESIDUAL, self.staging_region, r_off, r_layer,
+                                 stream_offset=layer * r_layer)
+        session.finish(room, Stream.RESIDUAL)
 
     def _reap_inflight(self) -> None:
         keep = []

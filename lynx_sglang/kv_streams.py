@@ -7,7 +7,9 @@ holds the Anchor chunks, the Residual stream the Residual chunks, in that order.
 self-describing (`lynx_kernels.parse_chunk`), so the decode walks a landed stream chunk by chunk.
 
 `KVPoolView` is the per-layer K/V tensors of an SGLang MHA token-to-KV pool (page size 1); slots
-are token indices into it. Prefill reads a request's slots (`encode_layer`); decode writes the
+are token indices into it. Prefill reads a request's slots (`encode_layer_into` for every layer's
+Anchor, then `write_residual_into`, straight into staging; `encode_layer` makes the same chunks as
+`bytes`); decode writes the
 Anchor reconstruction into its own slots (`apply_anchor`) and overwrites the same slots with the
 full-precision values when the Residual has landed (`apply_residual`).
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,7 +29,9 @@ from lynx_kernels import (
     ChunkHeader,
     CodecError,
     CodecSpec,
+    EncodedKV,
     StreamKind,
+    Target,
     WireStream,
     assemble,
     decode,
@@ -124,20 +128,44 @@ def encode_layer(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecS
     return anchors, residuals
 
 
+@dataclass
+class LayerEncoding:
+    """One layer's K and V encodings between its Anchor write and its Residual write. Exact
+    Residuals (the values themselves) are not kept: the pool slots still hold them."""
+
+    layer: int
+    runs: tuple[EncodedKV, EncodedKV]
+
+
 def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
-                      chunk_tokens: int, request_tag: int, anchor_out, residual_out) -> tuple[int, int]:
+                      chunk_tokens: int, request_tag: int, anchor_out) -> tuple[int, LayerEncoding]:
     """`encode_layer`'s Anchor chunks written back to back into the writable buffer `anchor_out`
-    and its Residual chunks into `residual_out` (staging ranges: no intermediate `bytes`);
-    returns the bytes written to each. Every layer's share of a stream has the same length, so
+    (a staging range: no intermediate `bytes`); returns the bytes written and what
+    `write_residual_into` needs for the layer's Residual chunks, so every layer's Anchor can go
+    out before any Residual is written. Every layer's share of a stream has the same length, so
     layer l's lies at l * that length (`stream_nbytes` / num_layers)."""
-    written = [0, 0]
+    written = 0
+    runs = []
     for kind in KINDS:
         x = pool.layer(layer, kind).index_select(0, slots)
         enc = encode(x, spec, kind.value, layer=layer)
-        for i, (stream, out) in enumerate((("anchor", anchor_out), ("residual", residual_out))):
-            written[i] += sum(write_chunks(enc, chunk_tokens, out[written[i]:], stream=stream,
-                                           request_tag=request_tag))
-    return written[0], written[1]
+        written += sum(write_chunks(enc, chunk_tokens, anchor_out[written:], stream="anchor",
+                                    request_tag=request_tag))
+        runs.append(replace(enc, residual=None) if spec.target is Target.EXACT else enc)
+    return written, LayerEncoding(layer, (runs[0], runs[1]))
+
+
+def write_residual_into(pool: KVPoolView, encoded: LayerEncoding, slots: torch.Tensor,
+                        chunk_tokens: int, request_tag: int, residual_out) -> int:
+    """The layer's Residual chunks (K then V) written back to back into `residual_out`; returns
+    the bytes written. `slots` must still hold the values `encode_layer_into` encoded."""
+    written = 0
+    for kind, enc in zip(KINDS, encoded.runs, strict=True):
+        if enc.residual is None:  # exact: the Residual is the values
+            enc = replace(enc, residual=pool.layer(encoded.layer, kind).index_select(0, slots))
+        written += sum(write_chunks(enc, chunk_tokens, residual_out[written:], stream="residual",
+                                    request_tag=request_tag))
+    return written
 
 
 def iter_chunks(stream_bytes: memoryview) -> Iterator[Chunk]:

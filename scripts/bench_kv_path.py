@@ -7,10 +7,10 @@ transport). Decode side: parse + write the Anchor into the decode pool's slots, 
 Residual (what the decode applier does when the streams have landed); `decode_residual_only` skips
 the Anchor write, as the applier does when the Residual has landed by the time it looks.
 
-Each is reported in seconds (the best of --repeats runs after a warm-up: the least disturbed by
-other work on a shared machine), as a ratio to a plain copy of the request's KV bytes (a gather of
-every layer's K and V slots into one buffer, what a raw-bytes backend does), and as a ratio to
-sending those fp32 bytes at 1 Gbit/s (bytes * 8 / 1e9 s).
+Each is reported in wall-clock and in CPU seconds (the best of --repeats runs after a warm-up: the
+least disturbed by other work on a shared machine); the wall-clock time also as a ratio to a plain
+copy of the request's KV bytes (a gather of every layer's K and V slots into one buffer, what a
+raw-bytes backend does) and to sending those fp32 bytes at 1 Gbit/s (bytes * 8 / 1e9 s).
 
     .venv/bin/python scripts/bench_kv_path.py --json out/bench_kv_path.json
 """
@@ -35,20 +35,23 @@ from lynx_sglang.kv_streams import (
     parse_anchor,
     stream_nbytes,
     write_anchor,
+    write_residual_into,
 )
 
 LINK_BPS = 1e9
 
 
-def timed(fn, repeats: int) -> float:
-    """Fewest seconds of `fn()` over `repeats` runs after one warm-up."""
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """Fewest wall-clock and fewest CPU seconds (this process, all threads) of `fn()` over
+    `repeats` runs after one warm-up."""
     fn()
-    samples = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         fn()
-        samples.append(time.perf_counter() - t0)
-    return min(samples)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    return min(wall), min(cpu)
 
 
 def make_pool(layers: int, heads: int, head_dim: int, slots: int, seed: int) -> KVPoolView:
@@ -64,10 +67,12 @@ def encode_request(pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec, chunk
     a_layer = sizes[WireStream.ANCHOR] // layers
     r_layer = sizes[WireStream.RESIDUAL] // layers
     r_base = sizes[WireStream.ANCHOR]
-    for layer in range(layers):
-        encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1,
-                          buf[layer * a_layer: (layer + 1) * a_layer],
-                          buf[r_base + layer * r_layer: r_base + (layer + 1) * r_layer])
+    encoded = [encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1,
+                                 buf[layer * a_layer: (layer + 1) * a_layer])[1]
+               for layer in range(layers)]
+    for layer, layer_encoding in enumerate(encoded):
+        write_residual_into(pool, layer_encoding, slots, chunk_tokens, 1,
+                            buf[r_base + layer * r_layer: r_base + (layer + 1) * r_layer])
 
 
 def decode_request(buf: np.ndarray, pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
@@ -116,12 +121,13 @@ def bench(tokens: int, args, spec: CodecSpec) -> dict:
     link_s = kv_bytes * 8 / LINK_BPS
     row = {"tokens": tokens, "kv_bytes": kv_bytes,
            "anchor_bytes": sizes[WireStream.ANCHOR], "residual_bytes": sizes[WireStream.RESIDUAL],
-           "copy_s": t_copy, "link_1gbit_s": link_s}
-    for name, t in (("prefill", t_prefill), ("decode", t_decode),
-                    ("decode_residual_only", t_residual_only)):
-        row[f"{name}_s"] = t
-        row[f"{name}_vs_copy"] = t / t_copy
-        row[f"{name}_vs_link"] = t / link_s
+           "copy_s": t_copy[0], "copy_cpu_s": t_copy[1], "link_1gbit_s": link_s}
+    for name, (wall, cpu) in (("prefill", t_prefill), ("decode", t_decode),
+                              ("decode_residual_only", t_residual_only)):
+        row[f"{name}_s"] = wall
+        row[f"{name}_cpu_s"] = cpu
+        row[f"{name}_vs_copy"] = wall / t_copy[0]
+        row[f"{name}_vs_link"] = wall / link_s
     return row
 
 
@@ -149,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{target:5s} {tokens:5d} tok: prefill {row['prefill_s'] * 1e3:7.1f} ms "
                   f"({row['prefill_vs_copy']:6.1f}x copy, {row['prefill_vs_link']:5.2f}x 1 Gbit/s)"
                   f"  decode {row['decode_s'] * 1e3:7.1f} ms ({row['decode_vs_copy']:6.1f}x copy, "
-                  f"{row['decode_vs_link']:5.2f}x 1 Gbit/s)  copy {row['copy_s'] * 1e3:.2f} ms",
+                  f"{row['decode_vs_link']:5.2f}x 1 Gbit/s)  copy {row['copy_s'] * 1e3:.2f} ms  "
+                  f"(cpu: prefill {row['prefill_cpu_s'] * 1e3:.1f} ms, decode "
+                  f"{row['decode_cpu_s'] * 1e3:.1f} ms)",
                   file=sys.stderr)
     report = {"model": args.model, "threads": args.threads, "chunk_tokens": args.chunk_tokens,
               "rows": rows}

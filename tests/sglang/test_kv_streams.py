@@ -19,6 +19,7 @@ from lynx_sglang.kv_streams import (
     parse_anchor,
     stream_nbytes,
     unpack_aux,
+    write_residual_into,
 )
 
 LAYERS, HEADS, DIM, SLOTS = 3, 3, 64, 600
@@ -73,8 +74,8 @@ def test_round_trip(target, num_tokens):
 
 @pytest.mark.parametrize("target", ["exact", "int8"])
 def test_encode_into_staging_writes_the_same_streams(target):
-    """What the prefill writes straight into staging, layer by layer at its fixed offset, is
-    byte for byte the streams of `encode_layer`."""
+    """What the prefill writes straight into staging, every layer's Anchor and then every layer's
+    Residual, each at its fixed offset, is byte for byte the streams of `encode_layer`."""
     spec = CodecSpec(target=target, sink_tokens=4, recent_tokens=16, rotate=True)
     src = _pool(0)
     slots = torch.randperm(SLOTS)[:345]
@@ -82,12 +83,16 @@ def test_encode_into_staging_writes_the_same_streams(target):
     sizes = stream_nbytes(spec, src.shape, len(slots), 128)
     a_layer, r_layer = (sizes[s] // LAYERS for s in (WireStream.ANCHOR, WireStream.RESIDUAL))
     staging = np.zeros(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL], dtype=np.uint8)
+    encoded = []
     for layer in range(LAYERS):
+        written, layer_encoding = encode_layer_into(
+            src, layer, slots, spec, 128, 11, staging[layer * a_layer: (layer + 1) * a_layer])
+        assert written == a_layer
+        encoded.append(layer_encoding)
+    for layer, layer_encoding in enumerate(encoded):
         r_off = sizes[WireStream.ANCHOR] + layer * r_layer
-        written = encode_layer_into(src, layer, slots, spec, 128, 11,
-                                    staging[layer * a_layer: (layer + 1) * a_layer],
-                                    staging[r_off: r_off + r_layer])
-        assert written == (a_layer, r_layer)
+        assert write_residual_into(src, layer_encoding, slots, 128, 11,
+                                   staging[r_off: r_off + r_layer]) == r_layer
     assert staging.tobytes() == anchor + residual
 
 
