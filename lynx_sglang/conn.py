@@ -66,6 +66,7 @@ from lynx_kernels import WireStream
 from lynx_transport import Endpoint, Session, Status, Stream, TransportError
 from lynx_transport.types import MAX_REQUEST_ID
 
+from . import metrics
 from .config import FAULT_RESIDUAL_DELAY_ENV, LynxConfig, LynxConfigError
 from .kv_streams import (
     KVPoolView,
@@ -542,6 +543,11 @@ class LynxKVManager(MooncakeKVManager):
             "anchor_applied": wall(rx.t_anchor_applied),
             "residual_landed": wall(residual_landed_at),
             "residual_applied": round(now_wall, 6) if self.lynx.residual else None}))
+        metrics.record_transfer(
+            rx.sizes[WireStream.ANCHOR], rx.sizes[WireStream.RESIDUAL] if self.lynx.residual else 0,
+            None if rx.t_anchor_applied is None else rx.t_anchor_applied - rx.created,
+            None if rx.t_anchor_landed is None or not self.lynx.residual
+            else rx.t_residual_applied - rx.t_anchor_landed)
         self._release(rx)
         if rx.reported_at_anchor:
             self._finish(rx)  # the speculation controller takes it from here

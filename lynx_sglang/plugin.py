@@ -58,6 +58,7 @@ SPEC_STREAM_ACCEPT = ("sglang.srt.managers.scheduler_components.output_streamer.
                       "_GenerationStreamAccumulator.accept")
 SPEC_RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
 SPEC_FULLY_IDLE = "sglang.srt.managers.scheduler.Scheduler.is_fully_idle"
+SPEC_SAMPLE = "sglang.srt.model_executor.model_runner.ModelRunner.sample"
 SPEC_HOOKS = (
     (SPEC_PROCESS_DECODE_QUEUE, "process_decode_queue_before", "BEFORE"),
     (SPEC_COMMIT_TRANSFER, "commit_transfer_after", "AFTER"),
@@ -66,6 +67,7 @@ SPEC_HOOKS = (
     (SPEC_STREAM_ACCEPT, "accept_around", "AROUND"),
     (SPEC_RELEASE_KV, "release_kv_cache_before", "BEFORE"),
     (SPEC_FULLY_IDLE, "is_fully_idle_around", "AROUND"),
+    (SPEC_SAMPLE, "sample_before", "BEFORE"),
 )
 # Every HookRegistry target (patches/README.md documents each; a test resolves each one).
 HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,

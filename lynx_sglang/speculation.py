@@ -39,6 +39,8 @@ from http import HTTPStatus
 
 import torch
 
+from . import metrics
+from .acceptance import Acceptance, accept_greedy, accept_sampled
 from .conn import LynxKVManager, ResidualState
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,10 @@ class SpecState:
     finish_pending: bool = False
     parked_reason: str | None = None
     t_parked: float | None = None
+    # Sampled requests: the logits each speculative token was drawn from (one row per token, in
+    # order), captured before SGLang's sampler (`sample_before`).
+    sampled: bool = False
+    draft_logits: list = field(default_factory=list)
 
 
 @dataclass
@@ -85,13 +91,19 @@ class VerifyResult:
     corrected_token: int | None
 
 
+def is_greedy(req) -> bool:
+    sp = req.sampling_params
+    return sp.temperature == 0 or sp.top_k == 1
+
+
 def not_speculable_reason(req) -> str | None:
     """Why a request must wait for its Residual instead of decoding on the Anchor (None if it
-    may speculate). Greedy verification compares argmaxes, so only plain greedy requests qualify;
-    the others would need draft probabilities, logprob rewriting or grammar rollback."""
+    may speculate). Verification reproduces greedy decoding and plain temperature sampling
+    exactly; top-k/top-p/min-p truncation, logprobs, grammars and penalties would need more
+    (truncated draft distributions, logprob rewriting, grammar rollback)."""
     sp = req.sampling_params
-    if not (sp.temperature == 0 or sp.top_k == 1):
-        return "sampled (temperature > 0)"
+    if not is_greedy(req) and (sp.top_p < 1.0 or 1 < sp.top_k < (1 << 30) or sp.min_p > 0):
+        return "sampled with top-k/top-p/min-p"
     if req.return_logprob:
         return "returns logprobs"
     if req.grammar is not None:
@@ -124,7 +136,10 @@ class SpecController:
         reason = not_speculable_reason(req)
         if reason is None and self.max_tokens == 0:
             reason = "--lynx-spec-max-tokens 0"
-        req.lynx_spec = SpecState(room=room, no_spec_reason=reason)
+        st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req))
+        req.lynx_spec = st
+        if st.sampled and reason is None:
+            _sampled_by_pool_idx[req.kv.req_pool_idx] = st
         self.counters.requests += 1
 
     def on_prebuilt(self, batch) -> None:
@@ -207,7 +222,9 @@ class SpecController:
 
         st = req.lynx_spec
         self.kv_mgr.forget_room(st.room)
+        _sampled_by_pool_idx.pop(req.kv.req_pool_idx, None)
         self.counters.failed_requests += 1
+        metrics.record_verification(0, 0, "aborted")
         message = f"Lynx: the Residual KV of this request did not arrive: {reason}"
         logger.error("lynx spec: request %s (room %s) aborted: %s", req.rid, st.room, reason)
         # Roll back to the verified prefix first: a partial answer must not contain a token
@@ -233,14 +250,16 @@ class SpecController:
             self.counters.verify_forwards += 1
             self.counters.verify_model_passes += passes
             self.counters.verify_seconds += verify_s
+            metrics.record_verify_time(verify_s)
         by_req = dict(zip((id(r) for r in to_check), logits, strict=True))
         resume = []
         for req in reqs:
             st: SpecState = req.lynx_spec
             self.kv_mgr.forget_room(st.room)
+            _sampled_by_pool_idx.pop(req.kv.req_pool_idx, None)
             result = VerifyResult(0, 0, None)
             if id(req) in by_req:
-                result = accept_greedy(req, st.verified_len, by_req[id(req)])
+                result = apply_acceptance(req, st, decide(req, st, by_req[id(req)]))
                 rollback(scheduler, req, st.verified_len, result)
             req.lynx_spec = None
             checked = id(req) in by_req
@@ -268,6 +287,8 @@ class SpecController:
         c.speculated_tokens += result.speculated
         c.accepted_tokens += result.accepted
         c.rolled_back_tokens += result.speculated - result.accepted
+        metrics.record_verification(result.speculated, result.accepted,
+                                    "not_speculable" if st.no_spec_reason else "verified")
         out = self.kv_mgr_outcome_times(st)
         logger.info("lynx spec %s", json.dumps({
             "rid": req.rid, "room": st.room, "speculated": result.speculated,
@@ -354,25 +375,44 @@ def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
     return list(torch.split(logits, extend_lens))
 
 
-def accept_greedy(req, verified_len: int, logits: torch.Tensor) -> VerifyResult:
-    """Longest prefix of the speculative tokens that the exact logits' argmax agrees with; the
-    first disagreeing position gets the exact argmax instead (output_ids is edited in place)."""
-    exact = logits.argmax(dim=-1).tolist()
-    spec = list(req.output_ids[verified_len:])
-    n = len(spec)
-    accepted = 0
-    while accepted < n and spec[accepted] == exact[accepted]:
-        accepted += 1
-    if accepted == n:
-        return VerifyResult(n, n, None)
-    del req.output_ids[verified_len + accepted:]
-    req.output_ids.append(exact[accepted])
-    return VerifyResult(n, accepted, exact[accepted])
+def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
+    """Greedy: compare argmaxes. Sampled: speculative sampling with the exact distribution p and
+    the one each draft token was drawn from, q (both at the request's temperature)."""
+    drafts = list(req.output_ids[st.verified_len:])
+    if not st.sampled:
+        return accept_greedy(exact_logits, drafts)
+    from sglang.kernels.ops.sampling import softmax as sampler_softmax
+
+    temperature = req.sampling_params.temperature
+    p = sampler_softmax(exact_logits.float() / temperature)
+    generator = None
+    seed = req.sampling_params.sampling_seed
+    if seed is not None:
+        generator = torch.Generator().manual_seed(hash((seed, st.room)) & 0x7FFF_FFFF_FFFF_FFFF)
+    if len(st.draft_logits) != len(drafts):
+        # The draft distributions are incomplete: keep no draft, draw the first token from p,
+        # which is what exact decoding does.
+        logger.warning("lynx spec: %s has %d draft distributions for %d speculative tokens; "
+                       "resampling from the first", req.rid, len(st.draft_logits), len(drafts))
+        y = int(torch.multinomial(p[0].float(), 1, generator=generator))
+        return Acceptance(0, y)
+    q = sampler_softmax(torch.stack(st.draft_logits).float() / temperature)
+    return accept_sampled(p, q, drafts, generator)
+
+
+def apply_acceptance(req, st: SpecState, acc: Acceptance) -> VerifyResult:
+    """Edit output_ids in place: keep the accepted drafts, then the correction if any."""
+    n = len(req.output_ids) - st.verified_len
+    if acc.correction is None:
+        return VerifyResult(n, acc.accepted, None)
+    del req.output_ids[st.verified_len + acc.accepted:]
+    req.output_ids.append(acc.correction)
+    return VerifyResult(n, acc.accepted, acc.correction)
 
 
 def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:
-    """Free the KV slots of the rejected positions. After `accept_greedy`, output_ids ends in the
-    token the next decode step feeds, so the request keeps KV for prompt + output_ids[:-1]."""
+    """Free the KV slots of the rejected positions. After `apply_acceptance`, output_ids ends in
+    the token the next decode step feeds, so the request keeps KV for prompt + output_ids[:-1]."""
     keep = len(req.origin_input_ids) + len(req.output_ids) - 1
     held = req.kv.kv_allocated_len
     if held > keep:
@@ -384,6 +424,9 @@ def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:
 # ---- hook functions (registered by lynx_sglang.plugin in decode scheduler processes) ----------
 
 _controller: SpecController | None = None
+# Speculating sampled requests by their req_to_token row, for `sample_before` (which sees batch
+# rows, not requests).
+_sampled_by_pool_idx: dict[int, SpecState] = {}
 
 
 def controller() -> SpecController | None:
@@ -425,6 +468,19 @@ def process_batch_result_prebuilt_after(result, processor, batch):
     if ctl is not None:
         ctl.on_prebuilt(batch)
     return result
+
+
+def sample_before(runner, logits_output, forward_batch):
+    """Record the logits each speculative token of a sampled request is drawn from, before the
+    sampler turns them into probabilities in place."""
+    if not _sampled_by_pool_idx or not forward_batch.forward_mode.is_decode():
+        return None
+    rows = forward_batch.req_pool_indices.tolist()
+    for row, pool_idx in enumerate(rows):
+        st = _sampled_by_pool_idx.get(pool_idx)
+        if st is not None:
+            st.draft_logits.append(logits_output.next_token_logits[row].detach().float().clone())
+    return None
 
 
 def update_finish_state_around(original, req, new_accepted_len: int = 1):

@@ -12,6 +12,14 @@ import importlib.util
 import json
 
 import pytest
+from sampling_case import (
+    SAMPLING_N,
+    SAMPLING_NEW_TOKENS,
+    SAMPLING_PROMPT,
+    SAMPLING_TEMPERATURE,
+    SamplingCase,
+    sample_many,
+)
 
 from lynx_sglang.client import generate
 from lynx_sglang.cluster import Cluster, ClusterMode, ClusterSpec
@@ -112,6 +120,7 @@ class References:
     exact: dict[str, list[int]]
     int8: dict[str, list[int]]
     stop: StopCase
+    sampling: SamplingCase
 
 
 @pytest.fixture(scope="session")
@@ -143,11 +152,13 @@ def references(tmp_path_factory) -> References:
         stop = StopCase(stop_prompt, stop_token, generate(
             cluster.url, text=stop_prompt, max_new_tokens=MAX_NEW_TOKENS,
             sampling={"stop_token_ids": [stop_token]}).output_ids)
+        sampling = SamplingCase(SAMPLING_PROMPT, SAMPLING_TEMPERATURE, SAMPLING_NEW_TOKENS,
+                                sample_many(cluster.url, SAMPLING_N, seed0=0))
         log = cluster.log_path("server").read_text(errors="replace")
     # Exactly the flagged requests had their prompt KV reconstructed.
     assert log.count("lynx reference:") == len(PROMPTS), log[-3000:]
     assert len(stop.output_ids) < MAX_NEW_TOKENS, stop
-    return References(exact, int8, stop)
+    return References(exact, int8, stop, sampling)
 
 
 @pytest.fixture(scope="session")
@@ -163,3 +174,8 @@ def int8_reference_outputs(references) -> dict[str, list[int]]:
 @pytest.fixture(scope="session")
 def stop_case(references) -> StopCase:
     return references.stop
+
+
+@pytest.fixture(scope="session")
+def sampling_case(references) -> SamplingCase:
+    return references.sampling

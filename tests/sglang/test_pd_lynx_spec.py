@@ -34,7 +34,7 @@ def spec_cluster(sglang_model, start_cluster, pd_link):
         server_args=("--lynx-target", "exact", "--lynx-speculate",
                      "--lynx-anchor-bits", "2", "--no-lynx-rotate",
                      "--lynx-sink-tokens", "0", "--lynx-recent-tokens", "0",
-                     "--lynx-spec-max-tokens", str(SPEC_MAX_TOKENS)),
+                     "--lynx-spec-max-tokens", str(SPEC_MAX_TOKENS), "--enable-metrics"),
         extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
     ))
 
@@ -88,11 +88,29 @@ def test_stream_carries_only_verified_tokens(spec_cluster, reference_outputs, pr
     assert rec["speculated"] > 0, rec
 
 
-def test_sampled_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
+def test_top_p_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
     before = len(_spec_lines(spec_cluster))
     got = generate(spec_cluster.url, text=prompts[0], max_new_tokens=max_new_tokens,
-                   sampling={"temperature": 0.8, "sampling_seed": 7})
+                   sampling={"temperature": 0.8, "top_p": 0.9, "sampling_seed": 7})
     assert len(got.output_ids) == max_new_tokens
     (rec,) = _spec_lines(spec_cluster)[before:]
-    assert rec["no_spec_reason"] == "sampled (temperature > 0)", rec
+    assert rec["no_spec_reason"] == "sampled with top-k/top-p/min-p", rec
     assert rec["speculated"] == 0, rec
+
+
+def test_decode_metrics_count_speculation(spec_cluster):
+    import urllib.request
+
+    # Runs after the tests above sent their requests through this cluster.
+    with urllib.request.urlopen(spec_cluster.decode_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("lynx_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values.get('lynx_spec_tokens_total{fate="speculated"}', 0) > 0, values
+    assert values.get('lynx_spec_tokens_total{fate="rolled_back"}', 0) > 0, values
+    assert values.get('lynx_spec_requests_total{outcome="not_speculable"}', 0) >= 1, values
+    assert values.get('lynx_stream_bytes_total{stream="anchor"}', 0) > 0, values
+    assert values.get("lynx_anchor_to_residual_seconds_count", 0) >= 1, values

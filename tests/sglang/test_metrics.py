@@ -1,0 +1,58 @@
+"""Lynx's Prometheus metrics (lynx_sglang.metrics) in prometheus_client's multiprocess mode, the
+mode SGLang's `/metrics` uses with --enable-metrics. Each case runs in a fresh interpreter: the
+mode is chosen when prometheus_client is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+RECORD_AND_EXPORT = """
+from lynx_sglang import metrics
+metrics.record_transfer(1000, 3000, 0.25, 1.5)
+metrics.record_verification(10, 7, "verified")
+metrics.record_verification(0, 0, "not_speculable")
+metrics.record_verify_time(0.2)
+print("ENABLED", metrics.enabled())
+import os
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    print(generate_latest(registry).decode())
+"""
+
+
+def _run(env_dir: str | None) -> str:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if env_dir:
+        env["PROMETHEUS_MULTIPROC_DIR"] = env_dir
+    out = subprocess.run([sys.executable, "-c", RECORD_AND_EXPORT], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _value(text: str, prefix: str) -> float:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_reach_the_multiprocess_exporter(tmp_path):
+    text = _run(str(tmp_path))
+    assert "ENABLED True" in text
+    assert _value(text, 'lynx_stream_bytes_total{stream="anchor"}') == 1000
+    assert _value(text, 'lynx_stream_bytes_total{stream="residual"}') == 3000
+    assert _value(text, 'lynx_spec_tokens_total{fate="speculated"}') == 10
+    assert _value(text, 'lynx_spec_tokens_total{fate="accepted"}') == 7
+    assert _value(text, 'lynx_spec_tokens_total{fate="rolled_back"}') == 3
+    assert _value(text, 'lynx_spec_requests_total{outcome="verified"}') == 1
+    assert _value(text, 'lynx_spec_requests_total{outcome="not_speculable"}') == 1
+    assert _value(text, "lynx_anchor_to_residual_seconds_count") == 1
+    assert _value(text, "lynx_spec_verify_seconds_sum") == 0.2
+
+
+def test_metrics_are_a_no_op_without_enable_metrics():
+    assert "ENABLED False" in _run(None)
