@@ -233,8 +233,18 @@ def _write_run(pool: KVPoolView, layer: int, kind: StreamKind, slots: torch.Tens
         enc = assemble(chunks, device=pool.device)
     except CodecError as exc:
         raise KVStreamError(str(exc)) from exc
-    pool.layer(layer, kind).index_copy_(0, slots[enc.token_start: enc.token_end],
-                                        decode(enc, stage))
+    _put_rows(pool.layer(layer, kind), slots[enc.token_start: enc.token_end], decode(enc, stage))
+
+
+def _put_rows(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """`dst[slots] = values` along dim 0."""
+    if dst.device.type == "cpu" and dst.is_contiguous():
+        # numpy assigns whole rows; torch's CPU index_copy_ is 2-3x slower here. Bytes, so any
+        # dtype (numpy has no bfloat16).
+        rows = dst.detach().view(torch.uint8).numpy()
+        rows[slots.numpy()] = values.detach().contiguous().view(torch.uint8).numpy()
+    else:
+        dst.index_copy_(0, slots, values)
 
 
 def write_anchor(anchors: dict[tuple[int, StreamKind, int], Chunk], pool: KVPoolView,
