@@ -489,11 +489,8 @@ class LynxKVManager(MooncakeKVManager):
         view = self.staging.view(rx.staging)
         a_len = rx.sizes[WireStream.ANCHOR]
         if rx.anchors is None:
-            st = rx.session.recv_state(rx.room, Stream.ANCHOR)
-            if st.status is Status.FAILED:
-                self._fail_room(rx, f"Anchor stream failed: {st.reason.value} {st.detail}")
-                return
-            if not st.ok:
+            st = self._landed(rx, Stream.ANCHOR)
+            if st is None:
                 return
             rx.anchors = parse_anchor(view[:a_len], pool, len(rx.slots), self.spec, rx.room)
             rx.t_anchor_landed = st.t_done
@@ -514,17 +511,24 @@ class LynxKVManager(MooncakeKVManager):
                 rx.reported_at_anchor = True
                 self._spec_rooms[rx.room] = rx
                 MooncakeKVManager.update_status(self, rx.room, KVPoll.Success)
-        st = rx.session.recv_state(rx.room, Stream.RESIDUAL)
-        if st.status is Status.FAILED:
-            self._fail_room(rx, f"Residual stream failed: {st.reason.value} {st.detail}")
-            return
-        if not st.ok:
+        st = self._landed(rx, Stream.RESIDUAL)
+        if st is None:
             return
         r_len = rx.sizes[WireStream.RESIDUAL]
         apply_residual(view[a_len: a_len + r_len], rx.anchors, pool, rx.slots, self.spec, rx.room)
         if pool.device.type == "cuda":
             torch.cuda.current_stream(pool.device).synchronize()
         self._conclude(rx, residual_landed_at=st.t_done)
+
+    def _landed(self, rx: _RxRoom, stream: Stream):
+        """The stream's receive state once all its bytes have landed; None while it has not (or
+        after failing the room because the stream failed)."""
+        st = rx.session.recv_state(rx.room, stream)
+        if st.status is Status.FAILED:
+            name = "Anchor" if stream is Stream.ANCHOR else "Residual"
+            self._fail_room(rx, f"{name} stream failed: {st.reason.value} {st.detail}")
+            return None
+        return st if st.ok else None
 
     def _conclude(self, rx: _RxRoom, residual_landed_at: float | None) -> None:
         """The room's KV is final in the pool: log it, give back the transfer resources, and

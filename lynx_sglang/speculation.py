@@ -158,39 +158,54 @@ class SpecController:
     def step(self, scheduler) -> None:
         running = scheduler.running_batch
         now = time.monotonic()
-        verify, abort, keep = [], [], []
-        for i, req in enumerate(running.reqs):
-            st = getattr(req, "lynx_spec", None)
-            if st is None or req.finished():
-                keep.append(i)
+        active = [(i, req) for i, req in enumerate(running.reqs)
+                  if getattr(req, "lynx_spec", None) is not None and not req.finished()]
+        candidates = [req for _, req in active] + self.parked
+        if not candidates:
+            return
+        outcomes = [self._outcome(req.lynx_spec) for req in candidates]
+        park = [self._park_reason(req, req.lynx_spec, now) for req, _ in active]
+        failed, applied, parked = self._agree(
+            scheduler, [int(state is ResidualState.FAILED) for state, _ in outcomes],
+            [int(state is ResidualState.APPLIED) for state, _ in outcomes],
+            [int(why is not None) for why in park])
+        verify, abort, remove = [], [], set()
+        for k, req in enumerate(candidates):
+            in_batch = k < len(active)
+            if failed[k]:
+                abort.append((req, outcomes[k][1] or "failed on another TP rank"))
+            elif applied[k]:
+                verify.append(req)
+            elif in_batch and parked[k]:
+                self._park(req, park[k] or "parked on another TP rank")
+            else:
                 continue
-            state, reason = self._outcome(st)
-            if state is ResidualState.APPLIED:
-                verify.append(req)
-            elif state is ResidualState.FAILED:
-                abort.append((req, reason))
+            if in_batch:
+                remove.add(active[k][0])
             else:
-                why = self._park_reason(req, st, now)
-                if why is None:
-                    keep.append(i)
-                else:
-                    self._park(req, why)
-        if len(keep) != len(running.reqs):
-            running.filter_batch(keep_indices=keep)
-        still_parked = []
-        for req in self.parked:
-            state, reason = self._outcome(req.lynx_spec)
-            if state is ResidualState.APPLIED:
-                verify.append(req)
-            elif state is ResidualState.FAILED:
-                abort.append((req, reason))
-            else:
-                still_parked.append(req)
-        self.parked = still_parked
+                self.parked.remove(req)
+        if remove:
+            running.filter_batch(keep_indices=[i for i in range(len(running.reqs))
+                                               if i not in remove])
         for req, reason in abort:
             self._abort(scheduler, req, reason)
         if verify:
             self._verify_and_resume(scheduler, verify)
+
+    @staticmethod
+    def _agree(scheduler, failed: list[int], applied: list[int], parked: list[int]):
+        """Every TP rank must take the same decisions (they run the same batches): a request fails
+        or parks if it does on any rank, and is verified only once its Residual is applied on
+        every rank. Candidates are in the same order on every rank (replicated scheduler state)."""
+        if getattr(scheduler, "tp_size", 1) <= 1:
+            return failed, applied, parked
+        import torch.distributed as dist
+        from sglang.srt.disaggregation.utils import all_reduce_flags
+
+        group = scheduler.tp_cpu_group
+        return (all_reduce_flags(failed, group, dist.ReduceOp.MAX),
+                all_reduce_flags(applied, group, dist.ReduceOp.MIN),
+                all_reduce_flags(parked, group, dist.ReduceOp.MAX))
 
     # ---- decisions ----------------------------------------------------------------------------
     def _outcome(self, st: SpecState) -> tuple[ResidualState, str]:
