@@ -164,7 +164,7 @@ class SpecController:
         if not candidates:
             return
         outcomes = [self._outcome(req.lynx_spec) for req in candidates]
-        park = [self._park_reason(req, req.lynx_spec, now) for req, _ in active]
+        park = [self._park_reason(req, req.lynx_spec, now) for _, req in active]
         failed, applied, parked = self._agree(
             scheduler, [int(state is ResidualState.FAILED) for state, _ in outcomes],
             [int(state is ResidualState.APPLIED) for state, _ in outcomes],

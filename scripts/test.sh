@@ -17,5 +17,8 @@ stage "pytest (host)"
 "$PY" -m pytest tests "$@"
 
 stage "soft-RoCE guest (verbs backend)"
-# QEMU guest with rdma_rxe (scripts/rdma_vm.sh); runs the `rdma_vm` tests against a real RDMA device.
-scripts/rdma_vm.sh --timeout 420 -- "$PY" -m pytest -m rdma_vm tests/transport -v
+# QEMU guest with rdma_rxe (scripts/rdma_vm.sh); runs the `rdma_vm` tests against a real RDMA device:
+# the transport's verbs backend, and Lynx's prefill/decode KV managers over verbs (SGLang's own
+# KVArgs and KV pool, no servers: SGLang servers take far too long to start in the emulated guest).
+scripts/rdma_vm.sh --timeout 1500 --mem 4096 -- "$PY" -m pytest -m rdma_vm tests/transport \
+  tests/sglang/test_conn_loopback.py -v
