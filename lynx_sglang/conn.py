@@ -47,7 +47,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
 import torch
@@ -80,6 +79,7 @@ from .kv_streams import (
     write_anchor,
     write_residual_into,
 )
+from .residual_state import ResidualOutcome, ResidualState
 from .sglang_support import check_sglang_version
 from .staging import StagingPool, StagingRange
 
@@ -88,23 +88,6 @@ logger = logging.getLogger(__name__)
 # Request id of the identity announcement: above SGLang's bootstrap rooms (< 2**63).
 IDENTITY_REQUEST = MAX_REQUEST_ID
 _STREAM = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
-
-
-class ResidualState(Enum):
-    PENDING = "pending"
-    APPLIED = "applied"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class ResidualOutcome:
-    """What the speculation controller needs to know about a room reported at Anchor time.
-    Times are time.monotonic() (None until the event happened)."""
-
-    state: ResidualState
-    reason: str = ""
-    t_anchor_landed: float | None = None
-    t_residual_applied: float | None = None
 
 
 @dataclass

@@ -36,12 +36,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import metrics
 from .acceptance import Acceptance, accept_greedy, accept_sampled
-from .conn import LynxKVManager, ResidualState
+from .residual_state import ResidualState
+
+if TYPE_CHECKING:
+    from .conn import LynxKVManager
 
 logger = logging.getLogger(__name__)
 
@@ -448,6 +452,8 @@ def controller() -> SpecController | None:
     """The process's controller, created once the decode Lynx KV manager exists (speculative)."""
     global _controller
     if _controller is None:
+        from .conn import LynxKVManager
+
         mgr = LynxKVManager.decode_instance
         if mgr is not None and mgr.lynx.speculate:
             _controller = SpecController(mgr)
@@ -524,6 +530,8 @@ def accept_around(original, accumulator, *, req):
 
 
 def release_kv_cache_before(req, tree_cache, *, checkpoint: bool):
+    from .conn import LynxKVManager
+
     mgr = LynxKVManager.decode_instance
     room = getattr(req, "bootstrap_room", None)
     if mgr is not None and room is not None:

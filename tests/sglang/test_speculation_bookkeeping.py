@@ -1,0 +1,74 @@
+"""Rollback bookkeeping of lynx_sglang.speculation on stand-in request / tree-cache objects (the
+real SGLang objects need a running scheduler; tests/sglang/test_pd_lynx_spec.py covers them end to
+end): which output ids survive an acceptance decision and which KV row positions are freed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lynx_sglang.acceptance import Acceptance
+from lynx_sglang.speculation import SpecState, apply_acceptance, rollback
+
+
+@dataclass
+class _KV:
+    kv_allocated_len: int
+    kv_committed_len: int
+
+
+@dataclass
+class _Req:
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    kv: _KV
+
+
+@dataclass
+class _TreeCache:
+    freed: list = field(default_factory=list)
+
+    def free_kv_row(self, kv, ranges):
+        self.freed.append(list(ranges))
+
+
+@dataclass
+class _Scheduler:
+    tree_cache: _TreeCache = field(default_factory=_TreeCache)
+
+
+PROMPT = list(range(100, 110))  # P = 10
+
+
+def _speculated_req(n_spec: int) -> _Req:
+    # output_ids = [t0, s1..sn]; KV exists for the prompt and t0..s(n-1): P + n positions.
+    out = [1] + [10 + i for i in range(n_spec)]
+    return _Req(list(PROMPT), out, _KV(len(PROMPT) + n_spec, len(PROMPT) + n_spec))
+
+
+def test_rejection_keeps_prefix_appends_correction_and_frees_the_rest():
+    req, sched, st = _speculated_req(6), _Scheduler(), SpecState(room=1)
+    result = apply_acceptance(req, st, Acceptance(2, 99))
+    rollback(sched, req, st.verified_len, result)
+    assert req.output_ids == [1, 10, 11, 99]
+    assert (result.speculated, result.accepted, result.corrected_token) == (6, 2, 99)
+    # KV kept for the prompt + t0, s1, s2 (inputs of the verified positions); the next decode
+    # step feeds the correction at position P + 3.
+    assert sched.tree_cache.freed == [[(13, 16)]]
+    assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 13
+
+
+def test_full_acceptance_changes_nothing():
+    req, sched, st = _speculated_req(4), _Scheduler(), SpecState(room=1)
+    result = apply_acceptance(req, st, Acceptance(4, None))
+    rollback(sched, req, st.verified_len, result)
+    assert req.output_ids == [1, 10, 11, 12, 13]
+    assert sched.tree_cache.freed == []
+    assert req.kv.kv_committed_len == 14
+
+
+def test_rejecting_the_first_draft_keeps_only_the_prefill_token():
+    req, sched, st = _speculated_req(3), _Scheduler(), SpecState(room=1)
+    rollback(sched, req, st.verified_len, apply_acceptance(req, st, Acceptance(0, 7)))
+    assert req.output_ids == [1, 7]
+    assert sched.tree_cache.freed == [[(11, 13)]]
+    assert req.kv.kv_committed_len == 11
