@@ -77,11 +77,17 @@ class Variant:
 VARIANTS: tuple[Variant, ...] = (
     Variant("mooncake", "mooncake_tcp", (), "SGLang's Mooncake over TCP, fp32 KV (the baseline)"),
     Variant("lynx", "lynx", ("--lynx-target", "exact"),
-            "Lynx, Residual = exact values (bit-identical KV), default flags"),
+            "Lynx speculative (default flags), Residual = exact values (bit-identical KV)"),
+    Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
+            "Lynx non-speculative, Residual = exact values: decoding waits for the Residual"),
     Variant("lynx-int8", "lynx", ("--lynx-target", "int8"),
-            "Lynx, Residual = low 4 bits of the INT8 code (INT8 KV), default flags"),
+            "Lynx speculative (default flags), Residual = low 4 bits of the INT8 code (INT8 KV)"),
+    Variant("lynx-int8-nospec", "lynx", ("--lynx-target", "int8", "--no-lynx-speculate"),
+            "Lynx non-speculative, INT8 KV: decoding waits for Anchor + Residual (≈ INT8 bytes)"),
+    Variant("int4-anchor", "lynx", ("--no-lynx-residual", "--no-lynx-speculate"),
+            "Anchor only, no Residual (4-bit KV, lossy): the TTFT floor Lynx aims at"),
 )
-DEFAULT_VARIANTS = ("mooncake", "lynx", "lynx-int8")
+DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
 
 
 def select_variants(names: str) -> list[Variant]:
