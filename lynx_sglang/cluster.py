@@ -150,6 +150,11 @@ class Cluster:
         # SGLang's KV managers (Mooncake's engine, our transport endpoint) bind this address.
         env["SGLANG_HOST_IP"] = host_ip
         env.setdefault("HF_HUB_OFFLINE", "1")
+        if _cpu_only():
+            # OpenMP's default spin-waiting makes 2 torch threads on 2 shared cores up to ~30x
+            # slower for the codec's many small ops (measured: scripts/bench_kv_path.py); the
+            # servers of every backend get the same setting.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.update(self.spec.extra_env)
         return env
 
