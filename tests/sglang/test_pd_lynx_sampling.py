@@ -72,7 +72,9 @@ def test_sampled_outputs_keep_the_single_server_distribution(sampling_cluster, s
     lines = [json.loads(line.split("lynx spec ", 1)[1])
              for line in log_path.read_text(errors="replace").splitlines()
              if "lynx spec " in line][before:]
-    assert len(lines) == SAMPLING_N
+    # One line per request that speculated; a request whose Residual had landed by the time its
+    # Anchor was processed goes straight to full precision and logs none.
+    assert 0 < len(lines) <= SAMPLING_N
     # Sampled requests speculated, and the exact distribution rejected some drafts: the check
     # above compared verified samples, not a run where the Anchor happened to agree everywhere.
     assert sum(rec["speculated"] for rec in lines) > 0, lines[:3]
