@@ -464,9 +464,11 @@ class LynxKVManager(MooncakeKVManager):
         if rx.residual_applied:
             return  # waiting for the prefill's Success status (update_status concludes)
         if rx.session is None and not self._try_announce(rx):
-            if time.monotonic() - rx.created > self.lynx.connect_timeout_s:
+            # The prefill opens its session at its first transfer, after that request's prefill
+            # forward: the whole transfer deadline applies, not the connect timeout.
+            if time.monotonic() - rx.created > self.lynx.transfer_timeout_s:
                 self._fail_room(rx, f"no transport session from prefill rank {rx.prefill} "
-                                    f"within {self.lynx.connect_timeout_s:g} s")
+                                    f"within {self.lynx.transfer_timeout_s:g} s")
             return
         pool = self._require_pool()
         view = self.staging.view(rx.staging)
