@@ -45,7 +45,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
         "demo",
         "lynx_sglang.demo",
-        "PD demo: Lynx vs mooncake_tcp on one link, long-context request; TTFT table + timeline",
+        "PD demo: mooncake vs Lynx (non-speculative, speculative, INT4 Anchor only) on one link; "
+        "TTFT table + timeline",
     ),
     Subcommand(
         "up",

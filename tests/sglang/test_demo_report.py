@@ -1,5 +1,7 @@
-"""The demo's report on canned results: table columns, identical-output verdict, computed
-mooncake bytes, prompt construction, the PNG, and the prefill timeline log parser."""
+"""The demo's report on canned results: table columns (token 16/64 times, speculation counts),
+network-exposed TTFT ratios, the identical-output verdict among exact variants only, the lossy
+variant's token match, computed mooncake bytes, prompt construction, the `lynx spec` / transfer
+log parsers, the verification time estimate and the PNG."""
 
 from __future__ import annotations
 
@@ -7,34 +9,103 @@ import json
 
 import pytest
 
-from lynx_sglang.demo import BackendResult, KVShape, build_prompt, format_table, plot_timeline
+from lynx_sglang.demo import (
+    DemoResult,
+    KVShape,
+    SpecOutcome,
+    build_prompt,
+    format_table,
+    network_ttft_ratios,
+    plot_timeline,
+    select_variants,
+    spec_lines,
+    token_match,
+    verified_wall,
+)
 from lynx_sglang.timeline import prefill_done_events
 
 
-def _result(backend: str, ids: list[int], **kw) -> BackendResult:
-    base = dict(backend=backend, prompt_tokens=1500, output_ids=ids, prefill_done_s=0.8,
-                first_token_s=1.1, last_token_s=1.9, stream_bytes={"kv": 1 << 20},
-                bytes_measured=False, lynx_events_s={}, run_dir="/tmp/x")
+def _result(variant: str, ids: list[int], **kw) -> DemoResult:
+    base = dict(variant=variant, exact=variant != "int4-anchor", prompt_tokens=1500,
+                output_ids=ids, prefill_done_s=0.8, first_token_s=1.1, last_token_s=1.9,
+                token_s={16: 1.3, 64: 1.8}, stream_bytes={"kv": 1 << 20}, bytes_measured=False)
     base.update(kw)
-    return BackendResult(**base)
+    return DemoResult(**base)
 
 
 LYNX = dict(stream_bytes={"anchor": 3 << 20, "residual": 5 << 20}, bytes_measured=True,
-            first_token_s=2.0, lynx_events_s={"anchor_landed": 1.2, "anchor_applied": None,
-                                              "residual_landed": 1.5, "residual_applied": 1.9})
+            first_token_s=1.0, token_s={16: 1.6, 64: 2.4},
+            lynx_events_s={"anchor_landed": 0.85, "anchor_applied": 0.9,
+                           "residual_landed": 1.2, "residual_applied": 1.25},
+            spec=SpecOutcome(10, 7, 3, 40.0, 0.5), verified_s=1.45)
+NOSPEC = dict(LYNX, first_token_s=1.3, spec=None, verified_s=None)
+INT4 = dict(stream_bytes={"anchor": 3 << 20, "residual": 0}, bytes_measured=True,
+            first_token_s=0.9, token_s={16: 1.2, 64: None})
 
 
-def test_table_reports_each_backend_and_verdict():
-    same = format_table([_result("lynx", [1, 2], **LYNX), _result("mooncake_tcp", [1, 2])],
-                        "loopback")
-    assert "outputs identical across backends: yes" in same
-    assert "Anchor 3.00 MiB / Residual 5.00 MiB" in same
-    assert "KV 1.00 MiB (computed)" in same
-    lynx_row = next(ln for ln in same.splitlines() if ln.startswith("lynx "))
-    assert "2000 ms" in lynx_row and "1200 ms" in lynx_row  # TTFT, first token - prefill done
-    differ = format_table([_result("lynx", [1, 2], **LYNX), _result("mooncake_tcp", [1, 3])],
-                          "loopback")
-    assert "outputs identical across backends: NO" in differ
+def _row(table: str, name: str) -> str:
+    return next(ln for ln in table.splitlines() if ln.startswith(name + " "))
+
+
+def test_table_reports_each_variant_and_verdict():
+    table = format_table([_result("mooncake", [1, 2, 3]), _result("lynx-nospec", [1, 2, 3], **NOSPEC),
+                          _result("lynx", [1, 2, 3], **LYNX), _result("int4-anchor", [1, 9, 3], **INT4)],
+                         "loopback")
+    assert "outputs identical across exact variants (mooncake, lynx-nospec, lynx): yes" in table
+    assert "int4-anchor: lossy, not compared; vs the exact output: first 1, 2 of 3 positions" in table
+    lynx = _row(table, "lynx")
+    # TTFT, net TTFT (first token - prefill done), token 16 / 64 from send and from prefill done.
+    for cell in ("1000 ms", "200 ms", "1600 (800) ms", "2400 (1600) ms",
+                 "Anchor 3.00 MiB / Residual 5.00 MiB", "10/7/3"):
+        assert cell in lynx
+    assert "KV 1.00 MiB (computed)" in _row(table, "mooncake")
+    int4 = _row(table, "int4-anchor")
+    assert "Anchor 3.00 MiB / no Residual" in int4 and "- (-) ms" in int4  # no token 64
+    assert "net TTFT mooncake ÷ lynx: 1.50" in table
+    assert "net TTFT lynx-nospec ÷ lynx: 2.50" in table
+    assert "net TTFT lynx ÷ int4-anchor: 2.00" in table
+
+
+def test_lossy_variant_does_not_break_the_verdict_but_exact_ones_do():
+    lossy_differs = format_table([_result("mooncake", [1, 2]), _result("lynx", [1, 2], **LYNX),
+                                  _result("int4-anchor", [5, 6], **INT4)], "loopback")
+    assert "exact variants (mooncake, lynx): yes" in lossy_differs
+    exact_differs = format_table([_result("mooncake", [1, 2]), _result("lynx", [1, 3], **LYNX)],
+                                 "loopback")
+    assert "exact variants (mooncake, lynx): NO" in exact_differs
+    single = format_table([_result("lynx", [1, 2], **LYNX)], "loopback")
+    assert ": n/a (fewer than two exact variants)" in single
+
+
+def test_ratios_only_for_pairs_that_ran():
+    assert network_ttft_ratios([_result("mooncake", [1]), _result("int4-anchor", [1], **INT4)]) == {}
+    assert network_ttft_ratios([_result("mooncake", [1]), _result("lynx", [1], **LYNX)]) == {
+        "mooncake/lynx": 1.5}
+
+
+def test_token_match():
+    assert token_match([1, 2, 3, 4], [1, 2, 9, 4]) == (2, 3)
+    assert token_match([7], [1, 2]) == (0, 0)
+
+
+def test_variants_by_name():
+    assert [v.name for v in select_variants("mooncake, lynx")] == ["mooncake", "lynx"]
+    from lynx_sglang.demo import DemoError
+
+    with pytest.raises(DemoError):
+        select_variants("mooncake_tcp")
+
+
+def test_spec_lines_and_verified_lower_bound():
+    log = ('[t] lynx spec: abc parked: cap\n'
+           '[t] lynx spec {"room": 4, "speculated": 10, "accepted": 10, "rolled_back": 0, '
+           '"verify_ms": 300.0, "committed_to_verified_s": 2.0}\n')
+    (line,) = spec_lines(log)
+    assert line["room"] == 4 and line["accepted"] == 10
+    # Commit-based bound wins when the request waited parked after the Residual.
+    assert verified_wall({"anchor_applied": 100.0, "residual_applied": 101.0}, line) == 102.0
+    # Residual-based bound wins when the Residual came late.
+    assert verified_wall({"anchor_applied": 100.0, "residual_applied": 103.0}, line) == 103.3
 
 
 def test_kv_shape_bytes(tmp_path):
@@ -47,7 +118,8 @@ def test_kv_shape_bytes(tmp_path):
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "t.png"
-    plot_timeline([_result("lynx", [1], **LYNX), _result("mooncake_tcp", [1])], path, "t")
+    plot_timeline([_result("mooncake", [1]), _result("lynx", [1], **LYNX),
+                   _result("int4-anchor", [1], **INT4)], path, "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -68,17 +140,3 @@ def test_prefill_done_events_parses_log_lines():
            ' "tokens": 5, "t": 1.5}\n')
     assert prefill_done_events(log) == [{"rid": "a", "event": "prefill_done", "tokens": 5,
                                          "t": 1.5}]
-
-
-def test_transfer_line_skips_the_startup_line():
-    from lynx_sglang.demo import _last_transfer_line
-
-    log = ("[t] lynx transfer backend selected: LynxConfig(...)\n"
-           '[t] lynx transfer {"room": 1, "tokens": 9}\n'
-           "[t] lynx transfer backend selected: LynxConfig(...)\n")
-    assert _last_transfer_line(log) == {"room": 1, "tokens": 9}
-
-
-def test_single_backend_has_no_verdict():
-    table = format_table([_result("lynx", [1, 2], **LYNX)], "loopback")
-    assert "outputs identical across backends: n/a (one backend)" in table
