@@ -310,7 +310,7 @@ class SpecController:
                                     "not_speculable" if st.no_spec_reason else "verified")
         out = self.kv_mgr_outcome_times(st)
         logger.info("lynx spec %s", json.dumps({
-            "rid": req.rid, "room": st.room, "speculated": result.speculated,
+            "t": round(time.time(), 6), "rid": req.rid, "room": st.room, "speculated": result.speculated,
             "accepted": result.accepted, "rolled_back": result.speculated - result.accepted,
             "corrected": result.corrected_token is not None,
             "no_spec_reason": st.no_spec_reason, "parked_reason": st.parked_reason,
