@@ -25,8 +25,10 @@ owns what happens to such a request until its Residual has refined the pool:
 Called from the SGLang hooks registered by `lynx_sglang.plugin` in a decode scheduler process:
 `Scheduler.process_decode_queue` (BEFORE: `step`), `process_batch_result_prebuilt` (AFTER: park
 the non-speculable), `DecodeTransferQueue._commit_transfer_to_req` (AFTER: attach the state),
-`Req.update_finish_state`, `_GenerationStreamAccumulator.accept` and `release_kv_cache`.
-Single scheduler thread: no locking here (the manager's outcome calls are thread-safe).
+`Req.update_finish_state`, `_GenerationStreamAccumulator.accept`, `release_kv_cache`,
+`Scheduler.is_fully_idle` and `ModelRunner.sample` (the full list, with reasons, is
+`plugin.SPEC_HOOKS` and patches/README.md). Single scheduler thread: no locking here (the
+manager's outcome calls are thread-safe).
 """
 
 from __future__ import annotations
