@@ -518,25 +518,25 @@ class LynxKVManager(MooncakeKVManager):
     def _conclude(self, rx: _RxRoom, residual_landed_at: float | None) -> None:
         """The room's KV is final in the pool: log it, give back the transfer resources, and
         report Success unless that happened at Anchor time (or waits for the prefill's)."""
-        rx.residual_applied = True
-        rx.t_residual_applied = time.monotonic()
-        rx.anchors = None
-        # One line per request for benchmarks and timelines (wall-clock seconds).
         now_mono, now_wall = time.monotonic(), time.time()
+        rx.residual_applied = True
+        rx.t_residual_applied = now_mono
+        rx.anchors = None
+        residual_bytes = rx.sizes[WireStream.RESIDUAL] if self.lynx.residual else 0
+        # One line per request for benchmarks and timelines (wall-clock seconds).
         wall = lambda t: None if t is None else round(now_wall - (now_mono - t), 6)  # noqa: E731
         logger.info("lynx transfer %s", json.dumps({
             "room": rx.room, "tokens": len(rx.slots),
-            "anchor_bytes": rx.sizes[WireStream.ANCHOR],
-            "residual_bytes": rx.sizes[WireStream.RESIDUAL] if self.lynx.residual else 0,
+            "anchor_bytes": rx.sizes[WireStream.ANCHOR], "residual_bytes": residual_bytes,
             "announced": wall(rx.created), "anchor_landed": wall(rx.t_anchor_landed),
             "anchor_applied": wall(rx.t_anchor_applied),
             "residual_landed": wall(residual_landed_at),
             "residual_applied": round(now_wall, 6) if self.lynx.residual else None}))
         metrics.record_transfer(
-            rx.sizes[WireStream.ANCHOR], rx.sizes[WireStream.RESIDUAL] if self.lynx.residual else 0,
+            rx.sizes[WireStream.ANCHOR], residual_bytes,
             None if rx.t_anchor_applied is None else rx.t_anchor_applied - rx.created,
             None if rx.t_anchor_landed is None or not self.lynx.residual
-            else rx.t_residual_applied - rx.t_anchor_landed)
+            else now_mono - rx.t_anchor_landed)
         self._release(rx)
         if rx.reported_at_anchor:
             self._finish(rx)  # the speculation controller takes it from here
@@ -560,10 +560,14 @@ class LynxKVManager(MooncakeKVManager):
         rx.finished = True
         self._rx_rooms.pop(rx.room, None)
 
-    def _fail_room(self, rx: _RxRoom, reason: str) -> None:
-        logger.error("lynx: room %s failed: %s", rx.room, reason)
+    def _end(self, rx: _RxRoom) -> None:
+        """Give back the transfer resources and stop applying: `_release` then `_finish`."""
         self._release(rx)
         self._finish(rx)
+
+    def _fail_room(self, rx: _RxRoom, reason: str) -> None:
+        logger.error("lynx: room %s failed: %s", rx.room, reason)
+        self._end(rx)
         if rx.reported_at_anchor:
             # SGLang already has Success and no longer polls: the speculation controller aborts
             # the running request when it reads this outcome.
@@ -581,8 +585,7 @@ class LynxKVManager(MooncakeKVManager):
             if rx is not None and keep_speculative and rx.reported_at_anchor:
                 return
             if rx is not None:
-                self._release(rx)
-                self._finish(rx)
+                self._end(rx)
             if not keep_speculative:
                 self._spec_rooms.pop(room, None)
 
@@ -608,8 +611,7 @@ class LynxKVManager(MooncakeKVManager):
                 return False
             logger.info("lynx: room %s released before its Residual was applied; transfer "
                         "cancelled", room)
-            self._release(rx)
-            self._finish(rx)
+            self._end(rx)
             return True
 
     def update_status(self, bootstrap_room: int, status: KVPoll):

@@ -73,9 +73,8 @@ class SpecState:
 
 @dataclass
 class SpecCounters:
-    """Totals since start-up (logged with every verification; the metrics exporter reads them)."""
+    """Totals since start-up, logged with every verification (`lynx spec` line)."""
 
-    requests: int = 0
     verifications: int = 0
     verify_forwards: int = 0
     # Model forward passes run while verifying (SGLang's ModelRunner.forward_pass_id): one per
@@ -84,8 +83,6 @@ class SpecCounters:
     speculated_tokens: int = 0
     accepted_tokens: int = 0
     rolled_back_tokens: int = 0
-    failed_requests: int = 0
-    verify_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -146,7 +143,6 @@ class SpecController:
         req.lynx_spec = st
         if st.sampled and reason is None:
             _sampled_by_pool_idx[req.kv.req_pool_idx] = st
-        self.counters.requests += 1
 
     def on_prebuilt(self, batch) -> None:
         """After the prebuilt batch's first tokens went out: park the requests that must not
@@ -236,24 +232,28 @@ class SpecController:
         self.parked.append(req)
         logger.debug("lynx spec: %s parked: %s", req.rid, reason)
 
+    def _detach(self, req) -> SpecState:
+        """The request stops speculating: drop its state here and the manager's room."""
+        st = req.lynx_spec
+        req.lynx_spec = None
+        self.kv_mgr.forget_room(st.room)
+        _sampled_by_pool_idx.pop(req.kv.req_pool_idx, None)
+        return st
+
     # ---- abort --------------------------------------------------------------------------------
     def _abort(self, scheduler, req, reason: str) -> None:
         from sglang.srt.disaggregation.utils import prepare_abort
         from sglang.srt.mem_cache.common import release_kv_cache
 
-        st = req.lynx_spec
-        self.kv_mgr.forget_room(st.room)
-        _sampled_by_pool_idx.pop(req.kv.req_pool_idx, None)
-        self.counters.failed_requests += 1
+        st = self._detach(req)
         metrics.record_verification(0, 0, "aborted")
         message = f"Lynx: the Residual KV of this request did not arrive: {reason}"
         logger.error("lynx spec: request %s (room %s) aborted: %s", req.rid, st.room, reason)
         # Roll back to the verified prefix first: a partial answer must not contain a token
         # the exact KV never confirmed.
-        self._truncate_output(req, st.verified_len)
+        del req.output_ids[st.verified_len:]
         prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
         release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
-        req.lynx_spec = None
         scheduler.output_streamer.stream_output([req], req.return_logprob)
 
     # ---- verification -------------------------------------------------------------------------
@@ -270,20 +270,16 @@ class SpecController:
         if to_check:
             self.counters.verify_forwards += 1
             self.counters.verify_model_passes += passes
-            self.counters.verify_seconds += verify_s
             metrics.record_verify_time(verify_s)
         by_req = dict(zip((id(r) for r in to_check), logits, strict=True))
         resume = []
         for req in reqs:
-            st: SpecState = req.lynx_spec
-            self.kv_mgr.forget_room(st.room)
-            _sampled_by_pool_idx.pop(req.kv.req_pool_idx, None)
+            checked = id(req) in by_req
+            st = self._detach(req)
             result = VerifyResult(0, 0, None)
-            if id(req) in by_req:
+            if checked:
                 result = apply_acceptance(req, st, decide(req, st, by_req[id(req)]))
                 rollback(scheduler, req, st.verified_len, result)
-            req.lynx_spec = None
-            checked = id(req) in by_req
             self._record(req, st, result, verify_s if checked else 0.0, passes if checked else 0,
                          len(to_check))
             if len(req.output_ids) > st.verified_len:
@@ -310,28 +306,20 @@ class SpecController:
         c.rolled_back_tokens += result.speculated - result.accepted
         metrics.record_verification(result.speculated, result.accepted,
                                     "not_speculable" if st.no_spec_reason else "verified")
-        out = self.kv_mgr_outcome_times(st)
+        now = time.monotonic()
         logger.info("lynx spec %s", json.dumps({
             "t": round(time.time(), 6), "rid": req.rid, "room": st.room, "speculated": result.speculated,
             "accepted": result.accepted, "rolled_back": result.speculated - result.accepted,
             "corrected": result.corrected_token is not None,
             "no_spec_reason": st.no_spec_reason, "parked_reason": st.parked_reason,
             "verify_ms": round(verify_s * 1e3, 3), "verify_model_passes": model_passes,
-            "verify_batch": batch_size, **out,
+            "verify_batch": batch_size,
+            "committed_to_verified_s": round(now - st.t_committed, 6),
+            "parked_s": None if st.t_parked is None else round(now - st.t_parked, 6),
             "totals": {"verifications": c.verifications, "speculated": c.speculated_tokens,
                        "accepted": c.accepted_tokens, "rolled_back": c.rolled_back_tokens,
                        "verify_forwards": c.verify_forwards,
                        "verify_model_passes": c.verify_model_passes}}))
-
-    @staticmethod
-    def kv_mgr_outcome_times(st: SpecState) -> dict:
-        waited = None if st.t_parked is None else round(time.monotonic() - st.t_parked, 6)
-        return {"committed_to_verified_s": round(time.monotonic() - st.t_committed, 6),
-                "parked_s": waited}
-
-    @staticmethod
-    def _truncate_output(req, length: int) -> None:
-        del req.output_ids[length:]
 
 
 def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
