@@ -13,9 +13,10 @@ the link shaped as with `lynx-sglang up --link RATE`), send one full-length warm
      time, the prefill's prefix cache flushed before each: bench_serving keeps no wall-clock send
      time, and the network-exposed TTFT (the prefill's `prefill_done` timeline line ->
      first token at the client) needs one. Also TTFT and the 16th/64th token times.
-Bytes per stream: Lynx variants from the decode's `lynx transfer` line of each request; mooncake
-from the model's fp32 KV shape (computed). Greedy, `ignore_eos` (bench_serving's default), so
-every request streams exactly `--max-new-tokens` tokens.
+Every server's KV pool has `--kv-dtype` (default BF16, SGLang's `--kv-cache-dtype`; the model
+computes in fp32). Bytes per stream: Lynx variants from the decode's `lynx transfer` line of each
+request; mooncake from the model's KV shape in that dtype (computed). Greedy, `ignore_eos`
+(bench_serving's default), so every request streams exactly `--max-new-tokens` tokens.
 
 Writes `<out>/bench_ttft.json` (config, per-variant per-request numbers of both clients, medians,
 baseline ÷ variant ratios of the medians), `<out>/bench_ttft.png` (bar plot of the medians) and the
@@ -40,8 +41,11 @@ from pathlib import Path
 from .client import GenerateError, StreamedGeneration, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .pd_measure import (
+    DEFAULT_KV_DTYPE,
     LYNX_EVENTS,
     KVShape,
+    add_kv_dtype_argument,
+    kv_dtype_server_args,
     prefill_done_for,
     selected_config,
     transfer_line_for,
@@ -75,7 +79,7 @@ class Variant:
 
 # Add a variant here to measure it; `--variants` picks by name.
 VARIANTS: tuple[Variant, ...] = (
-    Variant("mooncake", "mooncake_tcp", (), "SGLang's Mooncake over TCP, fp32 KV (the baseline)"),
+    Variant("mooncake", "mooncake_tcp", (), "SGLang's Mooncake over TCP, full KV (the baseline)"),
     Variant("lynx", "lynx", ("--lynx-target", "exact"),
             "Lynx speculative (default flags), Residual = exact values (bit-identical KV)"),
     Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
@@ -84,6 +88,9 @@ VARIANTS: tuple[Variant, ...] = (
             "Lynx speculative (default flags), Residual = low 4 bits of the INT8 code (INT8 KV)"),
     Variant("lynx-int8-nospec", "lynx", ("--lynx-target", "int8", "--no-lynx-speculate"),
             "Lynx non-speculative, INT8 KV: decoding waits for Anchor + Residual (≈ INT8 bytes)"),
+    Variant("lynx-int8-a3", "lynx", ("--lynx-target", "int8", "--lynx-anchor-bits", "3"),
+            "Lynx speculative, 3-bit Anchor (rotated, sink/recent protected), Residual = low 5 "
+            "bits of the INT8 code: a smaller Anchor, more rollbacks"),
     Variant("int4-anchor", "lynx", ("--no-lynx-residual", "--no-lynx-speculate"),
             "Anchor only, no Residual (4-bit KV, lossy): the TTFT floor Lynx aims at"),
 )
@@ -290,12 +297,14 @@ class BenchConfig:
     baseline: str
     startup_timeout_s: float
     request_timeout_s: float
+    kv_dtype: str = DEFAULT_KV_DTYPE
 
 
 def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
                 warmup_ids: list[int], kv_shape: KVShape, run_dir: Path) -> VariantResult:
     spec = ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
-                       server_args=variant.server_args, link=cfg.link,
+                       server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
+                       link=cfg.link,
                        startup_timeout_s=cfg.startup_timeout_s, extra_env={TIMELINE_ENV: "1"})
     log = lambda msg: print(f"[bench-ttft] {variant.name}: {msg}", flush=True)  # noqa: E731
     log(f"starting prefill + decode + router (logs {run_dir}) ...")
@@ -480,6 +489,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF model folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="folder for bench_ttft.json, bench_ttft.png and bench_ttft_runs/")
+    add_kv_dtype_argument(parser)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
 
@@ -497,19 +507,19 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError("--requests and --max-new-tokens must be at least 1")
     link = None if args.link == "none" else args.link
     link_desc = (f"{link} shaped veth between two network namespaces (prefill | decode)"
-                 if link else "loopback")
+                 if link else "loopback") + f", {args.kv_dtype} KV"
     model_dir = Path(args.model or embedded_model_dir())
     cfg = BenchConfig(link, str(model_dir), args.prompt_tokens, args.max_new_tokens,
                       args.requests, args.seed,
                       tuple(int(k) for k in args.token_marks.split(",") if k.strip()),
                       tuple(v.name for v in variants), args.baseline, args.startup_timeout_s,
-                      args.request_timeout_s)
+                      args.request_timeout_s, args.kv_dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = random_ids_prompts(tokenizer.vocab_size, cfg.prompt_tokens, cfg.max_new_tokens,
                                  cfg.requests, cfg.seed)
     # A full-length warm-up whose prefix no measured prompt shares.
     warmup_ids = build_prompt(tokenizer, cfg.prompt_tokens)
-    kv_shape = KVShape.from_model_dir(model_dir)
+    kv_shape = KVShape.from_model_dir(model_dir, args.kv_dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"[bench-ttft] model {model_dir}; link: {link_desc}; variants {list(cfg.variants)}",
           flush=True)

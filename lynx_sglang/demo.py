@@ -33,6 +33,8 @@ from .netns import NETLAB
 from .pd_measure import (
     LYNX_EVENTS,
     KVShape,
+    add_kv_dtype_argument,
+    kv_dtype_server_args,
     prefill_done_for,
     transfer_line_for,
     transfer_lines,
@@ -146,11 +148,12 @@ def verified_wall(transfer: dict, spec: dict) -> float:
 
 
 def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
-                link: str | None, run_dir: Path, kv_shape: KVShape,
+                link: str | None, run_dir: Path, kv_shape: KVShape, kv_dtype: str,
                 startup_timeout_s: float, request_timeout_s: float) -> DemoResult:
     spec = ClusterSpec(
         str(model_dir), ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
-        server_args=variant.server_args, link=link, startup_timeout_s=startup_timeout_s,
+        server_args=variant.server_args + kv_dtype_server_args(kv_dtype), link=link,
+        startup_timeout_s=startup_timeout_s,
         extra_env={TIMELINE_ENV: "1"},
     )
     log = lambda msg: print(f"[demo] {variant.name}: {msg}", flush=True)  # noqa: E731
@@ -300,7 +303,7 @@ def format_table(results: list[DemoResult], link_desc: str) -> str:
                  "token.")
     if any(not r.bytes_measured for r in results):
         lines.append("mooncake KV bytes are computed: prompt tokens x layers x 2 (K,V) x KV heads "
-                     "x head dim x 4 bytes (fp32 pool).")
+                     "x head dim x bytes per value of the KV pool's dtype.")
     return "\n".join(lines)
 
 
@@ -375,6 +378,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF model folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="folder for demo.json, demo_timeline.png and the cluster logs")
+    add_kv_dtype_argument(parser)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
 
@@ -390,10 +394,11 @@ def run(args: argparse.Namespace) -> int:
     link = default_link() if args.link == "auto" else (None if args.link == "none" else args.link)
     link_desc = (f"{link} shaped veth between two network namespaces (prefill | decode)"
                  if link else "loopback (no shaped link: not root or no ip/tc)")
+    link_desc += f", {args.kv_dtype} KV"
     model_dir = Path(args.model or embedded_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompt_ids = build_prompt(tokenizer, args.prompt_tokens)
-    kv_shape = KVShape.from_model_dir(model_dir)
+    kv_shape = KVShape.from_model_dir(model_dir, args.kv_dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"[demo] model {model_dir}; link: {link_desc}; variants {[v.name for v in variants]}",
           flush=True)
@@ -411,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
                 variant, model_dir=model_dir, prompt_ids=prompt_ids,
                 max_new_tokens=args.max_new_tokens, link=link,
                 run_dir=(args.out / "demo_runs" / variant.name).resolve(), kv_shape=kv_shape,
+                kv_dtype=args.kv_dtype,
                 startup_timeout_s=args.startup_timeout_s,
                 request_timeout_s=args.request_timeout_s))
     except KeyboardInterrupt:

@@ -24,22 +24,44 @@ CONFIG_PREFIX = "lynx transfer backend selected:"
 LYNX_EVENTS = ("anchor_landed", "anchor_applied", "residual_landed", "residual_applied")
 
 
+# KV pool dtypes a measurement can run with, and their bytes per value. The servers compute in fp32
+# on CPU (bf16 matmuls are far slower there); `--kv-cache-dtype bfloat16` stores the KV as BF16,
+# which is what a GPU deployment moves, so BF16 is the measurements' default.
+KV_DTYPES = {"bfloat16": 2, "float32": 4}
+DEFAULT_KV_DTYPE = "bfloat16"
+
+
+def kv_dtype_server_args(kv_dtype: str) -> tuple[str, ...]:
+    """The SGLang server flags that give the KV pool `kv_dtype` (float32 is the model's own)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    return () if kv_dtype == "float32" else ("--kv-cache-dtype", kv_dtype)
+
+
+def add_kv_dtype_argument(parser) -> None:
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=DEFAULT_KV_DTYPE,
+                        help="KV pool dtype of every server (SGLang --kv-cache-dtype; the model "
+                             f"computes in fp32 either way; default {DEFAULT_KV_DTYPE}, what the "
+                             "baseline then moves)")
+
+
 @dataclass(frozen=True)
 class KVShape:
     layers: int
     kv_heads: int
     head_dim: int
-    dtype_bytes: int = 4  # the clusters run --dtype float32, so the KV pool is fp32
+    dtype_bytes: int = KV_DTYPES[DEFAULT_KV_DTYPE]
 
     def bytes_for(self, tokens: int) -> int:
         return tokens * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path) -> KVShape:
+    def from_model_dir(cls, model_dir: Path, kv_dtype: str = DEFAULT_KV_DTYPE) -> KVShape:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         return cls(cfg["num_hidden_layers"], cfg.get("num_key_value_heads",
-                                                     cfg["num_attention_heads"]), head_dim)
+                                                     cfg["num_attention_heads"]), head_dim,
+                   KV_DTYPES[kv_dtype])
 
 
 def selected_config(log_text: str) -> str | None:

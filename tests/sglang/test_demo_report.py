@@ -22,6 +22,7 @@ from lynx_sglang.demo import (
     token_match,
     verified_wall,
 )
+from lynx_sglang.pd_measure import kv_dtype_server_args
 from lynx_sglang.timeline import prefill_done_events
 
 
@@ -112,7 +113,13 @@ def test_kv_shape_bytes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
          "hidden_size": 576}))
-    assert KVShape.from_model_dir(tmp_path).bytes_for(1500) == 1500 * 30 * 2 * 3 * 64 * 4
+    per_value = 1500 * 30 * 2 * 3 * 64
+    assert KVShape.from_model_dir(tmp_path).bytes_for(1500) == per_value * 2  # BF16 by default
+    assert KVShape.from_model_dir(tmp_path, "float32").bytes_for(1500) == per_value * 4
+    assert kv_dtype_server_args("bfloat16") == ("--kv-cache-dtype", "bfloat16")
+    assert kv_dtype_server_args("float32") == ()
+    with pytest.raises(ValueError, match="KV dtype"):
+        kv_dtype_server_args("fp8")
 
 
 def test_plot_writes_png(tmp_path):
