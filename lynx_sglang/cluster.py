@@ -261,6 +261,12 @@ class Cluster:
     def log_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.log"
 
+    def decode_used_tokens(self) -> int:
+        """KV slots the decode server holds right now (SGLang's /v1/loads), for leak checks."""
+        with urllib.request.urlopen(self.decode_url + "/v1/loads", timeout=10) as r:
+            loads = json.loads(r.read())["loads"]
+        return sum(entry["num_used_tokens"] for entry in loads)
+
     def kill(self, name: str) -> None:
         """SIGKILL one process tree (fault tests)."""
         popen = self.proc(name)

@@ -180,8 +180,9 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decode: start generating as soon as a request's Anchor has landed, then "
                         "verify the speculative tokens with one forward once the Residual is in "
                         "and roll back what the exact KV disagrees with; the client only ever "
-                        "receives verified tokens (greedy requests speculate; sampled, logprob, "
-                        "grammar and hidden-state requests wait for the Residual instead). "
+                        "receives verified tokens (greedy and plain-temperature requests speculate; "
+                        "top-k/top-p/min-p, logprob, grammar, penalty and hidden-state requests "
+                        "wait for the Residual instead). "
                         f"Default {'on' if d.speculate else 'off'}")
     g.add_argument("--lynx-residual", action=argparse.BooleanOptionalAction, default=d.residual,
                    help="send the Residual stream; --no-lynx-residual sends only the Anchor and "

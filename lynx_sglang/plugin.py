@@ -59,6 +59,7 @@ SPEC_STREAM_ACCEPT = ("sglang.srt.managers.scheduler_components.output_streamer.
 SPEC_RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
 SPEC_FULLY_IDLE = "sglang.srt.managers.scheduler.Scheduler.is_fully_idle"
 SPEC_SAMPLE = "sglang.srt.model_executor.model_runner.ModelRunner.sample"
+SPEC_ABORT = "sglang.srt.managers.scheduler.Scheduler.abort_request"
 SPEC_HOOKS = (
     (SPEC_PROCESS_DECODE_QUEUE, "process_decode_queue_before", "BEFORE"),
     (SPEC_COMMIT_TRANSFER, "commit_transfer_after", "AFTER"),
@@ -68,6 +69,7 @@ SPEC_HOOKS = (
     (SPEC_RELEASE_KV, "release_kv_cache_before", "BEFORE"),
     (SPEC_FULLY_IDLE, "is_fully_idle_around", "AROUND"),
     (SPEC_SAMPLE, "sample_before", "BEFORE"),
+    (SPEC_ABORT, "abort_request_after", "AFTER"),
 )
 # Every HookRegistry target (patches/README.md documents each; a test resolves each one).
 HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,

@@ -26,7 +26,7 @@ Called from the SGLang hooks registered by `lynx_sglang.plugin` in a decode sche
 `Scheduler.process_decode_queue` (BEFORE: `step`), `process_batch_result_prebuilt` (AFTER: park
 the non-speculable), `DecodeTransferQueue._commit_transfer_to_req` (AFTER: attach the state),
 `Req.update_finish_state`, `_GenerationStreamAccumulator.accept`, `release_kv_cache`,
-`Scheduler.is_fully_idle` and `ModelRunner.sample` (the full list, with reasons, is
+`Scheduler.is_fully_idle`, `Scheduler.abort_request` and `ModelRunner.sample` (the full list, with reasons, is
 `plugin.SPEC_HOOKS` and patches/README.md). Single scheduler thread: no locking here (the
 manager's outcome calls are thread-safe).
 """
@@ -230,7 +230,7 @@ class SpecController:
         st.parked_reason = reason
         st.t_parked = time.monotonic()
         self.parked.append(req)
-        logger.debug("lynx spec: %s parked: %s", req.rid, reason)
+        logger.info("lynx spec: %s parked: %s", req.rid, reason)
 
     def _detach(self, req) -> SpecState:
         """The request stops speculating: drop its state here and the manager's room."""
@@ -242,17 +242,36 @@ class SpecController:
 
     # ---- abort --------------------------------------------------------------------------------
     def _abort(self, scheduler, req, reason: str) -> None:
+        st = self._detach(req)
+        logger.error("lynx spec: request %s (room %s) aborted: %s", req.rid, st.room, reason)
+        self._finish_aborted(scheduler, req, st,
+                             f"Lynx: the Residual KV of this request did not arrive: {reason}",
+                             HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def abort_parked(self, scheduler, recv_req) -> None:
+        """SGLang's `abort_request` (client disconnect, /abort_request) only searches its own
+        queues; a parked request lives here, so without this it would hold its KV until its
+        verification. Same rid matching as SGLang's."""
+        hit = [req for req in self.parked
+               if recv_req.abort_all or req.rid.startswith(recv_req.rid)]
+        for req in hit:
+            self.parked.remove(req)
+            # Stop the transfer before the slots are freed (a barrier, see cancel_residual).
+            self.kv_mgr.cancel_residual(req.lynx_spec.room)
+            st = self._detach(req)
+            logger.info("lynx spec: parked request %s (room %s) aborted (abort_request)",
+                        req.rid, st.room)
+            self._finish_aborted(scheduler, req, st, "Aborted by AbortReq.", None)
+
+    def _finish_aborted(self, scheduler, req, st: SpecState, message: str, status_code) -> None:
         from sglang.srt.disaggregation.utils import prepare_abort
         from sglang.srt.mem_cache.common import release_kv_cache
 
-        st = self._detach(req)
         metrics.record_verification(0, 0, "aborted")
-        message = f"Lynx: the Residual KV of this request did not arrive: {reason}"
-        logger.error("lynx spec: request %s (room %s) aborted: %s", req.rid, st.room, reason)
         # Roll back to the verified prefix first: a partial answer must not contain a token
         # the exact KV never confirmed.
         del req.output_ids[st.verified_len:]
-        prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+        prepare_abort(req, message, status_code=status_code)
         release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
         scheduler.output_streamer.stream_output([req], req.return_logprob)
 
@@ -465,6 +484,13 @@ def is_fully_idle_around(original, scheduler, *args, **kwargs):
     if ctl is not None and ctl.parked and not kwargs.get("for_health_check", False):
         return False
     return original(scheduler, *args, **kwargs)
+
+
+def abort_request_after(result, scheduler, recv_req):
+    ctl = controller()
+    if ctl is not None and ctl.parked:
+        ctl.abort_parked(scheduler, recv_req)
+    return result
 
 
 def commit_transfer_after(result, queue, decode_req):

@@ -36,15 +36,6 @@ def lynx_cluster(sglang_model, start_cluster, pd_link):
     ))
 
 
-def _decode_used_tokens(cluster) -> int:
-    import json
-    import urllib.request
-
-    with urllib.request.urlopen(cluster.decode_url + "/v1/loads", timeout=10) as r:
-        loads = json.loads(r.read())["loads"]
-    return sum(entry["num_used_tokens"] for entry in loads)
-
-
 def test_lynx_exact_matches_single_server(lynx_cluster, reference_outputs, prompts,
                                           max_new_tokens):
     for prompt in prompts:
@@ -58,7 +49,7 @@ def test_lynx_exact_matches_single_server(lynx_cluster, reference_outputs, promp
 
 def test_prefill_killed_between_anchor_and_residual(lynx_cluster, reference_outputs, prompts,
                                                     max_new_tokens):
-    before = _decode_used_tokens(lynx_cluster)
+    before = lynx_cluster.decode_used_tokens()
     prefill_log = lynx_cluster.log_path("prefill")
     marks = prefill_log.read_text(errors="replace").count("Anchor finished; holding")
     result: dict = {}
@@ -85,7 +76,7 @@ def test_prefill_killed_between_anchor_and_residual(lynx_cluster, reference_outp
     assert result["elapsed"] < TRANSFER_TIMEOUT_S + 30
     # The decode frees the request's KV slots.
     deadline = time.monotonic() + 30
-    while _decode_used_tokens(lynx_cluster) != before:
+    while lynx_cluster.decode_used_tokens() != before:
         assert time.monotonic() < deadline, "decode KV usage did not return to its level"
         time.sleep(0.5)
     assert lynx_cluster.proc("decode").poll() is None, "the decode server died"

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from lynx_sglang.client import generate, generate_stream
+from lynx_sglang.client import GenerateError, generate, generate_stream
 from lynx_sglang.cluster import ClusterMode, ClusterSpec
 from lynx_sglang.config import FAULT_RESIDUAL_DELAY_ENV
 
@@ -96,6 +96,52 @@ def test_top_p_request_waits_for_the_residual(spec_cluster, prompts, max_new_tok
     (rec,) = _spec_lines(spec_cluster)[before:]
     assert rec["no_spec_reason"] == "sampled with top-k/top-p/min-p", rec
     assert rec["speculated"] == 0, rec
+
+
+def test_abort_of_a_parked_request_frees_its_kv(spec_cluster, prompts):
+    """SGLang's abort_request searches only its own queues; a parked request is Lynx's. A top-p
+    request parks at once and waits RESIDUAL_DELAY_S for its Residual; aborting it then must end
+    its stream with an abort, cancel its transfer and give its KV slots back."""
+    import threading
+    import time
+    import urllib.request
+
+    rid = f"lynx-abort-{time.monotonic_ns()}"
+    before = spec_cluster.decode_used_tokens()
+    decode_log = spec_cluster.log_path("decode")
+    result: dict = {}
+
+    def client():
+        try:
+            result["gen"] = generate_stream(
+                spec_cluster.url, text=prompts[-1], max_new_tokens=16, rid=rid, timeout_s=60,
+                sampling={"temperature": 0.8, "top_p": 0.9, "sampling_seed": 3,
+                          "ignore_eos": True})
+        except GenerateError as exc:
+            result["error"] = exc
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 120
+    while f"lynx spec: {rid} parked" not in decode_log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the request never parked"
+        assert t.is_alive(), f"the request ended before it parked: {result}"
+        time.sleep(0.05)
+    abort = urllib.request.Request(spec_cluster.decode_url + "/abort_request",
+                                   data=json.dumps({"rid": rid}).encode(),
+                                   headers={"content-type": "application/json"})
+    urllib.request.urlopen(abort, timeout=10).close()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the client hung after the abort"
+    assert "error" in result, f"expected an abort, got {result.get('gen')}"
+    log = decode_log.read_text(errors="replace")
+    assert f"parked request {rid}" in log and "aborted (abort_request)" in log
+    deadline = time.monotonic() + 30
+    while spec_cluster.decode_used_tokens() != before:
+        assert time.monotonic() < deadline, "decode KV usage did not return to its level"
+        time.sleep(0.2)
+    # The decode keeps serving.
+    assert generate(spec_cluster.url, text=prompts[0], max_new_tokens=4).output_ids
 
 
 def test_decode_metrics_count_speculation(spec_cluster):
