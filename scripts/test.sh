@@ -18,7 +18,13 @@ stage "pytest (host)"
 
 stage "soft-RoCE guest (verbs backend)"
 # QEMU guest with rdma_rxe (scripts/rdma_vm.sh); runs the `rdma_vm` tests against a real RDMA device:
-# the transport's verbs backend, and Lynx's prefill/decode KV managers over verbs (SGLang's own
-# KVArgs and KV pool, no servers: SGLang servers take far too long to start in the emulated guest).
-scripts/rdma_vm.sh --timeout 1500 --mem 4096 -- "$PY" -m pytest -m rdma_vm tests/transport \
-  tests/sglang/test_conn_loopback.py -v
+# the transport's verbs backend, Lynx's prefill/decode KV managers over verbs (SGLang's own KVArgs
+# and KV pool), and one request through real SGLang servers (a single server, then prefill +
+# decode + router with --lynx-transport verbs: under CPU emulation each server takes minutes to
+# start, so this stage takes about half an hour). The guest's HOME is a tmpfs: it reads the
+# embedded model the host converted (read-only, through the guest's 9p view of the host).
+MODEL_CACHE=$("$PY" -c 'from lynx_sglang.model import cache_dir, embedded_model_dir
+embedded_model_dir(); print(cache_dir())')
+scripts/rdma_vm.sh --timeout 3600 --mem 10240 -- env LYNX_SGLANG_CACHE="$MODEL_CACHE" \
+  "$PY" -m pytest -m rdma_vm tests/transport tests/sglang/test_conn_loopback.py \
+  tests/sglang/test_pd_lynx_verbs.py -v
