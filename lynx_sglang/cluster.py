@@ -241,7 +241,10 @@ class Cluster:
                         f"{proc.name} exited with code {code} during start-up; "
                         f"log {proc.log_path}:\n{log_tail(proc.log_path)}"
                     )
-                if _http_ok(proc.health_url):
+                # A slow server (SGLang's /health runs a one-token generation: seconds under
+                # emulation) must be waited for, not probed again: each abandoned probe queues
+                # one more generation and the server never catches up.
+                if _http_ok(proc.health_url, max(1.0, min(30.0, deadline - time.monotonic()))):
                     logger.info("%s healthy", proc.name)
                     pending.remove(proc)
             if pending and time.monotonic() > deadline:
@@ -308,9 +311,9 @@ class Cluster:
             self._link = None
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False

@@ -299,7 +299,11 @@ def test_weighted_policy_residual_progresses_under_anchor_backlog():
     weighted, _ = _residual_landed_at_anchor_done("weighted", 0.3)
     print(f"Residual landed when the Anchor completed: strict {strict} B, weighted(0.3) "
           f"{weighted} B of {n_r} B")
-    assert weighted >= 128 * KiB and weighted > 2 * strict, (strict, weighted)
+    # The configured share is 0.3 of the bytes while both are backlogged: ~439 KiB of Residual
+    # by the time the 1 MiB Anchor is done; ask for 60% of it. How much Residual strict mode
+    # lets through depends on timing (it fills the wire whenever the Anchor queue is momentarily
+    # empty: 264 KiB once in a loaded guest), so it is only required to be less.
+    assert weighted >= 256 * KiB and weighted > strict, (strict, weighted)
 
 
 @pytest.mark.timeout(120)
