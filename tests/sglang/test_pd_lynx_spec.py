@@ -90,8 +90,10 @@ def test_stream_carries_only_verified_tokens(spec_cluster, reference_outputs, pr
 
 def test_top_p_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
     before = len(_spec_lines(spec_cluster))
+    # ignore_eos: a sampled " Paris." + EOS once ended this request after 3 tokens.
     got = generate(spec_cluster.url, text=prompts[0], max_new_tokens=max_new_tokens,
-                   sampling={"temperature": 0.8, "top_p": 0.9, "sampling_seed": 7})
+                   sampling={"temperature": 0.8, "top_p": 0.9, "sampling_seed": 7,
+                             "ignore_eos": True})
     assert len(got.output_ids) == max_new_tokens
     (rec,) = _spec_lines(spec_cluster)[before:]
     assert rec["no_spec_reason"] == "sampled with top-k/top-p/min-p", rec
