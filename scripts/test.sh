@@ -21,7 +21,7 @@ stage "soft-RoCE guest (verbs backend)"
 # the transport's verbs backend, Lynx's prefill/decode KV managers over verbs (SGLang's own KVArgs
 # and KV pool), and one request through real SGLang servers (a single server, then prefill +
 # decode + router with --lynx-transport verbs: under CPU emulation each server takes minutes to
-# start, so this stage takes about half an hour). The guest's HOME is a tmpfs: it reads the
+# start: this stage took 18 min on an idle box, ~30 min under load). The guest's HOME is a tmpfs: it reads the
 # embedded model the host converted (read-only, through the guest's 9p view of the host).
 MODEL_CACHE=$("$PY" -c 'from lynx_sglang.model import cache_dir, embedded_model_dir
 embedded_model_dir(); print(cache_dir())')
