@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import bench_ttft
 from .bench_ttft import VARIANTS, WARMUP_ATTEMPTS, Variant
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
@@ -105,12 +106,10 @@ def default_link() -> str | None:
 
 
 def select_variants(names: str) -> list[Variant]:
-    by_name = {v.name: v for v in VARIANTS}
-    chosen = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in chosen if n not in by_name]
-    if unknown or not chosen:
-        raise DemoError(f"--variants: unknown {unknown}; choose from {list(by_name)}")
-    return [by_name[n] for n in chosen]
+    try:
+        return bench_ttft.select_variants(names)
+    except bench_ttft.BenchError as exc:
+        raise DemoError(str(exc)) from exc
 
 
 def build_prompt(tokenizer, prompt_tokens: int) -> list[int]:
