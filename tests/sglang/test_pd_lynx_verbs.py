@@ -40,6 +40,7 @@ def test_verbs_pd_matches_single_server(guest_model, start_cluster):
                                        startup_timeout_s=STARTUP_TIMEOUT_S))
     want = generate(single.url, text=PROMPT, max_new_tokens=NEW_TOKENS, timeout_s=600).output_ids
     single.stop()  # the guest has room for one cluster at a time
+    assert len(want) == NEW_TOKENS
 
     pd = start_cluster(ClusterSpec(
         guest_model, ClusterMode.PD, "lynx", startup_timeout_s=STARTUP_TIMEOUT_S,
@@ -48,7 +49,6 @@ def test_verbs_pd_matches_single_server(guest_model, start_cluster):
                      "--lynx-connect-timeout-s", "600"),
     ))
     got = generate(pd.url, text=PROMPT, max_new_tokens=NEW_TOKENS, timeout_s=900).output_ids
-    assert len(want) == NEW_TOKENS
     assert got == want
     decode_log = pd.log_path("decode").read_text(errors="replace")
     assert "transport session from prefill rank" in decode_log
