@@ -170,6 +170,9 @@ class LynxKVManager(MooncakeKVManager):
         self._spec_rooms: dict[int, _RxRoom] = {}
         self._rx_lock = threading.RLock()
         self._rx_wake = threading.Event()
+        # Decode: failure reasons this side found itself, by room, until the receiver has read
+        # them (`record_failure`).
+        self._own_failures: dict[int, str] = {}
         # Fault injection for tests only: hold the Residual back after the Anchor is finished.
         self._fault_residual_delay_s = float(os.environ.get(FAULT_RESIDUAL_DELAY_ENV, "0") or 0)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -573,8 +576,27 @@ class LynxKVManager(MooncakeKVManager):
             # the running request when it reads this outcome.
             rx.failure = reason
             return
-        self.record_failure(rx.room, reason)
+        self.record_own_failure(rx.room, reason)
         MooncakeKVManager.update_status(self, rx.room, KVPoll.Failed)
+
+    def record_own_failure(self, room: int, reason: str) -> None:
+        """Record why this side failed a room; see `record_failure`."""
+        with self.failure_lock:
+            self._own_failures[room] = reason
+            self.failure_records[room] = reason
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str):
+        """SGLang's entry for reasons from elsewhere (the prefill's status message, the
+        heartbeat). Once the decode has failed a room itself, the prefill usually fails it too
+        *because* the decode withdrew it ("no (live) announcement from the peer"); that later
+        message must not replace the cause the decode found."""
+        with self.failure_lock:
+            own = self._own_failures.get(bootstrap_room)
+            self.failure_records[bootstrap_room] = own or failure_reason
+
+    def forget_own_failure(self, room: int) -> None:
+        with self.failure_lock:
+            self._own_failures.pop(room, None)
 
     def drop_rx_room(self, room: int, *, keep_speculative: bool = False) -> None:
         """The receiver is done with the room: free what it still holds. With `keep_speculative`
@@ -651,7 +673,7 @@ class LynxKVReceiver(CommonKVReceiver):
                        f"({self.kv_mgr.attn_tp_size})")
 
     def _fail(self, reason: str) -> None:
-        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.record_own_failure(self.bootstrap_room, reason)
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
         self.conclude_state = KVPoll.Failed
 
@@ -679,6 +701,15 @@ class LynxKVReceiver(CommonKVReceiver):
     def abort(self):
         super().abort()
         self.kv_mgr.drop_rx_room(self.bootstrap_room)
+        self.kv_mgr.forget_own_failure(self.bootstrap_room)
+
+    def failure_exception(self):
+        # SGLang pops the room's failure record in there; the own reason stays authoritative
+        # until then (a prefill status arriving meanwhile must not replace it).
+        try:
+            super().failure_exception()
+        finally:
+            self.kv_mgr.forget_own_failure(self.bootstrap_room)
 
 
 class LynxKVBootstrapServer(CommonKVBootstrapServer):

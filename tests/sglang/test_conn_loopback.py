@@ -411,19 +411,23 @@ def test_codec_mismatch_fails_both_sides(sgl, make_pd, field, prefill_value, dec
     pd = make_pd(_cfg(**{field: prefill_value}), _cfg(**{field: decode_value}))
     req = _start_request(sgl, pd, room=3003, seed=3)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
-    decode_msg = _failure_message(sgl, req.receiver)
-    # failure_exception() cleared the receiver: nothing of the room is left in decode staging.
-    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
     if detected_by == "prefill":
+        _failure_message(sgl, req.receiver)  # what it says: test_decode_is_told_why_...
         assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
         assert "differ between prefill and decode" in _failure_message(sgl, req.sender)
-        # What the decode is told: test_decode_is_told_why_the_prefill_failed.
     else:
-        assert "codec settings" in decode_msg and "differ" in decode_msg, decode_msg
         # Only the decode can see that the bytes do not fit. It fails the room as soon as the
         # Anchor is parsed, so the prefill either finished its Residual first (Success) or found
         # the room withdrawn while writing it (Failed): both end, neither hangs.
         assert _poll_until_done(sgl, req.sender) in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
+        # The prefill's failure (a consequence: the decode withdrew the room) reaches the decode
+        # through SGLang's record_failure, at any time before the receiver reads its reason; this
+        # forces the late order, which once made the decode report the consequence.
+        pd.decode.mgr.record_failure(req.room, "lynx prefill send failed: no (live) announcement")
+        decode_msg = _failure_message(sgl, req.receiver)
+        assert "codec settings" in decode_msg and "differ" in decode_msg, decode_msg
+    # failure_exception() cleared the receiver: nothing of the room is left in decode staging.
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
     assert not _holds(pd, req, "full")
 
 
