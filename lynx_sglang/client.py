@@ -26,14 +26,16 @@ class Generation:
 
 def generate(url: str, *, text: str | None = None, input_ids: list[int] | None = None,
              max_new_tokens: int = 16, timeout_s: float = 300.0,
-             sampling: dict | None = None) -> Generation:
+             sampling: dict | None = None, rid: str | None = None) -> Generation:
     """Greedy (temperature 0) unless `sampling` overrides it; raises GenerateError on HTTP errors
-    or an error reported by the server."""
+    or an error reported by the server. `rid` names the request (its spec stream topic)."""
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text / input_ids")
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     params.update(sampling or {})
     body = {"sampling_params": params}
+    if rid is not None:
+        body["rid"] = rid
     if text is not None:
         body["text"] = text
     else:

@@ -270,6 +270,12 @@ class Cluster:
             loads = json.loads(r.read())["loads"]
         return sum(entry["num_used_tokens"] for entry in loads)
 
+    def decode_tcp_address(self, port: int) -> str:
+        """tcp://host:port of a port the decode server listens on (e.g. its
+        --lynx-spec-stream-port), as reachable from this process."""
+        host = next(p.host_ip for p in self._procs if p.name == "decode")
+        return "tcp://" + self._reachable(host, port).removeprefix("http://")
+
     def kill(self, name: str) -> None:
         """SIGKILL one process tree (fault tests)."""
         popen = self.proc(name)

@@ -60,6 +60,8 @@ class LynxConfig:
     residual: bool = True
     spec_max_tokens: int = 32
     spec_deadline_s: float = 30.0
+    # Decode: publish speculative tokens and rollbacks on this port (0: off; spec_stream).
+    spec_stream_port: int = 0
 
     def __post_init__(self) -> None:
         if not 2 <= self.anchor_bits <= 6:
@@ -95,6 +97,12 @@ class LynxConfig:
         if self.speculate and not self.residual:
             raise LynxConfigError("--no-lynx-residual serves the Anchor as the final KV: there is "
                                   "nothing to verify, pass --no-lynx-speculate too")
+        if not 0 <= self.spec_stream_port <= 65535:
+            raise LynxConfigError(
+                f"--lynx-spec-stream-port must be in 0..65535, got {self.spec_stream_port}")
+        if self.spec_stream_port and not self.speculate:
+            raise LynxConfigError("--lynx-spec-stream-port streams speculative tokens: it needs "
+                                  "--lynx-speculate")
         if self.spec_max_tokens < 0:
             raise LynxConfigError(
                 f"--lynx-spec-max-tokens must be >= 0, got {self.spec_max_tokens}"
@@ -179,10 +187,11 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lynx-speculate", action=argparse.BooleanOptionalAction, default=d.speculate,
                    help="decode: start generating as soon as a request's Anchor has landed, then "
                         "verify the speculative tokens with one forward once the Residual is in "
-                        "and roll back what the exact KV disagrees with; the client only ever "
-                        "receives verified tokens (greedy and plain-temperature requests speculate; "
+                        "and roll back what the exact KV disagrees with; SGLang's own output only "
+                        "ever carries verified tokens (see --lynx-spec-stream-port); greedy and "
+                        "plain-temperature requests speculate; "
                         "top-k/top-p/min-p, logprob, grammar, penalty and hidden-state requests "
-                        "wait for the Residual instead). "
+                        "wait for the Residual instead. "
                         f"Default {'on' if d.speculate else 'off'}")
     g.add_argument("--lynx-residual", action=argparse.BooleanOptionalAction, default=d.residual,
                    help="send the Residual stream; --no-lynx-residual sends only the Anchor and "
@@ -194,3 +203,10 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lynx-spec-deadline-s", type=float, default=d.spec_deadline_s,
                    help="stop speculating on a request whose Residual has not landed this long "
                         f"after its Anchor, and wait for it (default {d.spec_deadline_s:g} s)")
+    g.add_argument("--lynx-spec-stream-port", type=int, default=d.spec_stream_port,
+                   help="decode, opt-in: also publish every speculative token, and the outcome of "
+                        "every verification (tokens accepted, rolled back, corrected), on a ZMQ "
+                        "PUB socket at --host:PORT (plus the DP rank), one topic per request id, "
+                        "for clients that want provisional tokens early (lynx_sglang.spec_stream "
+                        "has the event format and a client). SGLang's own stream still carries "
+                        "verified tokens only. Default 0: off")

@@ -45,6 +45,7 @@ import torch
 from . import metrics
 from .acceptance import Acceptance, accept_greedy, accept_sampled
 from .residual_state import ResidualState
+from .spec_stream import SpecStreamPublisher
 
 if TYPE_CHECKING:
     from .conn import LynxKVManager
@@ -60,6 +61,8 @@ class SpecState:
     t_committed: float = field(default_factory=time.monotonic)
     # Tokens of output_ids known exact: the first token comes from the prefill's exact forward.
     verified_len: int = 1
+    # Tokens of output_ids already on the spec stream (--lynx-spec-stream-port).
+    published_len: int = 1
     # Why this request does not speculate at all (None: it does).
     no_spec_reason: str | None = None
     finish_pending: bool = False
@@ -129,6 +132,7 @@ class SpecController:
         self.deadline_s = kv_mgr.lynx.spec_deadline_s
         self.parked: list = []
         self.counters = SpecCounters()
+        self.publisher = spec_stream_publisher(kv_mgr)
 
     # ---- hook entry points ------------------------------------------------------------------
     def on_commit(self, req) -> None:
@@ -165,6 +169,9 @@ class SpecController:
         candidates = [req for _, req in active] + self.parked
         if not candidates:
             return
+        if self.publisher is not None:
+            for req in candidates:
+                self._publish_speculative(req, req.lynx_spec)
         outcomes = [self._outcome(req.lynx_spec) for req in candidates]
         park = [self._park_reason(req, req.lynx_spec, now) for _, req in active]
         failed, applied, parked = self._agree(
@@ -225,6 +232,11 @@ class SpecController:
             return f"Residual later than --lynx-spec-deadline-s {self.deadline_s:g} s"
         return None
 
+    def _publish_speculative(self, req, st: SpecState) -> None:
+        if len(req.output_ids) > st.published_len:
+            self.publisher.speculative(req.rid, list(req.output_ids), st.published_len)
+            st.published_len = len(req.output_ids)
+
     def _park(self, req, reason: str) -> None:
         st = req.lynx_spec
         st.parked_reason = reason
@@ -271,6 +283,8 @@ class SpecController:
         # Roll back to the verified prefix first: a partial answer must not contain a token
         # the exact KV never confirmed.
         del req.output_ids[st.verified_len:]
+        if self.publisher is not None:
+            self.publisher.aborted(req.rid, list(req.output_ids), message)
         prepare_abort(req, message, status_code=status_code)
         release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
         scheduler.output_streamer.stream_output([req], req.return_logprob)
@@ -303,6 +317,10 @@ class SpecController:
                          len(to_check))
             if len(req.output_ids) > st.verified_len:
                 req.update_finish_state(len(req.output_ids) - st.verified_len)
+            if self.publisher is not None:
+                self.publisher.verified(req.rid, list(req.output_ids), st.verified_len,
+                                        result.speculated, result.accepted,
+                                        result.corrected_token is not None, req.finished())
             if req.finished():
                 release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
                 req.time_stats.set_completion_time()
@@ -447,6 +465,17 @@ def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:
         scheduler.tree_cache.free_kv_row(req.kv, [(keep, held)])
         req.kv.kv_allocated_len = keep
     req.kv.kv_committed_len = keep
+
+
+def spec_stream_publisher(kv_mgr: LynxKVManager) -> SpecStreamPublisher | None:
+    """The spec stream of this decode scheduler, if --lynx-spec-stream-port asks for one. TP
+    ranks run the same batches, so only attention-TP rank 0 publishes; data-parallel ranks each
+    publish on the port plus their DP rank."""
+    port = kv_mgr.lynx.spec_stream_port
+    if not port or getattr(kv_mgr, "attn_tp_rank", 0) != 0:
+        return None
+    return SpecStreamPublisher(kv_mgr.bootstrap_host,
+                               port + (getattr(kv_mgr, "system_dp_rank", 0) or 0))
 
 
 # ---- hook functions (registered by lynx_sglang.plugin in decode scheduler processes) ----------

@@ -18,13 +18,17 @@ import json
 import pytest
 
 from lynx_sglang.client import GenerateError, generate, generate_stream
-from lynx_sglang.cluster import ClusterMode, ClusterSpec
+from lynx_sglang.cluster import ClusterMode, ClusterSpec, free_port
 from lynx_sglang.config import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.pd_measure import transfer_lines
+from lynx_sglang.spec_stream import SpecStreamClient
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 RESIDUAL_DELAY_S = 3.0
 SPEC_MAX_TOKENS = 10
+# The decode's opt-in spec stream (only the decode publishes; the prefill ignores the flag).
+SPEC_STREAM_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,8 @@ def spec_cluster(sglang_model, start_cluster, pd_link):
         server_args=("--lynx-target", "exact", "--lynx-speculate",
                      "--lynx-anchor-bits", "2", "--no-lynx-rotate",
                      "--lynx-sink-tokens", "0", "--lynx-recent-tokens", "0",
-                     "--lynx-spec-max-tokens", str(SPEC_MAX_TOKENS), "--enable-metrics"),
+                     "--lynx-spec-max-tokens", str(SPEC_MAX_TOKENS), "--enable-metrics",
+                     "--lynx-spec-stream-port", str(SPEC_STREAM_PORT)),
         extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
     ))
 
@@ -43,6 +48,13 @@ def _spec_lines(cluster) -> list[dict]:
     log = cluster.log_path("decode").read_text(errors="replace")
     marker = "lynx spec "
     return [json.loads(line.split(marker, 1)[1]) for line in log.splitlines() if marker in line]
+
+
+def _transfer_line(cluster, room: int) -> dict:
+    """The decode's `lynx transfer {json}` line of a room (lynx_sglang.conn: wall-clock times)."""
+    (rec,) = [r for r in transfer_lines(cluster.log_path("decode").read_text(errors="replace"))
+              if r["room"] == room]
+    return rec
 
 
 def test_greedy_identical_with_rollbacks_and_one_verify_forward(spec_cluster, reference_outputs,
@@ -86,6 +98,46 @@ def test_stream_carries_only_verified_tokens(spec_cluster, reference_outputs, pr
     assert got.output_ids == reference_outputs[prompt]
     (rec,) = _spec_lines(spec_cluster)[before:]
     assert rec["speculated"] > 0, rec
+
+
+def test_spec_stream_reports_speculation_and_rollbacks(spec_cluster, reference_outputs, prompts,
+                                                      max_new_tokens):
+    """Opt-in stream (--lynx-spec-stream-port): provisional tokens reach the subscriber before
+    their verification, every rollback is reported with the tokens it took back, the verified
+    tokens are the exact ones, and SGLang's own answer is unchanged (verified tokens only)."""
+    import time
+
+    before = len(_spec_lines(spec_cluster))
+    rids = {prompt: f"lynx-stream-{i}-{time.monotonic_ns()}" for i, prompt in enumerate(prompts)}
+    with SpecStreamClient(spec_cluster.decode_tcp_address(SPEC_STREAM_PORT)) as sub:
+        for rid in rids.values():
+            sub.subscribe(rid)
+        answers = {prompt: generate(spec_cluster.url, text=prompt, max_new_tokens=max_new_tokens,
+                                    rid=rid) for prompt, rid in rids.items()}
+        sub.poll(timeout_s=30)
+    lines = {rec["rid"]: rec for rec in _spec_lines(spec_cluster)[before:]}
+    rolled_back = 0
+    for prompt, rid in rids.items():
+        got, view = answers[prompt], sub.views[rid]
+        assert got.output_ids == reference_outputs[prompt], prompt[:60]
+        events = [e for e in sub.events if e["rid"] == rid]
+        assert view.done and events[-1]["type"] == "verified", events
+        rec = lines[rid]
+        # What the stream reported is what the decode did.
+        assert events[-1]["speculated"] == rec["speculated"] > 0, (events[-1], rec)
+        assert events[-1]["rolled_back"] == rec["rolled_back"], (events[-1], rec)
+        speculative = [e for e in events if e["type"] == "speculative"]
+        assert sum(len(e["token_ids"]) for e in speculative) == rec["speculated"], events
+        # Provisional means early: the first speculative token went out before the Residual
+        # (held back RESIDUAL_DELAY_S by the prefill) had even landed.
+        assert speculative[0]["t"] < _transfer_line(spec_cluster, rec["room"])["residual_landed"]
+        assert view.tokens == got.output_ids[:view.verified_len]
+        for pos, taken in view.rollbacks:
+            assert taken and len(taken) == rec["rolled_back"]
+            # The first token taken back is where the exact KV disagreed: the correction differs.
+            assert rec["corrected"] and taken[0] != got.output_ids[pos]
+        rolled_back += rec["rolled_back"]
+    assert rolled_back > 0, lines  # the coarse Anchor makes this happen (see the first test)
 
 
 def test_top_p_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
