@@ -72,6 +72,9 @@ class SpecState:
     # order), captured before SGLang's sampler (`sample_before`).
     sampled: bool = False
     draft_logits: list = field(default_factory=list)
+    # SGLang's reasoning-token counters of the request at commit (`REASONING_STATE`): speculative
+    # tokens advance them, so verification recounts them over the verified tokens.
+    reasoning: tuple = ()
 
 
 @dataclass
@@ -95,6 +98,12 @@ class VerifyResult:
     speculated: int
     accepted: int
     corrected_token: int | None
+
+
+# Req attributes SGLang's reasoning-token accounting advances token by token (Req.
+# update_reasoning_tokens); reasoning_tokens also decides how much `--strip-thinking-cache` strips.
+REASONING_STATE = ("reasoning_tokens", "_is_reasoning_over", "_think_end_match_len",
+                   "_think_start_match_len")
 
 
 def is_greedy(req) -> bool:
@@ -143,7 +152,8 @@ class SpecController:
         reason = not_speculable_reason(req)
         if reason is None and self.max_tokens == 0:
             reason = "--lynx-spec-max-tokens 0"
-        st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req))
+        st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req),
+                       reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
         req.lynx_spec = st
         if st.sampled and reason is None:
             _sampled_by_pool_idx[req.kv.req_pool_idx] = st
@@ -313,6 +323,7 @@ class SpecController:
             if checked:
                 result = apply_acceptance(req, st, decide(req, st, by_req[id(req)]))
                 rollback(scheduler, req, st.verified_len, result)
+                recount_reasoning(scheduler, req, st)
             self._record(req, st, result, verify_s if checked else 0.0, passes if checked else 0,
                          len(to_check))
             if len(req.output_ids) > st.verified_len:
@@ -476,6 +487,16 @@ def spec_stream_publisher(kv_mgr: LynxKVManager) -> SpecStreamPublisher | None:
         return None
     return SpecStreamPublisher(kv_mgr.bootstrap_host,
                                port + (getattr(kv_mgr, "system_dp_rank", 0) or 0))
+
+
+def recount_reasoning(scheduler, req, st: SpecState) -> None:
+    """SGLang counted reasoning tokens over the speculative tokens as they were generated,
+    rejected ones included: restore the counters of commit time and count the verified tokens."""
+    for name, value in zip(REASONING_STATE, st.reasoning, strict=True):
+        setattr(req, name, value)
+    if len(req.output_ids) > st.verified_len:
+        scheduler.batch_result_processor._maybe_update_reasoning_tokens(
+            req, list(req.output_ids[st.verified_len:]))
 
 
 # ---- hook functions (registered by lynx_sglang.plugin in decode scheduler processes) ----------

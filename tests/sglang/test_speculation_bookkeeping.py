@@ -72,3 +72,52 @@ def test_rejecting_the_first_draft_keeps_only_the_prefill_token():
     assert req.output_ids == [1, 7]
     assert sched.tree_cache.freed == [[(11, 13)]]
     assert req.kv.kv_committed_len == 11
+
+
+THINK_END = 7
+
+
+@dataclass
+class _ReasoningReq:
+    output_ids: list[int]
+    reasoning_tokens: int = 0
+    _is_reasoning_over: bool = False
+    _think_end_match_len: int = 0
+    _think_start_match_len: int = 0
+    _think_end_matcher: object = None
+
+
+@dataclass
+class _Processor:
+    """SGLang's batch-result processor as far as reasoning accounting goes: every token up to and
+    including the think-end token counts (a one-token terminator, so no partial match state)."""
+
+    def _maybe_update_reasoning_tokens(self, req, token_ids):
+        for tok in token_ids if isinstance(token_ids, list) else [token_ids]:
+            if req._is_reasoning_over:
+                return
+            req.reasoning_tokens += 1
+            req._is_reasoning_over = tok == THINK_END
+
+
+def test_rolled_back_tokens_leave_the_reasoning_count():
+    from lynx_sglang.speculation import REASONING_STATE, recount_reasoning
+
+    proc = _Processor()
+    req = _ReasoningReq([1])
+    proc._maybe_update_reasoning_tokens(req, [1])  # the first token, counted at commit
+    st = SpecState(room=1, reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
+    for tok in (5, THINK_END, 8):  # speculative decode steps: reasoning ends at the 2nd
+        req.output_ids.append(tok)
+        proc._maybe_update_reasoning_tokens(req, tok)
+    assert (req.reasoning_tokens, req._is_reasoning_over) == (3, True)
+    # Verification rejects every speculative token and corrects the first to 6.
+    apply_acceptance(req, st, Acceptance(0, 6))
+    recount_reasoning(_SchedulerWithProcessor(proc), req, st)
+    assert req.output_ids == [1, 6]
+    assert (req.reasoning_tokens, req._is_reasoning_over) == (2, False)
+
+
+@dataclass
+class _SchedulerWithProcessor:
+    batch_result_processor: _Processor
