@@ -16,6 +16,7 @@ import math
 from collections import Counter
 
 import pytest
+from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 from sampling_case import SAMPLING_N, sample_many
 
 from lynx_sglang.cluster import ClusterMode, ClusterSpec
@@ -28,9 +29,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 def sampling_cluster(sglang_model, start_cluster, pd_link):
     return start_cluster(ClusterSpec(
         sglang_model, ClusterMode.PD, "lynx", link=pd_link,
-        server_args=("--lynx-target", "exact", "--lynx-speculate",
-                     "--lynx-anchor-bits", "2", "--no-lynx-rotate",
-                     "--lynx-sink-tokens", "0", "--lynx-recent-tokens", "0"),
+        server_args=COARSE_ANCHOR_SPEC_ARGS,
         extra_env={FAULT_RESIDUAL_DELAY_ENV: "0.5"},
     ))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 
 from lynx_sglang.client import GenerateError, generate, generate_stream
 from lynx_sglang.cluster import ClusterMode, ClusterSpec, free_port
@@ -35,9 +36,7 @@ SPEC_STREAM_PORT = free_port()
 def spec_cluster(sglang_model, start_cluster, pd_link):
     return start_cluster(ClusterSpec(
         sglang_model, ClusterMode.PD, "lynx", link=pd_link,
-        server_args=("--lynx-target", "exact", "--lynx-speculate",
-                     "--lynx-anchor-bits", "2", "--no-lynx-rotate",
-                     "--lynx-sink-tokens", "0", "--lynx-recent-tokens", "0",
+        server_args=(*COARSE_ANCHOR_SPEC_ARGS,
                      "--lynx-spec-max-tokens", str(SPEC_MAX_TOKENS), "--enable-metrics",
                      "--lynx-spec-stream-port", str(SPEC_STREAM_PORT)),
         extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
