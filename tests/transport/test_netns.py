@@ -71,6 +71,22 @@ def test_dscp_marking_seen_by_link_classifier(lab):
 
 
 @pytest.mark.timeout(180)
+def test_heartbeats_get_through_a_long_anchor_on_a_slow_link(lab):
+    """At 10 Mbit/s under a priority qdisc (the SGLang benchmarks' link) an 8 MiB ANCHOR holds
+    the top band for ~7 s. The sender's control messages (heartbeats every 0.5 s) must get
+    through meanwhile, or the receiver's 2 s peer timeout declares a live peer dead (it did,
+    before the control plane was marked low-delay: the SGLang benchmark at 10 Mbit/s failed its
+    first Lynx request that way)."""
+    lab.rate("10mbit", "prio")
+    try:
+        prog = [{"name": "slow", "anchor": 8 * MiB, "residual": MiB}]
+        rx, _ = lb.run_pair("lynx", {"program": prog, "verify": True, "peer_timeout_s": 2.0}, lab)
+    finally:
+        lab.rate("1gbit")
+    assert [r["verified"] for r in rx["results"]] == [True], rx
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
                     reason="mooncake-transfer-engine-non-cuda not installed")
 def test_side_by_side_with_mooncake_runs(lab):
