@@ -63,6 +63,9 @@ handed to the kernel is not recalled; tcp keeps that small with TCP_NOTSENT_LOWA
 RESIDUAL gets ``residual_share`` of the bytes while both are backlogged. The tcp backend uses one
 socket per stream, marks them with IP_TOS (ANCHOR DSCP EF 0xb8 + SO_PRIORITY 6, RESIDUAL DSCP
 CS1 0x20 + SO_PRIORITY 1); the verbs backend uses one RC QP per stream with service levels.
+The control plane (pyzmq: heartbeats, announcements, completion notices) is marked IP TOS 0x10
+(low delay, Linux priority 6, the ANCHOR's band), so a long ANCHOR on a slow link cannot starve
+the heartbeats into a false peer-death verdict.
 
 Safety and faults
 -----------------
