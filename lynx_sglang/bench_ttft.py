@@ -477,7 +477,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="variant the ratios divide by (default mooncake)")
     parser.add_argument("--link", default="1gbit", metavar="RATE|none",
                         help="rate of the shaped link between prefill and decode (two network "
-                             "namespaces; root), e.g. 1gbit, 200mbit; none = loopback")
+                             "namespaces; root), e.g. 1gbit, 10mbit; none = loopback")
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=3,
