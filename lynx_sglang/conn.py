@@ -62,7 +62,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 
 from lynx_kernels import WireStream
-from lynx_transport import Endpoint, Session, Status, Stream, TransportError
+from lynx_transport import Endpoint, FailureReason, Session, Status, Stream, TransportError
 from lynx_transport.types import MAX_REQUEST_ID
 
 from . import metrics
@@ -470,6 +470,7 @@ class LynxKVManager(MooncakeKVManager):
             # The prefill opens its session at its first transfer, after that request's prefill
             # forward: the whole transfer deadline applies, not the connect timeout.
             if time.monotonic() - rx.created > self.lynx.transfer_timeout_s:
+                self._forget_prefill_rank(rx.prefill)
                 self._fail_room(rx, f"no transport session from prefill rank {rx.prefill} "
                                     f"within {self.lynx.transfer_timeout_s:g} s")
             return
@@ -514,9 +515,27 @@ class LynxKVManager(MooncakeKVManager):
         st = rx.session.recv_state(rx.room, stream)
         if st.status is Status.FAILED:
             name = "Anchor" if stream is Stream.ANCHOR else "Residual"
+            if st.reason is FailureReason.PEER_DIED:
+                self._forget_prefill_rank(rx.prefill)
             self._fail_room(rx, f"{name} stream failed: {st.reason.value} {st.detail}")
             return None
         return st if st.ok else None
+
+    def _forget_prefill_rank(self, prefill: tuple[str, int]) -> None:
+        """The prefill rank died or never connected: drop SGLang's cached bootstrap info that
+        points at it, so the next request asks the bootstrap server again. SGLang drops it only
+        after its heartbeat misses the prefill twice (5 s apart by default); a prefill restarted
+        faster than that came back on a new rank port while every request still went to the
+        dead one (and failed after the prefill's 300 s bootstrap timeout)."""
+        with self.connection_lock:
+            stale = [key for key, infos in self.connection_pool.items()
+                     if any((i.get("rank_ip"), int(i.get("rank_port") or 0)) == prefill
+                            for i in infos)]
+            for key in stale:
+                del self.connection_pool[key]
+        if stale:
+            logger.info("lynx: prefill rank %s:%s is gone; dropped its cached bootstrap info",
+                        *prefill)
 
     def _conclude(self, rx: _RxRoom, residual_landed_at: float | None) -> None:
         """The room's KV is final in the pool: log it, give back the transfer resources, and

@@ -32,7 +32,11 @@ def lynx_cluster(sglang_model, start_cluster, pd_link):
         sglang_model, ClusterMode.PD, "lynx", link=pd_link,
         server_args=("--lynx-target", "exact",
                      "--lynx-transfer-timeout-s", str(TRANSFER_TIMEOUT_S)),
-        extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
+        # SGLang's decode forgets a dead prefill's bootstrap info after two missed heartbeats
+        # (5 s apart); a prefill restarted faster than that used to leave it stale. Never
+        # letting the heartbeat decide makes the restart below test Lynx's own handling.
+        extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S),
+                   "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"},
     ))
 
 
@@ -82,11 +86,9 @@ def test_prefill_killed_between_anchor_and_residual(lynx_cluster, reference_outp
     assert lynx_cluster.proc("decode").poll() is None, "the decode server died"
     # With a prefill back, the same decode serves the next request correctly.
     lynx_cluster.restart("prefill")
-    got = None
-    for _ in range(3):  # the decode may need a heartbeat round to drop the dead prefill
-        try:
-            got = generate(lynx_cluster.url, text=prompts[0], max_new_tokens=max_new_tokens)
-            break
-        except GenerateError:
-            time.sleep(5)
-    assert got is not None and got.output_ids == reference_outputs[prompts[0]]
+    # The decode dropped the dead rank's cached bootstrap info when its Residual failed
+    # (peer_died), so the first request reaches the new prefill (on a new rank port).
+    got = generate(lynx_cluster.url, text=prompts[0], max_new_tokens=max_new_tokens, timeout_s=120)
+    assert got.output_ids == reference_outputs[prompts[0]]
+    assert "dropped its cached bootstrap info" in lynx_cluster.log_path("decode").read_text(
+        errors="replace")
