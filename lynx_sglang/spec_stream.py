@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -69,33 +70,35 @@ class SpecStreamPublisher:
         logger.info("lynx spec-stream: publishing speculative tokens and rollbacks on %s",
                     self.address)
 
-    def speculative(self, rid: str, output_ids: list[int], start: int) -> None:
+    def speculative(self, rid: str, output_ids: Sequence[int], start: int) -> None:
         """output_ids[start:] are new provisional tokens (output_ids[:verified] are final)."""
-        self._send("speculative", rid, output_ids[:start],
-                   {"start": start, "token_ids": output_ids[start:]})
+        self._send("speculative", rid, output_ids, start,
+                   {"start": start, "token_ids": list(output_ids[start:])})
 
-    def verified(self, rid: str, output_ids: list[int], start: int, speculated: int,
+    def verified(self, rid: str, output_ids: Sequence[int], start: int, speculated: int,
                  accepted: int, corrected: bool, finished: bool) -> None:
         """Verification made output_ids[start:] final (output_ids is the request's now)."""
-        self._send("verified", rid, output_ids[:start], {
-            "start": start, "token_ids": output_ids[start:], "speculated": speculated,
+        self._send("verified", rid, output_ids, start, {
+            "start": start, "token_ids": list(output_ids[start:]), "speculated": speculated,
             "accepted": accepted, "rolled_back": speculated - accepted, "corrected": corrected,
             "finished": finished}, last=True)
 
-    def aborted(self, rid: str, output_ids: list[int], reason: str) -> None:
+    def aborted(self, rid: str, output_ids: Sequence[int], reason: str) -> None:
         """The request ended with output_ids (its verified prefix) and no more."""
-        self._send("aborted", rid, output_ids,
+        self._send("aborted", rid, output_ids, len(output_ids),
                    {"verified_len": len(output_ids), "reason": reason}, last=True)
 
-    def _send(self, kind: str, rid: str, prefix_ids: list[int], body: dict,
+    def _send(self, kind: str, rid: str, output_ids: Sequence[int], prefix_len: int, body: dict,
               last: bool = False) -> None:
+        """`output_ids` is the request's own sequence (SGLang keeps an `array`): only the slices
+        an event carries are converted, and nothing of it is kept."""
         first = rid not in self._seq
         seq = self._seq.pop(rid, 0) if last else self._seq.get(rid, 0)
         if not last:
             self._seq[rid] = seq + 1
         msg = {"type": kind, "rid": rid, "seq": seq, "t": round(time.time(), 6)} | body
         if first:
-            msg["prefix_ids"] = list(prefix_ids)
+            msg["prefix_ids"] = list(output_ids[:prefix_len])
         try:
             self._sock.send_multipart([rid.encode(), json.dumps(msg).encode()], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # PUB drops rather than blocks; anything else is logged

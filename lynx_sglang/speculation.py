@@ -244,7 +244,7 @@ class SpecController:
 
     def _publish_speculative(self, req, st: SpecState) -> None:
         if len(req.output_ids) > st.published_len:
-            self.publisher.speculative(req.rid, list(req.output_ids), st.published_len)
+            self.publisher.speculative(req.rid, req.output_ids, st.published_len)
             st.published_len = len(req.output_ids)
 
     def _park(self, req, reason: str) -> None:
@@ -294,7 +294,7 @@ class SpecController:
         # the exact KV never confirmed.
         del req.output_ids[st.verified_len:]
         if self.publisher is not None:
-            self.publisher.aborted(req.rid, list(req.output_ids), message)
+            self.publisher.aborted(req.rid, req.output_ids, message)
         prepare_abort(req, message, status_code=status_code)
         release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
         scheduler.output_streamer.stream_output([req], req.return_logprob)
@@ -329,7 +329,7 @@ class SpecController:
             if len(req.output_ids) > st.verified_len:
                 req.update_finish_state(len(req.output_ids) - st.verified_len)
             if self.publisher is not None:
-                self.publisher.verified(req.rid, list(req.output_ids), st.verified_len,
+                self.publisher.verified(req.rid, req.output_ids, st.verified_len,
                                         result.speculated, result.accepted,
                                         result.corrected_token is not None, req.finished())
             if req.finished():

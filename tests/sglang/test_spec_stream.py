@@ -4,6 +4,8 @@ test_pd_lynx_spec.py::test_spec_stream_reports_speculation_and_rollbacks."""
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from lynx_sglang.cluster import free_port
@@ -63,8 +65,9 @@ def test_view_shows_provisional_tokens_before_verification(pub):
 
 def test_abort_voids_the_provisional_tokens(pub):
     with _client(pub, "r3") as client:
-        pub.speculative("r3", [1, 2, 3], 1)
-        pub.aborted("r3", [1], "Lynx: the Residual KV of this request did not arrive: x")
+        # SGLang's Req.output_ids is an array.array, not a list.
+        pub.speculative("r3", array("q", [1, 2, 3]), 1)
+        pub.aborted("r3", array("q", [1]), "Lynx: the Residual KV of this request did not arrive: x")
         client.poll(timeout_s=5)
         view = client.views["r3"]
         assert view.done and view.tokens == [1] and "did not arrive" in view.abort_reason
