@@ -6,8 +6,8 @@ multiprocess collector. Metrics created here, in a scheduler process, therefore 
 `/metrics` page as SGLang's, with no endpoint of our own. Without `--enable-metrics` every record
 call is a no-op.
 
-Recorded by `lynx_sglang.conn` (decode: bytes and times of each request's two streams) and
-`lynx_sglang.speculation` (tokens speculated / accepted / rolled back, verification time, how
+Recorded by `lynx_sglang.backend.decode` (bytes and times of each request's two streams) and
+`lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back, verification time, how
 each speculating request ended).
 """
 

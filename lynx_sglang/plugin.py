@@ -14,8 +14,9 @@ lynx chosen: (launcher process, from the `from_cli_args` hook) check the SGLang 
              `get_kv_class` mapping.
 worker with the Lynx config in its environment: install the backend, and in a scheduler process
              (where SGLang's prefill/decode queue modules are already imported) hook the two
-             `_init_kv_manager` methods to hand the KV pool tensors to the Lynx KV manager;
-             with `LYNX_SGLANG_REFERENCE_KV=1` also the codec reference mode (reference_kv).
+             `_init_kv_manager` methods to hand the KV pool tensors to the Lynx KV manager (and,
+             on a speculative decode, bind a `SpecController` to the speculation hooks); with
+             `LYNX_SGLANG_REFERENCE_KV=1` also the codec reference mode (reference_kv).
 any scheduler with `LYNX_SGLANG_TIMELINE=1` (any backend): log when each prefill forward is done
              (timeline, for the demo).
 
@@ -29,6 +30,7 @@ import sys
 
 from . import cpu_compat, reference_kv, timeline
 from .config import LynxConfig, add_lynx_arguments
+from .names import BACKEND_SELECTED
 from .sglang_support import check_server_options, check_sglang_version
 
 logger = logging.getLogger(__name__)
@@ -46,34 +48,15 @@ GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-# Speculative decoding on the Anchor (lynx_sglang.speculation), decode scheduler processes.
-SPEC_PROCESS_DECODE_QUEUE = (
-    "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue")
-SPEC_COMMIT_TRANSFER = (
-    "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req")
-SPEC_PREBUILT_RESULT = ("sglang.srt.managers.scheduler_components.batch_result_processor."
-                        "SchedulerBatchResultProcessor.process_batch_result_prebuilt")
-SPEC_UPDATE_FINISH = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
-SPEC_STREAM_ACCEPT = ("sglang.srt.managers.scheduler_components.output_streamer."
-                      "_GenerationStreamAccumulator.accept")
-SPEC_RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
-SPEC_FULLY_IDLE = "sglang.srt.managers.scheduler.Scheduler.is_fully_idle"
-SPEC_SAMPLE = "sglang.srt.model_executor.model_runner.ModelRunner.sample"
-SPEC_ABORT = "sglang.srt.managers.scheduler.Scheduler.abort_request"
-SPEC_HOOKS = (
-    (SPEC_PROCESS_DECODE_QUEUE, "process_decode_queue_before", "BEFORE"),
-    (SPEC_COMMIT_TRANSFER, "commit_transfer_after", "AFTER"),
-    (SPEC_PREBUILT_RESULT, "process_batch_result_prebuilt_after", "AFTER"),
-    (SPEC_UPDATE_FINISH, "update_finish_state_around", "AROUND"),
-    (SPEC_STREAM_ACCEPT, "accept_around", "AROUND"),
-    (SPEC_RELEASE_KV, "release_kv_cache_before", "BEFORE"),
-    (SPEC_FULLY_IDLE, "is_fully_idle_around", "AROUND"),
-    (SPEC_SAMPLE, "sample_before", "BEFORE"),
-    (SPEC_ABORT, "abort_request_after", "AFTER"),
-)
-# Every HookRegistry target (patches/README.md documents each; a test resolves each one).
-HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
-                DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, *(t for t, _, _ in SPEC_HOOKS))
+
+
+def hook_targets() -> tuple[str, ...]:
+    """Every HookRegistry target (patches/README.md documents each; a test resolves each one)."""
+    from .speculation.hooks import HOOKS
+
+    return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
+            DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, *(t for t, _, _ in HOOKS))
+
 
 _backend_installed = False
 
@@ -108,14 +91,14 @@ def register() -> None:
 
 
 def _register_speculation_hooks() -> None:
-    """Scheduler process: the speculation hooks act only once a decode-mode Lynx manager exists
-    (`speculation.controller()`), so a prefill scheduler pays one attribute check per call."""
+    """Scheduler process: the speculation hooks act only once a controller is bound (decode, in
+    `_init_kv_manager_after`), so a prefill scheduler pays one attribute check per call."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import speculation
+    from .speculation.hooks import HOOKS
 
-    for target, name, kind in SPEC_HOOKS:
-        HookRegistry.register(target, getattr(speculation, name), HookType[kind])
+    for target, adapter, kind in HOOKS:
+        HookRegistry.register(target, adapter, HookType[kind])
 
 
 def _add_cli_args_after(result, parser):
@@ -130,15 +113,27 @@ def _from_cli_args_around(original, cls, args):
         check_server_options(args)
         config.export_to_env()
         install_backend()
-        logger.info("lynx transfer backend selected: %s", config)
+        logger.info("%s%s", BACKEND_SELECTED, config)
     return original(cls, args)
 
 
 def _init_kv_manager_after(kv_manager, queue):
-    from .conn import LynxKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    if isinstance(kv_manager, LynxKVManager):
-        kv_manager.attach_kv_pool(queue.token_to_kv_pool)
+    from .backend.manager import LynxKVManager
+
+    if not isinstance(kv_manager, LynxKVManager):
+        return kv_manager
+    kv_manager.attach_kv_pool(queue.token_to_kv_pool)
+    if kv_manager.disaggregation_mode == DisaggregationMode.DECODE and kv_manager.lynx.speculate:
+        from .speculation import hooks
+        from .speculation.controller import SpecController
+        from .speculation.stream import scheduler_publisher
+
+        publisher = scheduler_publisher(kv_manager.lynx.spec_stream_port, kv_manager.bootstrap_host,
+                                        getattr(kv_manager, "attn_tp_rank", 0),
+                                        getattr(kv_manager, "system_dp_rank", 0) or 0)
+        hooks.bind(SpecController(kv_manager.applier, kv_manager.lynx, publisher))
     return kv_manager
 
 
@@ -170,7 +165,12 @@ def _get_kv_class_around(original, transfer_backend, class_type):
         return original(transfer_backend, class_type)
     if class_type == KVClassType.KVARGS:
         return original(transfer_backend, class_type)
-    from .conn import LynxKVBootstrapServer, LynxKVManager, LynxKVReceiver, LynxKVSender
+    from .backend.manager import (
+        LynxKVBootstrapServer,
+        LynxKVManager,
+        LynxKVReceiver,
+        LynxKVSender,
+    )
 
     return {
         KVClassType.MANAGER: LynxKVManager,

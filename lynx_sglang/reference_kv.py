@@ -9,7 +9,7 @@ KV slots are replaced by their codec reconstruction. Greedy outputs of such a se
 Lynx PD cluster with the same codec settings must produce token for token.
 
 Enabled by the plugin in scheduler processes when `LYNX_SGLANG_REFERENCE_KV=1` and the codec
-settings are in `LYNX_SGLANG_CONFIG` (both set by the caller, e.g. a test's cluster environment);
+settings are in `names.CONFIG_ENV` (both set by the caller, e.g. a test's cluster environment);
 it applies only to requests that ask for it with the sampling parameter
 `custom_params: {"lynx_reference_kv": true}`, so one server gives full-precision and codec
 references side by side. Run the server with `--disable-radix-cache`, so no request reuses
@@ -22,10 +22,10 @@ import logging
 import os
 
 from .config import LynxConfig
+from .names import CONFIG_ENV, REFERENCE_ENV
 
 logger = logging.getLogger(__name__)
 
-REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
 REQUEST_FLAG = "lynx_reference_kv"
 
 
@@ -39,14 +39,14 @@ def quantize_prompt_kv_before(scheduler, batch, result):
 
     from lynx_kernels import decode, encode
 
-    from .kv_streams import KINDS, KVPoolView
+    from .backend.pool import KINDS, KVPoolView
 
     if not batch.forward_mode.is_extend():
         return None
     config = LynxConfig.from_env()
     if config is None:
-        raise RuntimeError(f"{REFERENCE_ENV}=1 needs the codec settings in LYNX_SGLANG_CONFIG")
-    spec = config.codec_spec()
+        raise RuntimeError(f"{REFERENCE_ENV}=1 needs the codec settings in {CONFIG_ENV}")
+    spec = config.codec
     pool = KVPoolView.from_sglang_pool(scheduler.token_to_kv_pool_allocator.get_kvcache())
     for req in batch.reqs:
         params = getattr(req.sampling_params, "custom_params", None) or {}

@@ -12,11 +12,9 @@ import argparse
 import importlib.metadata
 from dataclasses import dataclass
 
+from .errors import UnsupportedSGLangError
+
 SUPPORTED_SGLANG_VERSION = "0.5.23"
-
-
-class UnsupportedSGLangError(RuntimeError):
-    pass
 
 
 def installed_sglang_version() -> str:

@@ -27,13 +27,12 @@ import numpy as np
 import torch
 
 from lynx_kernels import CodecSpec, preset
-from lynx_kernels.wire import WireStream
-from lynx_sglang.kv_streams import (
-    KVPoolView,
+from lynx_sglang.backend.plan import StreamPlan
+from lynx_sglang.backend.pool import KVPoolView
+from lynx_sglang.backend.streams import (
     apply_residual,
     encode_layer_into,
     parse_anchor,
-    stream_nbytes,
     write_anchor,
     write_residual_into,
 )
@@ -61,31 +60,28 @@ def make_pool(layers: int, heads: int, head_dim: int, slots: int, seed: int) -> 
 
 
 def encode_request(pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec, chunk_tokens: int,
-                   buf: np.ndarray, sizes: dict[WireStream, int]) -> None:
-    """Every layer's chunks into `buf` (Anchor stream, then Residual stream), as _write_streams."""
-    layers = len(pool.k)
-    a_layer = sizes[WireStream.ANCHOR] // layers
-    r_layer = sizes[WireStream.RESIDUAL] // layers
-    r_base = sizes[WireStream.ANCHOR]
+                   buf: np.ndarray, plan: StreamPlan) -> None:
+    """Every layer's chunks into `buf` (Anchor stream, then Residual stream), as the prefill
+    sender writes them."""
+    a_layer, r_layer = plan.anchor_layer_bytes, plan.residual_layer_bytes
     encoded = [encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1,
-                                 buf[layer * a_layer: (layer + 1) * a_layer])[1]
-               for layer in range(layers)]
+                                 buf[plan.anchor_offset(layer): plan.anchor_offset(layer) + a_layer])[1]
+               for layer in range(plan.num_layers)]
     for layer, layer_encoding in enumerate(encoded):
-        write_residual_into(pool, layer_encoding, slots, chunk_tokens, 1,
-                            buf[r_base + layer * r_layer: r_base + (layer + 1) * r_layer])
+        at = plan.residual_staging_offset(layer)
+        write_residual_into(pool, layer_encoding, slots, chunk_tokens, 1, buf[at: at + r_layer])
 
 
 def decode_request(buf: np.ndarray, pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
-                   sizes: dict[WireStream, int], with_anchor: bool = True) -> None:
+                   plan: StreamPlan, with_anchor: bool = True) -> None:
     """Parse + write the Anchor, then apply the Residual; without `with_anchor`, the decode's
     path when both streams have landed before it looks (no Anchor-precision write)."""
     view = memoryview(buf)
-    a = sizes[WireStream.ANCHOR]
+    a = plan.anchor_bytes
     anchors = parse_anchor(view[:a], pool, len(slots), spec, request_tag=1)
     if with_anchor:
         write_anchor(anchors, pool, slots)
-    apply_residual(view[a: a + sizes[WireStream.RESIDUAL]], anchors, pool, slots, spec,
-                   request_tag=1)
+    apply_residual(view[a: plan.staging_bytes], anchors, pool, slots, spec, request_tag=1)
 
 
 def plain_copy(pool: KVPoolView, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -102,16 +98,16 @@ def bench(tokens: int, args, spec: CodecSpec) -> dict:
     g = torch.Generator().manual_seed(2)
     src_slots = torch.randperm(slots_total, generator=g)[:tokens]
     dst_slots = torch.randperm(slots_total, generator=g)[:tokens]
-    sizes = stream_nbytes(spec, src.shape, tokens, args.chunk_tokens)
-    buf = np.zeros(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL], dtype=np.uint8)
+    plan = StreamPlan.build(spec, src.shape, tokens, args.chunk_tokens)
+    buf = np.zeros(plan.staging_bytes, dtype=np.uint8)
     kv_bytes = 2 * shape.num_layers * tokens * shape.num_kv_heads * shape.head_dim * 4
     copy_out = torch.empty(shape.num_layers, 2, tokens, shape.num_kv_heads, shape.head_dim)
 
     t_copy = timed(lambda: plain_copy(src, src_slots, copy_out), args.repeats)
     t_prefill = timed(
-        lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, sizes), args.repeats)
-    t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, sizes), args.repeats)
-    t_residual_only = timed(lambda: decode_request(buf, dst, dst_slots, spec, sizes, False),
+        lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan), args.repeats)
+    t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan), args.repeats)
+    t_residual_only = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan, False),
                             args.repeats)
     for layer in range(shape.num_layers):  # the bytes it times must also be the right ones
         for a, b in ((dst.k, src.k), (dst.v, src.v)):
@@ -120,7 +116,7 @@ def bench(tokens: int, args, spec: CodecSpec) -> dict:
                 raise SystemExit(f"layer {layer}: decoded KV differs from the prefill's")
     link_s = kv_bytes * 8 / LINK_BPS
     row = {"tokens": tokens, "kv_bytes": kv_bytes,
-           "anchor_bytes": sizes[WireStream.ANCHOR], "residual_bytes": sizes[WireStream.RESIDUAL],
+           "anchor_bytes": plan.anchor_bytes, "residual_bytes": plan.residual_bytes,
            "copy_s": t_copy[0], "copy_cpu_s": t_copy[1], "link_1gbit_s": link_s}
     for name, (wall, cpu) in (("prefill", t_prefill), ("decode", t_decode),
                               ("decode_residual_only", t_residual_only)):

@@ -22,23 +22,24 @@ import sys
 import time
 from pathlib import Path
 
-from lynx_transport import linkbench as lb
+from lynx_sglang.tools import linkbench as lb
+from lynx_sglang.tools.netns import ShapedLink, netns_available
 
 MiB = 1 << 20
 
 
 def run(args) -> dict:
-    reason = lb.netns_available()
+    reason = netns_available()
     if reason:
         raise SystemExit(f"bench_link: cannot build shaped links: {reason}")
     rates = args.rates.split(",")
     out: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
                  "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "rates": {}}
     name = f"lxb{os.getpid() % 100000}"
-    with lb.NetLab(name) as lab:
+    with ShapedLink(name) as lab:
         for rate in rates:
             gbit = float(rate.lower().replace("gbit", ""))
-            lab.rate(rate)
+            lab.set_rate(rate)
             scale = max(1, int(gbit))
             bulk = (64 if args.quick else 256) * MiB * min(scale, 2)
             rep = 2 if args.quick else 3
@@ -84,12 +85,12 @@ def run(args) -> dict:
                     print(f"   chunk {chunk // 1024} KiB: together {pr['ratio_together']:.3f} "
                           f"midflight {pr['ratio_midflight']:.3f}", flush=True)
                 entry["chunk_sweep"] = sweep
-                lab.rate(rate, "prio")
+                lab.set_rate(rate, "prio")
                 pr = lb.measure_priority(lab, anchor, resid, 2, delay=0.15)
                 entry["priority_pfifo_fast"] = pr
                 print(f"   with pfifo_fast (TOS bands): together {pr['ratio_together']:.3f} "
                       f"midflight {pr['ratio_midflight']:.3f}", flush=True)
-                lab.rate(rate)
+                lab.set_rate(rate)
             out["rates"][rate] = entry
     out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out["loadavg_end"] = os.getloadavg()

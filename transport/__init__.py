@@ -79,8 +79,9 @@ both sides; other requests on the session are unaffected by per-request failures
 """
 
 from .backend import BACKENDS, Backend, FinOp, PriorityPolicy, Refused, WriteOp, load_backend
-from .endpoint import Endpoint, Session
+from .endpoint import Endpoint
 from .memory import Region
+from .session import Session
 from .types import (
     MAX_AUX_BYTES,
     STREAMS,

@@ -1,7 +1,8 @@
 """The contract between the backend-neutral `Endpoint` and a data-path backend (tcp, verbs).
 
-The `Endpoint` owns everything that is not moving bytes: the control plane (pyzmq: handshake,
-announcements, acks, heartbeats), the request/stream state machines, bounds bookkeeping, deadlines.
+The `Endpoint` (with its `ControlPlane` and `Session`s) owns everything that is not moving
+bytes: the control plane (pyzmq: handshake, announcements, acks, heartbeats), the request/stream
+state machines, bounds bookkeeping, deadlines.
 A `Backend` moves bytes: it registers regions, brings up a per-session data path, sends posted
 `WriteOp`s in priority order followed by each stream's `FinOp`, and (receiver side) lands incoming
 bytes only through `BackendHooks.open_incoming`, which enforces the announced bounds.

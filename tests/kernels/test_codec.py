@@ -209,8 +209,9 @@ def test_out_mismatch_is_refused():
 def test_protected_tokens_are_left_out_of_channel_groups():
     x = torch.randn(128, 1, 64)
     x[0] = 1000.0  # an attention-sink outlier
-    plain = encode(x, CodecSpec(), "k")
-    protected = encode(x, CodecSpec(sink_tokens=1), "k")
+    naive = {"sink_tokens": 0, "recent_tokens": 0, "rotate": False}
+    plain = encode(x, CodecSpec(**naive), "k")
+    protected = encode(x, CodecSpec(**(naive | {"sink_tokens": 1})), "k")
     keep = slice(1, None)
     err_plain = (decode(plain, "anchor")[keep] - x[keep]).abs().mean()
     err_protected = (decode(protected, "anchor")[keep] - x[keep]).abs().mean()

@@ -21,9 +21,9 @@ from sampling_case import (
     sample_many,
 )
 
-from lynx_sglang.client import generate
-from lynx_sglang.cluster import Cluster, ClusterMode, ClusterSpec
 from lynx_sglang.config import LynxConfig
+from lynx_sglang.tools.client import generate
+from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec
 
 # Short prompts keep CI time small; the long one spans several Lynx chunks (256 tokens each) and
 # a partial last group.
@@ -37,7 +37,7 @@ PROMPTS = (
 MAX_NEW_TOKENS = 16
 # Codec of the INT8 reference and of the int8 PD test (for target int8 the full reconstruction
 # depends on the grouping, not on the anchor bits).
-INT8_CODEC = LynxConfig(target="int8", anchor_bits=4, group_size=64)
+INT8_CODEC = LynxConfig.build(target="int8", anchor_bits=4, group_size=64)
 
 
 def _skip_reason() -> str | None:
@@ -54,7 +54,7 @@ def sglang_model() -> str:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from lynx_sglang.model import embedded_model_dir
+    from lynx_sglang.tools.model import embedded_model_dir
 
     return str(embedded_model_dir())
 
@@ -83,7 +83,7 @@ def pd_link() -> str | None:
     import os
     import shutil
 
-    from lynx_sglang.netns import NETLAB
+    from lynx_sglang.tools.netns import NETLAB
 
     if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") and NETLAB.is_file():
         return "1gbit"
@@ -131,14 +131,14 @@ def references(tmp_path_factory) -> References:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from lynx_sglang.config import CONFIG_ENV
-    from lynx_sglang.model import embedded_model_dir
-    from lynx_sglang.reference_kv import REFERENCE_ENV, REQUEST_FLAG
+    from lynx_sglang.names import CONFIG_ENV, REFERENCE_ENV
+    from lynx_sglang.reference_kv import REQUEST_FLAG
+    from lynx_sglang.tools.model import embedded_model_dir
 
     spec = ClusterSpec(
         str(embedded_model_dir()), ClusterMode.SINGLE, run_dir=tmp_path_factory.mktemp("single"),
         server_args=("--disable-radix-cache",),
-        extra_env={CONFIG_ENV: json.dumps(dataclasses.asdict(INT8_CODEC)), REFERENCE_ENV: "1"},
+        extra_env={CONFIG_ENV: json.dumps(INT8_CODEC.flat()), REFERENCE_ENV: "1"},
     )
     with Cluster(spec) as cluster:
         exact = {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS).output_ids

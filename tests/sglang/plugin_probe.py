@@ -22,7 +22,7 @@ from lynx_sglang import plugin  # noqa: E402
 
 load_plugins()
 missing = []
-for target in plugin.HOOK_TARGETS:
+for target in plugin.hook_targets():
     try:
         pkgutil.resolve_name(target)
     except (ImportError, AttributeError) as exc:

@@ -1,4 +1,4 @@
-"""The verification acceptance rules (lynx_sglang.acceptance): greedy exactness, and that
+"""The verification acceptance rules (lynx_sglang.speculation.acceptance): greedy exactness, and that
 speculative sampling emits tokens distributed as the exact model's p whatever the draft's q was
 (checked by a chi-square test that the naive "keep every draft" rule fails)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lynx_sglang.acceptance import Acceptance, accept_greedy, accept_sampled
+from lynx_sglang.speculation.acceptance import Acceptance, accept_greedy, accept_sampled
 
 
 def _logits_with_argmax(tokens: list[int], vocab: int = 8) -> torch.Tensor:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from lynx_sglang.bench_ttft import (
+from lynx_sglang.tools.bench_ttft import (
     BENCH_SERVING,
     LYNX_CLIENT,
     BenchConfig,
@@ -22,15 +22,20 @@ from lynx_sglang.bench_ttft import (
     medians,
     parse_bench_serving,
     plot,
-    random_ids_prompts,
     ratios,
     result_json,
-    select_variants,
     token_times_from_itl,
 )
-from lynx_sglang.client import StreamedGeneration
-from lynx_sglang.pd_measure import prefill_done_for, selected_config, transfer_line_for, transfer_lines
-from lynx_sglang.timeline import prefill_done_events
+from lynx_sglang.tools.client import StreamedGeneration
+from lynx_sglang.tools.measure import (
+    prefill_done_events,
+    prefill_done_for,
+    selected_config,
+    transfer_line_for,
+    transfer_lines,
+)
+from lynx_sglang.tools.prompts import random_ids_prompts
+from lynx_sglang.tools.variants import VariantError, select_variants
 
 MARKS = (2, 4)
 
@@ -169,14 +174,14 @@ def test_variants_by_name():
     assert [v.transfer_backend for v in select_variants("lynx-int8, mooncake")] == [
         "lynx", "mooncake_tcp"]
     assert select_variants("lynx-int8")[0].server_args == ("--lynx-target", "int8")
-    with pytest.raises(BenchError, match="unknown"):
+    with pytest.raises(VariantError, match="unknown"):
         select_variants("lynx,nope")
 
 
 def test_bench_serving_command_is_offline_and_sequential(tmp_path):
     cmd = bench_serving_command("http://r", tmp_path, 300, 4, 2, 7, tmp_path / "o.jsonl")
     flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
-    assert cmd[1:3] == ["-m", "lynx_sglang.bench_serving_offline"]
+    assert cmd[1:3] == ["-m", "lynx_sglang.tools.bench_serving_offline"]
     assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd
     assert flag("--random-range-ratio") == "1" and flag("--max-concurrency") == "1"
     assert flag("--tokenizer") == str(tmp_path) and flag("--warmup-requests") == "0"

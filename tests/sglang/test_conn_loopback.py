@@ -1,4 +1,4 @@
-"""The `lynx` transfer backend's conn classes (lynx_sglang.conn) with SGLang's own machinery, in one
+"""The `lynx` transfer backend's classes (lynx_sglang.backend) with SGLang's own machinery, in one
 process over loopback: real `KVArgs` filled the way SGLang's `PrefillBootstrapQueue._init_kv_manager`
 and `DecodePreallocQueue._init_kv_manager` fill them (SGLang's `get_kv_transfer_buf_infos`,
 `build_kv_layer_ids`, `setup_state_kv_args`, `MetadataBuffers.get_buf_infos`), real CPU KV pools
@@ -30,7 +30,6 @@ time, the Residual's outcome reported through `residual_outcome`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
@@ -43,7 +42,8 @@ import pytest
 import torch
 
 from lynx_kernels import decode, encode
-from lynx_sglang.config import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV, LynxConfig
+from lynx_sglang.config import LynxConfig
+from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV
 
 pytestmark = pytest.mark.sglang
 
@@ -222,7 +222,7 @@ def make_pd(sgl, monkeypatch):
         sides = []
         for mode, cfg, hold in ((sgl.DisaggregationMode.PREFILL, prefill, residual_hold_s),
                                 (sgl.DisaggregationMode.DECODE, decode or prefill, 0.0)):
-            monkeypatch.setenv(CONFIG_ENV, json.dumps(dataclasses.asdict(cfg)))
+            monkeypatch.setenv(CONFIG_ENV, json.dumps(cfg.flat()))
             monkeypatch.setenv(FAULT_RESIDUAL_DELAY_ENV, str(hold))
             side = _build_side(sgl, mode)
             started.append(lambda m=side.mgr: _stop(m))
@@ -240,7 +240,7 @@ def make_pd(sgl, monkeypatch):
 def _cfg(**kw) -> LynxConfig:
     # By default the non-speculative contract (`--no-lynx-speculate`): Success only with the
     # Residual in the pool, failures reported to SGLang as Failed.
-    return LynxConfig(**{"staging_mib": 4, "speculate": False, **TIMEOUTS, **TRANSPORT, **kw})
+    return LynxConfig.build(**{"staging_mib": 4, "speculate": False, **TIMEOUTS, **TRANSPORT, **kw})
 
 
 def _wait(what: str, cond: Callable[[], object], timeout: float = WAIT_S):
@@ -312,7 +312,7 @@ def _failure_message(sgl: _SGLang, party) -> str:
 
 def _expected(pd: PD, req: Request, stage: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(decode slots now, codec reconstruction `stage` of the prefill slots) per layer and kind."""
-    spec = pd.decode.mgr.spec
+    spec = pd.decode.mgr.lynx.codec
     out = []
     for kind, src, dst in (("k", pd.prefill.pool.k_buffer, pd.decode.pool.k_buffer),
                            ("v", pd.prefill.pool.v_buffer, pd.decode.pool.v_buffer)):
@@ -486,10 +486,10 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     """Speculative mode (the default): the room is Success for SGLang once the Anchor and the aux
     data are in the pool; the Residual goes on after SGLang has cleared the receiver, and its
     outcome is reported to the speculation controller (`residual_outcome`), not to SGLang."""
-    from lynx_sglang.conn import ResidualState
+    from lynx_sglang.backend.outcome import ResidualState
 
     pd = make_pd(_cfg(target="exact", speculate=True), residual_hold_s=RESIDUAL_HOLD_S)
-    decode = pd.decode.mgr
+    decode = pd.decode.mgr.applier
     req = _start_request(sgl, pd, room=6006, seed=7)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
     assert _holds(pd, req, "anchor")
@@ -508,7 +508,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
             for layer in range(LAYERS):
                 assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
                                    getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
-        decode.forget_room(req.room)
+        decode.forget(req.room)
         assert decode.residual_outcome(req.room) is None
     elif then == "prefill_dies":
         pd.prefill.mgr.endpoint.close()
@@ -520,7 +520,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
         assert _holds(pd, req, "anchor")
     else:
         # The request's KV slots are being freed: nothing may be written into them afterwards.
-        assert decode.cancel_residual(req.room)
+        assert decode.cancel(req.room)
         assert decode.residual_outcome(req.room) is None
         assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed  # its Residual is refused
         assert _holds(pd, req, "anchor")

@@ -9,21 +9,24 @@ import json
 
 import pytest
 
-from lynx_sglang.demo import (
+from lynx_sglang.tools.demo import (
+    DemoError,
     DemoResult,
-    KVShape,
     SpecOutcome,
-    build_prompt,
     format_table,
     network_ttft_ratios,
     plot_timeline,
     select_variants,
-    spec_lines,
     token_match,
     verified_wall,
 )
-from lynx_sglang.pd_measure import kv_dtype_server_args
-from lynx_sglang.timeline import prefill_done_events
+from lynx_sglang.tools.measure import (
+    kv_dtype_server_args,
+    model_kv_shape,
+    prefill_done_events,
+    spec_lines,
+)
+from lynx_sglang.tools.prompts import passkey_prompt
 
 
 def _result(variant: str, ids: list[int], **kw) -> DemoResult:
@@ -91,7 +94,6 @@ def test_token_match():
 
 def test_variants_by_name():
     assert [v.name for v in select_variants("mooncake, lynx")] == ["mooncake", "lynx"]
-    from lynx_sglang.demo import DemoError
 
     with pytest.raises(DemoError):
         select_variants("mooncake_tcp")
@@ -114,8 +116,8 @@ def test_kv_shape_bytes(tmp_path):
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
          "hidden_size": 576}))
     per_value = 1500 * 30 * 2 * 3 * 64
-    assert KVShape.from_model_dir(tmp_path).bytes_for(1500) == per_value * 2  # BF16 by default
-    assert KVShape.from_model_dir(tmp_path, "float32").bytes_for(1500) == per_value * 4
+    assert model_kv_shape(tmp_path).bytes_for(1500) == per_value * 2  # BF16 by default
+    assert model_kv_shape(tmp_path, "float32").bytes_for(1500) == per_value * 4
     assert kv_dtype_server_args("bfloat16") == ("--kv-cache-dtype", "bfloat16")
     assert kv_dtype_server_args("float32") == ()
     with pytest.raises(ValueError, match="KV dtype"):
@@ -135,10 +137,10 @@ def test_prompt_has_exact_length():
         def encode(self, text, add_special_tokens=False):
             return [ord(c) for c in text]
 
-    ids = build_prompt(Chars(), 700)
+    ids = passkey_prompt(Chars(), 700)
     assert len(ids) == 700
     assert "".join(map(chr, ids)).endswith("Answer:")
-    assert build_prompt(Chars(), 700) == ids
+    assert passkey_prompt(Chars(), 700) == ids
 
 
 def test_prefill_done_events_parses_log_lines():

@@ -1,4 +1,5 @@
-"""Prefill pool -> two byte streams -> decode pool, without SGLang (lynx_sglang.kv_streams)."""
+"""Prefill pool -> two byte streams -> decode pool, without SGLang (lynx_sglang.backend: streams,
+plan, pool, aux)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,18 @@ import pytest
 import torch
 
 from lynx_kernels import CodecError, CodecSpec, decode, encode
-from lynx_kernels.wire import WireStream
-from lynx_sglang.kv_streams import (
-    KVPoolView,
-    KVStreamError,
+from lynx_sglang.backend.aux import pack_aux, unpack_aux
+from lynx_sglang.backend.plan import StreamPlan
+from lynx_sglang.backend.pool import KVPoolView
+from lynx_sglang.backend.streams import (
     apply_anchor,
     apply_residual,
     encode_layer,
     encode_layer_into,
-    pack_aux,
     parse_anchor,
-    stream_nbytes,
-    unpack_aux,
     write_residual_into,
 )
+from lynx_sglang.errors import KVStreamError
 
 LAYERS, HEADS, DIM, SLOTS = 3, 3, 64, 600
 
@@ -51,8 +50,8 @@ def test_round_trip(target, num_tokens):
     untouched[dst_slots] = False
     before = [t.clone() for t in dst.k]
     anchor, residual = _streams(src, src_slots, spec, 256, tag=7)
-    sizes = stream_nbytes(spec, src.shape, num_tokens, 256)
-    assert (len(anchor), len(residual)) == (sizes[WireStream.ANCHOR], sizes[WireStream.RESIDUAL])
+    plan = StreamPlan.build(spec, src.shape, num_tokens, 256)
+    assert (len(anchor), len(residual)) == (plan.anchor_bytes, plan.residual_bytes)
 
     anchors = apply_anchor(memoryview(anchor), dst, dst_slots, spec, request_tag=7)
     for layer in range(LAYERS):
@@ -80,17 +79,18 @@ def test_encode_into_staging_writes_the_same_streams(target):
     src = _pool(0)
     slots = torch.randperm(SLOTS)[:345]
     anchor, residual = _streams(src, slots, spec, 128, tag=11)
-    sizes = stream_nbytes(spec, src.shape, len(slots), 128)
-    a_layer, r_layer = (sizes[s] // LAYERS for s in (WireStream.ANCHOR, WireStream.RESIDUAL))
-    staging = np.zeros(sizes[WireStream.ANCHOR] + sizes[WireStream.RESIDUAL], dtype=np.uint8)
+    plan = StreamPlan.build(spec, src.shape, len(slots), 128)
+    a_layer, r_layer = plan.anchor_layer_bytes, plan.residual_layer_bytes
+    staging = np.zeros(plan.staging_bytes, dtype=np.uint8)
     encoded = []
     for layer in range(LAYERS):
-        written, layer_encoding = encode_layer_into(
-            src, layer, slots, spec, 128, 11, staging[layer * a_layer: (layer + 1) * a_layer])
+        at = plan.anchor_offset(layer)
+        written, layer_encoding = encode_layer_into(src, layer, slots, spec, 128, 11,
+                                                    staging[at: at + a_layer])
         assert written == a_layer
         encoded.append(layer_encoding)
     for layer, layer_encoding in enumerate(encoded):
-        r_off = sizes[WireStream.ANCHOR] + layer * r_layer
+        r_off = plan.residual_staging_offset(layer)
         assert write_residual_into(src, layer_encoding, slots, 128, 11,
                                    staging[r_off: r_off + r_layer]) == r_layer
     assert staging.tobytes() == anchor + residual

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from lynx_sglang.client import GenerateError, generate
-from lynx_sglang.cluster import ClusterMode, ClusterSpec
-from lynx_sglang.config import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.tools.client import GenerateError, generate
+from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_sglang.client import generate
-from lynx_sglang.cluster import ClusterMode, ClusterSpec
+from lynx_sglang.tools.client import generate
+from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -18,10 +18,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 def lynx_int8_cluster(sglang_model, start_cluster, pd_link, int8_codec):
     return start_cluster(ClusterSpec(
         sglang_model, ClusterMode.PD, "lynx", link=pd_link,
-        server_args=("--lynx-target", int8_codec.target,
-                     "--lynx-anchor-bits", str(int8_codec.anchor_bits),
-                     "--lynx-group-size", str(int8_codec.group_size),
-                     "--lynx-k-grouping", int8_codec.k_grouping),
+        server_args=tuple(int8_codec.to_flags()),
     ))
 
 

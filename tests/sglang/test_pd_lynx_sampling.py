@@ -19,8 +19,8 @@ import pytest
 from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 from sampling_case import SAMPLING_N, sample_many
 
-from lynx_sglang.cluster import ClusterMode, ClusterSpec
-from lynx_sglang.config import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

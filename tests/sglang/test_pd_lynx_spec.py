@@ -18,11 +18,11 @@ import json
 import pytest
 from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 
-from lynx_sglang.client import GenerateError, generate, generate_stream
-from lynx_sglang.cluster import ClusterMode, ClusterSpec, free_port
-from lynx_sglang.config import FAULT_RESIDUAL_DELAY_ENV
-from lynx_sglang.pd_measure import transfer_lines
-from lynx_sglang.spec_stream import SpecStreamClient
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.speculation.stream import SpecStreamClient
+from lynx_sglang.tools.client import GenerateError, generate, generate_stream
+from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec, free_port
+from lynx_sglang.tools.measure import transfer_lines
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -50,7 +50,7 @@ def _spec_lines(cluster) -> list[dict]:
 
 
 def _transfer_line(cluster, room: int) -> dict:
-    """The decode's `lynx transfer {json}` line of a room (lynx_sglang.conn: wall-clock times)."""
+    """The decode's `lynx transfer {json}` line of a room (lynx_sglang.backend.manager: wall-clock times)."""
     (rec,) = [r for r in transfer_lines(cluster.log_path("decode").read_text(errors="replace"))
               if r["room"] == room]
     return rec

@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from lynx_sglang.client import generate
-from lynx_sglang.cluster import ClusterMode, ClusterSpec
+from lynx_sglang.tools.client import generate
+from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.rdma_vm, pytest.mark.sglang, pytest.mark.slow]
 

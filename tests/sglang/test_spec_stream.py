@@ -8,13 +8,13 @@ from array import array
 
 import pytest
 
-from lynx_sglang.cluster import free_port
-from lynx_sglang.spec_stream import (
+from lynx_sglang.speculation.stream import (
     SpecStreamClient,
     SpecStreamError,
     SpecStreamPublisher,
     SpecView,
 )
+from lynx_sglang.tools.cluster import free_port
 
 
 @pytest.fixture()

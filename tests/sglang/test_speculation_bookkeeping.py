@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lynx_sglang.acceptance import Acceptance
-from lynx_sglang.speculation import SpecState, apply_acceptance, rollback
+from lynx_sglang.speculation.acceptance import Acceptance
+from lynx_sglang.speculation.state import SpecState
+from lynx_sglang.speculation.verify import apply_acceptance, rollback
 
 
 @dataclass
@@ -101,7 +102,8 @@ class _Processor:
 
 
 def test_rolled_back_tokens_leave_the_reasoning_count():
-    from lynx_sglang.speculation import REASONING_STATE, recount_reasoning
+    from lynx_sglang.speculation.state import REASONING_STATE
+    from lynx_sglang.speculation.verify import recount_reasoning
 
     proc = _Processor()
     req = _ReasoningReq([1])

@@ -1,4 +1,4 @@
-"""lynx_sglang.staging.StagingPool: first-fit allocation, coalescing, deadlines."""
+"""lynx_sglang.backend.staging.StagingPool: first-fit allocation, coalescing, deadlines."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from lynx_sglang.staging import ALIGN, StagingFullError, StagingPool
+from lynx_sglang.backend.staging import ALIGN, StagingPool
+from lynx_sglang.errors import StagingFullError
 
 
 def test_allocate_free_coalesce():

@@ -1,4 +1,4 @@
-"""The Anchor quality study's machinery (lynx_sglang.anchor_study, kv_variants, study_prompts).
+"""The Anchor quality study's machinery (lynx_sglang.tools.study.anchor_study, kv_variants, study_prompts).
 
 The model tests run the real measurement on two short prompts of the embedded model: the identity
 variant must reproduce exact decoding (agreement 1, KL ~0, every token accepted), a zeroed KV must
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from lynx_kernels import CodecSpec, decode, encode
-from lynx_sglang.anchor_study import PromptResult, VariantResult, measure_prompt, summarize
-from lynx_sglang.kv_variants import (
+from lynx_kernels import decode, encode
+from lynx_sglang.tools.study.anchor_study import PromptResult, VariantResult, measure_prompt, summarize
+from lynx_sglang.tools.study.kv_variants import (
     NAIVE,
     STUDY_VARIANTS,
     KVVariant,
@@ -28,8 +28,8 @@ SMOL_KV = (3, 64)  # SmolLM2-135M: kv heads, head_dim
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    from lynx_sglang.anchor_study import load_model
-    from lynx_sglang.model import EmbeddedModelError
+    from lynx_sglang.tools.model import EmbeddedModelError
+    from lynx_sglang.tools.study.anchor_study import load_model
 
     try:
         return load_model(threads=1)
@@ -39,7 +39,7 @@ def model_and_tokenizer():
 
 @pytest.fixture(scope="module")
 def measured(model_and_tokenizer):
-    from lynx_sglang.study_prompts import build_prompts
+    from lynx_sglang.tools.study.prompts import build_prompts
 
     model, tok = model_and_tokenizer
     prompts = build_prompts(tok, 2, min_tokens=160, max_tokens=220)
@@ -51,7 +51,7 @@ def measured(model_and_tokenizer):
 
 
 def test_prompts_are_deterministic_and_sized(model_and_tokenizer):
-    from lynx_sglang.study_prompts import build_prompts
+    from lynx_sglang.tools.study.prompts import build_prompts
 
     _, tok = model_and_tokenizer
     a = build_prompts(tok, 3, min_tokens=200, max_tokens=300)
@@ -149,7 +149,7 @@ def test_minmax_quantize_is_round_to_nearest_within_groups(bits, over_tokens):
 def test_anchor_variant_is_the_codec_anchor_and_int4_differs():
     torch.manual_seed(0)
     x = torch.randn(128, 3, 64)
-    ref = decode(encode(x, CodecSpec(), "k"), "anchor")
+    ref = decode(encode(x, NAIVE.spec, "k"), "anchor")
     assert torch.equal(NAIVE.apply(x, "k", 0), ref)
     int4 = variant_by_name("int4-kivi").apply(x, "k", 0)
     # Same bytes, different reconstruction: 16 midpoints of a 256-level grid vs 16 min-max levels.

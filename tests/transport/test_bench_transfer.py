@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lynx_sglang import bench_transfer as bt
+from lynx_sglang.tools import bench_transfer as bt
 
 
 @pytest.mark.timeout(60)

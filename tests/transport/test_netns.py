@@ -1,4 +1,4 @@
-"""Shaped-link tests: two network namespaces, a veth pair, tc tbf at 1 Gbit/s (scripts/netlab.sh).
+"""Shaped-link tests: two network namespaces, a veth pair, tc tbf at 1 Gbit/s (lynx_sglang.tools.netns).
 
 No timing assertions here (CI machines are small and shared): the tests check what must hold on
 any machine — bytes arrive intact over a shaped link, strict priority keeps RESIDUAL bytes off the
@@ -15,20 +15,21 @@ import os
 
 import pytest
 
-from lynx_transport import linkbench as lb
+from lynx_sglang.tools import linkbench as lb
+from lynx_sglang.tools.netns import ShapedLink, netns_available
 
 pytestmark = pytest.mark.netns
 MiB = 1 << 20
 
-_reason = lb.netns_available()
+_reason = netns_available()
 
 
 @pytest.fixture(scope="module")
 def lab():
     if _reason:
         pytest.skip(f"shaped-link tests need network namespaces: {_reason}")
-    with lb.NetLab(f"lxt{os.getpid() % 100000}") as lab:
-        lab.rate("1gbit")
+    with ShapedLink(f"lxt{os.getpid() % 100000}") as lab:
+        lab.set_rate("1gbit")
         yield lab
 
 
@@ -54,7 +55,7 @@ def test_residual_stays_off_the_link_while_anchor_sends(lab):
 
 @pytest.mark.timeout(180)
 def test_dscp_marking_seen_by_link_classifier(lab):
-    lab.rate("1gbit", "htb")  # sender side: DSCP EF -> class 1:10, everything else -> 1:20
+    lab.set_rate("1gbit", "htb")  # sender side: DSCP EF -> class 1:10, everything else -> 1:20
     try:
         before = lab.class_bytes()
         na, nr = 24 * MiB, 40 * MiB
@@ -67,7 +68,7 @@ def test_dscp_marking_seen_by_link_classifier(lab):
         assert na <= hi <= 1.1 * na, (hi, lo)
         assert nr <= lo <= 1.1 * nr + MiB, (hi, lo)
     finally:
-        lab.rate("1gbit")
+        lab.set_rate("1gbit")
 
 
 @pytest.mark.timeout(180)
@@ -77,12 +78,12 @@ def test_heartbeats_get_through_a_long_anchor_on_a_slow_link(lab):
     through meanwhile, or the receiver's 2 s peer timeout declares a live peer dead (it did,
     before the control plane was marked low-delay: the SGLang benchmark at 10 Mbit/s failed its
     first Lynx request that way)."""
-    lab.rate("10mbit", "prio")
+    lab.set_rate("10mbit", "prio")
     try:
         prog = [{"name": "slow", "anchor": 8 * MiB, "residual": MiB}]
         rx, _ = lb.run_pair("lynx", {"program": prog, "verify": True, "peer_timeout_s": 2.0}, lab)
     finally:
-        lab.rate("1gbit")
+        lab.set_rate("1gbit")
     assert [r["verified"] for r in rx["results"]] == [True], rx
 
 
@@ -105,11 +106,11 @@ def test_stalled_link_fails_both_sides(lab):
     try:
         line = json.loads(rx.stdout.readline() or "{}")
         assert line.get("progress") == "anchor", line
-        lab.link(up=False)
+        lab.set_up(False)
         rx_res = lb.last_json(rx, 60)["results"][0]
         tx_res = lb.last_json(tx, 60)["results"][0]
     finally:
-        lab.link(up=True)
+        lab.set_up(True)
         for p in (rx, tx):
             if p.poll() is None:
                 p.kill()

@@ -1,0 +1,291 @@
+"""The `lynx` transfer backend as SGLang sees it: LynxKVManager, LynxKVSender, LynxKVReceiver and
+LynxKVBootstrapServer (SGLang finds them through `get_kv_class`, hooked by `lynx_sglang.plugin`).
+
+Control plane: SGLang's own. LynxKVManager derives from SGLang's MooncakeKVManager (itself a
+CommonKVManager) and keeps its bootstrap registration, the decode's KV-args registration and
+per-request TransferInfo messages, status/abort messages and heartbeats unchanged; it replaces
+only the data path (Mooncake's one-sided writes) with `lynx_transport` and the codec, built by
+role in the constructor and forwarded to:
+
+- prefill: `backend.prefill.PrefillSender` (its thread `lynx-send`);
+- decode: `backend.decode.DecodeApplier` (threads `lynx-accept`, `lynx-apply`).
+
+SGLang-facing methods (the engine hooks of MooncakeKVManager):
+  init_engine / register_buffer_to_engine / deregister_buffer_to_engine / get_session_id
+      the transport endpoint and its registered staging memory (`backend.staging`); the session
+      id SGLang carries in the decode's registration is the endpoint's address.
+  add_transfer_request (prefill)        queue a chunk of a room's KV slots on the sender.
+  update_status (decode, status from the prefill)
+      a prefill Success is held until the Residual is in the KV pool (the applier decides).
+  record_failure                        a reason this side found itself is never overwritten.
+  attach_kv_pool                        the plugin hands over SGLang's KV pool after start-up.
+
+Every status this backend decides reaches SGLang through one method, `report_status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.common.utils import AuxDataCodec
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.server_args import ServerArgs
+
+from lynx_transport import Endpoint
+
+from ..config import LynxConfig
+from ..errors import KVStreamError, LynxConfigError
+from ..names import FAULT_RESIDUAL_DELAY_ENV
+from ..sglang_support import check_sglang_version
+from .aux import pack_aux
+from .decode import DecodeApplier, DecodeLink
+from .pool import KVPoolView
+from .prefill import Destination, PrefillLink, PrefillSender
+from .staging import StagingPool
+
+logger = logging.getLogger(__name__)
+
+
+class LynxKVManager(MooncakeKVManager):
+    sender_trace_module = None
+    supports_role_switch = False
+    supports_deferred_decode_kv_release = False
+    # Both ends are Lynx: a prefill-side failure reason (e.g. a codec flag mismatch) travels to
+    # the decode in the status message instead of SGLang's generic "prefill might be dead".
+    kv_status_msg_carries_reason = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
+                 server_args: ServerArgs, is_mla_backend: bool | None = False):
+        check_sglang_version()
+        if is_mla_backend:
+            raise RuntimeError("the lynx transfer backend supports MHA KV pools only, not MLA")
+        self.lynx = LynxConfig.from_env() or LynxConfig()
+        self.pool: KVPoolView | None = None
+        self._stop = threading.Event()
+        # Decode: failure reasons this side found itself, by room, until the receiver has read
+        # them (`record_failure`).
+        self._own_failures: dict[int, str] = {}
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.sender = PrefillSender(
+                self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
+                {"rank_ip": self.local_ip, "rank_port": self.rank_port},
+                PrefillLink(self._room_live, self._destinations, self._read_aux,
+                            self._report_prefill),
+                float(os.environ.get(FAULT_RESIDUAL_DELAY_ENV, "0") or 0))
+            self._start_thread(self.sender.run, "lynx-send")
+        else:
+            self.applier = DecodeApplier(
+                self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
+                DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank))
+            self._start_thread(self.applier.accept_loop, "lynx-accept")
+            self._start_thread(self.applier.run, "lynx-apply")
+        logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
+                    self.endpoint.address, self.lynx)
+
+    def _start_thread(self, target, name: str) -> None:
+        t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
+        t.start()
+        self._worker_threads.append(t)
+
+    # ---- engine hooks of MooncakeKVManager: the transport replaces Mooncake's engine ---------
+    def init_engine(self):
+        self.engine = None
+        options = {"device": self.lynx.ib_device} if self.lynx.transport == "verbs" else None
+        self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
+                                 backend_options=options, name=f"lynx-{self.rank_port}")
+
+    def register_buffer_to_engine(self):
+        self.staging = StagingPool(self.lynx.staging_mib << 20)
+        self.staging_region = self.endpoint.register(self.staging.buffer, name="lynx-staging")
+
+    def deregister_buffer_to_engine(self):
+        self.endpoint.close()
+
+    def get_session_id(self):
+        return self.endpoint.address
+
+    def attach_kv_pool(self, pool) -> None:
+        """Called (plugin hook) right after SGLang built this manager, with its KV pool."""
+        self.pool = KVPoolView.from_sglang_pool(pool)
+        head_dim = self.pool.shape.head_dim
+        if self.lynx.codec.rotate and head_dim & (head_dim - 1):
+            # Refuse at start-up rather than failing every request in the codec later.
+            raise LynxConfigError(
+                f"--lynx-rotate needs a power-of-two head_dim, this model's is {head_dim}: "
+                "pass --no-lynx-rotate on prefill and decode"
+            )
+
+    def _require_pool(self) -> KVPoolView:
+        if self.pool is None:
+            raise RuntimeError("lynx KV manager has no KV pool attached (plugin hook not applied)")
+        return self.pool
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk,
+                             aux_index=None, state_indices=None, num_kv_tokens=None, *,
+                             wait_event=None, indices_event=None, trace_ctx=None):
+        if not self._room_live(bootstrap_room) or bootstrap_room not in self.transfer_infos:
+            return
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=(
+                "lynx transfers the attention KV pool only; this model also has state "
+                "components (Mamba/SWA/...), which are not supported"))
+            return
+        if indices_event is not None:
+            indices_event.synchronize()
+        self.sender.submit(bootstrap_room, kv_indices, is_last_chunk, aux_index, wait_event)
+
+    def _room_live(self, room: int) -> bool:
+        return room in self.request_status and self.check_status(room) != KVPoll.Failed
+
+    def _destinations(self, room: int) -> list[Destination]:
+        return [Destination(i.mooncake_session_id, len(i.dst_kv_indices), (i.endpoint, i.dst_port))
+                for i in list(self.transfer_infos.get(room, {}).values()) if not i.is_dummy]
+
+    def _read_aux(self, aux_index: int) -> bytes:
+        return pack_aux([
+            AuxDataCodec.serialize_data_from_buffer(ptr + item_len * aux_index, item_len)
+            for ptr, item_len in zip(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
+                                     strict=True)
+        ])
+
+    def _report_prefill(self, room: int, failure: str | None,
+                        targets: list[tuple[str, int]]) -> None:
+        if failure is not None:
+            self.conclude_failure(bootstrap_room=room, failure_reason=failure)
+        elif targets:
+            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets)
+        else:
+            self.report_status(room, None)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def report_status(self, room: int, failure: str | None) -> None:
+        """The one path by which a status this backend decided reaches SGLang."""
+        if failure is not None:
+            self.record_own_failure(room, failure)
+        super().update_status(room, KVPoll.Failed if failure is not None else KVPoll.Success)
+
+    def _write_aux(self, aux_index: int, items: list[tuple[int, bytes]]) -> None:
+        for index, data in items:
+            AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, aux_index, data)
+
+    def _forget_prefill_rank(self, prefill: tuple[str, int]) -> None:
+        """The prefill rank died or never connected: drop SGLang's cached bootstrap info that
+        points at it, so the next request asks the bootstrap server again. SGLang drops it only
+        after its heartbeat misses the prefill twice (5 s apart by default); a prefill restarted
+        faster than that came back on a new rank port while every request still went to the
+        dead one (and failed after the prefill's 300 s bootstrap timeout)."""
+        with self.connection_lock:
+            stale = [key for key, infos in self.connection_pool.items()
+                     if any((i.get("rank_ip"), int(i.get("rank_port") or 0)) == prefill
+                            for i in infos)]
+            for key in stale:
+                del self.connection_pool[key]
+        if stale:
+            logger.info("lynx: prefill rank %s:%s is gone; dropped its cached bootstrap info",
+                        *prefill)
+
+    def register_rx_room(self, receiver: LynxKVReceiver, kv_indices, aux_index: int) -> None:
+        """Called by the receiver before SGLang sends the request's metadata to the prefill."""
+        real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
+        if len(real) != 1:
+            raise KVStreamError(f"lynx needs exactly one prefill rank per decode rank and "
+                                f"request (equal attention TP sizes); got {len(real)}")
+        prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
+        self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index)
+
+    def record_own_failure(self, room: int, reason: str) -> None:
+        """Record why this side failed a room; see `record_failure`."""
+        with self.failure_lock:
+            self._own_failures[room] = reason
+            self.failure_records[room] = reason
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str):
+        """SGLang's entry for reasons from elsewhere (the prefill's status message, the
+        heartbeat). Once the decode has failed a room itself, the prefill usually fails it too
+        *because* the decode withdrew it ("no (live) announcement from the peer"); that later
+        message must not replace the cause the decode found."""
+        with self.failure_lock:
+            own = self._own_failures.get(bootstrap_room)
+            self.failure_records[bootstrap_room] = own or failure_reason
+
+    def forget_own_failure(self, room: int) -> None:
+        with self.failure_lock:
+            self._own_failures.pop(room, None)
+
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        if (self.disaggregation_mode == DisaggregationMode.DECODE and status == KVPoll.Success
+                and self.applier.on_prefill_success(bootstrap_room)):
+            return
+        super().update_status(bootstrap_room, status)
+
+
+class LynxKVSender(CommonKVSender):
+    """Prefill side of one request: SGLang's CommonKVSender, whose `send` queues the request's
+    KV indices on LynxKVManager.add_transfer_request (no CUDA host-index fast path)."""
+
+
+class LynxKVReceiver(CommonKVReceiver):
+    """Decode side of one request: reserves and announces the request's staging range before
+    SGLang sends its KV indices to the prefill; frees it on clear/abort."""
+
+    def init(self, prefill_dp_rank: int):
+        super().init(prefill_dp_rank)
+        if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
+            return
+        if self.prefill_info.attn_tp_size != self.kv_mgr.attn_tp_size:
+            self._fail(f"lynx needs equal attention TP sizes on prefill "
+                       f"({self.prefill_info.attn_tp_size}) and decode "
+                       f"({self.kv_mgr.attn_tp_size})")
+
+    def _fail(self, reason: str) -> None:
+        self.kv_mgr.report_status(self.bootstrap_room, reason)
+        self.conclude_state = KVPoll.Failed
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None,
+                      decode_prefix_len=None, destination=None, device_kv_indices=None):
+        if self.conclude_state == KVPoll.Failed or getattr(self, "bootstrap_infos", None) is None:
+            return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
+        if decode_prefix_len:
+            self._fail("lynx does not support a decode-side prefix cache")
+            return None
+        try:
+            self.kv_mgr.register_rx_room(self, kv_indices, aux_index)
+        except Exception as exc:
+            logger.error("lynx: room %s: %s", self.bootstrap_room, exc)
+            self._fail(f"lynx decode could not prepare the transfer: {exc}")
+            return None
+        kwargs = {} if destination is None else {"destination": destination}
+        return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len,
+                                     device_kv_indices=device_kv_indices, **kwargs)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.applier.drop(self.bootstrap_room, keep_speculative=True)
+
+    def abort(self):
+        super().abort()
+        self.kv_mgr.applier.drop(self.bootstrap_room)
+        self.kv_mgr.forget_own_failure(self.bootstrap_room)
+
+    def failure_exception(self):
+        # SGLang pops the room's failure record in there; the own reason stays authoritative
+        # until then (a prefill status arriving meanwhile must not replace it).
+        try:
+            super().failure_exception()
+        finally:
+            self.kv_mgr.forget_own_failure(self.bootstrap_room)
+
+
+class LynxKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's HTTP bootstrap registry, unchanged."""

@@ -1,0 +1,94 @@
+"""Registered staging memory for the Lynx KV streams: one buffer per KV manager, registered once
+with the transport endpoint, handed out to requests as byte ranges.
+
+Prefill: a request's encoded Anchor and Residual chunks are copied into its range and sent from
+there; the range is freed once the transport reports both streams COMPLETE (or failed) and the
+request has been released. Decode: a request's range is announced to the prefill as the
+destination of both streams; it is freed after the Residual has been applied to the KV pool (or
+the request failed) and the request has been released, so no late byte can land in a reused range.
+
+Created by `backend.manager.LynxKVManager`, used by its `PrefillSender` or `DecodeApplier`;
+thread-safe. Allocation is first-fit with coalescing;
+`allocate` waits for space up to a deadline, then raises `StagingFullError`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import StagingFullError
+
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class StagingRange:
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class StagingPool:
+    def __init__(self, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError(f"staging size must be positive, got {nbytes}")
+        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.nbytes = nbytes
+        # Sorted, non-overlapping, coalesced free ranges as (offset, length).
+        self._free: list[tuple[int, int]] = [(0, nbytes)]
+        self._cond = threading.Condition()
+
+    def view(self, r: StagingRange) -> memoryview:
+        return memoryview(self.buffer)[r.offset: r.end]
+
+    def allocate(self, length: int, timeout_s: float) -> StagingRange:
+        if length <= 0:
+            raise ValueError(f"allocation length must be positive, got {length}")
+        size = -(-length // ALIGN) * ALIGN
+        if size > self.nbytes:
+            raise StagingFullError(
+                f"a request needs {length} B of staging, more than the whole pool ({self.nbytes} B);"
+                " raise --lynx-staging-mib"
+            )
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for i, (off, n) in enumerate(self._free):
+                    if n >= size:
+                        if n == size:
+                            del self._free[i]
+                        else:
+                            self._free[i] = (off + size, n - size)
+                        return StagingRange(off, size)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StagingFullError(
+                        f"no {size} B of staging free within {timeout_s:.0f} s "
+                        f"({self.free_bytes()} B free, fragmented into {len(self._free)} ranges)"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def free(self, r: StagingRange) -> None:
+        with self._cond:
+            i = bisect.bisect_left(self._free, (r.offset, 0))
+            self._free.insert(i, (r.offset, r.length))
+            # Coalesce with the neighbours.
+            merged: list[tuple[int, int]] = []
+            for off, n in self._free[max(0, i - 1): i + 2]:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((off, n))
+            self._free[max(0, i - 1): i + 2] = merged
+            self._cond.notify_all()
+
+    def free_bytes(self) -> int:
+        return sum(n for _, n in self._free)

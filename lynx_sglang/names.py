@@ -1,0 +1,46 @@
+"""Names the runtime writes and the tools and tests read: one place for each, so the writer and the
+reader cannot drift apart.
+
+- Structured log records: one line `<prefix><JSON object>` per event (`record_line` writes the
+  text, `parse_records` reads every record of one kind back from a server log).
+- Environment variables that carry settings into SGLang's spawned worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+
+# Per-request record of the decode's transfer (bytes per stream, landed/applied times).
+TRANSFER_RECORD = "lynx transfer "
+# Per-request record of speculation (speculated / accepted / rolled back, verification time).
+SPEC_RECORD = "lynx spec "
+# A prefill server's "prefill forward done" event (LYNX_SGLANG_TIMELINE=1 only).
+TIMELINE_RECORD = "lynx timeline "
+# The launcher's line naming the effective Lynx configuration.
+BACKEND_SELECTED = "lynx transfer backend selected: "
+
+# The Lynx configuration as JSON (launcher -> SGLang's scheduler processes).
+CONFIG_ENV = "LYNX_SGLANG_CONFIG"
+# "1": prefill servers log TIMELINE_RECORD events (any transfer backend).
+TIMELINE_ENV = "LYNX_SGLANG_TIMELINE"
+# "1": a single server replaces prompt KV by its codec reconstruction on request (tests, studies).
+REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
+# Tests only (prefill): seconds to hold a request's Residual back after its Anchor is finished.
+FAULT_RESIDUAL_DELAY_ENV = "LYNX_SGLANG_FAULT_RESIDUAL_DELAY_S"
+
+
+def record_line(prefix: str, fields: dict) -> str:
+    """The log text of one record (log it with `logger.info("%s", ...)`)."""
+    return prefix + json.dumps(fields)
+
+
+def parse_records(log_text: str, prefix: str) -> list[dict]:
+    """Every `prefix{...}` record in `log_text`, in order. A prefix followed by anything but a
+    JSON object (e.g. the launcher's plain-text lines) is not a record."""
+    out = []
+    for line in log_text.splitlines():
+        i = line.find(prefix)
+        if i < 0 or not line[i + len(prefix):].startswith("{"):
+            continue
+        out.append(json.loads(line[i + len(prefix):]))
+    return out

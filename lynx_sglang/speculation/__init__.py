@@ -1,0 +1,12 @@
+"""Speculative decoding on the Anchor inside SGLang's PD decode scheduler.
+
+    controller  SpecController: park, verify, roll back, abort (one per decode scheduler)
+    state       SpecState and friends: per-request bookkeeping, who may speculate
+    verify      the verification forward, acceptance, rollback (SGLang internals)
+    acceptance  the acceptance rules (greedy, speculative sampling), pure torch
+    hooks       the SGLang hook adapters, forwarding to the bound controller
+    stream      the opt-in stream of speculative tokens and rollbacks (ZMQ PUB) and its client
+
+The decode applier (`lynx_sglang.backend.decode`) produces each request's Residual outcome;
+the controller consumes it through the applier's `Transfers` interface.
+"""

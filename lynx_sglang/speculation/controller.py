@@ -1,0 +1,313 @@
+"""The speculation controller of one decode scheduler: park, verify, roll back, abort.
+
+The decode applier (`backend.decode`, speculative mode) reports a room Success as soon as its
+Anchor and aux data (the exact first token from prefill) are in the decode KV pool, so SGLang
+commits the request and decodes it like any other, reading Anchor-precision prompt KV.
+`SpecController` owns what happens to such a request until its Residual has refined the pool:
+
+- `SpecState` (`speculation.state`) rides on the request (`req.lynx_spec`) from the commit until
+  verification.
+- Speculative tokens are provisional: the output streamer only ever sees the verified prefix, and
+  a speculative EOS / stop string / length finish is held back and parks the request instead (the
+  hooks in `speculation.hooks`).
+- A request is parked (taken out of the running batch, its KV kept) when it must not or need not
+  speculate further: not speculable (sampled with truncation, logprobs, grammar, penalties, ...:
+  it waits for the Residual with no speculative token at all), a held-back finish, the token cap,
+  or the deadline.
+- When the applier says the Residual is applied, one forward verifies every speculative position
+  (`speculation.verify`); then the request either finishes or rejoins the running batch.
+- A Residual that fails aborts the request; a request released early (client abort, a first token
+  that already finishes it) cancels its transfer before its slots can be reused (`on_release`).
+
+Handed, at creation (`plugin`, when the decode KV manager gets its pool): the applier's
+`Transfers` interface, the config and the spec-stream publisher. Single scheduler thread: no
+locking here (the applier's calls are thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from http import HTTPStatus
+from typing import Protocol
+
+from .. import metrics
+from ..backend.outcome import ResidualOutcome, ResidualState
+from ..config import LynxConfig
+from ..names import SPEC_RECORD, record_line
+from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
+from .stream import SpecStreamPublisher
+from .verify import apply_acceptance, decide, recount_reasoning, rollback, verify_forward
+
+logger = logging.getLogger(__name__)
+
+
+class Transfers(Protocol):
+    """What the controller asks the decode applier (`backend.decode.DecodeApplier`)."""
+
+    def residual_outcome(self, room: int) -> ResidualOutcome | None: ...
+
+    def forget(self, room: int) -> None: ...
+
+    def cancel(self, room: int) -> bool: ...
+
+
+class SpecController:
+    """Per-decode-scheduler controller. `step` runs at the top of every scheduler iteration."""
+
+    def __init__(self, transfers: Transfers, config: LynxConfig,
+                 publisher: SpecStreamPublisher | None = None):
+        self.transfers = transfers
+        self.max_tokens = config.spec_max_tokens
+        self.deadline_s = config.spec_deadline_s
+        self.parked: list = []
+        self.counters = SpecCounters()
+        self.publisher = publisher
+        # Speculating sampled requests by their req_to_token row, for the sampler hook (which
+        # sees batch rows, not requests).
+        self.sampled_by_pool_idx: dict[int, SpecState] = {}
+
+    # ---- hook entry points ------------------------------------------------------------------
+    def on_commit(self, req) -> None:
+        """SGLang committed a transferred request (first token appended)."""
+        room = req.bootstrap_room
+        if room is None or self.transfers.residual_outcome(room) is None:
+            return  # not reported at Anchor time: its KV is already exact
+        reason = not_speculable_reason(req)
+        if reason is None and self.max_tokens == 0:
+            reason = "--lynx-spec-max-tokens 0"
+        st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req),
+                       reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
+        req.lynx_spec = st
+        if st.sampled and reason is None:
+            self.sampled_by_pool_idx[req.kv.req_pool_idx] = st
+
+    def on_prebuilt(self, batch) -> None:
+        """After the prebuilt batch's first tokens went out: park the requests that must not
+        take a single speculative step, before SGLang merges the batch into the running one."""
+        keep = []
+        for i, req in enumerate(batch.reqs):
+            st = getattr(req, "lynx_spec", None)
+            if st is not None and st.no_spec_reason is not None and not req.finished():
+                self._park(req, st.no_spec_reason)
+            else:
+                keep.append(i)
+        if len(keep) != len(batch.reqs):
+            batch.filter_batch(keep_indices=keep)
+
+    def step(self, scheduler) -> None:
+        running = scheduler.running_batch
+        now = time.monotonic()
+        active = [(i, req) for i, req in enumerate(running.reqs)
+                  if getattr(req, "lynx_spec", None) is not None and not req.finished()]
+        candidates = [req for _, req in active] + self.parked
+        if not candidates:
+            return
+        if self.publisher is not None:
+            for req in candidates:
+                self._publish_speculative(req, req.lynx_spec)
+        outcomes = [self._outcome(req.lynx_spec) for req in candidates]
+        park = [self._park_reason(req, req.lynx_spec, now) for _, req in active]
+        failed, applied, parked = self._agree(
+            scheduler, [int(state is ResidualState.FAILED) for state, _ in outcomes],
+            [int(state is ResidualState.APPLIED) for state, _ in outcomes],
+            [int(why is not None) for why in park])
+        verify, abort, remove = [], [], set()
+        for k, req in enumerate(candidates):
+            in_batch = k < len(active)
+            if failed[k]:
+                abort.append((req, outcomes[k][1] or "failed on another TP rank"))
+            elif applied[k]:
+                verify.append(req)
+            elif in_batch and parked[k]:
+                self._park(req, park[k] or "parked on another TP rank")
+            else:
+                continue
+            if in_batch:
+                remove.add(active[k][0])
+            else:
+                self.parked.remove(req)
+        if remove:
+            running.filter_batch(keep_indices=[i for i in range(len(running.reqs))
+                                               if i not in remove])
+        for req, reason in abort:
+            self._abort(scheduler, req, reason)
+        if verify:
+            self._verify_and_resume(scheduler, verify)
+
+    @staticmethod
+    def _agree(scheduler, failed: list[int], applied: list[int], parked: list[int]):
+        """Every TP rank must take the same decisions (they run the same batches): a request fails
+        or parks if it does on any rank, and is verified only once its Residual is applied on
+        every rank. Candidates are in the same order on every rank (replicated scheduler state)."""
+        if getattr(scheduler, "tp_size", 1) <= 1:
+            return failed, applied, parked
+        import torch.distributed as dist
+        from sglang.srt.disaggregation.utils import all_reduce_flags
+
+        group = scheduler.tp_cpu_group
+        return (all_reduce_flags(failed, group, dist.ReduceOp.MAX),
+                all_reduce_flags(applied, group, dist.ReduceOp.MIN),
+                all_reduce_flags(parked, group, dist.ReduceOp.MAX))
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def _outcome(self, st: SpecState) -> tuple[ResidualState, str]:
+        out = self.transfers.residual_outcome(st.room)
+        if out is None:
+            return ResidualState.FAILED, "Residual transfer cancelled"
+        return out.state, out.reason
+
+    def _park_reason(self, req, st: SpecState, now: float) -> str | None:
+        if st.finish_pending:
+            return "speculative finish (EOS, stop or length) held for verification"
+        if len(req.output_ids) - st.verified_len >= self.max_tokens:
+            return f"speculative token cap ({self.max_tokens}) reached"
+        if now - st.t_committed > self.deadline_s:
+            return f"Residual later than --lynx-spec-deadline-s {self.deadline_s:g} s"
+        return None
+
+    def _publish_speculative(self, req, st: SpecState) -> None:
+        if len(req.output_ids) > st.published_len:
+            self.publisher.speculative(req.rid, req.output_ids, st.published_len)
+            st.published_len = len(req.output_ids)
+
+    def _park(self, req, reason: str) -> None:
+        st = req.lynx_spec
+        st.parked_reason = reason
+        st.t_parked = time.monotonic()
+        self.parked.append(req)
+        logger.info("lynx spec: %s parked: %s", req.rid, reason)
+
+    def _detach(self, req) -> SpecState:
+        """The request stops speculating: drop its state here and the manager's room."""
+        st = req.lynx_spec
+        req.lynx_spec = None
+        self.transfers.forget(st.room)
+        self.sampled_by_pool_idx.pop(req.kv.req_pool_idx, None)
+        return st
+
+    # ---- abort --------------------------------------------------------------------------------
+    def _abort(self, scheduler, req, reason: str) -> None:
+        st = self._detach(req)
+        logger.error("lynx spec: request %s (room %s) aborted: %s", req.rid, st.room, reason)
+        self._finish_aborted(scheduler, req, st,
+                             f"Lynx: the Residual KV of this request did not arrive: {reason}",
+                             HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def abort_parked(self, scheduler, recv_req) -> None:
+        """SGLang's `abort_request` (client disconnect, /abort_request) only searches its own
+        queues; a parked request lives here, so without this it would hold its KV until its
+        verification. Same rid matching as SGLang's."""
+        hit = [req for req in self.parked
+               if recv_req.abort_all or req.rid.startswith(recv_req.rid)]
+        for req in hit:
+            self.parked.remove(req)
+            # Stop the transfer before the slots are freed (a barrier, see cancel_residual).
+            self.transfers.cancel(req.lynx_spec.room)
+            st = self._detach(req)
+            logger.info("lynx spec: parked request %s (room %s) aborted (abort_request)",
+                        req.rid, st.room)
+            self._finish_aborted(scheduler, req, st, "Aborted by AbortReq.", None)
+
+    def _finish_aborted(self, scheduler, req, st: SpecState, message: str, status_code) -> None:
+        from sglang.srt.disaggregation.utils import prepare_abort
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        metrics.record_verification(0, 0, "aborted")
+        # Roll back to the verified prefix first: a partial answer must not contain a token
+        # the exact KV never confirmed.
+        del req.output_ids[st.verified_len:]
+        if self.publisher is not None:
+            self.publisher.aborted(req.rid, req.output_ids, message)
+        prepare_abort(req, message, status_code=status_code)
+        release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
+        scheduler.output_streamer.stream_output([req], req.return_logprob)
+
+    # ---- verification -------------------------------------------------------------------------
+    def _verify_and_resume(self, scheduler, reqs: list) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        to_check = [r for r in reqs if len(r.output_ids) > r.lynx_spec.verified_len]
+        runner = scheduler.tp_worker.model_runner
+        passes_before = runner.forward_pass_id
+        t0 = time.monotonic()
+        logits = verify_forward(scheduler, to_check) if to_check else []
+        verify_s = time.monotonic() - t0
+        passes = runner.forward_pass_id - passes_before
+        if to_check:
+            self.counters.verify_forwards += 1
+            self.counters.verify_model_passes += passes
+            metrics.record_verify_time(verify_s)
+        by_req = dict(zip((id(r) for r in to_check), logits, strict=True))
+        resume = []
+        for req in reqs:
+            checked = id(req) in by_req
+            st = self._detach(req)
+            result = VerifyResult(0, 0, None)
+            if checked:
+                result = apply_acceptance(req, st, decide(req, st, by_req[id(req)]))
+                rollback(scheduler, req, st.verified_len, result)
+                recount_reasoning(scheduler, req, st)
+            self._record(req, st, result, verify_s if checked else 0.0, passes if checked else 0,
+                         len(to_check))
+            if len(req.output_ids) > st.verified_len:
+                req.update_finish_state(len(req.output_ids) - st.verified_len)
+            if self.publisher is not None:
+                self.publisher.verified(req.rid, req.output_ids, st.verified_len,
+                                        result.speculated, result.accepted,
+                                        result.corrected_token is not None, req.finished())
+            if req.finished():
+                release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
+                req.time_stats.set_completion_time()
+            else:
+                resume.append(req)
+        scheduler.output_streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
+        if resume:
+            batch = scheduler._build_hisparse_decode_batch(resume)
+            # A decode batch carries one entry per request here (SGLang's prebuilt batches do);
+            # left None, merging it into a running batch that has the list crashed the scheduler.
+            batch.multimodal_inputs = [r.multimodal_inputs for r in resume]
+            if scheduler.running_batch.is_empty():
+                scheduler.running_batch = batch
+            else:
+                scheduler.running_batch.merge_batch(batch)
+
+    def _record(self, req, st: SpecState, result: VerifyResult, verify_s: float,
+                model_passes: int, batch_size: int) -> None:
+        c = self.counters
+        c.verifications += 1
+        c.speculated_tokens += result.speculated
+        c.accepted_tokens += result.accepted
+        c.rolled_back_tokens += result.speculated - result.accepted
+        metrics.record_verification(result.speculated, result.accepted,
+                                    "not_speculable" if st.no_spec_reason else "verified")
+        now = time.monotonic()
+        logger.info("%s", record_line(SPEC_RECORD, {
+            "t": round(time.time(), 6), "rid": req.rid, "room": st.room, "speculated": result.speculated,
+            "accepted": result.accepted, "rolled_back": result.speculated - result.accepted,
+            "corrected": result.corrected_token is not None,
+            "no_spec_reason": st.no_spec_reason, "parked_reason": st.parked_reason,
+            "verify_ms": round(verify_s * 1e3, 3), "verify_model_passes": model_passes,
+            "verify_batch": batch_size,
+            "committed_to_verified_s": round(now - st.t_committed, 6),
+            "parked_s": None if st.t_parked is None else round(now - st.t_parked, 6),
+            "totals": {"verifications": c.verifications, "speculated": c.speculated_tokens,
+                       "accepted": c.accepted_tokens, "rolled_back": c.rolled_back_tokens,
+                       "verify_forwards": c.verify_forwards,
+                       "verify_model_passes": c.verify_model_passes}}))
+
+
+    # ---- other hook entry points ---------------------------------------------------------------
+    def on_release(self, req) -> None:
+        """SGLang frees the request's KV slots: stop its Residual first (a barrier)."""
+        room = getattr(req, "bootstrap_room", None)
+        if room is not None:
+            self.transfers.cancel(room)
+
+    def record_draft_logits(self, pool_indices: list[int], logits) -> None:
+        """The sampler is about to draw the next token of these batch rows: keep, for each
+        speculating sampled request, the logits its draft token is drawn from."""
+        for row, pool_idx in enumerate(pool_indices):
+            st = self.sampled_by_pool_idx.get(pool_idx)
+            if st is not None:
+                st.draft_logits.append(logits[row].detach().float().clone())

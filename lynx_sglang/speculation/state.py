@@ -1,0 +1,91 @@
+"""What speculation knows about one request (`SpecState`, riding on SGLang's Req as `lynx_spec`),
+its running totals (`SpecCounters`), the result of one verification (`VerifyResult`), and which
+requests may speculate at all (`not_speculable_reason`).
+
+Plain data and pure functions of a Req's sampling parameters: used by `speculation.controller`
+and `speculation.verify`, testable without a server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecState:
+    """Speculation bookkeeping of one request (attribute `lynx_spec` of SGLang's Req)."""
+
+    room: int
+    t_committed: float = field(default_factory=time.monotonic)
+    # Tokens of output_ids known exact: the first token comes from the prefill's exact forward.
+    verified_len: int = 1
+    # Tokens of output_ids already on the spec stream (--lynx-spec-stream-port).
+    published_len: int = 1
+    # Why this request does not speculate at all (None: it does).
+    no_spec_reason: str | None = None
+    finish_pending: bool = False
+    parked_reason: str | None = None
+    t_parked: float | None = None
+    # Sampled requests: the logits each speculative token was drawn from (one row per token, in
+    # order), captured before SGLang's sampler (`sample_before`).
+    sampled: bool = False
+    draft_logits: list = field(default_factory=list)
+    # SGLang's reasoning-token counters of the request at commit (`REASONING_STATE`): speculative
+    # tokens advance them, so verification recounts them over the verified tokens.
+    reasoning: tuple = ()
+
+
+@dataclass
+class SpecCounters:
+    """Totals since start-up, logged with every verification (`lynx spec` line)."""
+
+    verifications: int = 0
+    verify_forwards: int = 0
+    # Model forward passes run while verifying (SGLang's ModelRunner.forward_pass_id): one per
+    # verification batch, whatever the number of speculative tokens.
+    verify_model_passes: int = 0
+    speculated_tokens: int = 0
+    accepted_tokens: int = 0
+    rolled_back_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one request's speculative tokens."""
+
+    speculated: int
+    accepted: int
+    corrected_token: int | None
+
+
+# Req attributes SGLang's reasoning-token accounting advances token by token (Req.
+# update_reasoning_tokens); reasoning_tokens also decides how much `--strip-thinking-cache` strips.
+REASONING_STATE = ("reasoning_tokens", "_is_reasoning_over", "_think_end_match_len",
+                   "_think_start_match_len")
+
+
+def is_greedy(req) -> bool:
+    sp = req.sampling_params
+    return sp.temperature == 0 or sp.top_k == 1
+
+
+def not_speculable_reason(req) -> str | None:
+    """Why a request must wait for its Residual instead of decoding on the Anchor (None if it
+    may speculate). Verification reproduces greedy decoding and plain temperature sampling
+    exactly; top-k/top-p/min-p truncation, logprobs, grammars and penalties would need more
+    (truncated draft distributions, logprob rewriting, grammar rollback)."""
+    sp = req.sampling_params
+    if not is_greedy(req) and (sp.top_p < 1.0 or 1 < sp.top_k < (1 << 30) or sp.min_p > 0):
+        return "sampled with top-k/top-p/min-p"
+    if req.return_logprob:
+        return "returns logprobs"
+    if req.grammar is not None:
+        return "grammar-constrained"
+    if req.return_hidden_states:
+        return "returns hidden states"
+    if (sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+            or sp.logit_bias or sp.min_new_tokens or getattr(sp, "custom_params", None)
+            or req.custom_logit_processor):
+        return "penalties, logit bias, min_new_tokens or a custom logit processor"
+    return None

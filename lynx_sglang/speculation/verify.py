@@ -1,0 +1,139 @@
+"""The verification forward and what follows it: one EXTEND forward over a batch of requests'
+speculative positions on exact (refined) prompt KV (`verify_forward`), the acceptance decision
+per request (`decide`, with the rules of `speculation.acceptance`), the edit of its output
+(`apply_acceptance`), the freeing of rejected positions' KV (`rollback`) and SGLang's reasoning
+counters recounted over the verified tokens (`recount_reasoning`).
+
+Called by `speculation.controller.SpecController` on the decode scheduler thread. Every SGLang
+internal used here is listed in patches/README.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .acceptance import Acceptance, accept_greedy, accept_sampled
+from .state import REASONING_STATE, SpecState, VerifyResult
+
+logger = logging.getLogger(__name__)
+
+
+def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
+    """One EXTEND forward over every request's speculative positions on top of its (refined)
+    prompt KV; returns, per request, the logits [n, vocab] predicting output_ids[1..n].
+
+    Request i has prompt length P and output_ids [t0 .. tn]; KV slots for t0..t(n-1) exist at
+    positions P..P+n-1 (written during speculation). The extend feeds t0..t(n-1) at those
+    positions into the same slots, so their KV is rewritten at full precision.
+    """
+    from sglang.srt.layers.logits_processor import LogitsMetadata
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    device = scheduler.req_to_token_pool.device
+    req_to_token = scheduler.req_to_token_pool.req_to_token
+    tokens, locs, prefix_lens, extend_lens, seq_lens = [], [], [], [], []
+    for req in reqs:
+        p = len(req.origin_input_ids)
+        n = len(req.output_ids) - 1
+        if req.kv.kv_committed_len != p + n:
+            raise RuntimeError(f"lynx verify: request {req.rid} holds KV for "
+                               f"{req.kv.kv_committed_len} positions, expected {p + n}")
+        tokens.extend(req.output_ids[:n])
+        locs.append(req_to_token[req.kv.req_pool_idx, p: p + n].to(torch.int64))
+        prefix_lens.append(p)
+        extend_lens.append(n)
+        seq_lens.append(p + n)
+    batch = ScheduleBatch.init_new(
+        reqs=reqs, req_to_token_pool=scheduler.req_to_token_pool,
+        token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator,
+        tree_cache=scheduler.tree_cache, model_config=scheduler.model_config,
+        enable_overlap=False, spec_algorithm=scheduler.spec_algorithm,
+    )
+    batch.forward_mode = ForwardMode.EXTEND
+    batch.return_logprob = False
+    batch.input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+    pool_idx = [r.kv.req_pool_idx for r in reqs]
+    batch.req_pool_indices = torch.tensor(pool_idx, dtype=torch.int64, device=device)
+    batch.req_pool_indices_cpu = torch.tensor(pool_idx, dtype=torch.int64)
+    batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+    batch.orig_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    batch.seq_lens_sum = sum(seq_lens)
+    batch.out_cache_loc = torch.cat(locs)
+    batch.prefix_lens = prefix_lens
+    batch.extend_lens = extend_lens
+    batch.extend_num_tokens = sum(extend_lens)
+    batch.extend_logprob_start_lens = list(extend_lens)
+    batch.multimodal_inputs = [None] * len(reqs)
+    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch,
+                                                                scheduler.model_config.vocab_size)
+    result = scheduler.tp_worker.forward_batch_generation(
+        batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+    hidden = result.logits_output.hidden_states
+    model = scheduler.tp_worker.model_runner.model
+    logits = model.logits_processor._get_logits(
+        hidden, model.lm_head, LogitsMetadata(forward_mode=ForwardMode.DECODE),
+        use_logits_buffer=False,
+    )[:, : scheduler.model_config.vocab_size]
+    return list(torch.split(logits, extend_lens))
+
+
+def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
+    """Greedy: compare argmaxes. Sampled: speculative sampling with the exact distribution p and
+    the one each draft token was drawn from, q (both at the request's temperature)."""
+    drafts = list(req.output_ids[st.verified_len:])
+    if not st.sampled:
+        return accept_greedy(exact_logits, drafts)
+    from sglang.kernels.ops.sampling import softmax as sampler_softmax
+
+    temperature = req.sampling_params.temperature
+    p = sampler_softmax(exact_logits.float() / temperature)
+    generator = None
+    seed = req.sampling_params.sampling_seed
+    if seed is not None:
+        generator = torch.Generator().manual_seed(hash((seed, st.room)) & 0x7FFF_FFFF_FFFF_FFFF)
+    if len(st.draft_logits) != len(drafts):
+        # The draft distributions are incomplete: keep no draft, draw the first token from p,
+        # which is what exact decoding does.
+        logger.warning("lynx spec: %s has %d draft distributions for %d speculative tokens; "
+                       "resampling from the first", req.rid, len(st.draft_logits), len(drafts))
+        y = int(torch.multinomial(p[0].float(), 1, generator=generator))
+        return Acceptance(0, y)
+    q = sampler_softmax(torch.stack(st.draft_logits).float() / temperature)
+    return accept_sampled(p, q, drafts, generator)
+
+
+def apply_acceptance(req, st: SpecState, acc: Acceptance) -> VerifyResult:
+    """Edit output_ids in place: keep the accepted drafts, then the correction if any."""
+    n = len(req.output_ids) - st.verified_len
+    if acc.correction is None:
+        return VerifyResult(n, acc.accepted, None)
+    del req.output_ids[st.verified_len + acc.accepted:]
+    req.output_ids.append(acc.correction)
+    return VerifyResult(n, acc.accepted, acc.correction)
+
+
+def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:
+    """Free the KV slots of the rejected positions. After `apply_acceptance`, output_ids ends in
+    the token the next decode step feeds, so the request keeps KV for prompt + output_ids[:-1]."""
+    keep = len(req.origin_input_ids) + len(req.output_ids) - 1
+    held = req.kv.kv_allocated_len
+    if held > keep:
+        scheduler.tree_cache.free_kv_row(req.kv, [(keep, held)])
+        req.kv.kv_allocated_len = keep
+    req.kv.kv_committed_len = keep
+
+
+
+def recount_reasoning(scheduler, req, st: SpecState) -> None:
+    """SGLang counted reasoning tokens over the speculative tokens as they were generated,
+    rejected ones included: restore the counters of commit time and count the verified tokens."""
+    for name, value in zip(REASONING_STATE, st.reasoning, strict=True):
+        setattr(req, name, value)
+    if len(req.output_ids) > st.verified_len:
+        scheduler.batch_result_processor._maybe_update_reasoning_tokens(
+            req, list(req.output_ids[st.verified_len:]))

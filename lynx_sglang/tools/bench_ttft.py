@@ -1,0 +1,506 @@
+"""`lynx-sglang bench-ttft` (also `scripts/bench_ttft.py`): time to first token of PD cluster
+variants on one shaped link, driven by SGLang's own benchmark client.
+
+In one run, for each variant of `tools.variants.VARIANTS` in turn (by name; each is a KV transfer backend plus
+extra server flags), start a local PD cluster (`tools.cluster`: prefill + decode + router,
+the link shaped as with `lynx-sglang up --link RATE`), send one full-length warm-up request, then:
+  1. `python -m sglang.bench_serving` (through `tools.bench_serving_offline`, see there why)
+     against the router: `--backend sglang --dataset-name random-ids --tokenize-prompt` with
+     `--random-range-ratio 1`, so every prompt is exactly `--prompt-tokens` token ids and nothing
+     is read from the network; `--max-concurrency 1`, requests one after the other. Its own TTFT
+     and inter-token latencies per request give TTFT and the time to the 16th/64th token.
+  2. The same prompts again with this project's streaming client (`tools.client`), one at a
+     time, the prefill's prefix cache flushed before each: bench_serving keeps no wall-clock send
+     time, and the network-exposed TTFT (the prefill's `prefill_done` timeline line ->
+     first token at the client) needs one. Also TTFT and the 16th/64th token times.
+Every server's KV pool has `--kv-dtype` (default BF16, SGLang's `--kv-cache-dtype`; the model
+computes in fp32). Bytes per stream: Lynx variants from the decode's `lynx transfer` line of each
+request; mooncake from the model's KV shape in that dtype (computed). Greedy, `ignore_eos`
+(bench_serving's default), so every request streams exactly `--max-new-tokens` tokens.
+
+Writes `<out>/bench_ttft.json` (config, per-variant per-request numbers of both clients, medians,
+baseline ÷ variant ratios of the medians), `<out>/bench_ttft.png` (bar plot of the medians) and the
+servers' and bench_serving's logs under `<out>/bench_ttft_runs/<variant>/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from lynx_kernels import KVShape
+
+from ..errors import LynxError
+from ..names import TIMELINE_ENV
+from .client import GenerateError, StreamedGeneration, generate, generate_stream
+from .cluster import Cluster, ClusterMode, ClusterSpec
+from .measure import (
+    DEFAULT_KV_DTYPE,
+    LYNX_EVENTS,
+    add_kv_dtype_argument,
+    kv_dtype_server_args,
+    model_kv_shape,
+    prefill_done_events,
+    prefill_done_for,
+    selected_config,
+    transfer_line_for,
+    transfer_lines,
+    wait_for,
+)
+from .prompts import passkey_prompt, random_ids_prompts
+from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants
+
+BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
+LYNX_CLIENT = "lynx_client"      # lynx_sglang.tools.client.generate_stream's per-request numbers
+CLIENTS = (BENCH_SERVING, LYNX_CLIENT)
+class BenchError(LynxError):
+    pass
+
+
+DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request as one client saw it; seconds since that client sent it."""
+
+    client: str
+    index: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    # 1-based output token number (the marks, e.g. 16 and 64) -> seconds; None if fewer tokens.
+    token_s: dict[int, float | None]
+    # lynx_client only: the prefill's "prefill forward done" line, and first token - that.
+    prefill_done_s: float | None = None
+    network_ttft_s: float | None = None
+    # lynx_client, Lynx variants: bytes per stream and Anchor/Residual landed/applied times.
+    stream_bytes: dict[str, int] | None = None
+    lynx_events_s: dict[str, float | None] = field(default_factory=dict)
+    text: str = ""
+
+
+def token_times_from_itl(ttft_s: float, itl_s: list[float], output_tokens: int,
+                         marks: tuple[int, ...]) -> dict[int, float | None]:
+    """Arrival of output token k from bench_serving's TTFT and per-token inter-token latencies.
+
+    bench_serving spreads each streamed chunk's gap evenly over the chunk's new tokens and keeps
+    no ITL for the tokens of the first chunk, so the first `output_tokens - len(itl_s)` tokens
+    arrived at TTFT and token k after that at TTFT + the first k - c ITLs (exact at chunk ends;
+    with SGLang's default one token per chunk, exact for every token).
+    """
+    first_chunk = output_tokens - len(itl_s)
+    if first_chunk < 1:
+        raise BenchError(f"{len(itl_s)} inter-token latencies for {output_tokens} output tokens")
+    times: dict[int, float | None] = {}
+    for k in marks:
+        if k > output_tokens:
+            times[k] = None
+        elif k <= first_chunk:
+            times[k] = ttft_s
+        else:
+            times[k] = ttft_s + sum(itl_s[:k - first_chunk])
+    return times
+
+
+def parse_bench_serving(result: dict, marks: tuple[int, ...]) -> list[RequestTiming]:
+    """Per-request timings from bench_serving's `--output-details` result (one JSONL line)."""
+    errors = [e for e in result.get("errors", []) if e]
+    if errors:
+        raise BenchError(f"bench_serving: {len(errors)} failed request(s): {errors[0][-2000:]}")
+    rows = zip(result["input_lens"], result["output_lens"], result["ttfts"], result["itls"],
+               result["generated_texts"], strict=True)
+    return [RequestTiming(BENCH_SERVING, i, p, o, ttft, token_times_from_itl(ttft, itl, o, marks),
+                          text=text)
+            for i, (p, o, ttft, itl, text) in enumerate(rows)]
+
+
+def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
+                  prefill_done: dict | None, transfer: dict | None) -> RequestTiming:
+    """Per-request timing of one streamed request, with the prefill's `prefill_done` event and
+    (Lynx) the decode's `lynx transfer` line matched to it."""
+    rel = lambda t: None if t is None else round(t - got.t_send, 6)  # noqa: E731
+    ttft = rel(got.t_first_token)
+    done = rel(prefill_done["t"]) if prefill_done else None
+    return RequestTiming(
+        LYNX_CLIENT, index, got.prompt_tokens, len(got.output_ids), ttft,
+        {k: rel(got.t_tokens[k - 1]) if k <= len(got.t_tokens) else None for k in marks},
+        prefill_done_s=done,
+        network_ttft_s=None if done is None else round(ttft - done, 6),
+        stream_bytes=None if transfer is None else {"anchor": transfer["anchor_bytes"],
+                                                    "residual": transfer["residual_bytes"]},
+        lynx_events_s={} if transfer is None else {k: rel(transfer[k]) for k in LYNX_EVENTS},
+        text=got.text)
+
+
+def metric_values(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, list[float]]:
+    """`<client>.<metric>` -> the requests' values (None left out): ttft_s, net_ttft_s (lynx
+    client only) and t<k>_s for each token mark k."""
+    out: dict[str, list[float]] = {}
+
+    def add(key: str, value: float | None) -> None:
+        if value is not None:
+            out.setdefault(key, []).append(value)
+
+    for r in requests:
+        add(f"{r.client}.ttft_s", r.ttft_s)
+        if r.client == LYNX_CLIENT:
+            add(f"{r.client}.net_ttft_s", r.network_ttft_s)
+        for k in marks:
+            add(f"{r.client}.t{k}_s", r.token_s.get(k))
+    return out
+
+
+def medians(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, float]:
+    return {k: round(statistics.median(v), 6) for k, v in metric_values(requests, marks).items()}
+
+
+def ratios(medians_by_variant: dict[str, dict[str, float]], baseline: str) -> dict[str, dict]:
+    """`<baseline>/<variant>` -> metric -> baseline median ÷ variant median (> 1: the variant is
+    faster). Metrics missing on either side, or zero at the variant, are left out; no ratios
+    before the baseline has been measured."""
+    if baseline not in medians_by_variant:
+        return {}
+    base = medians_by_variant[baseline]
+    out = {}
+    for name, med in medians_by_variant.items():
+        if name == baseline:
+            continue
+        out[f"{baseline}/{name}"] = {k: round(base[k] / med[k], 4) for k in med
+                                     if k in base and med[k] > 0}
+    return out
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    variant: Variant
+    requests: list[RequestTiming]
+    # Bytes per stream of one request: {"anchor", "residual"} (measured, Lynx) or {"kv"}.
+    stream_bytes: dict[str, int]
+    bytes_measured: bool
+    # Whether both clients got the same text for each prompt (same prompts, greedy).
+    same_text_both_clients: bool
+    run_dir: str
+    warmup_attempts: int = 1
+    # Lynx: the decode's effective configuration as it logged it at start-up.
+    server_config: str | None = None
+
+
+def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new_tokens: int,
+                          requests: int, seed: int, output_file: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "lynx_sglang.tools.bench_serving_offline",
+        "--backend", "sglang", "--base-url", url,
+        "--model", str(model_dir), "--tokenizer", str(model_dir),
+        "--dataset-name", "random-ids", "--tokenize-prompt",
+        "--random-input-len", str(prompt_tokens), "--random-output-len", str(max_new_tokens),
+        "--random-range-ratio", "1", "--num-prompts", str(requests), "--seed", str(seed),
+        # Latency, not throughput: one request at a time. The caller warms the cluster up with a
+        # different prompt; bench_serving's own warm-up would send the first measured prompt and
+        # put it in the prefix cache.
+        "--max-concurrency", "1", "--request-rate", "inf", "--warmup-requests", "0",
+        "--output-file", str(output_file), "--output-details", "--disable-tqdm",
+    ]
+
+
+def _flush_prefix_cache(server_url: str, timeout_s: float = 60.0) -> None:
+    """Empty a server's prefix cache (waits until it is idle), so a repeated prompt is prefilled
+    and transferred in full again."""
+    req = urllib.request.Request(f"{server_url}/flush_cache?timeout={timeout_s:.0f}", data=b"",
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s + 10) as r:
+            if r.status != 200:
+                raise BenchError(f"flush_cache on {server_url}: HTTP {r.status}")
+    except (urllib.error.URLError, OSError) as exc:
+        raise BenchError(f"flush_cache on {server_url} failed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    link: str | None
+    model: str
+    prompt_tokens: int
+    max_new_tokens: int
+    requests: int
+    seed: int
+    token_marks: tuple[int, ...]
+    variants: tuple[str, ...]
+    baseline: str
+    startup_timeout_s: float
+    request_timeout_s: float
+    kv_dtype: str = DEFAULT_KV_DTYPE
+
+
+def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
+                warmup_ids: list[int], kv_shape: KVShape, run_dir: Path) -> VariantResult:
+    spec = ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
+                       server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
+                       link=cfg.link,
+                       startup_timeout_s=cfg.startup_timeout_s, extra_env={TIMELINE_ENV: "1"})
+    log = lambda msg: print(f"[bench-ttft] {variant.name}: {msg}", flush=True)  # noqa: E731
+    log(f"starting prefill + decode + router (logs {run_dir}) ...")
+    t0 = time.monotonic()
+    is_lynx = variant.transfer_backend == "lynx"
+    with Cluster(spec) as cluster:
+        for attempt in range(1, WARMUP_ATTEMPTS + 1):
+            log(f"up in {time.monotonic() - t0:.0f} s; warm-up request ({len(warmup_ids)} "
+                f"tokens), attempt {attempt}")
+            try:
+                generate(cluster.url, input_ids=warmup_ids, max_new_tokens=4,
+                         timeout_s=cfg.request_timeout_s)
+                break
+            except GenerateError as exc:
+                log(f"warm-up failed: {exc}")
+                if attempt == WARMUP_ATTEMPTS:
+                    raise
+        out_file = run_dir / "bench_serving.jsonl"
+        out_file.unlink(missing_ok=True)  # bench_serving appends
+        cmd = bench_serving_command(cluster.url, Path(cfg.model), cfg.prompt_tokens,
+                                    cfg.max_new_tokens, cfg.requests, cfg.seed, out_file)
+        (run_dir / "bench_serving.cmd").write_text(" ".join(cmd) + "\n")
+        log(f"sglang.bench_serving: {cfg.requests} request(s), one at a time")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        with open(run_dir / "bench_serving.log", "wb") as bs_log:
+            proc = subprocess.run(cmd, stdout=bs_log, stderr=subprocess.STDOUT, env=env,
+                                  timeout=cfg.request_timeout_s * cfg.requests + 300)
+        if proc.returncode != 0 or not out_file.is_file():
+            raise BenchError(f"{variant.name}: bench_serving exited with {proc.returncode}; "
+                             f"log {run_dir / 'bench_serving.log'}")
+        bench = parse_bench_serving(json.loads(out_file.read_text().splitlines()[-1]),
+                                    cfg.token_marks)
+        log(f"the same prompts with lynx_sglang.tools.client ({cfg.requests} request(s))")
+        streamed = []
+        for ids in prompts:
+            _flush_prefix_cache(cluster.prefill_url)
+            streamed.append(generate_stream(cluster.url, input_ids=ids,
+                                            max_new_tokens=cfg.max_new_tokens,
+                                            timeout_s=cfg.request_timeout_s,
+                                            sampling={"ignore_eos": True}))
+        prefill_log, decode_log = cluster.log_path("prefill"), cluster.log_path("decode")
+
+        def matched() -> tuple[list, list]:
+            events = prefill_done_events(prefill_log.read_text(errors="replace"))
+            lines = transfer_lines(decode_log.read_text(errors="replace")) if is_lynx else []
+            ends = [g.t_send for g in streamed[1:]] + [float("inf")]
+            done = [prefill_done_for(events, g.prompt_tokens, g.t_send, g.t_first_token)
+                    for g in streamed]
+            xfer = [transfer_line_for(lines, g.prompt_tokens, g.t_send, end) if is_lynx else None
+                    for g, end in zip(streamed, ends, strict=True)]
+            return done, xfer
+
+        def complete() -> bool:
+            done, xfer = matched()
+            return None not in done and (not is_lynx or None not in xfer)
+
+        # The servers log asynchronously; give the last lines a moment to reach the files.
+        wait_for(complete)
+        done, xfer = matched()
+        server_config = selected_config(decode_log.read_text(errors="replace"))
+    if any(d is None for d in done):
+        raise BenchError(f"{variant.name}: a request has no `lynx timeline` prefill_done line in "
+                         f"{prefill_log}")
+    if is_lynx and any(x is None for x in xfer):
+        raise BenchError(f"{variant.name}: a request has no `lynx transfer` line in {decode_log}")
+    client = [client_timing(i, g, cfg.token_marks, d, x)
+              for i, (g, d, x) in enumerate(zip(streamed, done, xfer, strict=True))]
+    if is_lynx:
+        stream_bytes = client[-1].stream_bytes
+        if any(r.stream_bytes != stream_bytes for r in client):
+            raise BenchError(f"{variant.name}: bytes per stream differ between same-length "
+                             f"requests: {[r.stream_bytes for r in client]}")
+    else:
+        stream_bytes = {"kv": kv_shape.bytes_for(cfg.prompt_tokens)}
+    same_text = [b.text for b in bench] == [c.text for c in client]
+    return VariantResult(variant, bench + client, stream_bytes, is_lynx, same_text, str(run_dir),
+                         attempt, server_config)
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
+                 ratio_table: dict[str, dict]) -> str:
+    marks = cfg.token_marks
+    cols = [(f"{BENCH_SERVING}.ttft_s", "TTFT (bench_serving)"),
+            (f"{LYNX_CLIENT}.ttft_s", "TTFT (client)"),
+            (f"{LYNX_CLIENT}.net_ttft_s", "net TTFT (client)"),
+            *[(f"{BENCH_SERVING}.t{k}_s", f"token {k} (bench_serving)") for k in marks]]
+    head = ("variant", *[c[1] for c in cols], "bytes per stream")
+    rows = []
+    for r in results:
+        med = medians(r.requests, marks)
+        cells = [f"{med[k] * 1e3:.0f} ms" if k in med else "-" for k, _ in cols]
+        b = r.stream_bytes
+        nbytes = (f"KV {_mib(b['kv'])} (computed)" if "kv" in b
+                  else f"Anchor {_mib(b['anchor'])} / Residual {_mib(b['residual'])}")
+        rows.append((r.variant.name, *cells, nbytes))
+    widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))  # noqa: E731
+    lines = [f"link: {link_desc}; {cfg.requests} request(s) per client per variant, one at a "
+             f"time; {cfg.prompt_tokens}-token prompts, {cfg.max_new_tokens} new tokens, greedy; "
+             "medians",
+             fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+    for pair, vals in ratio_table.items():
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in vals.items()
+                          if k.endswith(("ttft_s", f"t{marks[-1]}_s")))
+        lines.append(f"{pair} (> 1: faster than {cfg.baseline}): {shown}")
+    same = {r.variant.name: r.same_text_both_clients for r in results}
+    lines += [f"same output text from both clients (same prompts): {same}",
+              "TTFT: send -> first token at that client; net TTFT: prefill forward done (prefill "
+              "log) -> first token at lynx_sglang.tools.client (bench_serving keeps no wall-clock send "
+              "time); token k: send -> k-th streamed token."]
+    return "\n".join(lines)
+
+
+def plot(results: list[VariantResult], cfg: BenchConfig, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # The network-exposed TTFT gets its own panel: it is far smaller than the end-to-end times.
+    panels = [[f"{LYNX_CLIENT}.net_ttft_s"],
+              [f"{BENCH_SERVING}.ttft_s", f"{LYNX_CLIENT}.ttft_s",
+               *[f"{c}.t{k}_s" for k in cfg.token_marks for c in CLIENTS]]]
+    values = [metric_values(r.requests, cfg.token_marks) for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(panels[1]), 4.5),
+                             gridspec_kw={"width_ratios": [1.6, 1.6 * len(panels[1])]})
+    width = 0.8 / len(results)
+    for ax, keys in zip(axes, panels, strict=True):
+        for i, (r, vals) in enumerate(zip(results, values, strict=True)):
+            xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(keys))]
+            meds = [statistics.median(vals[k]) if vals.get(k) else 0.0 for k in keys]
+            ax.bar(xs, meds, width, label=r.variant.name)
+            for x, k in zip(xs, keys, strict=True):  # each request as a dot over its median bar
+                ax.plot([x] * len(vals.get(k, [])), vals.get(k, []), "k.", markersize=3)
+        ax.set_xticks(range(len(keys)),
+                      [k.removesuffix("_s").replace(".", "\n") for k in keys], fontsize=8)
+    axes[0].set_ylabel("seconds (median; dots: requests)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
+                ratio_table: dict[str, dict], extra: dict) -> dict:
+    return {
+        "config": asdict(cfg) | {"link_desc": link_desc,
+                                 "variant_specs": [asdict(r.variant) for r in results]} | extra,
+        "variants": {r.variant.name: {
+            "stream_bytes": r.stream_bytes, "bytes_measured": r.bytes_measured,
+            "same_text_both_clients": r.same_text_both_clients, "run_dir": r.run_dir,
+            "warmup_attempts": r.warmup_attempts, "server_config": r.server_config,
+            "medians": medians(r.requests, cfg.token_marks),
+            "requests": {c: [asdict(q) for q in r.requests if q.client == c] for c in CLIENTS},
+        } for r in results},
+        "ratios": ratio_table,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from {[v.name for v in VARIANTS]} "
+                             f"(default {','.join(DEFAULT_VARIANTS)})")
+    parser.add_argument("--baseline", default="mooncake",
+                        help="variant the ratios divide by (default mooncake)")
+    parser.add_argument("--link", default="1gbit", metavar="RATE|none",
+                        help="rate of the shaped link between prefill and decode (two network "
+                             "namespaces; root), e.g. 1gbit, 10mbit; none = loopback")
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=3,
+                        help="requests per client per variant, sent one at a time (default 3)")
+    parser.add_argument("--token-marks", default="16,64",
+                        help="report the time to these streamed tokens (default 16,64)")
+    parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed (prompts)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="HF model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--out", type=Path, default=Path("out"),
+                        help="folder for bench_ttft.json, bench_ttft.png and bench_ttft_runs/")
+    add_kv_dtype_argument(parser)
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from .model import embedded_model_dir
+
+    variants = select_variants(args.variants)
+    if args.baseline not in [v.name for v in variants]:
+        raise BenchError(f"--baseline {args.baseline} is not among --variants")
+    if args.requests < 1 or args.max_new_tokens < 1:
+        raise BenchError("--requests and --max-new-tokens must be at least 1")
+    link = None if args.link == "none" else args.link
+    link_desc = (f"{link} shaped veth between two network namespaces (prefill | decode)"
+                 if link else "loopback") + f", {args.kv_dtype} KV"
+    model_dir = Path(args.model or embedded_model_dir())
+    cfg = BenchConfig(link, str(model_dir), args.prompt_tokens, args.max_new_tokens,
+                      args.requests, args.seed,
+                      tuple(int(k) for k in args.token_marks.split(",") if k.strip()),
+                      tuple(v.name for v in variants), args.baseline, args.startup_timeout_s,
+                      args.request_timeout_s, args.kv_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = random_ids_prompts(tokenizer.vocab_size, cfg.prompt_tokens, cfg.max_new_tokens,
+                                 cfg.requests, cfg.seed)
+    # A full-length warm-up whose prefix no measured prompt shares.
+    warmup_ids = passkey_prompt(tokenizer, cfg.prompt_tokens)
+    kv_shape = model_kv_shape(model_dir, args.kv_dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"[bench-ttft] model {model_dir}; link: {link_desc}; variants {list(cfg.variants)}",
+          flush=True)
+
+    # SIGTERM ends the run like Ctrl-C, so the running cluster's context manager stops it.
+    def _on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    t0 = time.monotonic()
+    load_start = os.getloadavg()
+    results: list[VariantResult] = []
+
+    def write(complete: bool) -> dict:
+        """The JSON so far: written after every variant, so a run cut short keeps what it has."""
+        ratio_table = ratios({r.variant.name: medians(r.requests, cfg.token_marks)
+                              for r in results}, cfg.baseline)
+        extra = {"complete": complete, "cpus": os.cpu_count(), "loadavg_start": load_start,
+                 "loadavg_end": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1),
+                 "bench_serving": "sglang.bench_serving --backend sglang --dataset-name random-ids "
+                                  "--tokenize-prompt --random-range-ratio 1 --max-concurrency 1 "
+                                  "--warmup-requests 0 (via lynx_sglang.tools.bench_serving_offline)"}
+        (args.out / "bench_ttft.json").write_text(
+            json.dumps(result_json(results, cfg, link_desc, ratio_table, extra), indent=1))
+        return ratio_table
+
+    try:
+        for v in variants:
+            results.append(run_variant(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                                       kv_shape=kv_shape,
+                                       run_dir=(args.out / "bench_ttft_runs" / v.name).resolve()))
+            write(complete=False)
+    except KeyboardInterrupt:
+        print("[bench-ttft] interrupted; the running cluster was stopped", file=sys.stderr)
+        return 130
+    ratio_table = write(complete=True)
+    print()
+    print(format_table(results, cfg, link_desc, ratio_table))
+    plot(results, cfg, args.out / "bench_ttft.png",
+         f"{cfg.prompt_tokens}-token prompts, {cfg.max_new_tokens} new tokens, {link_desc}")
+    print(f"\n[bench-ttft] wrote {args.out / 'bench_ttft.json'} and {args.out / 'bench_ttft.png'} "
+          f"({time.monotonic() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,95 @@
+"""`lynx-sglang` command line.
+
+Each subcommand lives in its own module, which defines `add_arguments(parser)` and `run(args) -> int`;
+it is imported only when that subcommand runs, so `lynx-sglang --help` stays fast and never pulls in
+SGLang or torch. To add a subcommand, add one `Subcommand` row to `SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    module: str
+    help: str
+
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand(
+        "anchor-study",
+        "lynx_sglang.tools.study.anchor_study",
+        "measure decoding over Anchor/INT-b/BF16 prefix KV against exact decoding (embedded model)",
+    ),
+    Subcommand(
+        "bench-ttft",
+        "lynx_sglang.tools.bench_ttft",
+        "TTFT/net TTFT/token times of PD variants (mooncake, lynx, lynx-int8) via sglang.bench_serving",
+    ),
+    Subcommand(
+        "bench-transfer",
+        "lynx_sglang.tools.bench_transfer",
+        "time-to-Anchor/Residual vs BF16/INT8/INT4 single-stream KV transfers on a shaped link",
+    ),
+    Subcommand(
+        "codec-report",
+        "lynx_sglang.tools.codec_report",
+        "bytes per token per stream and error statistics of the Lynx codec for a model's KV shape",
+    ),
+    Subcommand(
+        "demo",
+        "lynx_sglang.tools.demo",
+        "PD demo: mooncake vs Lynx (non-speculative, speculative, INT4 Anchor only) on one link; "
+        "TTFT table + timeline",
+    ),
+    Subcommand(
+        "up",
+        "lynx_sglang.tools.cluster",
+        "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",
+    ),
+)
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="lynx-sglang",
+        description=(
+            "Lynx: progressive speculative KV transfer for SGLang PD disaggregation. "
+            "The KV cache crosses the network as a small Anchor stream (top bits, high priority) "
+            "and a Residual stream (the rest, low priority)."
+        ),
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = {}
+    for cmd in SUBCOMMANDS:
+        subparsers[cmd.name] = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+    return parser, subparsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, subparsers = _build_parser()
+    # Only the chosen subcommand's module is imported, so its arguments are added after a first
+    # pass that learns which subcommand it is.
+    chosen = next((a for a in argv if a in subparsers), None)
+    if chosen is not None:
+        module = importlib.import_module(next(c.module for c in SUBCOMMANDS if c.name == chosen))
+        module.add_arguments(subparsers[chosen])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    module = importlib.import_module(next(c.module for c in SUBCOMMANDS if c.name == args.command))
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

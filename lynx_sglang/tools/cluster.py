@@ -1,0 +1,393 @@
+"""A local SGLang cluster: prefill + decode + sglang-router (mini load balancer, PD mode), or one
+plain server for reference outputs. Owns the processes it starts and their logs.
+
+Every server runs as `python -m lynx_sglang.serve` (SGLang's launch_server with Lynx's CPU
+compatibility active from interpreter start, see that module), each process tree in its own
+process group so `stop()` can end the whole tree: SIGTERM to the group, then SIGKILL after a
+deadline. `start()` waits for each server's /health (and the router's) with a deadline and fails
+with the tail of the log of a process that died or never came up. Logs: `<run_dir>/<name>.log`.
+
+Used by `lynx-sglang up` (`run`), the tests (tests/sglang/conftest.py) and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from ..errors import LynxError
+from .netns import RECEIVER_IP, SENDER_IP, Forwarder, ShapedLink
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+TRANSFER_BACKENDS = ("lynx", "mooncake_tcp")
+
+
+class ClusterMode(str, Enum):
+    PD = "pd"
+    SINGLE = "single"
+
+
+class ClusterError(LynxError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. `server_args` are appended to every SGLang server's command line (e.g. the
+    `--lynx-*` flags); `transfer_backend` is ignored in single mode."""
+
+    model_path: str
+    mode: ClusterMode = ClusterMode.PD
+    transfer_backend: str = "lynx"
+    run_dir: Path | None = None
+    server_args: tuple[str, ...] = ()
+    max_total_tokens: int = 8192
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 20.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    # PD only: put prefill and decode in two network namespaces joined by a link shaped to this
+    # rate (e.g. "1gbit"), with this qdisc (see lynx_sglang.tools.netns); None = loopback.
+    link: str | None = None
+    link_qdisc: str = "prio"
+
+    def __post_init__(self) -> None:
+        if self.link and self.mode is not ClusterMode.PD:
+            raise ClusterError("--link needs the PD mode (it separates prefill from decode)")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ClusterError(
+                f"transfer backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
+            )
+
+
+@dataclass
+class _Proc:
+    name: str
+    cmd: list[str]
+    popen: subprocess.Popen
+    log_path: Path
+    health_url: str
+    host_ip: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _cpu_only() -> bool:
+    from .. import cpu_compat
+
+    return not cpu_compat.cuda_device_present()
+
+
+def server_command(spec: ClusterSpec, port: int, role: str | None,
+                   bootstrap_port: int | None, host: str = HOST) -> list[str]:
+    """SGLang server command line for role None (single), "prefill" or "decode"."""
+    cmd = [
+        sys.executable, "-m", "lynx_sglang.serve",
+        "--model-path", spec.model_path,
+        "--host", host, "--port", str(port),
+        "--dtype", "float32",
+        "--max-total-tokens", str(spec.max_total_tokens),
+        "--skip-server-warmup",
+        # Deterministic scheduling: greedy outputs are compared token for token.
+        "--disable-overlap-schedule",
+        # Idle schedulers otherwise busy-poll a core each.
+        "--sleep-on-idle",
+    ]
+    if _cpu_only():
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+    if role is not None:
+        cmd += ["--disaggregation-mode", role,
+                "--disaggregation-transfer-backend", spec.transfer_backend,
+                "--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return cmd + list(spec.server_args)
+
+
+class Cluster:
+    """Context manager: `with Cluster(spec) as c: c.url` (router URL in PD mode)."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.run_dir = Path(spec.run_dir or tempfile.mkdtemp(prefix="lynx-cluster-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._procs: list[_Proc] = []
+        self._link: ShapedLink | None = None
+        self._forwarders: list[Forwarder] = []
+        self.url = ""
+        self.prefill_url = ""
+        self.decode_url = ""
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _env(self, host_ip: str) -> dict[str, str]:
+        env = dict(os.environ)
+        # SGLang's KV managers (Mooncake's engine, our transport endpoint) bind this address.
+        env["SGLANG_HOST_IP"] = host_ip
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        if _cpu_only():
+            # OpenMP's default spin-waiting makes 2 torch threads on 2 shared cores up to ~30x
+            # slower for the codec's many small ops (measured: scripts/bench_kv_path.py); the
+            # servers of every backend get the same setting.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.update(self.spec.extra_env)
+        return env
+
+    def _spawn(self, name: str, cmd: list[str], health_url: str, host_ip: str = HOST) -> _Proc:
+        log_path = self.run_dir / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child; closed below
+        try:
+            popen = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(host_ip),
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        (self.run_dir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
+        proc = _Proc(name, cmd, popen, log_path, health_url, host_ip)
+        self._procs.append(proc)
+        logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+        return proc
+
+    def start(self) -> None:
+        spec = self.spec
+        if spec.mode is ClusterMode.SINGLE:
+            port = free_port()
+            self.url = f"http://{HOST}:{port}"
+            self._spawn("server", server_command(spec, port, None, None), self.url + "/health")
+            self._wait_healthy(self._procs)
+            return
+        p_port, d_port, r_port, b_port = free_port(), free_port(), free_port(), free_port()
+        p_host = d_host = HOST
+        wrap_p = wrap_d = list
+        if spec.link:
+            self._link = ShapedLink().open()
+            self._link.set_rate(spec.link, spec.link_qdisc)
+            p_host, d_host = SENDER_IP, RECEIVER_IP
+            link = self._link
+            def wrap_p(cmd):
+                return link.wrap(link.sender_ns, cmd)
+            def wrap_d(cmd):
+                return link.wrap(link.receiver_ns, cmd)
+        self.prefill_url = self._reachable(p_host, p_port)
+        self.decode_url = self._reachable(d_host, d_port)
+        self._spawn("prefill", wrap_p(server_command(spec, p_port, "prefill", b_port, p_host)),
+                    self.prefill_url + "/health", p_host)
+        decode_cmd = server_command(spec, d_port, "decode", b_port, d_host)
+        if spec.link:
+            # `ip netns exec` remounts /sys, so SGLang cannot find its memory cgroup to size the
+            # decode's host KV pool automatically; an explicit ratio skips that lookup.
+            decode_cmd += ["--hicache-ratio", "2"]
+        self._spawn("decode", wrap_d(decode_cmd),
+                    self.decode_url + "/health", d_host)
+        self._wait_healthy(self._procs)
+        self.url = self._reachable(d_host, r_port)
+        router = [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--mini-lb", "--prefill", f"http://{p_host}:{p_port}", str(b_port),
+            "--decode", f"http://{d_host}:{d_port}", "--host", d_host, "--port", str(r_port),
+        ]
+        self._spawn("router", wrap_d(router), self.url + "/health", d_host)
+        self._wait_healthy(self._procs[-1:])
+        (self.run_dir / "cluster.json").write_text(json.dumps(
+            {"router": self.url, "prefill": self.prefill_url, "decode": self.decode_url,
+             "bootstrap_port": b_port, "transfer_backend": spec.transfer_backend,
+             "link": spec.link, "link_qdisc": spec.link_qdisc if spec.link else None,
+             "namespaces": [self._link.sender_ns, self._link.receiver_ns] if self._link else None},
+            indent=1))
+
+    def _reachable(self, host: str, port: int) -> str:
+        """URL of host:port as seen from this process (a forwarder when it is in a namespace)."""
+        if self._link is None:
+            return f"http://{host}:{port}"
+        ns = self._link.sender_ns if host == SENDER_IP else self._link.receiver_ns
+        fwd = Forwarder(ns, host, port)
+        self._forwarders.append(fwd)
+        return fwd.url
+
+    def _wait_healthy(self, procs: list[_Proc]) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                code = proc.popen.poll()
+                if code is not None:
+                    raise ClusterError(
+                        f"{proc.name} exited with code {code} during start-up; "
+                        f"log {proc.log_path}:\n{log_tail(proc.log_path)}"
+                    )
+                # A slow server (SGLang's /health runs a one-token generation: seconds under
+                # emulation) must be waited for, not probed again: each abandoned probe queues
+                # one more generation and the server never catches up.
+                if _http_ok(proc.health_url, max(1.0, min(30.0, deadline - time.monotonic()))):
+                    logger.info("%s healthy", proc.name)
+                    pending.remove(proc)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                tails = "\n".join(f"--- {p.name}:\n{log_tail(p.log_path)}" for p in pending)
+                raise ClusterError(
+                    f"{names} not healthy after {self.spec.startup_timeout_s:.0f} s\n{tails}"
+                )
+            time.sleep(1.0)
+
+    def proc(self, name: str) -> subprocess.Popen:
+        for p in self._procs:
+            if p.name == name:
+                return p.popen
+        raise KeyError(name)
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / f"{name}.log"
+
+    def decode_used_tokens(self) -> int:
+        """KV slots the decode server holds right now (SGLang's /v1/loads), for leak checks."""
+        with urllib.request.urlopen(self.decode_url + "/v1/loads", timeout=10) as r:
+            loads = json.loads(r.read())["loads"]
+        return sum(entry["num_used_tokens"] for entry in loads)
+
+    def decode_tcp_address(self, port: int) -> str:
+        """tcp://host:port of a port the decode server listens on (e.g. its
+        --lynx-spec-stream-port), as reachable from this process."""
+        host = next(p.host_ip for p in self._procs if p.name == "decode")
+        return "tcp://" + self._reachable(host, port).removeprefix("http://")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process tree (fault tests)."""
+        popen = self.proc(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait(timeout=self.spec.stop_timeout_s)
+
+    def restart(self, name: str) -> None:
+        """Start a killed process again with the same command line (and ports); wait healthy."""
+        old = next(p for p in self._procs if p.name == name)
+        if old.popen.poll() is None:
+            raise ClusterError(f"{name} is still running; kill it first")
+        self._procs.remove(old)
+        self._wait_healthy([self._spawn(name, old.cmd, old.health_url, old.host_ip)])
+
+    def stop(self) -> None:
+        for p in reversed(self._procs):
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.stop_timeout_s
+        for p in self._procs:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                p.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop after SIGTERM; killing", p.name)
+            # SGLang's scheduler can outlive its parent: end the rest of the group too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=5)
+        self._procs.clear()
+        for fwd in self._forwarders:
+            fwd.close()
+        self._forwarders.clear()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+
+def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+# ---- `lynx-sglang up` ------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model folder (default: the embedded SmolLM2-135M, converted once)")
+    parser.add_argument("--mode", choices=[m.value for m in ClusterMode], default="pd",
+                        help="pd: prefill + decode + router; single: one plain server")
+    parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default="lynx",
+                        help="KV transfer backend of the PD pair (default lynx)")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where logs go (default: a new temporary folder)")
+    parser.add_argument("--link", default=None, metavar="RATE",
+                        help="PD only (root): prefill and decode in two network namespaces joined "
+                             "by a link shaped to RATE (e.g. 1gbit, 500mbit)")
+    parser.add_argument("--link-qdisc", choices=("fifo", "prio", "htb"), default="prio",
+                        help="queueing on the shaped link: fifo, prio (pfifo_fast: strict priority "
+                             "by IP TOS, which the Lynx TCP transport sets per stream), htb")
+    parser.add_argument("--max-total-tokens", type=int, default=8192)
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
+                        help="extra SGLang/Lynx server flags after `--`, e.g. -- --lynx-target exact")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .model import embedded_model_dir
+
+    spec = ClusterSpec(
+        model_path=str(args.model or embedded_model_dir()),
+        mode=ClusterMode(args.mode),
+        transfer_backend=args.transfer_backend,
+        run_dir=args.run_dir,
+        server_args=tuple(args.server_args),
+        max_total_tokens=args.max_total_tokens,
+        startup_timeout_s=args.startup_timeout_s,
+        link=args.link,
+        link_qdisc=args.link_qdisc,
+    )
+    stop = False
+
+    def _on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    with Cluster(spec) as cluster:
+        print(json.dumps({"url": cluster.url, "run_dir": str(cluster.run_dir),
+                          "prefill": cluster.prefill_url, "decode": cluster.decode_url}),
+              flush=True)
+        while not stop:
+            for p in cluster._procs:
+                if p.popen.poll() is not None:
+                    print(f"{p.name} exited with code {p.popen.returncode}; stopping",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(1.0)
+    return 0

@@ -1,0 +1,62 @@
+"""The PD cluster variants the demo and the benchmarks compare, by name: a KV transfer backend
+plus the extra flags every server of the pair gets. One table (`VARIANTS`) for every tool; add a
+variant here to measure it, and `--variants` picks by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LynxError
+
+# The warm-up also opens the prefill -> decode transport session, whose set-up counts against the
+# Lynx connect timeout; on a loaded machine the first attempt can run out of it. Not measured.
+WARMUP_ATTEMPTS = 2
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One PD cluster configuration (set the same `--lynx-*` values on prefill and decode).
+    `exact`: its KV reaches the decode bit-identical to the prefill's, so its greedy outputs must
+    agree with every other exact variant's; lossy ones are only scored against them."""
+
+    name: str
+    transfer_backend: str
+    server_args: tuple[str, ...] = ()
+    description: str = ""
+    exact: bool = True
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("mooncake", "mooncake_tcp", (), "SGLang's Mooncake over TCP, full KV (the baseline)"),
+    Variant("lynx", "lynx", ("--lynx-target", "exact"),
+            "Lynx speculative (default flags), Residual = exact values (bit-identical KV)"),
+    Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
+            "Lynx non-speculative, Residual = exact values: decoding waits for the Residual"),
+    Variant("lynx-int8", "lynx", ("--lynx-target", "int8"),
+            "Lynx speculative (default flags), Residual = low 4 bits of the INT8 code (INT8 KV)",
+            exact=False),
+    Variant("lynx-int8-nospec", "lynx", ("--lynx-target", "int8", "--no-lynx-speculate"),
+            "Lynx non-speculative, INT8 KV: decoding waits for Anchor + Residual (≈ INT8 bytes)",
+            exact=False),
+    Variant("lynx-int8-a3", "lynx", ("--lynx-target", "int8", "--lynx-anchor-bits", "3"),
+            "Lynx speculative, 3-bit Anchor (rotated, sink/recent protected), Residual = low 5 "
+            "bits of the INT8 code: a smaller Anchor, more rollbacks", exact=False),
+    Variant("int4-anchor", "lynx", ("--no-lynx-residual", "--no-lynx-speculate"),
+            "Anchor only, no Residual (4-bit KV, lossy): the TTFT floor Lynx aims at",
+            exact=False),
+)
+
+
+class VariantError(LynxError):
+    pass
+
+
+def select_variants(names: str) -> list[Variant]:
+    """The variants named in a comma-separated list, in that order."""
+    by_name = {v.name: v for v in VARIANTS}
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in by_name]
+    if unknown or not chosen:
+        raise VariantError(f"--variants: unknown {unknown}; choose from {list(by_name)}")
+    return [by_name[n] for n in chosen]

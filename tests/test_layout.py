@@ -1,0 +1,109 @@
+"""The package boundaries, checked on the source: what SGLang loads never imports a tool, the codec
+and the transport never import SGLang (and the transport never needs torch), and no first-party
+module imports itself back through others. Imports inside functions count too: a lazy import is
+still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"lynx_kernels": ROOT / "kernels", "lynx_transport": ROOT / "transport",
+            "lynx_sglang": ROOT / "lynx_sglang"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Absolute names of everything `name` imports (first-party resolved to modules)."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            # `from pkg import mod` imports a module when `pkg.mod` is one.
+            found |= {f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in MODULES}
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _first_party(name: str) -> set[str]:
+    """`name`'s first-party imports, without its own ancestor packages (Python imports those
+    before any submodule anyway, so `from . import x` inside a package is no cycle)."""
+    return {n for n in GRAPH[name] if n in MODULES and not name.startswith(n + ".")}
+
+
+def _is_tool(name: str) -> bool:
+    return name == "lynx_sglang.tools" or name.startswith("lynx_sglang.tools.")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("lynx_sglang")
+                                        and not _is_tool(n)))
+def test_runtime_never_imports_a_tool(name):
+    assert not [m for m in GRAPH[name] if _is_tool(m)], f"{name} imports a tool module"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not n.startswith("lynx_sglang")))
+def test_codec_and_transport_stay_engine_free(name):
+    bad = [m for m in GRAPH[name] if m.split(".")[0] in ("sglang", "lynx_sglang")]
+    if name.startswith("lynx_transport"):
+        bad += [m for m in GRAPH[name] if m.split(".")[0] in ("torch", "lynx_kernels")]
+    assert not bad, f"{name} imports {bad}"
+
+
+def test_no_first_party_import_cycle():
+    # Tarjan's strongly connected components over the first-party import graph.
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in _first_party(v):
+            if w == v:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(MODULES):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"

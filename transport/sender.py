@@ -1,0 +1,324 @@
+"""The sender role of a `Session`: the peer's announcements and the writes posted against them.
+
+`SenderRole` keeps the announcements the peer sent (ANNOUNCE / RELEASE), checks every write against
+them before handing it to the backend, and tracks each (request, stream) it sends (`TxRequest`,
+one `TxStream` per stream) until the receiver's ACK / NACK. It also answers a receiver's fenced
+RELEASE once the request is drained (one-sided backends). Mixed into `session.Session`; the
+records are changed only here, under the session lock.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backend import FinOp, WriteOp
+from .memory import Region
+from .sessionbase import SessionBase, now
+from .types import (
+    MAX_AUX_BYTES,
+    STREAMS,
+    Announcement,
+    FailureReason,
+    OutOfBoundsError,
+    RegionError,
+    Status,
+    Stream,
+    StreamState,
+    StreamStateError,
+    UnknownRequestError,
+)
+from .wire import failure_reason, parse_announce
+
+
+@dataclass
+class TxStream:
+    status: Status = Status.PENDING
+    posted: int = 0
+    sent: int = 0
+    total: int | None = None  # set by finish()
+    t_start: float | None = None
+    t_first: float | None = None
+    t_done: float | None = None
+    reason: FailureReason | None = None
+    detail: str = ""
+
+    @property
+    def started(self) -> bool:
+        """Something was posted or finished: the receiver may be waiting for this stream."""
+        return self.posted > 0 or self.total is not None
+
+    def fail(self, reason: FailureReason, detail: str) -> None:
+        self.status = Status.FAILED
+        self.reason = reason
+        self.detail = detail
+        self.t_done = now()
+
+
+@dataclass
+class TxRequest:
+    streams: dict[Stream, TxStream] = field(default_factory=lambda: {s: TxStream() for s in STREAMS})
+    deadline: float | None = None
+    regions: set[int] = field(default_factory=set)  # local source regions it holds a reference on
+
+    def state(self, request_id: int, stream: Stream) -> StreamState:
+        ts = self.streams[stream]
+        return StreamState(request_id, stream, ts.status, ts.sent, ts.total, ts.t_start,
+                           ts.t_first, ts.t_done, ts.reason, ts.detail, None)
+
+    def expired(self, t: float) -> bool:
+        return self.deadline is not None and t > self.deadline and any(
+            ts.status is Status.PENDING and ts.started for ts in self.streams.values()
+        )
+
+
+class SenderRole(SessionBase):
+    """The sender half of `session.Session`."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._tx: dict[int, TxRequest] = {}
+        self._peer_ann: dict[int, Announcement] = {}
+        self._peer_released: set[int] = set()
+
+    # ------------------------------------------------------------------ public API
+    def announcement(self, request_id: int) -> Announcement | None:
+        """The peer's announcement for `request_id`, or None if it has not arrived yet."""
+        with self._lock:
+            return self._peer_ann.get(request_id)
+
+    def wait_announcement(self, request_id: int, timeout: float | None = None) -> Announcement:
+        end = None if timeout is None else now() + timeout
+        with self._cond:
+            while True:
+                self.check_open()
+                ann = self._peer_ann.get(request_id)
+                if ann is not None:
+                    return ann
+                left = None if end is None else end - now()
+                if left is not None and left <= 0:
+                    raise UnknownRequestError(f"no announcement for request {request_id} "
+                                              f"within {timeout} s")
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+
+    def write(
+        self,
+        request_id: int,
+        stream: Stream,
+        src: Region | int,
+        src_offset: int,
+        length: int,
+        dst_region_id: int,
+        dst_offset: int,
+        *,
+        deadline_s: float | None = None,
+        checksum: bool | None = None,
+    ) -> None:
+        """Queue a write of local `src`[src_offset : +length] to the peer's region `dst_region_id`
+        at `dst_offset`, tagged (request, stream). Checked against the peer's announcement first
+        (OutOfBoundsError / UnknownRequestError, nothing is sent). Non-blocking.
+
+        `deadline_s` (first write of a request sets it): seconds from now after which the request's
+        unfinished streams fail with TIMEOUT on both sides."""
+        self.check_open()
+        stream = Stream(stream)
+        host = self._host
+        region = src if isinstance(src, Region) else host.region(src)
+        if region is not host.find_region(region.id):
+            raise RegionError(f"region {region.id} is not registered with this endpoint")
+        if src_offset < 0 or length < 0 or src_offset + length > region.length:
+            raise RegionError(f"source [{src_offset}, {src_offset + length}) outside region "
+                              f"{region.id} ({region.length} B)")
+        with self._lock:
+            ann = self._peer_ann.get(request_id)
+            if ann is None or request_id in self._peer_released:
+                raise UnknownRequestError(f"request {request_id}: no (live) announcement from "
+                                          "the peer")
+            if not host.unsafe_skip_bounds and not ann.contains(
+                stream, dst_region_id, dst_offset, length
+            ):
+                raise OutOfBoundsError(
+                    f"request {request_id} {stream.name}: [{dst_offset}, {dst_offset + length}) "
+                    f"of peer region {dst_region_id} is outside the announced bounds"
+                )
+            rq, ts = self._tx_stream(request_id, stream)
+            if ts.status is not Status.PENDING:
+                raise StreamStateError(f"request {request_id} {stream.name} is {ts.status.value}")
+            if ts.total is not None:
+                raise StreamStateError(f"request {request_id} {stream.name} already finished")
+            t = now()
+            if deadline_s is not None and rq.deadline is None:
+                rq.deadline = t + deadline_s
+            elif rq.deadline is None and host.default_deadline_s is not None:
+                rq.deadline = t + host.default_deadline_s
+            if ts.t_start is None:
+                ts.t_start = t
+            ts.posted += length
+            if region.id not in rq.regions:
+                rq.regions.add(region.id)
+                host.region_refs([region.id], +1)
+            op = WriteOp(self.id, request_id, stream, region, src_offset, length, dst_region_id,
+                         dst_offset, ann.region_info.get(dst_region_id, {}),
+                         host.checksum if checksum is None else checksum)
+            if length:
+                host.backend.post_write(op)
+
+    def write_stream(
+        self,
+        request_id: int,
+        stream: Stream,
+        src: Region | int,
+        src_offset: int,
+        length: int,
+        stream_offset: int = 0,
+        **kw: Any,
+    ) -> None:
+        """Write local bytes into the peer's announced extents for `stream`, treating them as one
+        logical byte range (extents concatenated in announced order) starting at `stream_offset`.
+        """
+        ann = self.announcement(request_id)
+        if ann is None:
+            raise UnknownRequestError(f"request {request_id}: no announcement from the peer")
+        for ext, rel in ann.locate(stream, stream_offset, length):
+            self.write(request_id, stream, src, src_offset + rel, ext.length, ext.region_id,
+                       ext.offset, **kw)
+
+    def finish(self, request_id: int, stream: Stream, aux: bytes = b"") -> None:
+        """Mark (request, stream) complete on the sender: after every byte written so far lands,
+        the receiver sees the stream COMPLETE together with `aux` (≤ MAX_AUX_BYTES; e.g. SGLang's
+        first output token, sent with the ANCHOR). A stream with no writes may be finished too."""
+        self.check_open()
+        stream = Stream(stream)
+        aux = bytes(aux)
+        if len(aux) > MAX_AUX_BYTES:
+            raise ValueError(f"aux is {len(aux)} B > {MAX_AUX_BYTES}")
+        with self._lock:
+            ann = self._peer_ann.get(request_id)
+            if ann is None or request_id in self._peer_released:
+                raise UnknownRequestError(f"request {request_id}: no (live) announcement")
+            rq, ts = self._tx_stream(request_id, stream)
+            if ts.status is not Status.PENDING or ts.total is not None:
+                raise StreamStateError(f"request {request_id} {stream.name} already finished "
+                                       f"({ts.status.value})")
+            ts.total = ts.posted
+            if ts.t_start is None:
+                ts.t_start = now()
+            if rq.deadline is None and self._host.default_deadline_s is not None:
+                rq.deadline = now() + self._host.default_deadline_s
+            self._host.backend.post_fin(FinOp(self.id, request_id, stream, ts.total, aux))
+
+    def send_state(self, request_id: int, stream: Stream) -> StreamState:
+        """Sender-side snapshot: COMPLETE once the receiver acknowledged every byte."""
+        with self._lock:
+            rq = self._tx.get(request_id)
+            if rq is None:
+                raise UnknownRequestError(f"request {request_id}: nothing sent on this session")
+            return rq.state(request_id, Stream(stream))
+
+    def wait_sent(self, request_id: int, stream: Stream, timeout: float | None = None
+                  ) -> StreamState:
+        return self._wait_done(lambda: self.send_state(request_id, stream), timeout)
+
+    # ------------------------------------------------------------------ backend hooks
+    def on_sent(self, request_id: int, stream: Stream, nbytes: int) -> None:
+        """`nbytes` more bytes of (request, stream) left this host."""
+        with self._lock:
+            rq = self._tx.get(request_id)
+            if rq is None:
+                return
+            ts = rq.streams[stream]
+            if ts.t_first is None and nbytes:
+                ts.t_first = now()
+            ts.sent += nbytes
+
+    # ------------------------------------------------------------------ control messages
+    def _on_announce(self, h: dict, payload: bytes) -> None:
+        ann = parse_announce(h, payload)
+        with self._cond:
+            self._peer_ann[ann.request_id] = ann
+            self._peer_released.discard(ann.request_id)
+            self._cond.notify_all()
+
+    def _on_release(self, h: dict, payload: bytes) -> None:
+        req = int(h["req"])
+        with self._cond:
+            self._peer_released.add(req)
+            self._cond.notify_all()
+        if self._tx_fail(req, None, FailureReason.RELEASED, "receiver released the request"):
+            self._drain(req, 0.0)
+        if h.get("fence"):
+            self._control.spawn(functools.partial(self._fence_reply, req), f"lynx-fence-{req}")
+
+    def _fence_reply(self, req: int) -> None:
+        """Answer a fenced RELEASE with RELEASED once no chunk of `req` is in flight any more (on
+        its own thread: draining waits for the data path)."""
+        if self._drain(req, 2.0):
+            self._send("RELEASED", {"req": req})
+        else:
+            self.terminate(FailureReason.TIMEOUT,
+                           f"could not drain request {req} for the receiver", True)
+
+    def _on_ack(self, h: dict, payload: bytes) -> None:
+        req, stream = int(h["req"]), Stream(int(h["stream"]))
+        with self._cond:
+            rq = self._tx.get(req)
+            if rq is not None:
+                ts = rq.streams[stream]
+                if ts.status is Status.PENDING:
+                    ts.status = Status.COMPLETE
+                    ts.t_done = now()
+            self._cond.notify_all()
+
+    def _on_nack(self, h: dict, payload: bytes) -> None:
+        req, stream = int(h["req"]), Stream(int(h["stream"]))
+        reason = failure_reason(h.get("reason"), FailureReason.LOCAL_ERROR)
+        if self._tx_fail(req, stream, reason, "receiver: " + h.get("detail", "")):
+            self._drain(req, 0.0, stream)
+
+    # ------------------------------------------------------------------ for session.Session
+    def _take_tx(self, request_id: int) -> TxRequest | None:
+        """Forget the request and the peer's announcement of it (caller holds the session lock);
+        returns the send record."""
+        self._peer_ann.pop(request_id, None)
+        return self._tx.pop(request_id, None)
+
+    def _release_tx(self, request_id: int, tq: TxRequest, timeout: float) -> None:
+        """Sender half of `release` for a record `_take_tx` returned."""
+        if not self.closed and not self._drain(request_id, timeout):
+            self.terminate(FailureReason.TIMEOUT, f"could not drain request {request_id}",
+                           notify=True)
+        self._host.region_refs(tq.regions, -1)
+
+    def _tx_ids(self, expired_at: float | None = None) -> list[int]:
+        """Request ids sent on (only those past their deadline with streams pending, if
+        `expired_at` is given)."""
+        with self._lock:
+            return [rid for rid, tq in self._tx.items()
+                    if expired_at is None or tq.expired(expired_at)]
+
+    def _tx_fail(self, request_id: int, stream: Stream | None, reason: FailureReason,
+                 detail: str) -> list[Stream]:
+        """Fail the request's pending streams (the started ones, or `stream`); returns those
+        that changed."""
+        changed = []
+        with self._lock:
+            rq = self._tx.get(request_id)
+            if rq is None:
+                return changed
+            for s, ts in rq.streams.items():
+                if stream is not None and s != stream:
+                    continue
+                if ts.status is Status.PENDING and (ts.started or stream is not None):
+                    ts.fail(reason, detail)
+                    changed.append(s)
+            self._cond.notify_all()
+        if changed:
+            self._host.count("tx_failed_" + reason.value, len(changed))
+        return changed
+
+    def _tx_stream(self, request_id: int, stream: Stream) -> tuple[TxRequest, TxStream]:
+        rq = self._tx.get(request_id)
+        if rq is None:
+            rq = self._tx[request_id] = TxRequest()
+        return rq, rq.streams[stream]

@@ -1,0 +1,214 @@
+"""`Session`: one connection to a peer Endpoint, its request state and its control messages.
+
+A Session owns everything per peer that is not a socket: its handshake state, its receiver role
+(`receiver.ReceiverRole`: what it announced, what landed), its sender role (`sender.SenderRole`:
+the peer's announcements, what it posted), its close state, and how each control message from
+the peer changes them (`on_message`, a table of its own handlers).
+
+Called by users (the public API), by the `Endpoint` (connect's handshake, close), by the
+`ControlPlane` (`on_message`, heartbeats, peer timeout, `check_deadlines`, the acceptor's
+handshake) and by the backend hooks (`open_incoming`, `incoming_fin`, `on_sent`, `abort_request`,
+`terminate`). It reaches its Endpoint only through `sessionbase.SessionHost` and the control plane
+only through `sessionbase.SessionControl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+from .receiver import ReceiverRole
+from .sender import SenderRole
+from .sessionbase import SessionControl, SessionHost, now
+from .types import FailureReason, Stream
+from .wire import failure_reason
+
+log = logging.getLogger("lynx_transport")
+
+
+class Session(ReceiverRole, SenderRole):
+    """A connection to one peer Endpoint. Either side may announce (receive) and write (send).
+
+    Receiver-side methods: `announce`, `recv_state`, `wait`, `release`.
+    Sender-side methods: `announcement`, `wait_announcement`, `write`, `write_stream`, `finish`,
+    `send_state`, `wait_sent`, `abort`, `release`.
+    All are thread-safe and non-blocking except the `wait*` methods and `release` (bounded).
+    """
+
+    def __init__(self, host: SessionHost, control: SessionControl, sid: bytes, initiator: bool,
+                 peer_address: str):
+        super().__init__(host, control, sid, initiator, peer_address)
+        self._handlers: dict[str, Callable[[dict, bytes], None]] = {
+            "WELCOME": self._on_welcome,
+            "REJECT": self._on_reject,
+            "READY": self._on_ready,
+            "HB": self._on_heartbeat,
+            "BYE": self._on_bye,
+            "ANNOUNCE": self._on_announce,
+            "RELEASE": self._on_release,
+            "RELEASED": self._on_released,
+            "ACK": self._on_ack,
+            "NACK": self._on_nack,
+            "ABORT": self._on_abort,
+        }
+
+    def __repr__(self) -> str:
+        role = "initiator" if self.initiator else "acceptor"
+        return f"<Session {self.id.hex()[:8]} {role} peer={self.peer_address} ready={self.ready}>"
+
+    def close(self) -> None:
+        """Close this session (peer sees BYE → its requests fail CLOSED)."""
+        self.terminate(FailureReason.CLOSED, "closed locally", notify=True)
+
+    def abort(self, request_id: int, reason: str = "aborted by user") -> None:
+        """Fail every pending stream of `request_id` on both sides (either role)."""
+        self.abort_request(request_id, None, FailureReason.ABORTED, reason, notify=True)
+
+    def release(self, request_id: int, timeout: float = 2.0) -> None:
+        """Forget `request_id` on this session, in whichever roles this side has for it.
+
+        Receiver role: the announced bounds are withdrawn; when release returns, no further byte
+        lands in them (a chunk landing at that moment is waited for, at most one socket read; with
+        a one-sided backend such as verbs, release waits for the sender's drain reply), so the
+        staging memory may be reused. Pending streams fail RELEASED and the sender is told.
+        Sender role: queued writes are dropped; when release returns, no source byte of the
+        request will be read again, so the source memory may be reused or freed.
+        If that cannot be guaranteed within `timeout` s (stalled link), the session is closed.
+        """
+        with self._lock:
+            rq = self._take_rx(request_id)
+            tq = self._take_tx(request_id)
+        if rq is not None:
+            self._release_rx(request_id, rq, timeout)
+        if tq is not None:
+            self._release_tx(request_id, tq, timeout)
+        self._notify()
+
+    # ============================================ transport-internal interface (not for users)
+    # ---- lifecycle (Endpoint, ControlPlane, backend hooks)
+    def terminate(self, reason: FailureReason, detail: str, notify: bool) -> None:
+        """Close the session for `reason`: fail its pending streams in both roles, tear down its
+        data path and control socket; tell the peer (BYE) if `notify`. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.close_reason = reason
+            self.close_detail = detail
+        if notify and not self._control.stopped:
+            self._send("BYE", {"reason": reason.value, "detail": detail}, force=True)
+        with self._lock:
+            rx_ids, tx_ids = self._rx_ids(), self._tx_ids()
+        for rid in rx_ids:
+            self._rx_fail(rid, None, reason, detail, None)
+        for rid in tx_ids:
+            self._tx_fail(rid, None, reason, detail)
+        with contextlib.suppress(Exception):
+            self._host.backend.session_close(self.id)
+        self._control.forget(self.id)
+        self._notify()
+        log.debug("session %s closed: %s %s", self.id.hex()[:8], reason.value, detail)
+
+    def abort_request(self, request_id: int, stream: Stream | None, reason: FailureReason,
+                      detail: str, notify: bool) -> None:
+        """Fail `request_id`'s pending streams (all, or `stream`) in both roles, dropping the
+        sender's queued ops; `notify`: tell the peer (ABORT)."""
+        self._rx_fail(request_id, stream, reason, detail, None)
+        if self._tx_fail(request_id, stream, reason, detail):
+            with contextlib.suppress(Exception):
+                self._drain(request_id, 0.0, stream)
+        if notify and not self.closed:
+            self._send("ABORT", {"req": request_id,
+                                 "stream": None if stream is None else int(stream),
+                                 "reason": reason.value, "detail": detail})
+
+    def check_deadlines(self, t: float) -> None:
+        """Fail (TIMEOUT, both sides) every request past its deadline with streams pending."""
+        if self.closed:
+            return
+        with self._lock:
+            expired_rx, expired_tx = self._rx_ids(expired_at=t), self._tx_ids(expired_at=t)
+        for rid in expired_rx:
+            self.abort_request(rid, None, FailureReason.TIMEOUT, "receiver deadline passed",
+                               notify=True)
+        for rid in expired_tx:
+            self.abort_request(rid, None, FailureReason.TIMEOUT, "sender deadline passed",
+                               notify=True)
+
+    # ---- handshake (Endpoint.connect on the initiator, ControlPlane on the acceptor)
+    @property
+    def wants_heartbeats(self) -> bool:
+        """The initiator heartbeats only after WELCOME: until then the acceptor may not know the
+        session (its HELLO may still be on the way)."""
+        return self._welcomed or not self.initiator
+
+    def wait_welcome(self, end: float) -> bool:
+        """Initiator: wait until the peer's WELCOME or REJECT (`handshake_error`) arrived, at most
+        until monotonic `end`; False on timeout."""
+        with self._cond:
+            while not self._welcomed and self.handshake_error is None:
+                left = end - now()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+            return True
+
+    def data_path_up(self) -> None:
+        """This side's data path is connected: tell the peer (READY)."""
+        self._local_ready = True
+        self._send("READY", {})
+
+    def wait_peer_ready(self, end: float) -> bool:
+        """Wait until the peer's READY arrived or the session closed, at most until monotonic
+        `end`; returns `ready`."""
+        with self._cond:
+            while not self._peer_ready and not self.closed:
+                left = end - now()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.05))
+            return self.ready
+
+    # ---- control messages from the peer (ControlPlane's thread)
+    def on_message(self, kind: str, header: dict, payload: bytes) -> None:
+        """Apply one control message of the peer; kinds this version does not know are ignored."""
+        self.last_heard = now()
+        handler = self._handlers.get(kind)
+        if handler is not None:
+            handler(header, payload)
+
+    def _on_welcome(self, h: dict, payload: bytes) -> None:
+        with self._cond:
+            self.remote_info = h.get("info", {})
+            self.peer_endpoint_id = h.get("endpoint", "")
+            self.remote_prepare = h.get("prepare", {})
+            self._welcomed = True
+            self._cond.notify_all()
+
+    def _on_reject(self, h: dict, payload: bytes) -> None:
+        with self._cond:
+            self.handshake_error = h.get("reason", "rejected")
+            self._cond.notify_all()
+
+    def _on_ready(self, h: dict, payload: bytes) -> None:
+        with self._cond:
+            self._peer_ready = True
+            self._cond.notify_all()
+
+    def _on_heartbeat(self, h: dict, payload: bytes) -> None:
+        pass  # on_message already noted that the peer is alive
+
+    def _on_bye(self, h: dict, payload: bytes) -> None:
+        reason = failure_reason(h.get("reason"), FailureReason.CLOSED)
+        if reason is FailureReason.CLOSED:
+            self.terminate(FailureReason.PEER_DIED,
+                           "peer closed the session: " + h.get("detail", ""), notify=False)
+        else:
+            self.terminate(reason, "peer: " + h.get("detail", ""), notify=False)
+
+    def _on_abort(self, h: dict, payload: bytes) -> None:
+        req = int(h["req"])
+        stream = None if h.get("stream") is None else Stream(int(h["stream"]))
+        reason = failure_reason(h.get("reason"), FailureReason.ABORTED)
+        self.abort_request(req, stream, reason, "peer: " + h.get("detail", ""), notify=False)
