@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from .controller import SpecController
+from .verify import extend_attention_as_decode
 
 _controller: SpecController | None = None
 
@@ -122,4 +123,6 @@ HOOKS = (
     ("sglang.srt.managers.scheduler.Scheduler.is_fully_idle", is_fully_idle_around, "AROUND"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.sample", sample_before, "BEFORE"),
     ("sglang.srt.managers.scheduler.Scheduler.abort_request", abort_request_after, "AFTER"),
+    ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
+     "_run_sdpa_forward_extend", extend_attention_as_decode, "AROUND"),
 )

@@ -19,6 +19,50 @@ from .state import REASONING_STATE, SpecState, VerifyResult
 
 logger = logging.getLogger(__name__)
 
+# True while the verification forward runs (scheduler thread): the torch-native attention hook
+# then computes the extend's attention as decode steps would (`extend_attention_as_decode`).
+_verifying = False
+
+
+def extend_attention_as_decode(original, backend, query, output, k_cache, v_cache, req_to_token,
+                               req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
+                               encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
+                               is_cross_attn=False, sliding_window_size=None):
+    """SGLang's CPU (torch-native) extend attention pads every request's queries to its whole
+    sequence and runs causal attention over all of it: for a verification of n positions on a
+    prompt of P tokens that is O((P+n)^2) per layer, a prefill's worth of attention (measured: ten
+    decode steps for 2 positions on 1.5k tokens). During a verification forward the n speculative
+    positions attend to their prefixes in one masked SDPA call per request and layer, O(n * P),
+    each position seeing exactly the keys its decode step saw. Any other extend goes to SGLang's
+    own code."""
+    if (not _verifying or encoder_lens is not None or is_cross_attn or not causal
+            or (sliding_window_size is not None and sliding_window_size > -1)):
+        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                        seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens,
+                        scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    from torch.nn.functional import scaled_dot_product_attention
+
+    q = query.movedim(0, query.dim() - 2)  # [heads, tokens, head_dim]
+    start = 0
+    for i in range(seq_lens.shape[0]):
+        n, p = int(extend_seq_lens[i]), int(extend_prefix_lens[i])
+        slots = req_to_token[req_pool_indices[i], : p + n]
+        keys = k_cache[slots].movedim(0, q.dim() - 2)
+        values = v_cache[slots].movedim(0, q.dim() - 2)
+        if not q.dtype == keys.dtype == values.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        # Position j (0-based among the n) sees keys [0, p + j]: SDPA's is_causal aligns the
+        # mask top-left, which is wrong when there are more keys than queries.
+        visible = (torch.arange(p + n, device=q.device)[None, :]
+                   <= torch.arange(p, p + n, device=q.device)[:, None])
+        out = scaled_dot_product_attention(
+            q[:, start: start + n].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=visible, enable_gqa=enable_gqa, scale=scaling)
+        output[start: start + n] = out.squeeze(0).movedim(q.dim() - 2, 0)
+        start += n
+    return output
+
 
 def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
     """One EXTEND forward over every request's speculative positions on top of its (refined)
@@ -71,8 +115,13 @@ def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
     batch.multimodal_inputs = [None] * len(reqs)
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch,
                                                                 scheduler.model_config.vocab_size)
-    result = scheduler.tp_worker.forward_batch_generation(
-        batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+    global _verifying
+    _verifying = True
+    try:
+        result = scheduler.tp_worker.forward_batch_generation(
+            batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+    finally:
+        _verifying = False
     hidden = result.logits_output.hidden_states
     model = scheduler.tp_worker.model_runner.model
     logits = model.logits_processor._get_logits(
