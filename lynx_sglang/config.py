@@ -18,14 +18,17 @@ import enum
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lynx_kernels import CodecError, CodecSpec
 
 from .errors import LynxConfigError
-from .names import CONFIG_ENV
+from .names import CONFIG_ENV, SECRET_ENV
 
 TRANSPORTS = ("tcp", "verbs")
+MIN_SECRET_BYTES = 16
+SPEC_POLICIES = ("auto", "always")
 FLAG_PREFIX = "--lynx-"
 
 
@@ -50,6 +53,15 @@ class LynxConfig:
     transport: str = _opt("tcp", "data plane for the two KV streams", choices=TRANSPORTS)
     ib_device: str | None = _opt(None, "RDMA device for --lynx-transport verbs (e.g. mlx5_0, "
                                        "rxe0; default: the first device)")
+    secret_file: str | None = _opt(
+        None, "file whose bytes (at least 16, e.g. `head -c 32 /dev/urandom`) authenticate every "
+              "Lynx transport session: give every prefill and decode of the deployment the same "
+              f"file (or the secret in ${SECRET_ENV}, hex); `lynx-sglang up` makes one. Without a "
+              "secret Lynx listens on loopback only, unless --lynx-insecure")
+    insecure: bool = _opt(
+        False, "allow unauthenticated transport sessions on a non-loopback address: anyone who "
+               "can reach the port could write into KV memory; only on an isolated, trusted "
+               "network")
     chunk_tokens: int = _opt(256, "tokens per wire chunk, a multiple of the group size")
     staging_mib: int = _opt(256, "registered staging memory per server for in-flight requests' "
                                  "encoded KV, in MiB")
@@ -65,6 +77,11 @@ class LynxConfig:
               "(see --lynx-spec-stream-port); greedy and plain-temperature requests speculate; "
               "top-k/top-p/min-p, logprob, grammar, penalty and hidden-state requests wait for "
               "the Residual instead")
+    spec_policy: str = _opt(
+        "auto", "decode, with --lynx-speculate: 'auto' speculates on a request only when it "
+                "pays (the Residual's expected arrival, from the measured link rate, is later "
+                "than writing the rest of the Anchor plus one verification); 'always' speculates "
+                "whenever the Residual is not in yet", choices=SPEC_POLICIES)
     residual: bool = _opt(
         True, "send the Residual stream; --no-lynx-residual sends only the Anchor and the decode "
               "keeps Anchor-precision KV (lossy, like plain low-bit KV quantization: a benchmark "
@@ -73,6 +90,10 @@ class LynxConfig:
                                     "reaches it waits for its Residual")
     spec_deadline_s: float = _opt(30.0, "stop speculating on a request whose Residual has not "
                                         "landed this long after its Anchor, and wait for it, in s")
+    trace_dir: str | None = _opt(
+        None, "write one JSON record per request and stage (lynx_sglang.trace: encode, wire, "
+              "apply, report, first step, first token, verification) to DIR/lynx-<pid>.jsonl; "
+              "the stage histograms go to SGLang's /metrics with --enable-metrics either way")
     spec_stream_port: int = _opt(
         0, "decode, opt-in: also publish every speculative token, and the outcome of every "
            "verification (tokens accepted, rolled back, corrected), on a ZMQ PUB socket at "
@@ -107,6 +128,9 @@ class LynxConfig:
         if self.spec_stream_port and not self.speculate:
             raise LynxConfigError("--lynx-spec-stream-port streams speculative tokens: it needs "
                                   "--lynx-speculate")
+        if self.spec_policy not in SPEC_POLICIES:
+            raise LynxConfigError(f"{flag_name('spec_policy')} must be one of {SPEC_POLICIES}, "
+                                  f"got {self.spec_policy!r}")
         if self.spec_max_tokens < 0:
             raise LynxConfigError(
                 f"{flag_name('spec_max_tokens')} must be >= 0, got {self.spec_max_tokens}")
@@ -129,6 +153,28 @@ class LynxConfig:
         out = {f.name: getattr(self.codec, f.name) for f in dataclasses.fields(CodecSpec)}
         out |= {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "codec"}
         return {k: v.value if isinstance(v, enum.Enum) else v for k, v in out.items()}
+
+    def load_secret(self) -> bytes | None:
+        """The transport secret: the file's bytes, else the hex in the environment, else None."""
+        if self.secret_file:
+            try:
+                secret = Path(self.secret_file).read_bytes().strip()
+            except OSError as exc:
+                raise LynxConfigError(f"{flag_name('secret_file')}: cannot read "
+                                      f"{self.secret_file}: {exc}") from None
+            where = flag_name("secret_file")
+        elif os.environ.get(SECRET_ENV):
+            try:
+                secret = bytes.fromhex(os.environ[SECRET_ENV].strip())
+            except ValueError:
+                raise LynxConfigError(f"${SECRET_ENV} must be hex") from None
+            where = f"${SECRET_ENV}"
+        else:
+            return None
+        if len(secret) < MIN_SECRET_BYTES:
+            raise LynxConfigError(f"{where}: the secret is {len(secret)} B; use at least "
+                                  f"{MIN_SECRET_BYTES} random bytes")
+        return secret
 
     def to_flags(self) -> list[str]:
         """The `--lynx-*` server flags that give this config (those that differ from the

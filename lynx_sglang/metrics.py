@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Stages range from sub-millisecond (one layer's apply on a GPU) to the whole wire time.
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                  10.0, 30.0, 60.0)
 
 
 @dataclass
@@ -28,6 +31,7 @@ class _Instruments:
     spec_tokens: Any
     spec_requests: Any
     verify_seconds: Any
+    stage_seconds: Any
 
 
 _instruments: _Instruments | None = None
@@ -65,6 +69,9 @@ def _get() -> _Instruments | None:
         verify_seconds=Histogram("lynx_spec_verify_seconds",
                                  "Verification forward + rollback per batch",
                                  buckets=_TIME_BUCKETS),
+        stage_seconds=Histogram("lynx_stage_seconds",
+                                "Duration of each traced stage of a request (lynx_sglang.trace)",
+                                ["stage"], buckets=_STAGE_BUCKETS),
     )
     return _instruments
 
@@ -97,3 +104,10 @@ def record_verify_time(seconds: float) -> None:
     m = _get()
     if m is not None:
         m.verify_seconds.observe(seconds)
+
+
+def record_stage(stage: str, seconds: float) -> None:
+    """One traced stage's duration (`lynx_sglang.trace.STAGES`)."""
+    m = _get()
+    if m is not None and seconds >= 0:
+        m.stage_seconds.labels(stage).observe(seconds)

@@ -23,8 +23,13 @@ BACKEND_SELECTED = "lynx transfer backend selected: "
 CONFIG_ENV = "LYNX_SGLANG_CONFIG"
 # "1": prefill servers log TIMELINE_RECORD events (any transfer backend).
 TIMELINE_ENV = "LYNX_SGLANG_TIMELINE"
+# A directory for every server process's trace records (lynx_sglang.trace), any transfer
+# backend; `--lynx-trace-dir` sets it for a Lynx server too.
+TRACE_DIR_ENV = "LYNX_SGLANG_TRACE_DIR"
 # "1": a single server replaces prompt KV by its codec reconstruction on request (tests, studies).
 REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
+# The shared secret of a deployment's Lynx transport sessions (alternative to --lynx-secret-file).
+SECRET_ENV = "LYNX_SGLANG_SECRET"
 # Tests only (prefill): seconds to hold a request's Residual back after its Anchor is finished.
 FAULT_RESIDUAL_DELAY_ENV = "LYNX_SGLANG_FAULT_RESIDUAL_DELAY_S"
 

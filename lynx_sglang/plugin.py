@@ -28,9 +28,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import cpu_compat, reference_kv, timeline
+from . import cpu_compat, reference_kv, request_trace, timeline
 from .config import LynxConfig, add_lynx_arguments
-from .names import BACKEND_SELECTED
+from .errors import LynxConfigError
+from .names import BACKEND_SELECTED, SECRET_ENV
 from .sglang_support import check_server_options, check_sglang_version
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 
 def hook_targets() -> tuple[str, ...]:
@@ -55,7 +57,8 @@ def hook_targets() -> tuple[str, ...]:
     from .speculation.hooks import HOOKS
 
     return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
-            DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, *(t for t, _, _ in HOOKS))
+            DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST,
+            *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
 
 
 _backend_installed = False
@@ -80,6 +83,7 @@ def register() -> None:
             HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
+            _register(request_trace.HOOKS)
             if config.speculate:
                 _register_speculation_hooks()
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
@@ -93,11 +97,16 @@ def register() -> None:
 def _register_speculation_hooks() -> None:
     """Scheduler process: the speculation hooks act only once a controller is bound (decode, in
     `_init_kv_manager_after`), so a prefill scheduler pays one attribute check per call."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from .speculation.hooks import HOOKS
 
-    for target, adapter, kind in HOOKS:
+    _register(HOOKS)
+
+
+def _register(hooks) -> None:
+    """(target, adapter, kind name) rows into SGLang's HookRegistry."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, adapter, kind in hooks:
         HookRegistry.register(target, adapter, HookType[kind])
 
 
@@ -111,10 +120,42 @@ def _from_cli_args_around(original, cls, args):
         check_sglang_version()
         config = LynxConfig.from_namespace(args)
         check_server_options(args)
+        _check_secret(config)
         config.export_to_env()
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        # Applied with the backend's hooks just below (install_backend -> apply_hooks).
+        HookRegistry.register(VALIDATE_REQUEST, _reject_empty_prompt_before, HookType.BEFORE)
         install_backend()
         logger.info("%s%s", BACKEND_SELECTED, config)
     return original(cls, args)
+
+
+def _reject_empty_prompt_before(manager, obj, input_ids, *args, **kwargs):
+    """A generation request with no prompt token has no KV to transfer: SGLang would take it to
+    the scheduler, where a PD pair fails it in ways that stop the server; refuse it here, where a
+    ValueError becomes the client's HTTP 400."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if isinstance(obj, GenerateReqInput) and input_ids is not None and len(input_ids) == 0:
+        raise ValueError("the prompt is empty: a generation request needs at least one token")
+    return None
+
+
+def _check_secret(config: LynxConfig) -> None:
+    """Refuse at launch what the transport would refuse in every scheduler later: listening where
+    other hosts can reach it without a secret."""
+    from sglang.srt.utils.network import get_local_ip_auto
+
+    from lynx_transport.auth import is_loopback
+
+    if config.load_secret() is None and not config.insecure and not is_loopback(
+            get_local_ip_auto()):
+        raise LynxConfigError(
+            f"Lynx transport sessions need a shared secret on a non-loopback address "
+            f"({get_local_ip_auto()}): pass --lynx-secret-file FILE (the same file on every "
+            f"prefill and decode; e.g. `head -c 32 /dev/urandom > FILE`) or set ${SECRET_ENV} "
+            "(hex), or --lynx-insecure on an isolated, trusted network")
 
 
 def _init_kv_manager_after(kv_manager, queue):

@@ -40,6 +40,35 @@ class Refusal:
     reason: str
 
 
+def _anchor_safety_refusals(ns) -> list[Refusal]:
+    """The options under which Anchor-precision KV could outlive speculation (be reused as a
+    prefix or offloaded before it is refined)."""
+    def get(name, default=None):
+        return getattr(ns, name, default)
+
+    out = []
+    if get("disaggregation_decode_enable_radix_cache"):
+        out.append(Refusal("--disaggregation-decode-enable-radix-cache",
+                           "Anchor-precision KV must never enter the decode prefix cache"))
+    if get("enable_hierarchical_cache") and get("disaggregation_mode") == "decode":
+        out.append(Refusal("--enable-hierarchical-cache on decode",
+                           "Anchor-precision KV must never be offloaded before refinement"))
+    if get("disaggregation_decode_enable_offload_kvcache"):
+        out.append(Refusal("--disaggregation-decode-enable-offload-kvcache",
+                           "Anchor-precision KV must never be offloaded before refinement"))
+    return out
+
+
+def check_anchor_safety(server_args) -> None:
+    """At KV-manager start-up, whatever launched the server (a programmatic launch never passes
+    the command-line check): refuse what would let Anchor-precision KV be reused."""
+    refusals = _anchor_safety_refusals(server_args)
+    if refusals:
+        raise UnsupportedSGLangError(
+            "--disaggregation-transfer-backend lynx cannot run with: "
+            + "; ".join(f"{r.option} ({r.reason})" for r in refusals))
+
+
 def _refusals(ns: argparse.Namespace) -> list[Refusal]:
     def get(name, default=None):
         return getattr(ns, name, default)
@@ -59,15 +88,7 @@ def _refusals(ns: argparse.Namespace) -> list[Refusal]:
         out.append(Refusal(f"--kv-cache-dtype {kv_dtype}",
                            "Lynx quantizes a bf16/fp16/fp32 KV pool itself; an fp8/fp4 pool "
                            "would be quantized twice"))
-    if get("disaggregation_decode_enable_radix_cache"):
-        out.append(Refusal("--disaggregation-decode-enable-radix-cache",
-                           "Anchor-precision KV must never enter the decode prefix cache"))
-    if get("enable_hierarchical_cache") and get("disaggregation_mode") == "decode":
-        out.append(Refusal("--enable-hierarchical-cache on decode",
-                           "Anchor-precision KV must never be offloaded before refinement"))
-    if get("disaggregation_decode_enable_offload_kvcache"):
-        out.append(Refusal("--disaggregation-decode-enable-offload-kvcache",
-                           "Anchor-precision KV must never be offloaded before refinement"))
+    out += _anchor_safety_refusals(ns)
     if get("enable_hisparse"):
         out.append(Refusal("--enable-hisparse", "host-resident KV destinations are not supported"))
     if get("disaggregation_enable_kv_checksum"):

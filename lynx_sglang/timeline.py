@@ -1,5 +1,6 @@
-"""Opt-in timeline log of a prefill server: one `lynx timeline {json}` line per request when its
-prefill forward has finished (before SGLang hands its KV to the transfer backend).
+"""Opt-in timeline of a prefill server: one `lynx timeline {json}` log line and one `timeline`
+trace record (`lynx_sglang.trace`) per request when its prefill forward has finished (before
+SGLang hands its KV to the transfer backend).
 
 Enabled by the plugin in scheduler processes when `LYNX_SGLANG_TIMELINE=1` (any transfer backend,
 so the demo can compare `lynx` and `mooncake_tcp` on the same clock); read back by the tools with
@@ -13,6 +14,7 @@ import logging
 import os
 import time
 
+from . import trace
 from .names import TIMELINE_ENV, TIMELINE_RECORD, record_line
 
 logger = logging.getLogger(__name__)
@@ -37,4 +39,8 @@ def prefill_done_before(scheduler, batch, result):
         logger.info("%s", record_line(TIMELINE_RECORD, {
             "rid": req.rid, "event": "prefill_done", "tokens": len(req.origin_input_ids),
             "t": round(t, 6)}))
+        tr = trace.Trace("timeline", getattr(req, "bootstrap_room", None) or 0)
+        tr.mark("prefill_done", t)
+        tr.facts.update(rid=req.rid, tokens=len(req.origin_input_ids))
+        trace.emit(tr)
     return None

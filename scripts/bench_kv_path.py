@@ -30,10 +30,11 @@ from lynx_kernels import CodecSpec, preset
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KVPoolView
 from lynx_sglang.backend.streams import (
-    apply_residual,
+    ResidualReader,
     encode_layer_into,
-    parse_anchor,
-    write_anchor,
+    parse_anchor_layer,
+    write_anchor_layer,
+    write_full_layer,
     write_residual_into,
 )
 
@@ -67,9 +68,10 @@ def encode_request(pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec, chunk
     encoded = [encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1,
                                  buf[plan.anchor_offset(layer): plan.anchor_offset(layer) + a_layer])[1]
                for layer in range(plan.num_layers)]
-    for layer, layer_encoding in enumerate(encoded):
-        at = plan.residual_staging_offset(layer)
-        write_residual_into(pool, layer_encoding, slots, chunk_tokens, 1, buf[at: at + r_layer])
+    at = plan.anchor_bytes
+    for layer_encoding in encoded:
+        at += write_residual_into(pool, layer_encoding, slots, chunk_tokens, 1,
+                                  buf[at: at + r_layer])
 
 
 def decode_request(buf: np.ndarray, pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
@@ -77,11 +79,18 @@ def decode_request(buf: np.ndarray, pool: KVPoolView, slots: torch.Tensor, spec:
     """Parse + write the Anchor, then apply the Residual; without `with_anchor`, the decode's
     path when both streams have landed before it looks (no Anchor-precision write)."""
     view = memoryview(buf)
-    a = plan.anchor_bytes
-    anchors = parse_anchor(view[:a], pool, len(slots), spec, request_tag=1)
-    if with_anchor:
-        write_anchor(anchors, pool, slots)
-    apply_residual(view[a: plan.staging_bytes], anchors, pool, slots, spec, request_tag=1)
+    anchors = []
+    for layer in range(plan.num_layers):
+        at = plan.anchor_offset(layer)
+        chunks = parse_anchor_layer(view[at: at + plan.anchor_layer_bytes], pool.shape, layer,
+                                    len(slots), spec, request_tag=1)
+        if with_anchor:
+            write_anchor_layer(chunks, pool, layer, slots)
+        anchors.append(chunks)
+    reader = ResidualReader(pool.shape, len(slots), spec, request_tag=1)
+    residual = view[plan.anchor_bytes: plan.staging_bytes]
+    for layer, chunks in reader.advance(residual, len(residual)):
+        write_full_layer(anchors[layer], chunks, pool, layer, slots)
 
 
 def plain_copy(pool: KVPoolView, slots: torch.Tensor, out: torch.Tensor) -> None:

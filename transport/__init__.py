@@ -5,12 +5,14 @@ Never imports SGLang or torch: memory is given as buffer objects or (address, le
 
 Objects
 -------
-``Endpoint(backend="tcp", host, port=0, token=None, policy=PriorityPolicy(), checksum=True,
-heartbeat_s=0.5, peer_timeout_s=5.0, default_deadline_s=None, backend_options=None)``
+``Endpoint(backend="tcp", host, port=0, secret=None, allow_insecure=False, policy=PriorityPolicy(),
+checksum=True, heartbeat_s=0.5, peer_timeout_s=5.0, default_deadline_s=None, backend_options=None,
+limits=Limits(), name="")``
     One per process and role. Owns registered regions, a pyzmq control plane bound at
     ``ep.address`` and a data backend: ``"tcp"`` (``lynx_transport.tcp``) or ``"verbs"``
     (``lynx_transport.verbs``, pyverbs RDMA, imported lazily). ``close()`` (or ``with``) stops
-    every thread it started.
+    every thread it started. ``secret``: the bytes every endpoint of a deployment shares (see
+    Security); required unless ``host`` is a loopback address or ``allow_insecure=True``.
 ``ep.register(buf | addr, length=None) -> Region``; ``ep.deregister(region)``
 ``ep.connect(address, timeout) -> Session`` (blocking handshake) / ``ep.accept(timeout) -> Session``
 ``Session``: one per peer; either side may receive (announce) and send (write).
@@ -70,16 +72,69 @@ the heartbeats into a false peer-death verdict.
 Safety and faults
 -----------------
 A peer can only write into regions announced for the request and stream, inside the announced
-extents; anything else is refused before a byte lands (the sender also refuses locally) and the
-stream fails OUT_OF_BOUNDS / UNKNOWN_REQUEST on both sides. Optional shared-secret ``token`` on the
-handshake. Per-chunk checksum (``checksum=True``; tcp: XXH3-64's low 32 bits when both ends
-have ``xxhash``, else CRC32). Peer death (socket closed/reset), stalled peers
-(no control message for ``peer_timeout_s``) and deadlines fail pending streams with a reason on
-both sides; other requests on the session are unaffected by per-request failures.
+extents; anything else is refused before a byte lands (the sender also refuses locally; tcp checks
+every chunk before reading its payload, verbs registers each announced extent on its own so that
+the NIC refuses a write beyond it) and the stream fails OUT_OF_BOUNDS / UNKNOWN_REQUEST on both
+sides. Per-chunk checksum (``checksum=True``; tcp: XXH3-64's low 32 bits when both ends have
+``xxhash``, else CRC32; verbs: CRC32); a receiver with ``checksum=True`` refuses chunks without one.
+Peer death (socket closed/reset), stalled peers (no authenticated control message for
+``peer_timeout_s``) and deadlines fail pending streams with a reason on both sides; other requests
+on the session are unaffected by per-request failures.
+
+Security
+--------
+Threat model: anyone who can reach an endpoint's ports may send it anything. The transport must
+not let such a peer open a session, write a byte, allocate without bound, stop a thread that
+serves others, or disturb another peer's session; an *authenticated* peer (one that holds the
+secret) must stay inside what was announced to its own session. Not covered: confidentiality (KV
+bytes and control messages travel in clear: use a private network, IPsec or WireGuard), an
+attacker on the path of the data connections (their bytes carry checksums, not MACs), and
+denial of service by exhausting the network, file descriptors or the handshake caps.
+
+Protocol (version 2; an endpoint refuses any other version at connect, naming both):
+
+1. HELLO, initiator → acceptor: session id (16 random bytes), version, backend, nonce_i (32
+   random bytes). The acceptor keeps a small pending record — no thread, no backend resource —
+   within its caps (`Limits`: HELLOs per second per address, handshakes in progress, in all and per
+   address, sessions) and drops it after ``handshake_timeout_s``.
+2. CHALLENGE, acceptor → initiator: nonce_a. Both ends derive the session keys:
+   ``K = HMAC-SHA256(secret, "lynx-transport/2 session\0" ‖ sid ‖ nonce_i ‖ nonce_a)``, and from it
+   ``K_i = HMAC(K, "initiator")``, ``K_a = HMAC(K, "acceptor")``, ``K_data = HMAC(K, "data")``.
+   The secret never crosses the wire.
+3. AUTH, initiator → acceptor: its backend info and per-session prepare, MACed with K_i. A valid
+   MAC proves the initiator holds the secret; only now does the acceptor create backend resources
+   and start one (bounded) bring-up thread. A bad MAC is answered REJECT ("do not share the same
+   secret").
+4. WELCOME, acceptor → initiator: its backend info and prepare, MACed with K_a (proves the
+   acceptor holds the secret too), then READY both ways and the session is up.
+
+Every message after the CHALLENGE carries a fourth frame: a sequence number (per direction,
+starting at 1, strictly increasing) and HMAC-SHA256(K_dir, seq ‖ each frame length-prefixed:
+kind, JSON header with the session id, payload), checked before the message is parsed or
+dispatched: a forged, altered, replayed, reordered or reflected message is dropped and counted
+(``Endpoint.stats()``: ``control_bad_mac``, ``control_replayed``). A session is bound to the
+connection it was created on (the ROUTER routing id on the acceptor, the session's own DEALER on
+the initiator): a message naming it from any other connection is dropped (``control_wrong_route``).
+HELLO, CHALLENGE and REJECT are unauthenticated; a REJECT is heeded only before the WELCOME.
+tcp data connections open with ``HMAC(K_data, "lynx-transport/2 tcp data\0" ‖ sid ‖ stream)``: only
+the two ends of the handshake can attach a stream to the session. Without a secret the same
+protocol runs with an empty one: messages stay bound to their session and connection, but anyone
+can compute the keys — hence the loopback-only rule. The secret must be random (≥ 16 bytes): a
+recorded handshake lets a guessable secret be found offline. Whoever holds the secret and sees a
+handshake can derive that session's keys.
+
+Every field a peer sends is checked before use (``lynx_transport.wire``; a bad message is counted
+and dropped, never raised into a thread). Caps: `Limits` (sessions, handshakes, HELLO rate,
+bring-up threads, a session's pending announcements, zmq frame size) and the tcp listener's
+preamble deadline and pending-connection caps (``lynx_transport.tcp``). Known limit: libzmq bounds
+each frame (ZMQ_MAXMSGSIZE) but not the number of frames of one message, so a peer that never
+ends a multipart message can make libzmq buffer it (until its connection closes); only an
+authentication below the message layer (CURVE) would stop that.
 """
 
 from .backend import BACKENDS, Backend, FinOp, PriorityPolicy, Refused, WriteOp, load_backend
 from .endpoint import Endpoint
+from .limits import Limits
 from .memory import Region
 from .session import Session
 from .types import (
@@ -113,6 +168,7 @@ __all__ = [
     "FailureReason",
     "FinOp",
     "HandshakeError",
+    "Limits",
     "OutOfBoundsError",
     "PriorityPolicy",
     "Refused",

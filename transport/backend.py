@@ -15,6 +15,11 @@ long (they take short per-session/per-stream locks). Backend methods are called 
 and from the endpoint's control thread; they must be thread-safe and, except `session_connect`,
 `drain`, `session_close` and `close`, non-blocking.
 
+Exposure contract: the receiver calls `expose` for every extent it announces and `withdraw` when it
+releases the request; whatever `expose` returns is sent to the peer with the announcement, so it
+must grant no more than that extent (verbs: a memory registration of exactly that range; the
+region-wide registration is never published).
+
 Ordering contract (all backends): within one session and one stream, a `FinOp` is delivered to the
 receiver after every byte of the `WriteOp`s posted before it on that stream has landed (tcp: same
 socket; verbs: same RC QP, WRITE then WRITE_WITH_IMM/SEND).
@@ -35,7 +40,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .memory import Region
-from .types import BackendUnavailableError, FailureReason, Stream, TransportError
+from .types import BackendUnavailableError, Extent, FailureReason, Stream, TransportError
+
+# Largest chunk a sender cuts (`PriorityPolicy.chunk_bytes`); a receiver refuses a larger frame.
+MAX_CHUNK_BYTES = 1 << 30
 
 BACKENDS: dict[str, str] = {
     "tcp": "lynx_transport.tcp:TcpBackend",
@@ -61,16 +69,18 @@ class PriorityPolicy:
             raise ValueError(f"priority mode must be 'strict' or 'weighted', not {self.mode!r}")
         if not 0.0 < self.residual_share < 1.0:
             raise ValueError("residual_share must be in (0, 1)")
-        if self.chunk_bytes < 4096:
-            raise ValueError("chunk_bytes must be >= 4096")
+        if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}]")
 
 
 @dataclass
 class WriteOp:
     """One posted write: local (src, src_offset, length) → peer's (dst_region_id, dst_offset).
 
-    The Endpoint has already checked it against the peer's announcement. `dst_info` is the backend
-    info the peer published for that region (e.g. {"addr", "rkey"} for verbs; {} for tcp).
+    The Endpoint has already checked it against the peer's announcement: it lies inside the
+    announced extent `dst_extent`, whose target the peer published as `dst_info` (verbs: the
+    "addr" and "rkey" of that extent's registration, "addr" being `dst_extent.offset`'s address;
+    tcp: {}).
     """
 
     session_id: bytes
@@ -81,6 +91,7 @@ class WriteOp:
     length: int
     dst_region_id: int
     dst_offset: int
+    dst_extent: Extent | None = None
     dst_info: dict = field(default_factory=dict)
     checksum: bool = True
 
@@ -172,9 +183,12 @@ class BackendHooks(Protocol):
 class Backend(ABC):
     """A data-path backend. One instance per Endpoint.
 
-    Constructed as `cls(hooks, host, policy, options)`: `host` is the local address to bind/listen
-    on (tcp) or to select the device/GID by (verbs may ignore it); `options` is a dict of
-    backend-specific settings (unknown keys must raise ValueError).
+    Constructed as `cls(hooks, host, policy, options, checksum)`: `host` is the local address to
+    bind/listen on (tcp) or to select the device/GID by (verbs may ignore it); `options` is a dict
+    of backend-specific settings (unknown keys must raise ValueError); `checksum` is the
+    Endpoint's setting: True makes every chunk this endpoint *receives* need a checksum (a chunk
+    without one fails its stream CORRUPTION and lands nothing) and is published in `local_info`, so
+    that a sender checksums every chunk for this receiver whatever its own setting.
     """
 
     name: str = "?"
@@ -188,7 +202,8 @@ class Backend(ABC):
 
     @abstractmethod
     def __init__(
-        self, hooks: BackendHooks, host: str, policy: PriorityPolicy, options: dict
+        self, hooks: BackendHooks, host: str, policy: PriorityPolicy, options: dict,
+        checksum: bool,
     ) -> None: ...
 
     # ---- identity and memory
@@ -198,9 +213,9 @@ class Backend(ABC):
 
     @abstractmethod
     def register_region(self, region: Region) -> dict:
-        """Prepare `region` for use (verbs: ibv_reg_mr). Returns JSON-able info peers need to write
-        into it (stored as region.backend_info; sent with announcements). May set
-        region.backend_handle."""
+        """Prepare `region` for use as a source and a landing place (verbs: ibv_reg_mr without
+        remote access). Returns backend info kept as region.backend_info (never sent to peers).
+        May set region.backend_handle."""
 
     @abstractmethod
     def deregister_region(self, region: Region) -> None:
@@ -208,8 +223,10 @@ class Backend(ABC):
 
     # ---- sessions
     @abstractmethod
-    def session_prepare(self, session_id: bytes, initiator: bool) -> dict:
-        """Create per-session resources; return JSON-able info for the peer (verbs: QPNs, GID)."""
+    def session_prepare(self, session_id: bytes, initiator: bool, key: bytes) -> dict:
+        """Create per-session resources; return JSON-able info for the peer (verbs: QPNs). Called
+        only once the peer has authenticated (acceptor) or the keys are known (initiator); `key`
+        is the session's data key (tcp: its data connections must prove it)."""
 
     @abstractmethod
     def session_connect(
@@ -221,6 +238,18 @@ class Backend(ABC):
         timeout: float,
     ) -> None:
         """Bring the session's data path up (blocking, at most `timeout` s; raise on failure)."""
+
+    def expose(self, session_id: bytes, request_id: int, region: Region, offset: int,
+               length: int) -> dict:
+        """Let the session's peer write region's [offset, offset + length) for `request_id` (and
+        nothing more); returns the JSON-able target info the peer needs (sent in the
+        announcement). Default: nothing to publish (the receiver's CPU lands every byte)."""
+        return {}
+
+    def withdraw(self, session_id: bytes, request_id: int) -> None:
+        """Undo every `expose` of `request_id` on the session (idempotent; also after the session
+        closed). Default: nothing to undo."""
+        return None
 
     @abstractmethod
     def post_write(self, op: WriteOp) -> None:

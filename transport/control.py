@@ -1,15 +1,22 @@
 """`ControlPlane`: the zmq control plane of one Endpoint, run by one thread.
 
 Owns every zmq socket (a ROUTER bound at the endpoint's address; one DEALER per session this
-endpoint initiated), the session table that routes incoming messages, the out-queue and wake-up
-socketpair through which other threads hand it outgoing messages, the acceptor side of the
-handshake (HELLO check, REJECT, WELCOME, the bring-up thread), heartbeats, the peer-timeout verdict
-and the deadline checks, and the helper threads it or a session starts.
+endpoint initiated), the link of each session (`_Link`: the connection its messages must arrive on
+and its message authentication), the acceptor's half of the handshake (HELLO admission, CHALLENGE,
+AUTH verification, WELCOME, the bounded bring-up threads; `_Pending` handshakes), the out-queue and
+wake-up socketpair through which other threads hand it outgoing messages, heartbeats, the
+peer-timeout verdict and the deadline checks, and the helper threads it or a session starts.
 
-Called by the `Endpoint` (construction, `add_session`/`dial` in connect, `sessions`, `stop`/`close`)
-and by sessions (`send`, `forget`, `spawn`, `stopped`: `sessionbase.SessionControl`). What a
-message means is the Session's business (`Session.on_message`); what a well-formed message or
-HELLO is, is `lynx_transport.wire`'s.
+Every message a peer sends passes one gate before a Session sees it: framing (`wire.decode`), the
+route (a session's messages must arrive on the connection the session was opened on), the MAC
+and sequence number (`auth.Channel`), then the fields (`wire.parse`). A message failing any check
+is counted in `Endpoint.stats()` and dropped; a handler that raises is counted and logged. One
+peer's bad message never stops the thread that serves the others.
+
+Called by the Endpoint (construction, `open` in connect, `sessions`, `stop`/`close`) and by
+sessions (`send`, `forget`, `spawn`, `stopped`: `sessionbase.SessionControl`). What a message means
+is the Session's business (`Session.on_message`); message formats are `lynx_transport.wire`'s,
+keys and MACs `lynx_transport.auth`'s, the caps `lynx_transport.limits`'.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import queue
 import socket
 import threading
@@ -27,9 +35,26 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from .auth import NONCE_BYTES, Channel, SessionKeys
 from .backend import Backend
+from .limits import Limits, RateLimiter
 from .types import FailureReason
-from .wire import ControlMessage, Hello, LocalIdentity, check_hello, decode, encode
+from .wire import (
+    UNAUTHENTICATED,
+    Auth,
+    Challenge,
+    Envelope,
+    Heartbeat,
+    Hello,
+    Message,
+    Reject,
+    VersionMismatch,
+    Welcome,
+    WireError,
+    decode,
+    encode,
+    parse,
+)
 
 if TYPE_CHECKING:
     from .session import Session
@@ -41,15 +66,41 @@ log = logging.getLogger("lynx_transport")
 # control messages sat in a lower band than the ANCHOR (EF, priority 6): on a 10 Mbit/s link an
 # ANCHOR of 8 s starved the sender's heartbeats, and the receiver declared the live peer dead.
 CONTROL_TOS = 0x10
-# The acceptor has no caller's timeout: how long it gives a peer's data path and READY.
-BRING_UP_TIMEOUT_S = 10.0
+# Messages taken from one socket per loop turn: a flood on one socket cannot hold off the
+# heartbeats and deadline checks of every session.
+RECV_BATCH = 256
+
+
+@dataclass
+class _Link:
+    """How one session's messages travel and are authenticated. The route is fixed when the
+    session is created: a message naming the session on any other connection is dropped."""
+
+    session: Session
+    route: bytes | None = None  # acceptor: the peer's ROUTER routing id
+    dealer: zmq.Socket | None = None  # initiator: the session's own DEALER
+    nonce: bytes = b""  # initiator: its HELLO nonce, needed when the CHALLENGE comes
+    channel: Channel | None = None  # None until both nonces are known
+
+
+@dataclass
+class _Pending:
+    """Acceptor: a HELLO answered with a CHALLENGE, waiting for the initiator's AUTH. Holds no
+    thread and no backend resource: those come only after the AUTH proved the secret."""
+
+    route: bytes
+    peer: str  # the peer's IP address, for the per-peer cap
+    hello: Hello
+    keys: SessionKeys
+    deadline: float
 
 
 # Work items of the out-queue (only the control thread touches sockets).
 @dataclass(frozen=True)
-class _Dial:
-    sid: bytes
+class _Open:
+    session: Session
     address: str
+    nonce: bytes
 
 
 @dataclass(frozen=True)
@@ -60,13 +111,18 @@ class _Drop:
 @dataclass(frozen=True)
 class _Send:
     sid: bytes
-    kind: str
-    header: dict
-    payload: bytes
+    message: Message
 
 
 class _Stop:
     pass
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address") or ""
+    except zmq.ZMQError:  # a transport without addresses (inproc, ipc)
+        return ""
 
 
 class ControlPlane:
@@ -78,26 +134,30 @@ class ControlPlane:
         port: int,
         name: str,
         *,
-        identity: LocalIdentity,
+        secret: bytes,
+        endpoint_id: str,
         backend: Backend,
+        backend_name: str,
+        limits: Limits,
         heartbeat_s: float,
         peer_timeout_s: float,
         new_session: Callable[[bytes, bool, str], Session],
         on_accepted: Callable[[Session], None],
         count: Callable[[str], None],
     ) -> None:
-        self._identity = identity
+        self._secret = secret
+        self._endpoint_id = endpoint_id
         self._backend = backend
+        self._backend_name = backend_name
+        self._limits = limits
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
         self._new_session = new_session
         self._on_accepted = on_accepted
         self._count = count
+        self._hello_rate = RateLimiter(limits.hello_rate, limits.hello_burst)
         self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.TOS, CONTROL_TOS)
+        self._router = self._socket(zmq.ROUTER)
         if port:
             self._router.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -105,9 +165,11 @@ class ControlPlane:
             self.port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{self.port}"
         self._lock = threading.Lock()
-        self._sessions: dict[bytes, Session] = {}
-        self._routes: dict[bytes, bytes] = {}  # acceptor side: sid → the peer's ROUTER identity
-        self._dealers: dict[bytes, zmq.Socket] = {}  # initiator side: sid → DEALER
+        self._sessions: dict[bytes, Session] = {}  # read by any thread; changed under _lock
+        self._links: dict[bytes, _Link] = {}  # control thread only, as are the two below
+        self._dealer_links: dict[zmq.Socket, _Link] = {}
+        self._pending: dict[bytes, _Pending] = {}
+        self._bring_ups = 0  # under _lock
         self._outq: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -116,14 +178,18 @@ class ControlPlane:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"lynx-ctrl-{name}", daemon=True)
 
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.TOS, CONTROL_TOS)
+        # A frame larger than this closes the peer's connection before zmq allocates it.
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+        return sock
+
     def start(self) -> None:
         self._thread.start()
 
     # ------------------------------------------------------------------ session table
-    def add_session(self, s: Session) -> None:
-        with self._lock:
-            self._sessions[s.id] = s
-
     def session(self, sid: bytes) -> Session | None:
         return self._sessions.get(sid)
 
@@ -131,26 +197,29 @@ class ControlPlane:
         with self._lock:
             return list(self._sessions.values())
 
+    def handshakes_pending(self) -> int:
+        """Acceptor handshakes answered with a CHALLENGE and not yet authenticated."""
+        return len(self._pending)
+
     # ------------------------------------------------------------------ for sessions / Endpoint
     @property
     def stopped(self) -> bool:
         return self._stopped
 
-    def send(self, sid: bytes, kind: str, header: dict, payload: bytes = b"", *,
-             force: bool = False) -> None:
-        """Queue a message to the peer of session `sid` (any thread). After `stop()` only a
-        `force`d one is queued."""
+    def send(self, sid: bytes, message: Message, *, force: bool = False) -> None:
+        """Queue `message` to the peer of session `sid` (any thread); it is MACed when sent. After
+        `stop()` only a `force`d one is queued."""
         if self._stopped and not force:
             return
-        header = dict(header)
-        header["sid"] = sid.hex()
-        self._outq.put(_Send(sid, kind, header, payload))
+        self._outq.put(_Send(sid, message))
         self._wake()
 
-    def dial(self, sid: bytes, address: str) -> None:
-        """Initiator: open session `sid`'s DEALER to `address` (the HELLO sent next wakes the
-        control thread to do it)."""
-        self._outq.put(_Dial(sid, address))
+    def open(self, s: Session, address: str) -> None:
+        """Initiator: open session `s`'s DEALER to `address` and send its HELLO."""
+        with self._lock:
+            self._sessions[s.id] = s
+        self._outq.put(_Open(s, address, os.urandom(NONCE_BYTES)))
+        self._wake()
 
     def forget(self, sid: bytes) -> None:
         """A session closed: drop its socket and table entry."""
@@ -181,7 +250,7 @@ class ControlPlane:
         """Close every socket (after `stop()`)."""
         with contextlib.suppress(Exception):
             self._router.close(0)
-            for d in self._dealers.values():
+            for d in self._dealer_links:
                 d.close(0)
             self._ctx.term()
         self._wake_r.close()
@@ -210,17 +279,17 @@ class ControlPlane:
                 if self._drain_outq(poller):
                     break
                 if self._router in events:
-                    self._receive(self._router, routed=True)
-                for d in list(self._dealers.values()):
+                    self._receive(self._router, None)
+                for d, link in list(self._dealer_links.items()):
                     if d in events:
-                        self._receive(d, routed=False)
+                        self._receive(d, link)
                 t = time.monotonic()
                 if t - last_hb >= self._heartbeat_s:
                     last_hb = t
                     self._housekeeping(t)
                 else:
                     self._check_deadlines(t)
-        except Exception:  # pragma: no cover - logged, endpoint unusable
+        except Exception:  # pragma: no cover - a bug: every peer input is handled below
             log.exception("control loop crashed")
         finally:
             self._drain_outq(poller, final=True)
@@ -235,120 +304,256 @@ class ControlPlane:
                 return stop
             if isinstance(item, _Stop):
                 stop = True
-            elif isinstance(item, _Dial) and not final:
-                d = self._ctx.socket(zmq.DEALER)
-                d.setsockopt(zmq.LINGER, 0)
-                d.setsockopt(zmq.TOS, CONTROL_TOS)
+            elif isinstance(item, _Open) and not final:
+                d = self._socket(zmq.DEALER)
                 d.connect(item.address)
-                self._dealers[item.sid] = d
+                link = _Link(item.session, dealer=d, nonce=item.nonce)
+                self._links[item.session.id] = link
+                self._dealer_links[d] = link
                 poller.register(d, zmq.POLLIN)
+                hello = Hello(self._backend_name, self._endpoint_id, self.address, item.nonce)
+                with contextlib.suppress(zmq.ZMQError):
+                    d.send_multipart(encode(hello.KIND, item.session.id, hello.header()),
+                                     zmq.NOBLOCK)
             elif isinstance(item, _Drop):
-                d = self._dealers.pop(item.sid, None)
-                if d is not None:
+                link = self._links.pop(item.sid, None)
+                if link is not None and link.dealer is not None:
+                    self._dealer_links.pop(link.dealer, None)
                     with contextlib.suppress(Exception):
-                        poller.unregister(d)
-                    d.close(100)
+                        poller.unregister(link.dealer)
+                    link.dealer.close(100)
                 with self._lock:
                     self._sessions.pop(item.sid, None)
-                    self._routes.pop(item.sid, None)
             elif isinstance(item, _Send):
-                self._transmit(item)
+                link = self._links.get(item.sid)
+                if link is not None:
+                    self._transmit(link, item.message)
 
-    def _transmit(self, item: _Send) -> None:
-        frames = encode(item.kind, item.header, item.payload)
+    def _transmit(self, link: _Link, message: Message) -> None:
+        if link.channel is None:  # the session's keys are not known yet: nothing may be sent
+            self._count("control_unsent_no_key")
+            return
+        frames = encode(message.KIND, link.session.id, message.header(), message.payload)
+        frames.append(link.channel.seal(frames))
         try:
-            d = self._dealers.get(item.sid)
-            if d is not None:
-                d.send_multipart(frames, zmq.NOBLOCK)
+            if link.dealer is not None:
+                link.dealer.send_multipart(frames, zmq.NOBLOCK)
             else:
-                route = self._routes.get(item.sid)
-                if route is not None:
-                    self._router.send_multipart([route, *frames], zmq.NOBLOCK)
+                self._router.send_multipart([link.route, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.debug("control send %s failed: %s", item.kind, exc)
+            log.debug("control send %s failed: %s", message.KIND, exc)
 
-    def _receive(self, sock: zmq.Socket, routed: bool) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if routed:
-                self._on_frames(frames[0], frames[1:])
-            else:
-                self._on_frames(None, frames)
-
-    def _on_frames(self, route: bytes | None, frames: list[bytes]) -> None:
-        if len(frames) < 2:
-            return
-        msg = decode(frames)
-        if msg is None:
-            self._count("control_garbage")
-            return
-        if msg.kind == "HELLO":
-            self._on_hello(route, msg)
-            return
-        s = self._sessions.get(msg.sid)
-        if s is None:
-            return
-        try:
-            s.on_message(msg.kind, msg.header, msg.payload)
-        except Exception:
-            log.exception("control message %s failed", msg.kind)
-
-    # ------------------------------------------------------------------ acceptor handshake
-    def _on_hello(self, route: bytes | None, msg: ControlMessage) -> None:
-        if route is None or msg.sid in self._sessions:
-            return  # a HELLO to an initiator's DEALER, or a duplicate
-        hello = Hello.from_header(msg.header)
-        problem = check_hello(hello, self._identity)
-        if problem is None:
-            try:
-                prepare = self._backend.session_prepare(msg.sid, False)
-            except Exception as exc:
-                problem = f"backend prepare failed: {exc}"
-        if problem is not None:
-            self._reject(route, msg.sid, problem)
-            return
-        s = self._new_session(msg.sid, False, hello.address)
-        s.peer_endpoint_id = hello.endpoint
-        s.remote_info = hello.info
-        s.remote_prepare = hello.prepare
-        s.local_prepare = prepare
-        with self._lock:
-            self._routes[s.id] = route
-            self._sessions[s.id] = s
-        self.send(s.id, "WELCOME", {"info": self._backend.local_info(), "prepare": prepare,
-                                    "endpoint": self._identity.endpoint_id})
-        self.spawn(functools.partial(self._bring_up, s), f"lynx-accept-{s.id.hex()[:6]}")
-
-    def _reject(self, route: bytes, sid: bytes, reason: str) -> None:
-        # straight onto the ROUTER: the rejected peer has no session to queue for
-        self._count("handshake_rejected")
-        frames = encode("REJECT", {"sid": sid.hex(), "reason": reason})
+    def _send_unauthenticated(self, route: bytes, sid: bytes, message: Message) -> None:
+        frames = encode(message.KIND, sid, message.header(), message.payload)
         with contextlib.suppress(zmq.ZMQError):
             self._router.send_multipart([route, *frames], zmq.NOBLOCK)
 
+    def _receive(self, sock: zmq.Socket, link: _Link | None) -> None:
+        """Take up to RECV_BATCH messages from the ROUTER (`link` None) or a session's DEALER."""
+        for _ in range(RECV_BATCH):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            frames = [p.bytes for p in parts]
+            try:
+                if link is None:
+                    self._on_routed(frames[0], parts[-1], frames[1:])
+                else:
+                    self._on_dealt(link, frames)
+            except Exception:  # pragma: no cover - a bug; the message is lost, the loop goes on
+                log.exception("control message handling failed")
+                self._count("control_handler_error")
+
+    def _on_routed(self, route: bytes, frame: zmq.Frame, frames: list[bytes]) -> None:
+        try:
+            env = decode(frames)
+        except WireError:
+            self._count("control_malformed")
+            return
+        if env.kind == "HELLO":
+            self._on_hello(route, _peer_address(frame), env)
+            return
+        link = self._links.get(env.sid)
+        if link is None:
+            pending = self._pending.get(env.sid)
+            if pending is not None and env.kind == "AUTH":
+                self._on_auth(route, pending, env)
+            else:
+                self._count("control_unknown_session")
+            return
+        if link.route != route:
+            self._count("control_wrong_route")
+            return
+        self._deliver(link, env)
+
+    def _on_dealt(self, link: _Link, frames: list[bytes]) -> None:
+        try:
+            env = decode(frames)
+        except WireError:
+            self._count("control_malformed")
+            return
+        if env.sid != link.session.id:
+            self._count("control_wrong_route")
+            return
+        if env.kind in UNAUTHENTICATED:
+            self._on_handshake_reply(link, env)
+        else:
+            self._deliver(link, env)
+
+    def _deliver(self, link: _Link, env: Envelope) -> None:
+        """Authenticate, parse and dispatch one message of an established link."""
+        s = link.session
+        problem = "no_key" if link.channel is None else link.channel.check(env.signed, env.auth)
+        if problem is not None:
+            self._count(f"control_{problem}")
+            if problem == "bad_mac" and s.initiator and not s.welcomed:
+                s.refused("the peer could not authenticate: the two endpoints do not share the "
+                          "same secret (or one has none)")
+            return
+        try:
+            message = parse(env)
+        except WireError as exc:
+            self._count("control_malformed")
+            log.debug("malformed %s on session %s: %s", env.kind, s.id.hex()[:8], exc)
+            return
+        if message is None:
+            self._count("control_unknown_kind")
+        try:
+            s.on_message(message)
+        except Exception:
+            log.exception("control message %s failed", env.kind)
+            self._count("control_handler_error")
+
+    # ------------------------------------------------------------------ initiator handshake
+    def _on_handshake_reply(self, link: _Link, env: Envelope) -> None:
+        """CHALLENGE or REJECT on an initiator's DEALER: heeded only before the WELCOME."""
+        s = link.session
+        if s.welcomed or env.kind == "HELLO" or (link.channel is not None and env.kind != "REJECT"):
+            self._count("control_unexpected")
+            return
+        try:
+            message = parse(env)
+        except VersionMismatch as exc:
+            s.refused(str(exc))
+            return
+        except WireError:
+            self._count("control_malformed")
+            return
+        if isinstance(message, Reject):
+            s.refused(message.reason)
+        elif isinstance(message, Challenge):
+            keys = SessionKeys.derive(self._secret, s.id, link.nonce, message.nonce)
+            link.channel = Channel(keys, initiator=True)
+            s.challenged(keys.data, message.endpoint)
+
+    # ------------------------------------------------------------------ acceptor handshake
+    def _on_hello(self, route: bytes, peer: str, env: Envelope) -> None:
+        if env.sid in self._links or env.sid in self._pending:
+            self._count("hello_duplicate")
+            return
+        t = time.monotonic()
+        if not self._hello_rate.allow(peer, t):
+            self._count("hello_rate_limited")  # unanswered: answering would cost as much
+            return
+        try:
+            hello = Hello.parse(env.header, env.payload)
+        except VersionMismatch as exc:
+            self._reject(route, env.sid, str(exc))
+            return
+        except WireError:
+            self._count("control_malformed")
+            return
+        lim = self._limits
+        if hello.backend != self._backend_name:
+            problem = f"backend {hello.backend!r} != {self._backend_name!r}"
+        elif len(self._links) + len(self._pending) >= lim.max_sessions:
+            problem = f"busy: {lim.max_sessions} sessions open (Limits.max_sessions)"
+        elif (len(self._pending) >= lim.max_handshakes
+              or sum(p.peer == peer for p in self._pending.values()) >= lim.max_handshakes_per_peer):
+            problem = "busy: too many handshakes in progress; retry"
+        else:
+            nonce = os.urandom(NONCE_BYTES)
+            keys = SessionKeys.derive(self._secret, env.sid, hello.nonce, nonce)
+            self._pending[env.sid] = _Pending(route, peer, hello, keys, t + lim.handshake_timeout_s)
+            self._send_unauthenticated(route, env.sid, Challenge(self._endpoint_id, nonce))
+            return
+        self._reject(route, env.sid, problem)
+
+    def _on_auth(self, route: bytes, pending: _Pending, env: Envelope) -> None:
+        if pending.route != route:  # someone else naming this handshake: the real one goes on
+            self._count("control_wrong_route")
+            return
+        del self._pending[env.sid]
+        channel = Channel(pending.keys, initiator=False)
+        if channel.check(env.signed, env.auth) is not None:
+            self._count("handshake_auth_failed")
+            self._reject(route, env.sid, "authentication failed: the two endpoints do not share "
+                                         "the same secret (or one has none)")
+            return
+        try:
+            auth = Auth.parse(env.header, env.payload)
+        except WireError as exc:
+            self._reject(route, env.sid, f"malformed AUTH: {exc}")
+            return
+        with self._lock:
+            busy = self._bring_ups >= self._limits.max_bring_ups
+            self._bring_ups += not busy
+        if busy:
+            self._reject(route, env.sid, "busy: too many sessions being brought up; retry")
+            return
+        try:
+            prepare = self._backend.session_prepare(env.sid, False, pending.keys.data)
+        except Exception as exc:
+            self._bring_up_done()
+            self._reject(route, env.sid, f"backend prepare failed: {exc}")
+            return
+        s = self._new_session(env.sid, False, pending.hello.address)
+        s.peer_endpoint_id = pending.hello.endpoint
+        s.remote_info = auth.info
+        s.remote_prepare = auth.prepare
+        s.local_prepare = prepare
+        link = _Link(s, route=route, channel=channel)
+        self._links[s.id] = link
+        with self._lock:
+            self._sessions[s.id] = s
+        self._transmit(link, Welcome(self._backend.local_info(), prepare))
+        self.spawn(functools.partial(self._bring_up, s), f"lynx-accept-{s.id.hex()[:6]}")
+
+    def _reject(self, route: bytes, sid: bytes, reason: str) -> None:
+        self._count("handshake_rejected")
+        self._send_unauthenticated(route, sid, Reject(reason))
+
+    def _bring_up_done(self) -> None:
+        with self._lock:
+            self._bring_ups -= 1
+
     def _bring_up(self, s: Session) -> None:
         """Acceptor: connect the data path, exchange READY, hand the session to `accept()`."""
+        timeout = self._limits.handshake_timeout_s
         try:
-            self._backend.session_connect(s.id, s.remote_info, s.remote_prepare, False,
-                                          BRING_UP_TIMEOUT_S)
+            self._backend.session_connect(s.id, s.remote_info, s.remote_prepare, False, timeout)
             s.data_path_up()
-            if s.wait_peer_ready(time.monotonic() + BRING_UP_TIMEOUT_S):
+            if s.wait_peer_ready(time.monotonic() + timeout):
                 self._on_accepted(s)
             elif not s.closed:
                 s.terminate(FailureReason.CLOSED, "peer never ready", True)
         except Exception as exc:
             s.terminate(FailureReason.CLOSED, f"data path failed: {exc}", True)
+        finally:
+            self._bring_up_done()
 
     # ------------------------------------------------------------------ liveness and deadlines
     def _housekeeping(self, t: float) -> None:
+        for sid in [sid for sid, p in self._pending.items() if t > p.deadline]:
+            del self._pending[sid]
+            self._count("handshake_expired")
         for s in self.sessions():
             if s.closed:
                 continue
-            if s.wants_heartbeats:
-                self.send(s.id, "HB", {})
+            link = self._links.get(s.id)
+            if link is not None and s.wants_heartbeats:
+                self._transmit(link, Heartbeat())
             if s.ready and t - s.last_heard > self._peer_timeout_s:
                 s.terminate(FailureReason.PEER_DIED,
                             f"no control message for {t - s.last_heard:.1f} s", notify=True)
@@ -356,4 +561,7 @@ class ControlPlane:
 
     def _check_deadlines(self, t: float) -> None:
         for s in self.sessions():
-            s.check_deadlines(t)
+            try:
+                s.check_deadlines(t)
+            except Exception:  # pragma: no cover - a bug in one session must not stop the others
+                log.exception("deadline check of session %s failed", s.id.hex()[:8])

@@ -3,7 +3,8 @@
 See the package docstring (`lynx_transport.__doc__`) for the API walk-through and buffer ownership.
 The Endpoint is the user's face: it owns the registered regions and their reference counts, the
 data backend (and `_BackendHooks`, through which the backend reports to the sessions), the
-accept queue, the counters behind `stats()`, and it opens sessions (`connect`, the initiator's
+accept queue, the counters behind `stats()`, the security settings (secret, `Limits`; refusing to
+listen beyond loopback without a secret), and it opens sessions (`connect`, the initiator's
 handshake) and closes everything. The control plane is `control.ControlPlane`; per-peer state and
 message handling are `session.Session`'s. Sessions use the Endpoint through
 `sessionbase.SessionHost` (`region`, `find_region`, `region_refs`, `count` and a few settings).
@@ -19,8 +20,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .auth import NO_SECRET, SESSION_ID_BYTES, check_exposure, check_secret
 from .backend import Backend, PriorityPolicy, Refused, load_backend
 from .control import ControlPlane
+from .limits import Limits
 from .memory import Region, describe_buffer
 from .receiver import IncomingChunk
 from .session import Session
@@ -32,18 +35,23 @@ from .types import (
     Stream,
     TransportError,
 )
-from .wire import LocalIdentity, make_hello
 
 
 class Endpoint:
     """One transport endpoint: registered regions + control plane + a data backend.
 
-    Endpoint(backend="tcp", host="127.0.0.1", port=0, token=None, policy=PriorityPolicy(),
-             checksum=True, heartbeat_s=0.5, peer_timeout_s=5.0, default_deadline_s=None,
-             backend_options=None)
+    Endpoint(backend="tcp", host="127.0.0.1", port=0, secret=None, allow_insecure=False,
+             policy=PriorityPolicy(), checksum=True, heartbeat_s=0.5, peer_timeout_s=5.0,
+             default_deadline_s=None, backend_options=None, limits=Limits(), name="")
 
     `address` is the control-plane address peers pass to `connect`. Use as a context manager or
     call `close()`; close joins every thread it started.
+
+    `secret`: bytes (at least 16, random) every endpoint of the deployment shares; sessions are
+    opened only between endpoints holding the same secret (see the package docstring,
+    "Security"). Without one, `host` must be a loopback address unless `allow_insecure=True`.
+    `checksum`: chunks sent carry a checksum, and chunks received must carry one.
+    `limits`: caps on what peers can make this endpoint hold (`lynx_transport.Limits`).
     """
 
     def __init__(
@@ -52,20 +60,24 @@ class Endpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        token: str | bytes | None = None,
+        secret: bytes | None = None,
+        allow_insecure: bool = False,
         policy: PriorityPolicy | None = None,
         checksum: bool = True,
         heartbeat_s: float = 0.5,
         peer_timeout_s: float = 5.0,
         default_deadline_s: float | None = None,
         backend_options: dict | None = None,
+        limits: Limits | None = None,
         name: str = "",
         _unsafe_skip_bounds: bool = False,
     ) -> None:
+        secret = check_secret(secret)
+        check_exposure(host, secret, allow_insecure)
         self.host = host
         self.name = name or f"ep-{os.getpid()}"
         self.id = os.urandom(8).hex()
-        self.token = token.encode() if isinstance(token, str) else token
+        self.limits = limits or Limits()
         self.policy = policy or PriorityPolicy()
         self.checksum = checksum
         self.heartbeat_s = heartbeat_s
@@ -83,15 +95,19 @@ class Endpoint:
         backend_cls = load_backend(backend)
         self.backend_name = backend
         self.backend: Backend = backend_cls(_BackendHooks(self._session), host, self.policy,
-                                            dict(backend_options or {}))
+                                            dict(backend_options or {}), checksum)
         self.backend_counts_incoming = getattr(self.backend, "counts_incoming", True)
 
-        self._identity = LocalIdentity(self.id, self.backend_name, self.token)
-        self._control = ControlPlane(
-            host, port, self.name, identity=self._identity, backend=self.backend,
-            heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s,
-            new_session=self._new_session, on_accepted=self._accepted.put, count=self.count,
-        )
+        try:
+            self._control = ControlPlane(
+                host, port, self.name, secret=NO_SECRET if secret is None else secret,
+                endpoint_id=self.id, backend=self.backend, backend_name=backend,
+                limits=self.limits, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s,
+                new_session=self._new_session, on_accepted=self._accepted.put, count=self.count,
+            )
+        except BaseException:
+            self.backend.close()
+            raise
         self.port = self._control.port
         self.address = self._control.address
         self._control.start()
@@ -169,23 +185,25 @@ class Endpoint:
     # ------------------------------------------------------------------ sessions
     def connect(self, address: str, timeout: float = 10.0) -> Session:
         """Open a session to the Endpoint at `address` (its `.address`). Blocks until the data
-        path is up on both sides or raises HandshakeError after `timeout` s."""
+        path is up on both sides or raises HandshakeError after `timeout` s (also when the peer
+        refuses: another secret, protocol version or backend; busy)."""
         self._check_open()
-        sid = os.urandom(16)
-        s = self._new_session(sid, True, address)
-        self._control.add_session(s)
+        s = self._new_session(os.urandom(SESSION_ID_BYTES), True, address)
+        end = time.monotonic() + timeout
         try:
-            s.local_prepare = self.backend.session_prepare(sid, True)
-            self._control.dial(sid, address)
-            hello = make_hello(self._identity, self.backend.local_info(), s.local_prepare,
-                               self.address)
-            self._control.send(sid, "HELLO", hello.to_header())
-            end = time.monotonic() + timeout
-            if not s.wait_welcome(end):
-                raise HandshakeError(f"no answer from {address} within {timeout} s")
-            if s.handshake_error:
+            self._control.open(s, address)
+            if not s.wait_challenge(end):
+                raise HandshakeError(f"no answer from {address} within {timeout} s (not running, "
+                                     "unreachable, or dropping our HELLOs: it rate-limits them "
+                                     "per address)")
+            if s.handshake_error is None:
+                s.authenticate(self.backend.local_info(),
+                               self.backend.session_prepare(s.id, True, s.data_key))
+                if not s.wait_welcome(end):
+                    raise HandshakeError(f"{address} did not accept the session within {timeout} s")
+            if s.handshake_error is not None:
                 raise HandshakeError(f"{address} refused the session: {s.handshake_error}")
-            self.backend.session_connect(sid, s.remote_info, s.remote_prepare, True,
+            self.backend.session_connect(s.id, s.remote_info, s.remote_prepare, True,
                                          max(0.1, end - time.monotonic()))
             s.data_path_up()
             ready = s.wait_peer_ready(end)
@@ -210,8 +228,12 @@ class Endpoint:
         return [s for s in self._control.sessions() if not s.closed]
 
     def stats(self) -> dict:
+        """Counters (among them what peers sent that was refused: `control_*`, `hello_*`,
+        `handshake_*`), gauges (`sessions_open`, `handshakes_pending`) and the backend's."""
         with self._lock:
             out = dict(self._counters)
+        out["sessions_open"] = len(self._control.sessions())
+        out["handshakes_pending"] = self._control.handshakes_pending()
         out["backend"] = self.backend.stats()
         return out
 

@@ -1,7 +1,8 @@
 """The receiver role of a `Session`: announced requests and the bytes that land for them.
 
 `ReceiverRole` owns the announcements this side made (`RxRequest`, one `RxStream` per announced
-stream), decides whether an incoming chunk may land (`open_incoming`, called by the backend hooks),
+stream) and the backend's exposure of their extents (`Backend.expose` at announce, `withdraw` at
+release), decides whether an incoming chunk may land (`open_incoming`, called by the backend hooks),
 counts landed bytes, applies the sender's FIN and answers with ACK / NACK. `IncomingChunk` is the
 `backend.IncomingWrite` a backend lands one chunk through. Mixed into `session.Session`; the
 records are changed only here, under the session lock, except an `RxStream`'s landing state, which
@@ -22,6 +23,7 @@ from .backend import Refused
 from .sessionbase import SessionBase, now
 from .types import (
     MAX_AUX_BYTES,
+    MAX_EXTENTS,
     MAX_REQUEST_ID,
     Announcement,
     Extent,
@@ -33,7 +35,7 @@ from .types import (
     StreamStateError,
     UnknownRequestError,
 )
-from .wire import announce_header
+from .wire import Ack, Announce, Nack, Release, Released
 
 
 @dataclass
@@ -139,9 +141,9 @@ class ReceiverRole(SessionBase):
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self._rx: dict[int, RxRequest] = {}
-        # One-sided backends (verbs): requests the sender confirmed drained after our RELEASE
-        # (its "RELEASED" reply); see _release_rx().
-        self._peer_fenced: set[int] = set()
+        # One-sided backends (verbs): requests whose fenced RELEASE waits for the sender's RELEASED
+        # reply (False), and those it confirmed drained (True); see _release_rx().
+        self._fences: dict[int, bool] = {}
         # Recently released request ids. A chunk or FIN of one of them that was already on its
         # way is dropped quietly instead of NACKed as UNKNOWN_REQUEST (which would race the
         # RELEASE message and give the sender the wrong failure reason).
@@ -171,7 +173,9 @@ class ReceiverRole(SessionBase):
         for s, exts in bounds.items():
             s = Stream(s)
             norm[s] = tuple(e if isinstance(e, Extent) else Extent(*e) for e in exts)
-        region_info = {}
+            if len(norm[s]) > MAX_EXTENTS:
+                raise ValueError(f"{len(norm[s])} extents for {s.name} > {MAX_EXTENTS}")
+        regions = {}
         for exts in norm.values():
             for e in exts:
                 r = self._host.region(e.region_id)
@@ -179,17 +183,25 @@ class ReceiverRole(SessionBase):
                     raise RegionError(f"region {r.id} is read-only; it cannot receive")
                 if e.end > r.length:
                     raise RegionError(f"extent {e} exceeds region {r.id} ({r.length} B)")
-                region_info[e.region_id] = r.backend_info
-        t = now()
-        deadline = t + deadline_s if deadline_s is not None else None
-        ann = Announcement(request_id, norm, deadline, bytes(meta), region_info)
+                regions[r.id] = r
         with self._lock:
             if request_id in self._rx:
                 raise StreamStateError(f"request {request_id} already announced on this session")
+            backend = self._host.backend
+            try:
+                targets = {s: tuple(backend.expose(self.id, request_id, regions[e.region_id],
+                                                   e.offset, e.length) for e in exts)
+                           for s, exts in norm.items()}
+            except BaseException:
+                backend.withdraw(self.id, request_id)
+                raise
+            t = now()
+            deadline = t + deadline_s if deadline_s is not None else None
+            ann = Announcement(request_id, norm, deadline, bytes(meta), targets)
             streams = {s: RxStream(expected=ann.stream_nbytes(s)) for s in norm}
             self._rx[request_id] = RxRequest(ann, t, deadline, streams)
-            self._host.region_refs(region_info.keys(), +1)
-        self._send("ANNOUNCE", announce_header(ann, deadline_s), ann.meta)
+            self._host.region_refs(regions.keys(), +1)
+        self._send(Announce.of(ann, deadline_s))
 
     def recv_state(self, request_id: int, stream: Stream) -> StreamState:
         """Receiver-side snapshot of (request, stream). Raises UnknownRequestError if never
@@ -226,15 +238,14 @@ class ReceiverRole(SessionBase):
             if request_id in self._rx_released:  # no NACK: the RELEASE message tells the sender
                 raise Refused(FailureReason.RELEASED, f"request {request_id} was released")
             detail = f"write for request {request_id} that is not announced"
-            self._send("NACK", {"req": request_id, "stream": int(stream),
-                                "reason": FailureReason.UNKNOWN_REQUEST.value, "detail": detail})
+            self._send(Nack(request_id, stream, FailureReason.UNKNOWN_REQUEST, detail))
             raise Refused(FailureReason.UNKNOWN_REQUEST, detail)
         region = self._host.find_region(region_id)
         if rs is None or not rq.ann.contains(stream, region_id, offset, length) or region is None:
             self._host.count("refused_out_of_bounds")
             detail = (f"request {request_id} {stream.name}: write to region {region_id} "
                       f"[{offset}, {offset + length}) outside the announced bounds")
-            self._rx_fail(request_id, stream, FailureReason.OUT_OF_BOUNDS, detail, "NACK")
+            self._rx_fail(request_id, stream, FailureReason.OUT_OF_BOUNDS, detail, notify=True)
             raise Refused(FailureReason.OUT_OF_BOUNDS, detail)
         if rs.status is not Status.PENDING:
             raise Refused(rs.reason or FailureReason.LOCAL_ERROR,
@@ -253,24 +264,24 @@ class ReceiverRole(SessionBase):
                 return  # FIN of a request released here: it was already on its way
             self._host.count("fin_unknown_request")
             if not self.closed:
-                self._send("NACK", {"req": request_id, "stream": int(stream),
-                                    "reason": FailureReason.UNKNOWN_REQUEST.value,
-                                    "detail": "FIN for a request not announced"})
+                self._send(Nack(request_id, stream, FailureReason.UNKNOWN_REQUEST,
+                                "FIN for a request not announced"))
             return
         with rs.lock:
             if rs.status is not Status.PENDING:
                 return
             corrupt = rs.fin_locked(total, aux, self._host.backend_counts_incoming)
         if corrupt:
-            self._rx_fail(request_id, stream, FailureReason.CORRUPTION, corrupt, "NACK")
+            self._rx_fail(request_id, stream, FailureReason.CORRUPTION, corrupt, notify=True)
         else:
             self._rx_completed(request_id, stream, rs)
 
     # ------------------------------------------------------------------ control messages
-    def _on_released(self, h: dict, payload: bytes) -> None:
+    def _on_released(self, m: Released) -> None:
         with self._cond:
-            self._peer_fenced.add(int(h["req"]))
-            self._cond.notify_all()
+            if m.request_id in self._fences:  # only a fence we wait for: a peer cannot grow the map
+                self._fences[m.request_id] = True
+                self._cond.notify_all()
 
     # ------------------------------------------------------------------ for session.Session
     def _take_rx(self, request_id: int) -> RxRequest | None:
@@ -295,23 +306,30 @@ class ReceiverRole(SessionBase):
                 if rs.status is Status.PENDING:
                     rs.fail_locked(FailureReason.RELEASED, "released")
                     notify_peer = True
-        self._host.region_refs(rq.ann.region_info.keys(), -1)
-        if (notify_peer or fence) and not self.closed:
-            self._send("RELEASE", {"req": request_id, "fence": fence})
-        if not fence:
-            return
+        self._host.region_refs({e.region_id for exts in rq.ann.bounds.values() for e in exts}, -1)
+        try:
+            if (notify_peer or fence) and not self.closed:
+                if fence:
+                    with self._lock:
+                        self._fences[request_id] = False
+                self._send(Release(request_id, fence))
+            if fence and not self._wait_fence(request_id, timeout):
+                # closing destroys the data path: nothing lands after that
+                self.terminate(FailureReason.TIMEOUT,
+                               f"sender did not drain request {request_id}", notify=True)
+        finally:
+            # revokes what the peer may write (verbs: the extents' registrations)
+            self._host.backend.withdraw(self.id, request_id)
+
+    def _wait_fence(self, request_id: int, timeout: float) -> bool:
         end = now() + timeout
         with self._cond:
-            while request_id not in self._peer_fenced and not self.closed:
+            while not self._fences.get(request_id) and not self.closed:
                 left = end - now()
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.05))
-            fenced = request_id in self._peer_fenced
-            self._peer_fenced.discard(request_id)
-        if not fenced:  # closing destroys the data path: nothing lands after that
-            self.terminate(FailureReason.TIMEOUT, f"sender did not drain request {request_id}",
-                           notify=True)
+            return bool(self._fences.pop(request_id, False))
 
     def _rx_ids(self, expired_at: float | None = None) -> list[int]:
         """Announced request ids (only those past their deadline with streams pending, if
@@ -321,9 +339,9 @@ class ReceiverRole(SessionBase):
                     if expired_at is None or rq.expired(expired_at)]
 
     def _rx_fail(self, request_id: int, stream: Stream | None, reason: FailureReason,
-                 detail: str, notify_kind: str | None) -> None:
-        """Fail the request's pending streams (all, or `stream`); tell the sender with a
-        `notify_kind` message (NACK) per changed stream."""
+                 detail: str, notify: bool) -> None:
+        """Fail the request's pending streams (all, or `stream`); `notify`: tell the sender (NACK)
+        per changed stream."""
         with self._lock:
             rq = self._rx.get(request_id)
             targets = [] if rq is None else (
@@ -336,10 +354,9 @@ class ReceiverRole(SessionBase):
                 if rs.status is Status.PENDING:
                     rs.fail_locked(reason, detail)
                     changed.append(s)
-        if notify_kind and not self.closed:
+        if notify and not self.closed:
             for s in changed or ([stream] if stream is not None and rq is None else []):
-                self._send(notify_kind, {"req": request_id, "stream": int(s),
-                                         "reason": reason.value, "detail": detail})
+                self._send(Nack(request_id, s, reason, detail))
         if changed:
             self._host.count("rx_failed_" + reason.value, len(changed))
             self._notify()
@@ -348,7 +365,8 @@ class ReceiverRole(SessionBase):
     def _chunk_done(self, request_id: int, stream: Stream, rs: RxStream, nbytes: int, ok: bool,
                     reason: FailureReason | None, detail: str) -> None:
         if not ok:
-            self._rx_fail(request_id, stream, reason or FailureReason.LOCAL_ERROR, detail, "NACK")
+            self._rx_fail(request_id, stream, reason or FailureReason.LOCAL_ERROR, detail,
+                          notify=True)
             return
         with rs.lock:
             if rs.status is not Status.PENDING:
@@ -358,7 +376,7 @@ class ReceiverRole(SessionBase):
             self._rx_completed(request_id, stream, rs)
 
     def _rx_completed(self, request_id: int, stream: Stream, rs: RxStream) -> None:
-        self._send("ACK", {"req": request_id, "stream": int(stream), "nbytes": rs.landed})
+        self._send(Ack(request_id, stream, rs.landed))
         self._notify()
 
 

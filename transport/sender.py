@@ -1,10 +1,12 @@
 """The sender role of a `Session`: the peer's announcements and the writes posted against them.
 
-`SenderRole` keeps the announcements the peer sent (ANNOUNCE / RELEASE), checks every write against
-them before handing it to the backend, and tracks each (request, stream) it sends (`TxRequest`,
-one `TxStream` per stream) until the receiver's ACK / NACK. It also answers a receiver's fenced
-RELEASE once the request is drained (one-sided backends). Mixed into `session.Session`; the
-records are changed only here, under the session lock.
+`SenderRole` keeps the announcements the peer sent (ANNOUNCE / RELEASE: at most
+`Limits.max_peer_announcements` live ones, the excess is answered with ABORT, and as many released
+ones), checks every write against them before handing it to the backend, and tracks each
+(request, stream) it sends (`TxRequest`, one `TxStream` per stream) until the receiver's ACK /
+NACK. It also answers a receiver's fenced RELEASE once the request is drained (one-sided
+backends). Mixed into `session.Session`; the records are changed only here, under the session
+lock.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .types import (
     StreamStateError,
     UnknownRequestError,
 )
-from .wire import failure_reason, parse_announce
+from .wire import Abort, Ack, Announce, Nack, Release, Released
 
 
 @dataclass
@@ -80,7 +82,10 @@ class SenderRole(SessionBase):
         super().__init__(*args, **kw)
         self._tx: dict[int, TxRequest] = {}
         self._peer_ann: dict[int, Announcement] = {}
-        self._peer_released: set[int] = set()
+        # Announcements the peer released, oldest first: kept (so that a write fails at once as
+        # "no live announcement") until this side releases the request or more pile up than
+        # Limits.max_peer_announcements.
+        self._peer_released: dict[int, None] = {}
 
     # ------------------------------------------------------------------ public API
     def announcement(self, request_id: int) -> Announcement | None:
@@ -135,9 +140,13 @@ class SenderRole(SessionBase):
             if ann is None or request_id in self._peer_released:
                 raise UnknownRequestError(f"request {request_id}: no (live) announcement from "
                                           "the peer")
-            if not host.unsafe_skip_bounds and not ann.contains(
-                stream, dst_region_id, dst_offset, length
-            ):
+            target = ann.find(stream, dst_region_id, dst_offset, length)
+            if target is None and host.unsafe_skip_bounds:
+                # tests only: aim the bad write with a real extent's target (verbs: its rkey)
+                target = next(((e, info) for e, info in zip(
+                    ann.bounds.get(stream, ()), ann.targets.get(stream, ()), strict=True)
+                    if e.region_id == dst_region_id), None)
+            elif target is None:
                 raise OutOfBoundsError(
                     f"request {request_id} {stream.name}: [{dst_offset}, {dst_offset + length}) "
                     f"of peer region {dst_region_id} is outside the announced bounds"
@@ -159,8 +168,8 @@ class SenderRole(SessionBase):
                 rq.regions.add(region.id)
                 host.region_refs([region.id], +1)
             op = WriteOp(self.id, request_id, stream, region, src_offset, length, dst_region_id,
-                         dst_offset, ann.region_info.get(dst_region_id, {}),
-                         host.checksum if checksum is None else checksum)
+                         dst_offset, *(target or (None, {})),
+                         checksum=host.checksum if checksum is None else checksum)
             if length:
                 host.backend.post_write(op)
 
@@ -233,54 +242,70 @@ class SenderRole(SessionBase):
             ts.sent += nbytes
 
     # ------------------------------------------------------------------ control messages
-    def _on_announce(self, h: dict, payload: bytes) -> None:
-        ann = parse_announce(h, payload)
+    def _on_announce(self, m: Announce) -> None:
+        cap = self._host.limits.max_peer_announcements
         with self._cond:
-            self._peer_ann[ann.request_id] = ann
-            self._peer_released.discard(ann.request_id)
-            self._cond.notify_all()
+            live = len(self._peer_ann) - len(self._peer_released)
+            refuse = m.request_id not in self._peer_ann and live >= cap
+            if not refuse:
+                self._peer_ann[m.request_id] = m.announcement()
+                self._peer_released.pop(m.request_id, None)
+                self._cond.notify_all()
+        if refuse:
+            self._host.count("peer_announcements_refused")
+            self._send(Abort(m.request_id, None, FailureReason.ABORTED,
+                             f"the sender already holds {cap} pending announcements of this "
+                             "session (Limits.max_peer_announcements)"))
 
-    def _on_release(self, h: dict, payload: bytes) -> None:
-        req = int(h["req"])
+    def _on_release(self, m: Release) -> None:
+        req = m.request_id
         with self._cond:
-            self._peer_released.add(req)
+            if req in self._peer_ann:  # only a known request: a peer cannot grow the map
+                self._peer_released[req] = None
+                while len(self._peer_released) > self._host.limits.max_peer_announcements:
+                    oldest = next(iter(self._peer_released))
+                    del self._peer_released[oldest]
+                    self._peer_ann.pop(oldest, None)
             self._cond.notify_all()
         if self._tx_fail(req, None, FailureReason.RELEASED, "receiver released the request"):
             self._drain(req, 0.0)
-        if h.get("fence"):
+        if not m.fence:
+            return
+        # Nothing of the request in flight (the common case, and any request we never sent):
+        # answer now; otherwise wait for the data path on a thread of its own.
+        if self._drain(req, 0.0):
+            self._send(Released(req))
+        else:
             self._control.spawn(functools.partial(self._fence_reply, req), f"lynx-fence-{req}")
 
     def _fence_reply(self, req: int) -> None:
-        """Answer a fenced RELEASE with RELEASED once no chunk of `req` is in flight any more (on
-        its own thread: draining waits for the data path)."""
+        """Answer a fenced RELEASE with RELEASED once no chunk of `req` is in flight any more."""
         if self._drain(req, 2.0):
-            self._send("RELEASED", {"req": req})
+            self._send(Released(req))
         else:
             self.terminate(FailureReason.TIMEOUT,
                            f"could not drain request {req} for the receiver", True)
 
-    def _on_ack(self, h: dict, payload: bytes) -> None:
-        req, stream = int(h["req"]), Stream(int(h["stream"]))
+    def _on_ack(self, m: Ack) -> None:
         with self._cond:
-            rq = self._tx.get(req)
+            rq = self._tx.get(m.request_id)
             if rq is not None:
-                ts = rq.streams[stream]
+                ts = rq.streams[m.stream]
                 if ts.status is Status.PENDING:
                     ts.status = Status.COMPLETE
                     ts.t_done = now()
             self._cond.notify_all()
 
-    def _on_nack(self, h: dict, payload: bytes) -> None:
-        req, stream = int(h["req"]), Stream(int(h["stream"]))
-        reason = failure_reason(h.get("reason"), FailureReason.LOCAL_ERROR)
-        if self._tx_fail(req, stream, reason, "receiver: " + h.get("detail", "")):
-            self._drain(req, 0.0, stream)
+    def _on_nack(self, m: Nack) -> None:
+        if self._tx_fail(m.request_id, m.stream, m.reason, "receiver: " + m.detail):
+            self._drain(m.request_id, 0.0, m.stream)
 
     # ------------------------------------------------------------------ for session.Session
     def _take_tx(self, request_id: int) -> TxRequest | None:
         """Forget the request and the peer's announcement of it (caller holds the session lock);
         returns the send record."""
         self._peer_ann.pop(request_id, None)
+        self._peer_released.pop(request_id, None)
         return self._tx.pop(request_id, None)
 
     def _release_tx(self, request_id: int, tq: TxRequest, timeout: float) -> None:

@@ -3,7 +3,8 @@
 A Session owns everything per peer that is not a socket: its handshake state, its receiver role
 (`receiver.ReceiverRole`: what it announced, what landed), its sender role (`sender.SenderRole`:
 the peer's announcements, what it posted), its close state, and how each control message from
-the peer changes them (`on_message`, a table of its own handlers).
+the peer changes them (`on_message`, a table of its own handlers keyed by message type). The
+control plane has authenticated and parsed every message it is given (`lynx_transport.wire`).
 
 Called by users (the public API), by the `Endpoint` (connect's handshake, close), by the
 `ControlPlane` (`on_message`, heartbeats, peer timeout, `check_deadlines`, the acceptor's
@@ -17,12 +18,26 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from .receiver import ReceiverRole
 from .sender import SenderRole
 from .sessionbase import SessionControl, SessionHost, now
 from .types import FailureReason, Stream
-from .wire import failure_reason
+from .wire import (
+    Abort,
+    Ack,
+    Announce,
+    Auth,
+    Bye,
+    Heartbeat,
+    Message,
+    Nack,
+    Ready,
+    Release,
+    Released,
+    Welcome,
+)
 
 log = logging.getLogger("lynx_transport")
 
@@ -39,18 +54,17 @@ class Session(ReceiverRole, SenderRole):
     def __init__(self, host: SessionHost, control: SessionControl, sid: bytes, initiator: bool,
                  peer_address: str):
         super().__init__(host, control, sid, initiator, peer_address)
-        self._handlers: dict[str, Callable[[dict, bytes], None]] = {
-            "WELCOME": self._on_welcome,
-            "REJECT": self._on_reject,
-            "READY": self._on_ready,
-            "HB": self._on_heartbeat,
-            "BYE": self._on_bye,
-            "ANNOUNCE": self._on_announce,
-            "RELEASE": self._on_release,
-            "RELEASED": self._on_released,
-            "ACK": self._on_ack,
-            "NACK": self._on_nack,
-            "ABORT": self._on_abort,
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+            Welcome: self._on_welcome,
+            Ready: self._on_ready,
+            Heartbeat: self._on_heartbeat,
+            Bye: self._on_bye,
+            Announce: self._on_announce,
+            Release: self._on_release,
+            Released: self._on_released,
+            Ack: self._on_ack,
+            Nack: self._on_nack,
+            Abort: self._on_abort,
         }
 
     def __repr__(self) -> str:
@@ -97,11 +111,11 @@ class Session(ReceiverRole, SenderRole):
             self.close_reason = reason
             self.close_detail = detail
         if notify and not self._control.stopped:
-            self._send("BYE", {"reason": reason.value, "detail": detail}, force=True)
+            self._send(Bye(reason, detail), force=True)
         with self._lock:
             rx_ids, tx_ids = self._rx_ids(), self._tx_ids()
         for rid in rx_ids:
-            self._rx_fail(rid, None, reason, detail, None)
+            self._rx_fail(rid, None, reason, detail, notify=False)
         for rid in tx_ids:
             self._tx_fail(rid, None, reason, detail)
         with contextlib.suppress(Exception):
@@ -114,14 +128,12 @@ class Session(ReceiverRole, SenderRole):
                       detail: str, notify: bool) -> None:
         """Fail `request_id`'s pending streams (all, or `stream`) in both roles, dropping the
         sender's queued ops; `notify`: tell the peer (ABORT)."""
-        self._rx_fail(request_id, stream, reason, detail, None)
+        self._rx_fail(request_id, stream, reason, detail, notify=False)
         if self._tx_fail(request_id, stream, reason, detail):
             with contextlib.suppress(Exception):
                 self._drain(request_id, 0.0, stream)
         if notify and not self.closed:
-            self._send("ABORT", {"req": request_id,
-                                 "stream": None if stream is None else int(stream),
-                                 "reason": reason.value, "detail": detail})
+            self._send(Abort(request_id, stream, reason, detail))
 
     def check_deadlines(self, t: float) -> None:
         """Fail (TIMEOUT, both sides) every request past its deadline with streams pending."""
@@ -138,16 +150,49 @@ class Session(ReceiverRole, SenderRole):
 
     # ---- handshake (Endpoint.connect on the initiator, ControlPlane on the acceptor)
     @property
+    def welcomed(self) -> bool:
+        return self._welcomed
+
+    @property
     def wants_heartbeats(self) -> bool:
-        """The initiator heartbeats only after WELCOME: until then the acceptor may not know the
-        session (its HELLO may still be on the way)."""
+        """The initiator heartbeats only after WELCOME: until then the acceptor does not know the
+        session (it learns of it from the AUTH)."""
         return self._welcomed or not self.initiator
 
-    def wait_welcome(self, end: float) -> bool:
-        """Initiator: wait until the peer's WELCOME or REJECT (`handshake_error`) arrived, at most
-        until monotonic `end`; False on timeout."""
+    def challenged(self, data_key: bytes, peer_endpoint: str) -> None:
+        """Initiator: the acceptor's CHALLENGE came; the session's keys are known."""
         with self._cond:
-            while not self._welcomed and self.handshake_error is None:
+            self.data_key = data_key
+            self.peer_endpoint_id = peer_endpoint
+            self._challenged = True
+            self._cond.notify_all()
+
+    def refused(self, reason: str) -> None:
+        """Initiator: the handshake failed (REJECT, another protocol version, a peer that could not
+        authenticate); `connect` raises with `reason`."""
+        with self._cond:
+            if self.handshake_error is None:
+                self.handshake_error = reason
+            self._cond.notify_all()
+
+    def authenticate(self, info: dict, prepare: dict) -> None:
+        """Initiator: send AUTH (this side's backend info and prepare), MACed with the keys."""
+        self.local_prepare = prepare
+        self._send(Auth(info, prepare))
+
+    def wait_challenge(self, end: float) -> bool:
+        """Initiator: wait until the CHALLENGE came or the handshake failed (`handshake_error`),
+        at most until monotonic `end`; False on timeout."""
+        return self._wait_handshake(lambda: self._challenged, end)
+
+    def wait_welcome(self, end: float) -> bool:
+        """Initiator: wait until the peer's WELCOME came or the handshake failed
+        (`handshake_error`), at most until monotonic `end`; False on timeout."""
+        return self._wait_handshake(lambda: self._welcomed, end)
+
+    def _wait_handshake(self, reached: Callable[[], bool], end: float) -> bool:
+        with self._cond:
+            while not reached() and self.handshake_error is None:
                 left = end - now()
                 if left <= 0:
                     return False
@@ -157,7 +202,7 @@ class Session(ReceiverRole, SenderRole):
     def data_path_up(self) -> None:
         """This side's data path is connected: tell the peer (READY)."""
         self._local_ready = True
-        self._send("READY", {})
+        self._send(Ready())
 
     def wait_peer_ready(self, end: float) -> bool:
         """Wait until the peer's READY arrived or the session closed, at most until monotonic
@@ -171,44 +216,37 @@ class Session(ReceiverRole, SenderRole):
             return self.ready
 
     # ---- control messages from the peer (ControlPlane's thread)
-    def on_message(self, kind: str, header: dict, payload: bytes) -> None:
-        """Apply one control message of the peer; kinds this version does not know are ignored."""
+    def on_message(self, message: Message | None) -> None:
+        """Apply one authenticated message of the peer; None (a kind this version does not know)
+        only proves that the peer is alive."""
         self.last_heard = now()
-        handler = self._handlers.get(kind)
+        handler = None if message is None else self._handlers.get(type(message))
         if handler is not None:
-            handler(header, payload)
+            handler(message)
 
-    def _on_welcome(self, h: dict, payload: bytes) -> None:
+    def _on_welcome(self, m: Welcome) -> None:
         with self._cond:
-            self.remote_info = h.get("info", {})
-            self.peer_endpoint_id = h.get("endpoint", "")
-            self.remote_prepare = h.get("prepare", {})
+            if not self.initiator or self._welcomed:
+                return
+            self.remote_info = m.info
+            self.remote_prepare = m.prepare
             self._welcomed = True
             self._cond.notify_all()
 
-    def _on_reject(self, h: dict, payload: bytes) -> None:
-        with self._cond:
-            self.handshake_error = h.get("reason", "rejected")
-            self._cond.notify_all()
-
-    def _on_ready(self, h: dict, payload: bytes) -> None:
+    def _on_ready(self, m: Ready) -> None:
         with self._cond:
             self._peer_ready = True
             self._cond.notify_all()
 
-    def _on_heartbeat(self, h: dict, payload: bytes) -> None:
+    def _on_heartbeat(self, m: Heartbeat) -> None:
         pass  # on_message already noted that the peer is alive
 
-    def _on_bye(self, h: dict, payload: bytes) -> None:
-        reason = failure_reason(h.get("reason"), FailureReason.CLOSED)
-        if reason is FailureReason.CLOSED:
-            self.terminate(FailureReason.PEER_DIED,
-                           "peer closed the session: " + h.get("detail", ""), notify=False)
+    def _on_bye(self, m: Bye) -> None:
+        if m.reason is FailureReason.CLOSED:
+            self.terminate(FailureReason.PEER_DIED, "peer closed the session: " + m.detail,
+                           notify=False)
         else:
-            self.terminate(reason, "peer: " + h.get("detail", ""), notify=False)
+            self.terminate(m.reason, "peer: " + m.detail, notify=False)
 
-    def _on_abort(self, h: dict, payload: bytes) -> None:
-        req = int(h["req"])
-        stream = None if h.get("stream") is None else Stream(int(h["stream"]))
-        reason = failure_reason(h.get("reason"), FailureReason.ABORTED)
-        self.abort_request(req, stream, reason, "peer: " + h.get("detail", ""), notify=False)
+    def _on_abort(self, m: Abort) -> None:
+        self.abort_request(m.request_id, m.stream, m.reason, "peer: " + m.detail, notify=False)

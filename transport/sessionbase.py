@@ -3,7 +3,7 @@
 A Session is one class (`session.Session`) assembled from its receiver role
 (`receiver.ReceiverRole`) and its sender role (`sender.SenderRole`); both derive from
 `SessionBase`, which owns the state common to the roles: identity, the session lock and condition,
-handshake flags, the closed state, and the links to the Endpoint (`SessionHost`) and to the
+handshake state, the closed state, and the links to the Endpoint (`SessionHost`) and to the
 control plane (`SessionControl`). Nothing outside the Session classes uses it directly.
 """
 
@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from .backend import Backend
+from .limits import Limits
 from .memory import Region
 from .types import FailureReason, SessionClosedError, Stream, StreamState
+from .wire import Message
 
 
 def now() -> float:
@@ -31,6 +33,7 @@ class SessionHost(Protocol):
     backend_counts_incoming: bool
     checksum: bool
     default_deadline_s: float | None
+    limits: Limits
     unsafe_skip_bounds: bool
 
     def region(self, rid: int) -> Region: ...  # raises RegionError if not registered
@@ -48,8 +51,7 @@ class SessionControl(Protocol):
     @property
     def stopped(self) -> bool: ...
 
-    def send(self, sid: bytes, kind: str, header: dict, payload: bytes = b"", *,
-             force: bool = False) -> None: ...
+    def send(self, sid: bytes, message: Message, *, force: bool = False) -> None: ...
 
     def forget(self, sid: bytes) -> None: ...
 
@@ -70,8 +72,10 @@ class SessionBase(ABC):
         self.remote_info: dict = {}
         self.remote_prepare: dict = {}
         self.local_prepare: dict = {}
+        self.data_key = b""  # proves this session's data connections (from the handshake)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self._challenged = False
         self._welcomed = False
         self._local_ready = False
         self._peer_ready = False
@@ -97,8 +101,8 @@ class SessionBase(ABC):
     def terminate(self, reason: FailureReason, detail: str, notify: bool) -> None:
         """Close the session for `reason` (`session.Session`: it involves both roles)."""
 
-    def _send(self, kind: str, header: dict, payload: bytes = b"", force: bool = False) -> None:
-        self._control.send(self.id, kind, header, payload, force=force)
+    def _send(self, message: Message, force: bool = False) -> None:
+        self._control.send(self.id, message, force=force)
 
     def _drain(self, request_id: int, timeout: float, stream: Stream | None = None) -> bool:
         return self._host.backend.drain(self.id, request_id, timeout, stream=stream)

@@ -4,18 +4,30 @@ Data path per session: two TCP connections (ANCHOR, RESIDUAL), both opened by th
 acceptor's data listener and usable in both directions. One sender thread per session owns every
 send: it picks the next chunk by `PriorityPolicy` and writes `header + payload` with non-blocking
 `sendmsg` straight from the registered source memory (no copy). One receiver thread per socket
-reads a 40-byte header, asks the Endpoint (`open_incoming`) whether the write may land — before
-any payload byte is read — and then `recv_into`s the payload directly into the destination
-region (or discards it when refused).
+reads a 40-byte header (`parse_frame_header`), asks the Endpoint (`open_incoming`) whether the
+write may land — before any payload byte is read — and then `recv_into`s the payload directly into
+the destination region (or discards it when refused).
+
+Data connections: each opens with a preamble (magic, version, stream, session id, proof), the proof
+being an HMAC with the session's data key (`lynx_transport.auth.data_proof`): only the two ends of
+the authenticated handshake can attach a stream to a session. One listener thread reads every
+preamble through a selector, each under its own deadline (`preamble_timeout_s`) and within caps on
+connections whose preamble is pending (`max_pending_preambles`, `..._per_peer`): a peer that
+trickles bytes or never sends holds one slot for a bounded time and never delays anyone else.
+
+Checksums: an endpoint with `checksum=True` (the default) refuses a DATA chunk without one (its
+stream fails CORRUPTION, nothing lands) and says so in its `local_info`, so a sender checksums
+every chunk for it whatever its own setting. FIN frames always carry the CRC32 of their aux bytes.
 
 Priority: strict mode never hands RESIDUAL bytes to the kernel while ANCHOR work is queued; the
 RESIDUAL socket has a small TCP_NOTSENT_LOWAT so that little RESIDUAL data waits unsent inside the
 kernel when ANCHOR work arrives. Sockets are marked with IP_TOS / SO_PRIORITY per stream.
 
 Frame (little-endian, 40 bytes): magic u32 'LYNX', kind u8 (1 DATA, 2 FIN), stream u8, flags u16
-(bit 0: CRC32 valid, bit 1: XXH3 valid), request u64, region u32, checksum u32 (CRC32, or the
-low 32 bits of XXH3-64 when both ends have `xxhash`: ~4x cheaper), offset u64 (DATA: destination offset;
-FIN: total bytes of the stream), length u64 (payload bytes: DATA data, FIN aux).
+(bit 0: CRC32 valid, bit 1: XXH3 valid; never both), request u64, region u32, checksum u32 (CRC32,
+or the low 32 bits of XXH3-64 when both ends have `xxhash`: ~4x cheaper), offset u64 (DATA:
+destination offset; FIN: total bytes of the stream), length u64 (payload bytes: DATA data, at most
+MAX_CHUNK_BYTES; FIN aux, at most MAX_AUX_BYTES).
 """
 
 from __future__ import annotations
@@ -25,8 +37,8 @@ import contextlib
 import fcntl
 import hmac
 import logging
-import os
 import select
+import selectors
 import socket
 import struct
 import threading
@@ -34,7 +46,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from .backend import Backend, BackendHooks, FinOp, PriorityPolicy, Refused, WriteOp
+from .auth import data_proof
+from .backend import MAX_CHUNK_BYTES, Backend, BackendHooks, FinOp, PriorityPolicy, Refused, WriteOp
 from .memory import Region
 from .types import MAX_AUX_BYTES, STREAMS, FailureReason, HandshakeError, Stream
 
@@ -56,7 +69,8 @@ try:  # optional: a much cheaper checksum than zlib's CRC32, used when both ends
 except ImportError:  # pragma: no cover - xxhash is a dependency; keep working without it
     _xxh3_32 = None
     CHECKSUMS = ["crc32"]
-PREAMBLE = struct.Struct("<I16s16sB")  # magic, session id, nonce, stream
+PREAMBLE = struct.Struct("<IBB16s32s")  # magic, version, stream, session id, proof
+DATA_VERSION = 2
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 SIOCOUTQ = 0x5411  # == TIOCOUTQ: bytes in a TCP socket's send queue not yet acknowledged
 _OUTQ_BUF = bytes(4)
@@ -87,6 +101,11 @@ DEFAULT_OPTIONS = {
     "sndbuf": 0,  # 0: kernel autotuning
     "rcvbuf": 0,
     "io_timeout_s": 0.2,  # how often blocked threads look at their stop flags
+    # data connections whose preamble has not fully arrived: each is closed after this long, and
+    # beyond these counts (in all, per peer address) new connections are closed at once
+    "preamble_timeout_s": 2.0,
+    "max_pending_preambles": 64,
+    "max_pending_preambles_per_peer": 16,
     # test-only fault injection: limit the sender to this many bytes/s (0 = off)
     "_throttle_bps": 0,
 }
@@ -115,7 +134,7 @@ class _Chunk:
 class _TcpSession:
     sid: bytes
     initiator: bool
-    nonce: bytes
+    key: bytes  # the session's data key: its data connections prove it
     socks: dict = field(default_factory=dict)  # Stream -> socket
     queues: dict = field(default_factory=lambda: {s: collections.deque() for s in STREAMS})
     current: dict = field(default_factory=lambda: {s: None for s in STREAMS})
@@ -129,13 +148,64 @@ class _TcpSession:
     recv_bytes: dict = field(default_factory=lambda: {s: 0 for s in STREAMS})
     corrupt_next: set = field(default_factory=set)  # test hook: streams whose next crc is wrong
     use_xxh3: bool = False
+    peer_requires_checksum: bool = True  # what the peer's local_info says; until then: safe side
+
+
+@dataclass
+class _Preamble:
+    """A data connection whose preamble is still arriving (listener thread only)."""
+
+    sock: socket.socket
+    peer: str
+    deadline: float
+    buf: bytearray = field(default_factory=lambda: bytearray(PREAMBLE.size))
+    got: int = 0
+
+
+class FrameError(ValueError):
+    """A data frame header that breaks the protocol (`parse_frame_header`): the stream cannot be
+    followed any more, so its session is closed (CORRUPTION)."""
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    kind: int
+    flags: int
+    request_id: int
+    region_id: int
+    checksum: int
+    offset: int  # DATA: destination offset; FIN: the stream's total bytes
+    length: int  # payload bytes
+
+
+def parse_frame_header(buf: bytes | bytearray | memoryview, stream: Stream) -> FrameHeader:
+    """Check one frame header received on `stream`'s socket; FrameError if it is not one a
+    sender of this protocol writes."""
+    if len(buf) != HDR.size:
+        raise FrameError(f"frame header of {len(buf)} B")
+    magic, kind, fstream, flags, req, region, crc, offset, length = HDR.unpack(buf)
+    if magic != MAGIC or fstream != int(stream):
+        raise FrameError(f"bad frame header (magic {magic:#x}, stream {fstream} on the "
+                         f"{stream.name} socket)")
+    if kind == KIND_FIN:
+        if flags != FLAG_CRC or region or length > MAX_AUX_BYTES:
+            raise FrameError(f"bad FIN header (flags {flags}, region {region}, aux {length} B)")
+    elif kind == KIND_DATA:
+        if flags not in (0, FLAG_CRC, FLAG_XXH3):
+            raise FrameError(f"bad DATA flags {flags:#x}")
+        if length > MAX_CHUNK_BYTES or offset + length >= 1 << 64:
+            raise FrameError(f"DATA chunk of {length} B at offset {offset}")
+    else:
+        raise FrameError(f"unknown frame kind {kind}")
+    return FrameHeader(kind, flags, req, region, crc, offset, length)
 
 
 class TcpBackend(Backend):
     name = "tcp"
     counts_incoming = True
 
-    def __init__(self, hooks: BackendHooks, host: str, policy: PriorityPolicy, options: dict):
+    def __init__(self, hooks: BackendHooks, host: str, policy: PriorityPolicy, options: dict,
+                 checksum: bool = True):
         unknown = set(options) - set(DEFAULT_OPTIONS)
         if unknown:
             raise ValueError(f"unknown tcp backend options: {sorted(unknown)}")
@@ -143,14 +213,17 @@ class TcpBackend(Backend):
         self.hooks = hooks
         self.host = host
         self.policy = policy
+        self.require_checksum = checksum
         self._sessions: dict[bytes, _TcpSession] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._counters = {"preambles_refused": 0, "preambles_expired": 0,
+                          "connections_refused": 0}  # written by the listener thread only
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, 0))
         self._listener.listen(64)
-        self._listener.settimeout(self.opts["io_timeout_s"])
+        self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"lynx-tcp-accept-{self.port}")
@@ -158,7 +231,8 @@ class TcpBackend(Backend):
 
     # ------------------------------------------------------------------ identity / memory
     def local_info(self) -> dict:
-        return {"host": self.host, "port": self.port, "checksums": CHECKSUMS}
+        return {"host": self.host, "port": self.port, "checksums": CHECKSUMS,
+                "checksum_required": self.require_checksum}
 
     def register_region(self, region: Region) -> dict:
         region.view  # noqa: B018 - build the memoryview once, up front
@@ -168,29 +242,33 @@ class TcpBackend(Backend):
         region._view = None
 
     # ------------------------------------------------------------------ sessions
-    def session_prepare(self, session_id: bytes, initiator: bool) -> dict:
-        ts = _TcpSession(session_id, initiator, os.urandom(16))
+    def session_prepare(self, session_id: bytes, initiator: bool, key: bytes) -> dict:
+        ts = _TcpSession(session_id, initiator, key)
         ts.wake_r, ts.wake_w = socket.socketpair()
         ts.wake_r.setblocking(False)
         ts.wake_w.setblocking(False)
         with self._lock:
             self._sessions[session_id] = ts
-        return {"nonce": ts.nonce.hex()}
+        return {}
 
     def session_connect(self, session_id, remote_info, remote_prepare, initiator, timeout):
         ts = self._sessions.get(session_id)
         if ts is None:
             raise HandshakeError("session not prepared")
         # what we send is verified by the peer: use XXH3 only if it can compute it too
-        ts.use_xxh3 = "xxh3" in CHECKSUMS and "xxh3" in remote_info.get("checksums", [])
+        checksums = remote_info.get("checksums")
+        ts.use_xxh3 = "xxh3" in CHECKSUMS and isinstance(checksums, list) and "xxh3" in checksums
+        ts.peer_requires_checksum = remote_info.get("checksum_required") is not False
         if initiator:
-            nonce = bytes.fromhex(remote_prepare["nonce"])
-            addr = (remote_info["host"], int(remote_info["port"]))
+            host, port = remote_info.get("host"), remote_info.get("port")
+            if not isinstance(host, str) or type(port) is not int or not 0 < port < 65536:
+                raise HandshakeError(f"bad tcp data address in the peer's info: {host!r}:{port!r}")
             for s in STREAMS:
-                sock = socket.create_connection(addr, timeout=timeout)
+                sock = socket.create_connection((host, port), timeout=timeout)
                 self._configure(sock, s)
                 sock.settimeout(timeout)
-                sock.sendall(PREAMBLE.pack(MAGIC, session_id, nonce, int(s)))
+                sock.sendall(PREAMBLE.pack(MAGIC, DATA_VERSION, int(s), session_id,
+                                           data_proof(ts.key, session_id, int(s))))
                 ts.socks[s] = sock
             self._start_session(ts)
         else:
@@ -220,43 +298,105 @@ class TcpBackend(Backend):
         if o["rcvbuf"]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(o["rcvbuf"]))
 
+    # ------------------------------------------------------------------ data listener
     def _accept_loop(self) -> None:
-        while not self._closed:
+        """Accept data connections and read their preambles, each under its own deadline, for
+        every session at once (one selector; no read here ever blocks)."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        pending: dict[socket.socket, _Preamble] = {}
+        try:
+            while not self._closed:
+                for key, _ in sel.select(self.opts["io_timeout_s"]):
+                    if key.fileobj is self._listener:
+                        self._accept_new(sel, pending)
+                    else:
+                        self._read_preamble(sel, pending, pending[key.fileobj])
+                t = time.monotonic()
+                for p in [p for p in pending.values() if t > p.deadline]:
+                    self._counters["preambles_expired"] += 1
+                    self._drop_preamble(sel, pending, p)
+        except Exception:  # pragma: no cover - a bug; new sessions can no longer connect
+            log.exception("tcp data listener crashed")
+        finally:
+            for p in list(pending.values()):
+                self._drop_preamble(sel, pending, p)
+            sel.close()
+
+    def _accept_new(self, sel: selectors.BaseSelector, pending: dict) -> None:
+        o = self.opts
+        for _ in range(64):  # then let the pending preambles have a turn
             try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of fds: refuse until some close
+                log.debug("data listener accept failed: %s", exc)
+                return
+            peer = addr[0]
+            if (len(pending) >= o["max_pending_preambles"]
+                    or sum(p.peer == peer for p in pending.values())
+                    >= o["max_pending_preambles_per_peer"]):
+                self._counters["connections_refused"] += 1
+                sock.close()
                 continue
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            try:
-                sock.settimeout(5.0)
-                buf = bytearray(PREAMBLE.size)
-                view = memoryview(buf)
-                got = 0
-                while got < len(buf):
-                    n = sock.recv_into(view[got:])
-                    if not n:
-                        raise ConnectionError("closed during preamble")
-                    got += n
-                magic, sid, nonce, stream = PREAMBLE.unpack(buf)
-                ts = self._sessions.get(sid)
-                if (magic != MAGIC or ts is None or ts.initiator
-                        or not hmac.compare_digest(nonce, ts.nonce) or stream not in (0, 1)
-                        or Stream(stream) in ts.socks):
-                    raise ConnectionError("bad data-connection preamble")
-                self._configure(sock, Stream(stream))
-                with ts.lock:
-                    ts.socks[Stream(stream)] = sock
-                    both = len(ts.socks) == 2
-                if both:
-                    self._start_session(ts)
-                    ts.connected.set()
-            except Exception as exc:
-                log.debug("data connection refused: %s", exc)
-                with contextlib.suppress(OSError):
-                    sock.close()
+            sock.setblocking(False)
+            p = _Preamble(sock, peer, time.monotonic() + o["preamble_timeout_s"])
+            pending[sock] = p
+            sel.register(sock, selectors.EVENT_READ)
+
+    def _read_preamble(self, sel: selectors.BaseSelector, pending: dict, p: _Preamble) -> None:
+        try:
+            n = p.sock.recv_into(memoryview(p.buf)[p.got:])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if not n:
+            self._drop_preamble(sel, pending, p)
+            return
+        p.got += n
+        if p.got < PREAMBLE.size:
+            return
+        sel.unregister(p.sock)
+        del pending[p.sock]
+        try:
+            attached = self._attach(p.sock, bytes(p.buf))
+        except OSError:  # e.g. reset while being configured: this connection only
+            attached = False
+        if not attached:
+            self._counters["preambles_refused"] += 1
+            with contextlib.suppress(OSError):
+                p.sock.close()
+
+    @staticmethod
+    def _drop_preamble(sel: selectors.BaseSelector, pending: dict, p: _Preamble) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(p.sock)
+        pending.pop(p.sock, None)
+        with contextlib.suppress(OSError):
+            p.sock.close()
+
+    def _attach(self, sock: socket.socket, raw: bytes) -> bool:
+        """Give a data connection with a complete preamble to its session; False if the preamble
+        does not prove the session's key or the session cannot take it."""
+        magic, version, stream, sid, proof = PREAMBLE.unpack(raw)
+        ts = self._sessions.get(sid)
+        if (magic != MAGIC or version != DATA_VERSION or stream not in (0, 1) or ts is None
+                or ts.initiator or not hmac.compare_digest(proof, data_proof(ts.key, sid, stream))):
+            return False
+        s = Stream(stream)
+        sock.setblocking(True)
+        self._configure(sock, s)
+        with ts.lock:
+            if s in ts.socks or ts.stop:
+                return False
+            ts.socks[s] = sock
+            both = len(ts.socks) == 2
+        if both:
+            self._start_session(ts)
+            ts.connected.set()
+        return True
 
     def _start_session(self, ts: _TcpSession) -> None:
         tv = struct.pack("ll", int(self.opts["io_timeout_s"]),
@@ -342,7 +482,7 @@ class TcpBackend(Backend):
             view = op.src.slice(op.src_offset + item.done, n)
             flags = 0
             crc = 0
-            if op.checksum:
+            if op.checksum or ts.peer_requires_checksum:
                 if ts.use_xxh3:
                     flags = FLAG_XXH3
                     crc = _xxh3_32(view)
@@ -512,17 +652,13 @@ class TcpBackend(Backend):
             while not ts.stop:
                 if not self._recv_exact(ts, sock, hview):
                     return
-                magic, kind, fstream, flags, req, region, crc, offset, length = HDR.unpack(hdr)
-                if magic != MAGIC or kind not in (KIND_DATA, KIND_FIN) or fstream != int(stream):
-                    raise _ProtocolError(f"bad frame header (magic {magic:#x}, kind {kind}, "
-                                         f"stream {fstream} on {stream.name} socket)")
-                if kind == KIND_FIN:
-                    if length > MAX_AUX_BYTES:
-                        raise _ProtocolError(f"FIN aux of {length} B")
+                h = parse_frame_header(hdr, stream)
+                req, region, offset, length = h.request_id, h.region_id, h.offset, h.length
+                if h.kind == KIND_FIN:
                     aux = bytearray(length)
                     if length and not self._recv_exact(ts, sock, memoryview(aux)):
                         return
-                    ok = zlib.crc32(aux) == crc
+                    ok = zlib.crc32(aux) == h.checksum
                     self.hooks.incoming_fin(ts.sid, req, stream, offset,
                                             bytes(aux) if ok else None)
                     continue
@@ -531,6 +667,14 @@ class TcpBackend(Backend):
                 except Refused:
                     if not self._discard(ts, sock, length, scratch):
                         return
+                    continue
+                if self.require_checksum and not h.flags:
+                    # refused before a byte lands: a chunk nobody can verify
+                    if not self._discard(ts, sock, length, scratch):
+                        return
+                    w.finish(0, ok=False, reason=FailureReason.CORRUPTION,
+                             detail=f"chunk at offset {offset} ({length} B) without a checksum: "
+                                    "this endpoint requires them")
                     continue
                 view = w.view
                 got = 0
@@ -554,8 +698,8 @@ class TcpBackend(Backend):
                 ts.recv_bytes[stream] += length
                 if diverted:
                     w.finish(0, ok=True)  # the stream already failed/released; nothing to add
-                elif (flags & FLAG_XXH3 and (_xxh3_32 is None or _xxh3_32(view) != crc)) or (
-                        flags & FLAG_CRC and zlib.crc32(view) != crc):
+                elif (h.flags & FLAG_XXH3 and (_xxh3_32 is None or _xxh3_32(view) != h.checksum)
+                      ) or (h.flags & FLAG_CRC and zlib.crc32(view) != h.checksum):
                     w.finish(length, ok=False, reason=FailureReason.CORRUPTION,
                              detail=f"checksum mismatch in chunk at offset {offset} "
                                     f"({length} B) of region {region}")
@@ -564,7 +708,7 @@ class TcpBackend(Backend):
         except (ConnectionError, OSError) as exc:
             if not ts.stop:
                 self.hooks.session_lost(ts.sid, FailureReason.PEER_DIED, str(exc))
-        except _ProtocolError as exc:
+        except FrameError as exc:
             if not ts.stop:
                 self.hooks.session_lost(ts.sid, FailureReason.CORRUPTION, str(exc))
         except Exception as exc:  # pragma: no cover - bug
@@ -618,7 +762,7 @@ class TcpBackend(Backend):
             self._listener.close()
 
     def stats(self) -> dict:
-        out = {"sessions": len(self._sessions)}
+        out: dict = {"sessions": len(self._sessions), **self._counters}
         for sid, ts in list(self._sessions.items()):
             out[sid.hex()[:8]] = {
                 "sent": {s.name: ts.sent_bytes[s] for s in STREAMS},
@@ -626,6 +770,3 @@ class TcpBackend(Backend):
             }
         return out
 
-
-class _ProtocolError(Exception):
-    pass

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 MAX_AUX_BYTES = 64 * 1024
 # Request ids are unsigned 64-bit integers (SGLang's bootstrap_room fits); scoped per session.
 MAX_REQUEST_ID = (1 << 64) - 1
+# Extents one announcement may give a stream: caps what a peer's ANNOUNCE makes us store and scan.
+MAX_EXTENTS = 1024
 
 
 class Stream(enum.IntEnum):
@@ -98,13 +100,15 @@ class Announcement:
 
     Extents refer to the *receiver's* regions. `stream_nbytes(s)` is the most a sender may write
     into stream `s`; `locate(s, off, n)` maps a logical stream offset onto (region, offset) pieces.
+    `targets[s][i]` is what the receiver's backend published for extent `bounds[s][i]` (verbs: the
+    address and rkey of a memory registration covering exactly that extent; tcp: nothing).
     """
 
     request_id: int
     bounds: dict[Stream, tuple[Extent, ...]]
     deadline: float | None = None  # receiver's monotonic deadline (informative on the sender)
     meta: bytes = b""  # small opaque bytes from the receiver (e.g. SGLang's metadata slot id)
-    region_info: dict[int, dict] = field(default_factory=dict)  # backend info per region id
+    targets: dict[Stream, tuple[dict, ...]] = field(default_factory=dict)
 
     def stream_nbytes(self, stream: Stream) -> int:
         return sum(e.length for e in self.bounds.get(Stream(stream), ()))
@@ -136,12 +140,20 @@ class Announcement:
             pos += ext.length
         return pieces
 
+    def find(self, stream: Stream, region_id: int, offset: int, length: int
+             ) -> tuple[Extent, dict] | None:
+        """The announced extent of `stream` that holds region `region_id`'s [offset, offset+length)
+        whole, with its target info; None if no single extent does."""
+        stream = Stream(stream)
+        infos = self.targets.get(stream, ())
+        for i, e in enumerate(self.bounds.get(stream, ())):
+            if e.region_id == region_id and e.offset <= offset and offset + length <= e.end:
+                return e, (infos[i] if i < len(infos) else {})
+        return None
+
     def contains(self, stream: Stream, region_id: int, offset: int, length: int) -> bool:
         """True if region `region_id`'s [offset, offset+length) lies inside one announced extent."""
-        return any(
-            e.region_id == region_id and e.offset <= offset and offset + length <= e.end
-            for e in self.bounds.get(Stream(stream), ())
-        )
+        return self.find(stream, region_id, offset, length) is not None
 
 
 # ----------------------------------------------------------------------------------- errors
@@ -154,7 +166,8 @@ class BackendUnavailableError(TransportError):
 
 
 class HandshakeError(TransportError):
-    """The control-plane handshake failed (bad token, backend mismatch, peer unreachable)."""
+    """The control-plane handshake failed (secrets differ, protocol or backend mismatch, busy, peer
+    unreachable)."""
 
 
 class SessionClosedError(TransportError):

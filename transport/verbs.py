@@ -5,8 +5,13 @@ imports this module only when asked for, and pyverbs (Debian `python3-pyverbs`, 
 only when a `VerbsBackend` is constructed.
 
 What it owns (one `VerbsBackend` per Endpoint):
-* one device context + protection domain; the memory regions of registered `Region`s (one
-  `ibv_reg_mr` per region, at `register_region`, reused by every session and request);
+* one device context + protection domain; one local memory registration per registered `Region`
+  (`ibv_reg_mr` at `register_region`, *without* remote access: its rkey is worthless and never
+  sent), the source of every RDMA WRITE from that region;
+* per announced extent a registration of exactly that extent with remote-write access
+  (`expose`, at `Session.announce`), whose address and rkey are what the announcement carries;
+  deregistered at `withdraw` (`Session.release`, after the sender's drain fence) or when the
+  session closes. The NIC itself refuses a WRITE outside the extent (remote access error);
 * per session two RC QPs, one per stream (ANCHOR, RESIDUAL), so a queued Residual work request
   never sits in front of an Anchor one; the Anchor QP carries a higher service level / traffic
   class than the Residual QP so the fabric can prioritise it too; per QP a ring of registered
@@ -14,20 +19,36 @@ What it owns (one `VerbsBackend` per Endpoint):
 * one progress thread that schedules queued writes (strict or weighted priority, chunked),
   posts work requests, polls completions, lands notices and probes idle peers.
 
-Wire protocol on each QP: data moves by RDMA WRITE straight into the peer's region; every chunk is
+Wire protocol on each QP: data moves by RDMA WRITE straight into the peer's extent; every chunk is
 followed, on the same QP, by a SEND carrying a DATA notice (request, stream, region, offset,
-length, CRC32). RC delivers the SEND after the WRITE's bytes are placed, so when the receiver sees
-the notice the chunk has landed: it validates it through `BackendHooks.open_incoming` (bounds,
-known request) and verifies the CRC before counting the bytes. A stream's completion is a FIN
-notice (total + aux bytes) behind its last chunk. Outstanding chunks per QP are bounded
-(`max_outstanding`; `residual_outstanding` for the Residual QP).
+length, CRC32 of the chunk). RC delivers the SEND after the WRITE's bytes are placed, so when the
+receiver sees the notice the chunk has landed: it validates it through `BackendHooks.open_incoming`
+(bounds, known request) and verifies the CRC before counting the bytes. A stream's completion is a
+FIN notice (total + aux bytes + the CRC32 of the aux) behind its last chunk. Notices are parsed by
+`parse_notice`; one that breaks the format fails the session (CORRUPTION). Outstanding chunks per
+QP are bounded (`max_outstanding`; `residual_outstanding` for the Residual QP).
 
 Bounds: the Endpoint refuses an out-of-bounds write on the sender before any work request is
-posted. The receiver re-checks every notice; a write outside the announced bounds or for an
-unknown request fails the stream (OUT_OF_BOUNDS / UNKNOWN_REQUEST) and its bytes are never
-counted. RDMA WRITE is one-sided: a peer that skips the sender-side check can place bytes inside a
-region whose rkey it was given (only regions announced to its session) before the notice is
-refused; only memory windows bound per request could stop that in the NIC.
+posted. A peer that skips that check is stopped by the NIC: its WRITE can only name an rkey of an
+extent announced to it, and the registration covers that extent alone, so a WRITE beyond it fails
+with a remote access error — nothing lands, the QPs of that session go to the error state and the
+session fails on both sides; other sessions are unaffected. Inside an announced extent bytes still
+land before the receiver checks them (one-sided writes): a wrong CRC or a notice outside the bounds
+fails the stream (CORRUPTION / OUT_OF_BOUNDS), and its bytes are never counted.
+What this does not stop: rkeys are valid for every QP of the protection domain (one per
+Endpoint), so an *authenticated* peer that guessed the rkey of an extent announced to another
+session could write into that extent while it is announced; each wrong guess costs it its session
+(remote access error) and a new authenticated handshake. Type-2 memory windows bound to one QP
+would close that gap (recent rxe supports them; not used here).
+What rxe (soft-RoCE) allows, and what is tested where: rxe registers sub-ranges of an already
+registered buffer like any other memory (each pins the pages again) and checks every incoming
+WRITE's rkey, range and access in its responder; a violation is answered with a remote-access NAK,
+the sender's work request fails (IBV_WC_REM_ACCESS_ERR) and both QPs go to the error state.
+tests/transport/test_verbs.py, in the soft-RoCE guest, checks that on rxe: per-extent
+registrations and their removal at release, that the region-wide rkey is never published, that a
+WRITE past its extent lands nothing and fails only its own session, the FIN aux CRC.
+test_verbs_host.py checks on any host the notice format and, against a model of those NIC checks
+(tests/transport/fake_pyverbs.py), this backend's use of the registrations.
 
 Faults: a work request that fails (peer QP gone: transport retries exhausted) fails the session
 (`session_lost`, PEER_DIED). Idle sessions are probed with a zero-length RDMA WRITE every
@@ -40,7 +61,8 @@ registers it. Source bytes of a write are read by the NIC until its chunk's comp
 Receiver release (one-sided writes): chunks the sender already posted can land without the
 receiver's help, so `one_sided_writes = True` makes `Session.release()` on the receiver wait for
 the sender's RELEASED reply (sent once its drain finished) before it returns, and close the
-session (destroying the QPs: the NIC drops what arrives later) if none comes within its timeout.
+session (destroying the QPs: the NIC drops what arrives later) if none comes within its timeout;
+then the extents' registrations are dropped (a late WRITE would now fail at the NIC).
 """
 
 from __future__ import annotations
@@ -56,7 +78,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .backend import Backend, BackendHooks, FinOp, PriorityPolicy, Refused, WriteOp
+from .backend import MAX_CHUNK_BYTES, Backend, BackendHooks, FinOp, PriorityPolicy, Refused, WriteOp
 from .memory import Region
 from .types import (
     MAX_AUX_BYTES,
@@ -69,14 +91,62 @@ from .types import (
 log = logging.getLogger("lynx_transport.verbs")
 
 # Notice on the wire (little endian): magic, kind, stream, has_crc, request id, region id,
-# offset, length (FIN: total), crc32. FIN notices carry their aux bytes after the header.
+# offset, length (FIN: total), crc32 (DATA: of the chunk; FIN: of the aux bytes that follow).
 _NOTICE = struct.Struct("<4sBBBxQIQQI")
-_MAGIC = b"LXV1"
+_MAGIC = b"LXV2"
 _DATA, _FIN = 1, 2
 _SLOT_BYTES = _NOTICE.size + MAX_AUX_BYTES
 # wr_id layout: bits 62-63 kind, bits 32-33 lane, bits 0-31 slot.
 _WR_NOTICE, _WR_WRITE, _WR_PROBE, _WR_RECV = 0, 1, 2, 3
 _PORT = 1
+
+
+class NoticeError(ValueError):
+    """A notice that breaks the format (`parse_notice`): the session is failed (CORRUPTION)."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A parsed DATA or FIN notice. FIN: `aux` is None when it failed its CRC."""
+
+    kind: int
+    request_id: int
+    region_id: int
+    offset: int
+    length: int  # DATA: the chunk's bytes; FIN: the stream's total
+    has_crc: bool = False
+    crc: int = 0
+    aux: bytes | None = b""
+
+
+def pack_data_notice(stream: Stream, request_id: int, region_id: int, offset: int, length: int,
+                     crc: int | None) -> bytes:
+    """The notice behind one chunk's RDMA WRITE (`crc` None: sent without a checksum)."""
+    return _NOTICE.pack(_MAGIC, _DATA, int(stream), crc is not None, request_id, region_id,
+                        offset, length, crc or 0)
+
+
+def pack_fin_notice(stream: Stream, request_id: int, total: int, aux: bytes) -> bytes:
+    return _NOTICE.pack(_MAGIC, _FIN, int(stream), 1, request_id, 0, 0, total,
+                        zlib.crc32(aux)) + aux
+
+
+def parse_notice(raw: bytes, stream: Stream) -> Notice:
+    """Check a notice received on `stream`'s QP; NoticeError if no sender of this protocol would
+    have sent it. A FIN whose aux fails its CRC parses, with `aux` None."""
+    if len(raw) < _NOTICE.size:
+        raise NoticeError(f"short notice ({len(raw)} B) on the {stream.name} QP")
+    magic, kind, nstream, has_crc, rid, region, offset, length, crc = _NOTICE.unpack_from(raw)
+    if magic != _MAGIC or nstream != int(stream) or has_crc > 1:
+        raise NoticeError(f"malformed notice on the {stream.name} QP")
+    tail = bytes(raw[_NOTICE.size:])
+    if kind == _DATA:
+        if tail or length > MAX_CHUNK_BYTES or offset + length >= 1 << 64:
+            raise NoticeError(f"malformed DATA notice on the {stream.name} QP")
+        return Notice(_DATA, rid, region, offset, length, bool(has_crc), crc)
+    if kind == _FIN and has_crc and not region and not offset and len(tail) <= MAX_AUX_BYTES:
+        return Notice(_FIN, rid, 0, 0, length, True, crc, tail if zlib.crc32(tail) == crc else None)
+    raise NoticeError(f"malformed notice (kind {kind}) on the {stream.name} QP")
 
 
 def _wr_id(kind: int, lane: int, slot: int) -> int:
@@ -210,6 +280,9 @@ class _Session:
     failed: bool = False
     # weighted mode: data bytes posted per stream since both became backlogged
     share_bytes: list[int] = field(default_factory=lambda: [0, 0])
+    # receiver: request id -> the registrations of its announced extents (`expose`)
+    exposed: dict[int, list] = field(default_factory=dict)
+    peer_requires_checksum: bool = True  # what the peer's local_info says
 
 
 class VerbsBackend(Backend):
@@ -221,18 +294,19 @@ class VerbsBackend(Backend):
     one_sided_writes = True
 
     def __init__(self, hooks: BackendHooks, host: str, policy: PriorityPolicy,
-                 options: dict) -> None:
+                 options: dict, checksum: bool = True) -> None:
         self._opts = VerbsOptions.from_dict(options)
         self._v = _import_pyverbs()
         self._hooks = hooks
         self._policy = policy
+        self._require_checksum = checksum
         self._lock = threading.Lock()  # every verbs object and all backend state
         self._wake = threading.Event()
         self._sessions: dict[bytes, _Session] = {}
         self._mrs: dict[int, Any] = {}
         self._closed = False
         self._stats = {"chunks_sent": 0, "bytes_sent": 0, "notices_received": 0,
-                       "refused": 0, "crc_errors": 0, "probes": 0,
+                       "refused": 0, "crc_errors": 0, "probes": 0, "exposed_extents": 0,
                        "peak_inflight_anchor": 0, "peak_inflight_residual": 0}
         v = self._v
         self._device = self._pick_device(self._opts.device)
@@ -297,26 +371,51 @@ class VerbsBackend(Backend):
     # ------------------------------------------------------------------ identity and memory
     def local_info(self) -> dict:
         return {"device": self._device, "gid": self._gid, "gid_index": self._gid_index,
-                "mtu": self._active_mtu}
+                "mtu": self._active_mtu, "checksum_required": self._require_checksum}
 
     def register_region(self, region: Region) -> dict:
         if region.length == 0:
             return {}
-        e = self._v.e
-        # A read-only buffer can only be a source: asking for LOCAL_WRITE would pin it writable.
-        access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE) if region.writable else 0
+        # Local access only: the source of RDMA WRITEs. Peers write through `expose`'s per-extent
+        # registrations; this one's rkey grants nothing and is never sent.
         try:
-            mr = self._v.MR(self._pd, region.length, access, address=region.addr)
+            mr = self._v.MR(self._pd, region.length, 0, address=region.addr)
         except self._v.PyverbsError as exc:
             raise TransportError(f"ibv_reg_mr of region {region.id} ({region.length} B) failed: "
                                  f"{exc} (check `ulimit -l`)") from exc
         with self._lock:
             self._mrs[region.id] = mr
         region.backend_handle = mr
-        info = {"addr": region.addr, "length": region.length}
-        if region.writable:
-            info["rkey"] = mr.rkey
-        return info
+        return {}
+
+    def expose(self, session_id: bytes, request_id: int, region: Region, offset: int,
+               length: int) -> dict:
+        if length == 0:
+            return {}  # nothing may be written: no registration, no rkey
+        e = self._v.e
+        addr = region.addr + offset
+        # registered outside _lock: pinning a large extent must not stall the progress thread
+        try:
+            mr = self._v.MR(self._pd, length, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE,
+                            address=addr)
+        except self._v.PyverbsError as exc:
+            raise TransportError(f"ibv_reg_mr of an extent of region {region.id} "
+                                 f"([{offset}, {offset + length})) failed: {exc}") from exc
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.failed:
+                mr.close()
+                raise TransportError("verbs session is closed")
+            s.exposed.setdefault(request_id, []).append(mr)
+            self._stats["exposed_extents"] += 1
+        return {"addr": addr, "rkey": mr.rkey}
+
+    def withdraw(self, session_id: bytes, request_id: int) -> None:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            for mr in [] if s is None else s.exposed.pop(request_id, []):
+                mr.close()
+                self._stats["exposed_extents"] -= 1
 
     def deregister_region(self, region: Region) -> None:
         with self._lock:
@@ -326,7 +425,9 @@ class VerbsBackend(Backend):
         region.backend_handle = None
 
     # ------------------------------------------------------------------ sessions
-    def session_prepare(self, session_id: bytes, initiator: bool) -> dict:
+    def session_prepare(self, session_id: bytes, initiator: bool, key: bytes) -> dict:
+        # `key` is unused: the QP numbers travel in authenticated messages, and an RC QP takes
+        # packets only from the QP it was connected to.
         v, e, o = self._v, self._v.e, self._opts
         slots_a, slots_r = o.max_outstanding, o.residual_outstanding
         recv_slots = max(o.max_outstanding, o.residual_outstanding) + 4
@@ -386,6 +487,7 @@ class VerbsBackend(Backend):
             s = self._sessions.get(session_id)
             if s is None:
                 raise TransportError("verbs session not prepared (or closed)")
+            s.peer_requires_checksum = remote_info.get("checksum_required") is not False
             for lane, rqpn in zip(s.lanes, qpns, strict=True):
                 anchor = lane.stream is Stream.ANCHOR
                 at = v.QPAttr(qp_state=e.IBV_QPS_RTR, port_num=_PORT)
@@ -413,10 +515,11 @@ class VerbsBackend(Backend):
         self._wake.set()
 
     def post_write(self, op: WriteOp) -> None:
-        if op.length and "rkey" not in op.dst_info:
+        if op.length and (op.dst_extent is None or type(op.dst_info.get("rkey")) is not int
+                          or type(op.dst_info.get("addr")) is not int):
             self._hooks.send_failed(op.session_id, op.request_id, op.stream,
                                     FailureReason.LOCAL_ERROR,
-                                    f"peer region {op.dst_region_id} has no rkey (not writable)")
+                                    f"the peer published no target for region {op.dst_region_id}")
             return
         self._enqueue(op.session_id, op.stream, _Pending(op))
 
@@ -490,10 +593,16 @@ class VerbsBackend(Backend):
 
     # ------------------------------------------------------------------ verbs helpers
     def _destroy_session(self, s: _Session) -> None:
-        """Close QPs first (flushes their WRs), then the rings and CQs. Caller holds _lock."""
+        """Close QPs first (flushes their WRs), then the exposed extents, rings and CQs. Caller
+        holds _lock."""
         s.failed = True
         for lane in s.lanes:
             lane.qp.close()
+        for mrs in s.exposed.values():
+            for mr in mrs:
+                mr.close()
+                self._stats["exposed_extents"] -= 1
+        s.exposed.clear()
         for lane in s.lanes:
             lane.send_mr.close()
             lane.recv_mr.close()
@@ -514,21 +623,24 @@ class VerbsBackend(Backend):
                                    opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge],
                                    send_flags=e.IBV_SEND_SIGNALED))
 
-    def _post_chunk(self, lane: _Lane, op: WriteOp, cursor: int, n: int, slot: int) -> None:
+    def _post_chunk(self, s: _Session, lane: _Lane, op: WriteOp, cursor: int, n: int,
+                    slot: int) -> None:
         """RDMA WRITE of op's bytes [cursor, cursor + n) followed by its DATA notice."""
         v, e = self._v, self._v.e
         mr = self._mrs.get(op.src.id)
         if mr is None:
             raise TransportError(f"source region {op.src.id} is not registered with verbs")
         src_addr = op.src.addr + op.src_offset + cursor
-        crc = zlib.crc32(op.src.slice(op.src_offset + cursor, n)) if op.checksum else 0
+        crc = (zlib.crc32(op.src.slice(op.src_offset + cursor, n))
+               if op.checksum or s.peer_requires_checksum else None)
         wr = v.SendWR(wr_id=_wr_id(_WR_WRITE, int(lane.stream), slot),
                       opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[v.SGE(src_addr, n, mr.lkey)])
-        wr.set_wr_rdma(int(op.dst_info["rkey"]), int(op.dst_info["addr"]) + op.dst_offset + cursor)
+        # the target registration starts at the extent's offset (see `expose`)
+        wr.set_wr_rdma(op.dst_info["rkey"],
+                       op.dst_info["addr"] + op.dst_offset - op.dst_extent.offset + cursor)
         lane.qp.post_send(wr)
-        self._post_notice(lane, slot, _NOTICE.pack(
-            _MAGIC, _DATA, int(op.stream), int(op.checksum), op.request_id, op.dst_region_id,
-            op.dst_offset + cursor, n, crc))
+        self._post_notice(lane, slot, pack_data_notice(
+            op.stream, op.request_id, op.dst_region_id, op.dst_offset + cursor, n, crc))
 
     def _post_probe(self, s: _Session) -> None:
         v, e = self._v, self._v.e
@@ -612,6 +724,9 @@ class VerbsBackend(Backend):
         with inc.guard() as ok:
             if not ok:
                 verdict = (FailureReason.RELEASED, "request no longer pending")
+            elif not has_crc and self._require_checksum:
+                verdict = (FailureReason.CORRUPTION, f"chunk on region {region_id} [{offset}, "
+                           f"{offset + length}) without a checksum: this endpoint requires them")
             elif has_crc and zlib.crc32(inc.view) != crc:
                 verdict = (FailureReason.CORRUPTION,
                            f"CRC32 mismatch on region {region_id} [{offset}, {offset + length})")
@@ -659,20 +774,16 @@ class VerbsBackend(Backend):
             s.probe_after = time.monotonic() + self._opts.keepalive_s
 
     def _parse_notice(self, s: _Session, lane: _Lane, raw: bytes, events: list[tuple]) -> None:
-        if len(raw) < _NOTICE.size:
-            self._fail_session(s, events, f"short notice ({len(raw)} B) on {lane.stream.name}",
-                               FailureReason.CORRUPTION)
+        try:
+            n = parse_notice(raw, lane.stream)
+        except NoticeError as exc:
+            self._fail_session(s, events, str(exc), FailureReason.CORRUPTION)
             return
-        magic, kind, stream, has_crc, rid, region, offset, length, crc = _NOTICE.unpack_from(raw)
-        if magic != _MAGIC or kind not in (_DATA, _FIN) or stream != int(lane.stream):
-            self._fail_session(s, events, f"malformed notice on the {lane.stream.name} QP",
-                               FailureReason.CORRUPTION)
-            return
-        if kind == _DATA:
-            events.append(("data", s.sid, lane.stream, rid, region, offset, length,
-                           bool(has_crc), crc))
+        if n.kind == _DATA:
+            events.append(("data", s.sid, lane.stream, n.request_id, n.region_id, n.offset,
+                           n.length, n.has_crc, n.crc))
         else:
-            events.append(("fin", s.sid, rid, lane.stream, length, bytes(raw[_NOTICE.size:])))
+            events.append(("fin", s.sid, n.request_id, lane.stream, n.length, n.aux))
 
     def _fail_session(self, s: _Session, events: list[tuple], detail: str,
                       reason: FailureReason = FailureReason.PEER_DIED) -> None:
@@ -683,11 +794,11 @@ class VerbsBackend(Backend):
         anchor, residual = s.lanes
         if self._policy.mode == "strict" or not (anchor.queue and residual.queue):
             s.share_bytes = [0, 0]
-            self._fill(anchor, budget=None)
+            self._fill(s, anchor, budget=None)
             # Strict: the Residual waits until the Anchor is neither queued nor in flight; the
             # NIC would otherwise share the link between the two QPs while the Anchor drains.
             if self._policy.mode != "strict" or not (anchor.queue or anchor.inflight):
-                self._fill(residual, budget=None)
+                self._fill(s, residual, budget=None)
             return
         # Weighted, both backlogged: one item at a time from whichever stream is below its byte
         # share. The stream that is due but has no free slot blocks the other: the share is
@@ -698,9 +809,9 @@ class VerbsBackend(Backend):
             lane = residual if posted_r < share * (posted_a + posted_r) else anchor
             if not lane.queue or len(lane.inflight) >= lane.limit:
                 return
-            s.share_bytes[int(lane.stream)] += self._fill(lane, budget=1)
+            s.share_bytes[int(lane.stream)] += self._fill(s, lane, budget=1)
 
-    def _fill(self, lane: _Lane, budget: int | None) -> int:
+    def _fill(self, s: _Session, lane: _Lane, budget: int | None) -> int:
         """Post queued work on `lane` while slots are free (at most `budget` items); returns the
         data bytes posted."""
         posted = 0
@@ -710,13 +821,13 @@ class VerbsBackend(Backend):
             slot = lane.free_slots.pop()
             op = item.op
             if isinstance(op, FinOp):
-                self._post_notice(lane, slot, _NOTICE.pack(
-                    _MAGIC, _FIN, int(op.stream), 0, op.request_id, 0, 0, op.total, 0) + op.aux)
+                self._post_notice(lane, slot,
+                                  pack_fin_notice(op.stream, op.request_id, op.total, op.aux))
                 lane.inflight[slot] = (op.request_id, -1)
                 lane.queue.popleft()
             else:
                 n = min(chunk, op.length - item.cursor)
-                self._post_chunk(lane, op, item.cursor, n, slot)
+                self._post_chunk(s, lane, op, item.cursor, n, slot)
                 lane.inflight[slot] = (op.request_id, n)
                 item.cursor += n
                 posted += n

@@ -30,3 +30,15 @@ def unpack_aux(blob: bytes) -> list[tuple[int, bytes]]:
         out.append((index, blob[pos: pos + n]))
         pos += n
     return out
+
+
+def check_aux_items(items: list[tuple[int, bytes]], item_lens: list[int]) -> None:
+    """Refuse aux items that do not fit this server's aux buffers (index out of range, or more
+    bytes than a request's slot holds): they come from the peer, and SGLang's writer copies
+    whatever length it is given."""
+    for index, data in items:
+        if not 0 <= index < len(item_lens):
+            raise KVStreamError(f"aux item {index}: this decode has {len(item_lens)} aux buffers")
+        if len(data) > item_lens[index]:
+            raise KVStreamError(f"aux item {index} is {len(data)} B; its buffer holds "
+                                f"{item_lens[index]} B per request")

@@ -1,26 +1,34 @@
 """The decode side of the `lynx` backend: `DecodeApplier` announces each request's staging range
-to its prefill rank's transport session and puts the landed streams into the KV pool.
+to its prefill rank's transport session and puts the landed streams into the KV pool, layer by
+layer as the bytes land.
 
 Per request ("room", a `backend.room.DecodeRoom`):
 - `register` (SGLang's scheduler thread, from the receiver's `send_metadata`): the room's plan
   sizes its staging range (never waiting: a full staging buffer fails the request at once), and
   the range is announced as soon as the prefill rank's session exists.
-- The applier thread (`run`): when the Anchor stream is complete it is parsed and dequantized into
-  the room's KV slots (skipped if the Residual has landed too) and SGLang's aux data is written.
-  Non-speculative: SGLang hears Success only once the Residual has refined the same slots (and the
-  prefill's own Success arrived), so nothing in SGLang sees Anchor-precision KV. Speculative: Success
-  is reported as soon as the Anchor is in, SGLang decodes on it, and the room stays here, after
-  the receiver is cleared, until the speculation controller has read its Residual outcome
-  (`residual_outcome`, `forget`).
+- The applier thread (`run`) works on what has landed so far. Each Anchor layer is validated as
+  soon as its bytes are in; when speculation is on it is also dequantized into the room's KV slots
+  right away. Each Residual layer is validated and written at full precision as soon as its
+  chunks are in. When the whole Anchor is in, SGLang's aux data (the first token) is written and
+  the applier decides whether speculating pays (`_speculation_pays`: the Residual's expected
+  arrival against what the rest of the Anchor and a verification cost). Speculative: Success is
+  reported now, SGLang decodes on the Anchor, and the room stays here until the speculation
+  controller has read its Residual outcome (`residual_outcome`, `forget`). Otherwise SGLang hears
+  Success only once every layer is final (and the prefill's own Success arrived), so nothing in
+  SGLang sees Anchor-precision KV.
 - The accept thread (`accept_loop`): each prefill rank opens one transport session and announces
-  its SGLang identity (rank ip:port) as the empty request `IDENTITY_REQUEST`.
+  its SGLang identity (rank ip:port) as the empty request `IDENTITY_REQUEST`. A rank already
+  served by a live session is never silently taken over by another.
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
 transport endpoint, the config, and `DecodeLink` (the one status report to SGLang, the aux writer,
-and the bootstrap-cache eviction of a dead prefill rank). Locking: one lock guards the rooms and is
-held while a room's bytes are applied, so `cancel` is a barrier: after it returns nothing is
-written into the room's slots. Buffer ownership: a room's staging range is the applier's from
-`register` until `_release`, which first withdraws the announcement (no byte lands after it).
+and the bootstrap-cache eviction of a dead prefill rank).
+
+Locking: `_lock` guards the rooms, their states and the session map, and is never held while
+bytes are applied. A room being applied is `busy`; `cancel` and `drop` wait for that room's work
+to end before they return (a barrier: nothing is written into its slots afterwards), without ever
+waiting for another room. Buffer ownership: a room's staging range is the applier's from `register`
+until `_release`, which first withdraws the announcement (no byte lands after it).
 """
 
 from __future__ import annotations
@@ -37,8 +45,9 @@ import torch
 
 from lynx_transport import Endpoint, FailureReason, Region, Session, Status, Stream, TransportError
 
-from .. import metrics
+from .. import metrics, trace
 from ..config import LynxConfig
+from ..errors import KVStreamError
 from ..names import TRANSFER_RECORD, record_line
 from .aux import unpack_aux
 from .outcome import ResidualOutcome
@@ -47,9 +56,18 @@ from .pool import KVPoolView
 from .prefill import IDENTITY_REQUEST
 from .room import TRANSFERRING, DecodeRoom, RoomState
 from .staging import StagingPool
-from .streams import apply_residual, parse_anchor, write_anchor
+from .streams import ResidualReader, parse_anchor_layer, write_anchor_layer, write_full_layer
 
 logger = logging.getLogger(__name__)
+
+# How long cancel/drop wait for a room's in-progress apply before giving up loudly (an apply is
+# bounded work: one step over already-landed bytes).
+BUSY_WAIT_S = 30.0
+# A prefill rank that connected but has not named itself within this long is dropped.
+IDENTITY_TIMEOUT_S = 10.0
+# What one verification is assumed to cost before the first one was measured (a GPU's order of
+# magnitude; on a CPU the first measurement replaces it).
+INITIAL_VERIFY_ESTIMATE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,18 @@ class DecodeLink:
     write_aux: Callable[[int, list[tuple[int, bytes]]], None]
     # A prefill rank (ip, port) died or never connected: forget SGLang's cached route to it.
     forget_prefill_rank: Callable[[tuple[str, int]], None]
+
+
+class _Estimates:
+    """Running costs the speculation decision weighs (exponential moving averages)."""
+
+    def __init__(self, verify_s: float):
+        self.verify_s = verify_s
+        self.anchor_layer_s: float | None = None
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else 0.7 * old + 0.3 * new
 
 
 class DecodeApplier:
@@ -78,43 +108,83 @@ class DecodeApplier:
         # Every room not yet forgotten: transferring, awaiting the prefill's Success, or reported
         # at Anchor time and not yet consumed by the speculation controller.
         self._rooms: dict[int, DecodeRoom] = {}
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._wake = threading.Event()
+        self.estimates = _Estimates(verify_s=INITIAL_VERIFY_ESTIMATE_S)
 
     # ---- threads ------------------------------------------------------------------------------
     def accept_loop(self, stop: threading.Event) -> None:
+        """Register each prefill rank's session by the identity it announces. Sessions are
+        checked without blocking, so a silent or malformed peer never delays another."""
+        waiting: list[tuple[Session, float]] = []
         while not stop.is_set():
-            s = self.endpoint.accept(timeout=0.5)
-            if s is None:
-                continue
-            try:
-                ann = s.wait_announcement(IDENTITY_REQUEST, timeout=self.config.connect_timeout_s)
-                who = json.loads(ann.meta)
-                key = (who["rank_ip"], int(who["rank_port"]))
-            except (TransportError, ValueError, KeyError) as exc:
-                logger.error("lynx: session from %s without a valid identity: %s",
-                             s.peer_address, exc)
-                s.close()
-                continue
-            with self._lock:
+            s = self.endpoint.accept(timeout=0.1 if waiting else 0.5)
+            if s is not None:
+                waiting.append((s, time.monotonic() + IDENTITY_TIMEOUT_S))
+            still = []
+            for session, deadline in waiting:
+                try:
+                    done = self._identify(session, deadline)
+                except Exception:
+                    logger.exception("lynx: identifying the session from %s failed",
+                                     session.peer_address)
+                    done = True
+                if not done:
+                    still.append((session, deadline))
+            waiting = still
+
+    def _identify(self, s: Session, deadline: float) -> bool:
+        """True once `s` is registered or refused (closed)."""
+        if s.closed:
+            return True
+        ann = s.announcement(IDENTITY_REQUEST)
+        if ann is None:
+            if time.monotonic() < deadline:
+                return False
+            logger.error("lynx: session from %s named no prefill rank within %g s; closed",
+                         s.peer_address, IDENTITY_TIMEOUT_S)
+            s.close()
+            return True
+        key = _identity(ann.meta)
+        if key is None:
+            logger.error("lynx: session from %s sent a malformed identity %r; closed",
+                         s.peer_address, bytes(ann.meta[:200]))
+            s.close()
+            return True
+        with self._lock:
+            current = self._prefill_sessions.get(key)
+            if current is not None and not current.closed and current is not s:
+                taken = True
+            else:
+                taken = False
                 self._prefill_sessions[key] = s
-            logger.info("lynx: transport session from prefill rank %s:%d", *key)
-            self._wake.set()
+        if taken:
+            logger.error("lynx: session from %s claims prefill rank %s:%d, which a live session "
+                         "already serves; closed", s.peer_address, *key)
+            s.close()
+            return True
+        logger.info("lynx: transport session from prefill rank %s:%d", *key)
+        self._wake.set()
+        return True
 
     def run(self, stop: threading.Event) -> None:
-        """The applier thread's loop."""
+        """The applier thread's loop. A failure in one room fails that room only."""
         while not stop.is_set():
             with self._lock:
                 rooms = [r for r in self._rooms.values() if r.state in TRANSFERRING]
+                for room in rooms:
+                    room.busy = True
             for room in rooms:
-                with self._lock:
-                    if room.state not in TRANSFERRING or self._rooms.get(room.room) is not room:
-                        continue
-                    try:
-                        self._step(room)
-                    except Exception as exc:
-                        logger.exception("lynx: applying room %s failed", room.room)
-                        self._fail(room, f"lynx decode failed: {exc}")
+                try:
+                    self._step(room)
+                except Exception as exc:
+                    logger.exception("lynx: applying room %s failed", room.room)
+                    self._fail_safely(room, f"lynx decode failed: {exc}")
+                finally:
+                    with self._lock:
+                        room.busy = False
+                        self._idle.notify_all()
             self._wake.wait(0.002 if rooms else 0.1)
             self._wake.clear()
 
@@ -128,6 +198,7 @@ class DecodeApplier:
         # Never block the scheduler thread: a full staging buffer fails the request at once.
         staging = self.staging.allocate(plan.staging_bytes, timeout_s=0.0)
         room = DecodeRoom(room_id, prefill, slots, aux_index, plan, staging)
+        room.residual_reader = ResidualReader(pool.shape, plan.num_tokens, self.spec, room_id)
         with self._lock:
             self._rooms[room_id] = room
             self._try_announce(room)
@@ -145,6 +216,7 @@ class DecodeApplier:
             if room.state is RoomState.AWAITING_PREFILL:
                 room.done()
                 del self._rooms[room_id]
+                trace.emit(room.trace)
                 return False
             self._wake.set()
             return True
@@ -157,8 +229,9 @@ class DecodeApplier:
             room = self._rooms.get(room_id)
             if room is None or (keep_speculative and room.reported_at_anchor):
                 return
-            self._end(room)
             del self._rooms[room_id]
+            self._wait_idle(room)
+            self._end(room)
 
     # ---- the speculation controller's interface -----------------------------------------------
     def residual_outcome(self, room_id: int) -> ResidualOutcome | None:
@@ -176,13 +249,14 @@ class DecodeApplier:
 
     def cancel(self, room_id: int) -> bool:
         """The request's KV slots are being freed: stop its transfer so nothing is written into
-        them any more. Returns True if a pending Residual was cancelled. Holding the lock the
-        applier holds while it writes makes this a barrier: no write happens after the return."""
+        them any more. Returns True if a pending Residual was cancelled. A barrier: if the applier
+        is writing this room's slots right now, this waits until it is done."""
         with self._lock:
             room = self._rooms.get(room_id)
             if room is None or not room.reported_at_anchor:
                 return False
             del self._rooms[room_id]
+            self._wait_idle(room)
             if not room.live:
                 return False
             logger.info("lynx: room %s released before its Residual was applied; transfer "
@@ -190,8 +264,20 @@ class DecodeApplier:
             self._end(room)
             return True
 
-    # ---- the applier's work -------------------------------------------------------------------
+    def note_verification(self, seconds: float) -> None:
+        """The speculation controller's measured cost of one verification."""
+        est = self.estimates
+        est.verify_s = est._ema(est.verify_s, seconds)
+
+    def _wait_idle(self, room: DecodeRoom) -> None:
+        """With `_lock` held: wait until the applier is not working on `room`."""
+        if not self._idle.wait_for(lambda: not room.busy, timeout=BUSY_WAIT_S):
+            logger.error("lynx: room %s still being applied after %g s; releasing it anyway",
+                         room.room, BUSY_WAIT_S)
+
+    # ---- the applier's work (applier thread; the room is busy) --------------------------------
     def _try_announce(self, room: DecodeRoom) -> bool:
+        """With `_lock` held."""
         s = self._prefill_sessions.get(room.prefill)
         if s is None or s.closed:
             return False
@@ -207,57 +293,41 @@ class DecodeApplier:
 
     def _step(self, room: DecodeRoom) -> None:
         if room.state is RoomState.AWAITING_SESSION:
+            with self._lock:
+                announced = self._try_announce(room)
             # The prefill opens its session at its first transfer, after that request's prefill
             # forward: the whole transfer deadline applies, not the connect timeout.
-            if (not self._try_announce(room)
-                    and time.monotonic() - room.created > self.config.transfer_timeout_s):
+            if not announced and time.monotonic() - room.created > self.config.transfer_timeout_s:
                 self.link.forget_prefill_rank(room.prefill)
                 self._fail(room, f"no transport session from prefill rank {room.prefill} "
                                  f"within {self.config.transfer_timeout_s:g} s")
             return
-        pool = self._pool()
-        view = self.staging.view(room.staging)
-        plan = room.plan
-        if room.state is RoomState.ANNOUNCED:
-            st = self._landed(room, Stream.ANCHOR)
-            if st is None:
-                return
-            room.anchors = parse_anchor(view[:plan.anchor_bytes], pool, plan.num_tokens,
-                                        self.spec, room.room)
-            # When the Residual has landed too, go straight to full precision.
-            residual_landed = room.session.recv_state(room.room, Stream.RESIDUAL).ok
-            if not residual_landed:
-                write_anchor(room.anchors, pool, room.slots)
-                room.t_anchor_applied = time.monotonic()
-            self.link.write_aux(room.aux_index, unpack_aux(st.aux or b""))
-            _sync(pool)
-            if not self.config.residual:
-                # Anchor-only baseline: the Anchor is the final KV.
-                room.final_kv(st.t_done, None)
-                self._conclude(room)
-                return
-            if residual_landed:
-                room.t_anchor_landed = st.t_done
-            else:
-                reported = self.config.speculate
-                room.anchor_applied(st.t_done, reported=reported)
-                if reported:
-                    self.link.report(room.room, None)
-        st = self._landed(room, Stream.RESIDUAL)
-        if st is None:
+        anchor = self._state(room, Stream.ANCHOR)
+        if anchor is None:
             return
-        apply_residual(view[plan.anchor_bytes: plan.staging_bytes], room.anchors, pool,
-                       room.slots, self.spec, room.room)
-        _sync(pool)
-        if room.state is RoomState.SPECULATING:
-            room.refined(st.t_done)
-        else:
-            room.final_kv(room.t_anchor_landed, st.t_done)
-        self._conclude(room)
+        residual = self._state(room, Stream.RESIDUAL) if self.config.residual else None
+        if self.config.residual and residual is None:
+            return
+        pool = self._pool()
+        progressed = self._parse_anchor_layers(room, anchor)
+        progressed |= self._write_final_layers(room, residual, pool)
+        if room.state is RoomState.ANNOUNCED and room.speculating is not False:
+            progressed |= self._write_anchor_layers(room, pool)
+        if room.state is RoomState.ANNOUNCED and anchor.ok:
+            self._anchor_complete(room, anchor, residual, pool)
+        if room.final_layers == room.plan.num_layers and room.state in (
+                RoomState.SPECULATING, RoomState.AWAITING_RESIDUAL):
+            _sync(pool)
+            if room.state is RoomState.SPECULATING:
+                room.refined()
+            else:
+                room.final_kv()
+            self._conclude(room)
+        if progressed:
+            self._wake.set()  # more may have landed meanwhile
 
-    def _landed(self, room: DecodeRoom, stream: Stream):
-        """The stream's receive state once all its bytes have landed; None while it has not (or
-        after failing the room because the stream failed)."""
+    def _state(self, room: DecodeRoom, stream: Stream):
+        """The stream's receive state, or None after failing the room because it failed."""
         st = room.session.recv_state(room.room, stream)
         if st.status is Status.FAILED:
             name = "Anchor" if stream is Stream.ANCHOR else "Residual"
@@ -265,35 +335,166 @@ class DecodeApplier:
                 self.link.forget_prefill_rank(room.prefill)
             self._fail(room, f"{name} stream failed: {st.reason.value} {st.detail}")
             return None
-        return st if st.ok else None
+        return st
+
+    def _parse_anchor_layers(self, room: DecodeRoom, st) -> bool:
+        plan = room.plan
+        landed = _landed(st, plan.anchor_bytes)
+        if room.anchor_parsed == 0 and landed:
+            room.trace.mark_mono("anchor_first_byte", st.t_first_byte)
+        view = self.staging.view(room.staging)
+        shape = self._pool().shape
+        start = room.anchor_parsed
+        while (room.anchor_parsed < plan.num_layers
+               and plan.anchor_offset(room.anchor_parsed + 1) <= landed):
+            layer = room.anchor_parsed
+            at = plan.anchor_offset(layer)
+            room.anchor_layers[layer] = parse_anchor_layer(
+                view[at: at + plan.anchor_layer_bytes], shape, layer, plan.num_tokens, self.spec,
+                room.room)
+            room.anchor_parsed += 1
+        return room.anchor_parsed > start
+
+    def _write_anchor_layers(self, room: DecodeRoom, pool: KVPoolView) -> bool:
+        """Dequantize the parsed Anchor layers that are not final yet into the pool."""
+        if not (self.config.speculate or not self.config.residual):
+            return False  # nothing would read Anchor-precision KV before the Residual's
+        wrote = False
+        for layer in range(room.anchor_written, room.anchor_parsed):
+            if layer >= room.final_layers:
+                t0 = time.time()
+                if room.trace.marks.get("anchor_apply_start") is None:
+                    room.trace.mark("anchor_apply_start", t0)
+                write_anchor_layer(room.anchor_layers[layer], pool, layer, room.slots)
+                t1 = time.time()
+                room.trace.span("anchor_apply", layer, t0, t1)
+                est = self.estimates
+                est.anchor_layer_s = est._ema(est.anchor_layer_s, t1 - t0)
+                wrote = True
+        room.anchor_written = room.anchor_parsed
+        return wrote
+
+    def _write_final_layers(self, room: DecodeRoom, st, pool: KVPoolView) -> bool:
+        """Write the full-precision values of every layer whose Residual is complete (and whose
+        Anchor has been parsed)."""
+        if st is None:
+            return False
+        reader = room.residual_reader
+        view = self.staging.view(room.staging)[room.plan.anchor_bytes:]
+        landed = _landed(st, len(view))
+        if landed and "residual_first_byte" not in room.trace.marks:
+            room.trace.mark_mono("residual_first_byte", st.t_first_byte)
+        room.residual_ready.extend(reader.advance(view, landed))
+        wrote = False
+        while room.residual_ready and room.residual_ready[0][0] < room.anchor_parsed:
+            layer, chunks = room.residual_ready.pop(0)
+            t0 = time.time()
+            if room.trace.marks.get("residual_apply_start") is None:
+                room.trace.mark("residual_apply_start", t0)
+            write_full_layer(room.anchor_layers[layer], chunks, pool, layer, room.slots)
+            room.trace.span("residual_apply", layer, t0, time.time())
+            room.anchor_layers[layer] = None  # its memory views are no longer needed
+            room.final_layers += 1
+            wrote = True
+        if st.ok and reader.done:
+            room.trace.mark_mono("residual_landed", st.t_done)
+            if reader.pos != landed:
+                raise KVStreamError(f"the Residual stream has {landed - reader.pos} B after its "
+                                    "last layer")
+        if st.ok and not reader.done:
+            raise KVStreamError(f"the Residual stream ended after {reader.pos} B with layer "
+                                f"{reader.next_layer} incomplete")
+        return wrote
+
+    def _anchor_complete(self, room: DecodeRoom, st, residual, pool: KVPoolView) -> None:
+        """The whole Anchor is in the pool (or validated): write SGLang's aux data and decide
+        whether SGLang decodes on it now."""
+        room.trace.mark_mono("anchor_landed", st.t_done)
+        self.link.write_aux(room.aux_index, unpack_aux(st.aux or b""))
+        if not self.config.residual:
+            # Anchor-only baseline: the Anchor is the final KV.
+            self._write_anchor_layers(room, pool)
+            _sync(pool)
+            room.trace.mark("anchor_applied")
+            room.final_kv(anchor_only=True)
+            self._conclude(room)
+            return
+        pays, why = self._speculation_pays(room, st, residual)
+        room.speculating = pays
+        room.trace.facts.update(speculate=pays, why=why)
+        if pays:
+            self._write_anchor_layers(room, pool)
+            _sync(pool)
+            room.trace.mark("anchor_applied")
+        with self._lock:
+            room.anchor_complete(st.t_done, reported=pays)
+        if pays:
+            self.link.report(room.room, None)
+            room.trace.mark("reported")
+
+    def _speculation_pays(self, room: DecodeRoom, anchor, residual) -> tuple[bool, str]:
+        """Whether decoding on the Anchor now beats waiting for the Residual: the Residual's
+        expected arrival (its bytes still to come at the rate the Anchor came in) against what
+        speculating costs first (the Anchor layers still to write, one verification)."""
+        if not self.config.speculate:
+            return False, "--no-lynx-speculate"
+        if room.final_layers == room.plan.num_layers or (residual is not None and residual.ok):
+            return False, "the Residual is already in"
+        if self.config.spec_policy == "always":
+            return True, "--lynx-spec-policy always"
+        if anchor.t_first_byte is None or anchor.t_done is None:
+            return True, "no rate measured"
+        seconds = max(anchor.t_done - anchor.t_first_byte, 1e-6)
+        rate = room.plan.anchor_bytes / seconds
+        remaining = max(room.plan.residual_bytes_expected - residual.nbytes, 0)
+        eta = remaining / rate
+        est = self.estimates
+        layers_left = room.plan.num_layers - max(room.anchor_written, room.final_layers)
+        cost = layers_left * (est.anchor_layer_s or 0.0) + est.verify_s
+        facts = room.trace.facts
+        facts.update(residual_eta_s=round(eta, 6), speculation_cost_s=round(cost, 6))
+        if eta <= cost:
+            return False, (f"the Residual is due in {eta * 1e3:.0f} ms, sooner than speculating "
+                           f"would pay back ({cost * 1e3:.0f} ms)")
+        return True, f"the Residual is due in {eta * 1e3:.0f} ms"
 
     def _conclude(self, room: DecodeRoom) -> None:
         """The room's KV is final in the pool: record it, give back the transfer resources, and
         report Success unless that happened at Anchor time (or waits for the prefill's)."""
+        room.trace.mark("residual_applied" if self.config.residual else "anchor_applied")
         self._record(room)
         self._release(room)
-        if room.state is RoomState.AWAITING_PREFILL and room.prefill_success:
-            room.done()
-            del self._rooms[room.room]
+        report = False
+        with self._lock:
+            if room.state is RoomState.AWAITING_PREFILL and room.prefill_success:
+                room.done()
+                self._rooms.pop(room.room, None)
+                report = True
+        if room.state is RoomState.REFINED or report:
+            trace.emit(room.trace)
+        if report:
             self.link.report(room.room, None)
 
     def _record(self, room: DecodeRoom) -> None:
         plan = room.plan
-        residual_bytes = plan.residual_bytes if self.config.residual else 0
-        now_mono, now_wall = time.monotonic(), time.time()
-        wall = lambda t: None if t is None else round(now_wall - (now_mono - t), 6)  # noqa: E731
+        residual_bytes = room.residual_reader.pos if self.config.residual else 0
+        room.trace.facts["residual_bytes"] = residual_bytes
+        marks = room.trace.marks
         logger.info("%s", record_line(TRANSFER_RECORD, {
             "room": room.room, "tokens": plan.num_tokens,
             "anchor_bytes": plan.anchor_bytes, "residual_bytes": residual_bytes,
-            "announced": wall(room.created), "anchor_landed": wall(room.t_anchor_landed),
-            "anchor_applied": wall(room.t_anchor_applied),
-            "residual_landed": wall(room.t_residual_landed),
-            "residual_applied": round(now_wall, 6) if self.config.residual else None}))
+            "announced": marks.get("announced"), "anchor_landed": marks.get("anchor_landed"),
+            "anchor_applied": marks.get("anchor_applied"),
+            "residual_landed": marks.get("residual_landed"),
+            "residual_applied": marks.get("residual_applied"),
+            "speculate": room.trace.facts.get("speculate")}))
+        anchor_applied = marks.get("anchor_applied")
+        anchor_landed = marks.get("anchor_landed")
         metrics.record_transfer(
             plan.anchor_bytes, residual_bytes,
-            None if room.t_anchor_applied is None else room.t_anchor_applied - room.created,
-            None if room.t_anchor_landed is None or not self.config.residual
-            else now_mono - room.t_anchor_landed)
+            None if anchor_applied is None else anchor_applied - marks["registered"],
+            None if anchor_landed is None or not self.config.residual
+            else marks["residual_applied"] - anchor_landed)
 
     def _release(self, room: DecodeRoom) -> None:
         """Withdraw the announcement (no byte lands after this) and free the staging range."""
@@ -306,26 +507,60 @@ class DecodeApplier:
         if room.staging is not None:
             self.staging.free(room.staging)
             room.staging = None
+        room.anchor_layers = []
+        room.residual_ready = []
 
     def _end(self, room: DecodeRoom) -> None:
         """Stop the room's transfer where it is and give back its resources."""
         if room.live:
             room.cancel()
+            trace.emit(room.trace)
         self._release(room)
+
+    def _fail_safely(self, room: DecodeRoom, reason: str) -> None:
+        """`_fail` from the applier's catch-all: whatever goes wrong there too is logged, and
+        the thread that serves every other request goes on."""
+        try:
+            if room.live:
+                self._fail(room, reason)
+        except Exception:
+            logger.exception("lynx: failing room %s failed", room.room)
 
     def _fail(self, room: DecodeRoom, reason: str) -> None:
         logger.error("lynx: room %s failed: %s", room.room, reason)
-        room.fail(reason)
+        with self._lock:
+            room.fail(reason)
+            reported = room.reported_at_anchor
+            if not reported:
+                self._rooms.pop(room.room, None)
         self._release(room)
-        if room.reported_at_anchor:
-            # SGLang already has Success and no longer polls: the speculation controller aborts
-            # the running request when it reads this outcome.
-            return
-        del self._rooms[room.room]
-        self.link.report(room.room, reason)
+        trace.emit(room.trace)
+        if not reported:
+            self.link.report(room.room, reason)
+        # else: SGLang already has Success and no longer polls: the speculation controller
+        # aborts the running request when it reads this outcome.
+
+
+def _identity(meta: bytes) -> tuple[str, int] | None:
+    """A prefill rank's announced identity `{"rank_ip": str, "rank_port": int}`, or None."""
+    try:
+        who = json.loads(bytes(meta))
+        ip, port = who["rank_ip"], who["rank_port"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(ip, str) or not ip or len(ip) > 255:
+        return None
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None
+    return ip, port
+
+
+def _landed(st, bound: int) -> int:
+    """Bytes of a stream that are in: a prefix, as each stream lands in order on tcp; backends that
+    cannot tell (RDMA writes) report the total once the stream is complete."""
+    return min(st.nbytes, bound)
 
 
 def _sync(pool: KVPoolView) -> None:
     if pool.device.type == "cuda":
         torch.cuda.current_stream(pool.device).synchronize()
-

@@ -42,11 +42,12 @@ from sglang.srt.server_args import ServerArgs
 
 from lynx_transport import Endpoint
 
+from .. import trace
 from ..config import LynxConfig
-from ..errors import KVStreamError, LynxConfigError
+from ..errors import KVStreamError, LynxConfigError, UnsupportedSGLangError
 from ..names import FAULT_RESIDUAL_DELAY_ENV
-from ..sglang_support import check_sglang_version
-from .aux import pack_aux
+from ..sglang_support import check_anchor_safety, check_sglang_version
+from .aux import check_aux_items, pack_aux
 from .decode import DecodeApplier, DecodeLink
 from .pool import KVPoolView
 from .prefill import Destination, PrefillLink, PrefillSender
@@ -67,8 +68,12 @@ class LynxKVManager(MooncakeKVManager):
                  server_args: ServerArgs, is_mla_backend: bool | None = False):
         check_sglang_version()
         if is_mla_backend:
-            raise RuntimeError("the lynx transfer backend supports MHA KV pools only, not MLA")
+            raise UnsupportedSGLangError("the lynx transfer backend supports MHA KV pools only, "
+                                         "not MLA")
+        # Again here, not only at CLI parsing: a programmatic launch never passes through it.
+        check_anchor_safety(server_args)
         self.lynx = LynxConfig.from_env() or LynxConfig()
+        trace.configure(self.lynx.trace_dir)
         self.pool: KVPoolView | None = None
         self._stop = threading.Event()
         # Decode: failure reasons this side found itself, by room, until the receiver has read
@@ -91,6 +96,11 @@ class LynxKVManager(MooncakeKVManager):
             self._start_thread(self.applier.run, "lynx-apply")
         logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
                     self.endpoint.address, self.lynx)
+        started = trace.Trace("server", 0)
+        started.mark("started")
+        started.facts.update(role=disaggregation_mode.value, address=self.endpoint.address,
+                             config=self.lynx.flat())
+        trace.emit(started)
 
     def _start_thread(self, target, name: str) -> None:
         t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
@@ -102,6 +112,7 @@ class LynxKVManager(MooncakeKVManager):
         self.engine = None
         options = {"device": self.lynx.ib_device} if self.lynx.transport == "verbs" else None
         self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
+                                 secret=self.lynx.load_secret(), allow_insecure=self.lynx.insecure,
                                  backend_options=options, name=f"lynx-{self.rank_port}")
 
     def register_buffer_to_engine(self):
@@ -176,6 +187,9 @@ class LynxKVManager(MooncakeKVManager):
         super().update_status(room, KVPoll.Failed if failure is not None else KVPoll.Success)
 
     def _write_aux(self, aux_index: int, items: list[tuple[int, bytes]]) -> None:
+        """Write the peer's aux items into the room's aux slot, each checked first: SGLang's own
+        writer copies `len(data)` bytes to wherever the index points, unchecked."""
+        check_aux_items(items, self.kv_args.aux_item_lens)
         for index, data in items:
             AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, aux_index, data)
 
@@ -251,6 +265,9 @@ class LynxKVReceiver(CommonKVReceiver):
     def _fail(self, reason: str) -> None:
         self.kv_mgr.report_status(self.bootstrap_room, reason)
         self.conclude_state = KVPoll.Failed
+        # Tell the prefill now: it would otherwise wait for metadata that never comes (SGLang's
+        # bootstrap timeout, 300 s by default).
+        self.ensure_abort_notified()
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None,
                       decode_prefix_len=None, destination=None, device_kv_indices=None):

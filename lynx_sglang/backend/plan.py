@@ -2,10 +2,12 @@
 know before anything is encoded (codec settings, KV shape, token count, chunk size).
 
 Stream layout: for layer 0..L-1, for K then V, the wire chunks of tokens [0, T) cut every
-`chunk_tokens` tokens (`lynx_kernels.to_chunks`), concatenated. Every layer's share of a stream has
-the same length, so layer l's Anchor lies at `anchor_offset(l)` and its Residual at
-`residual_offset(l)` of the stream. A request's staging range holds the Anchor stream then the
-Residual stream (`staging_bytes`). The decode sizes and announces its staging range from the plan
+`chunk_tokens` tokens (`lynx_kernels.to_chunks`), concatenated. Every layer's share of the Anchor
+stream has the same length, so layer l's Anchor lies at `anchor_offset(l)`. The Residual's layers
+also follow one another, but an exact Residual is coded, so its size depends on the values: the
+plan gives each layer's bound (`residual_layer_bytes`), and the decode finds the layers by walking
+the self-describing chunks. A request's staging range holds the Anchor stream then room for the
+Residual stream's bound (`staging_bytes`). The decode sizes and announces its staging range from the plan
 (`backend.decode`), the prefill checks the announcement against its own plan and writes each layer
 at the plan's offsets (`backend.prefill`), and the decode parses the landed streams with it.
 """
@@ -61,6 +63,12 @@ class StreamPlan:
         """Anchor then Residual, back to back."""
         return self.anchor_bytes + self.residual_bytes
 
+    @property
+    def residual_bytes_expected(self) -> int:
+        """What the Residual stream is expected to carry (its exact size for the fixed-size
+        formats; the speculation decision estimates its arrival from it)."""
+        return self.residual_bytes
+
     def stream_bytes(self, stream: WireStream) -> int:
         return self.anchor_bytes if stream is WireStream.ANCHOR else self.residual_bytes
 
@@ -68,10 +76,3 @@ class StreamPlan:
         """Where layer `layer`'s Anchor chunks start in the Anchor stream (and in staging)."""
         return layer * self.anchor_layer_bytes
 
-    def residual_offset(self, layer: int) -> int:
-        """Where layer `layer`'s Residual chunks start in the Residual stream."""
-        return layer * self.residual_layer_bytes
-
-    def residual_staging_offset(self, layer: int) -> int:
-        """Where layer `layer`'s Residual chunks start in the request's staging range."""
-        return self.anchor_bytes + self.residual_offset(layer)

@@ -1,21 +1,24 @@
 """The prefill side of the `lynx` backend: `PrefillSender` encodes each finished request's KV into
 its staging range and writes the two streams to the decode that announced it.
 
-Per request ("room"), on the sender thread:
-1. SGLang queues the request's KV slots chunk by chunk (`submit`); the whole request is encoded at
-   its last chunk (quantization groups and protected tokens span the full token range).
-2. `_send`: the room's plan (`backend.plan.StreamPlan`) must match the decode's announcement
+Per request ("room"):
+1. SGLang queues the request's KV slots chunk by chunk (`submit`); the dispatcher thread (`run`)
+   collects them, and at the last chunk (quantization groups and protected tokens span the full
+   token range) hands the room to the worker thread of its decode (`_DestinationWorker`, one per
+   decode address): a dead or slow decode delays only its own rooms, and after a failed connect
+   its rooms fail at once for `UNREACHABLE_COOLDOWN_S`.
+2. `_send` (the worker): the room's plan (`backend.plan.StreamPlan`) must match the decode's announcement
    (sizes of both streams; a mismatch means the two servers' `--lynx-*` flags or models differ);
    a staging range is allocated; each layer's Anchor is encoded straight into staging and written
    at once; after the whole Anchor (finished with SGLang's aux data: first token etc.), each
    layer's Residual. Then Success is reported: SGLang may free the room's KV slots, since staging
    holds everything still to be sent.
-3. The staging range lives until the transport has delivered both streams (`_reap`).
+3. The staging range lives until the transport has delivered both streams (`reap`).
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
 transport endpoint, the codec and serving config, and `PrefillLink` (what the sender asks SGLang's
 side: is the room still live, where does it go, its aux bytes; and the one status report).
-Buffer ownership: the staging range of a room belongs to the sender from `allocate` until `_reap`
+Buffer ownership: the staging range of a room belongs to its worker from `allocate` until `reap`
 (or the failure path) frees it, after `Session.release` guarantees no byte is read again.
 """
 
@@ -33,9 +36,17 @@ import numpy as np
 import torch
 
 from lynx_kernels import CodecSpec, WireStream
-from lynx_transport import Endpoint, Region, Session, Stream, TransportError
+from lynx_transport import (
+    Endpoint,
+    Region,
+    Session,
+    SessionClosedError,
+    Stream,
+    TransportError,
+)
 from lynx_transport.types import MAX_REQUEST_ID
 
+from .. import trace
 from ..config import LynxConfig
 from ..errors import KVStreamError
 from .plan import StreamPlan
@@ -47,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 # Request id of the identity announcement: above SGLang's bootstrap rooms (< 2**63).
 IDENTITY_REQUEST = MAX_REQUEST_ID
+# After a failed connect to a decode, rooms bound there fail at once for this long.
+UNREACHABLE_COOLDOWN_S = 5.0
 _STREAMS = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
 
 
@@ -81,6 +94,7 @@ class _Chunk:
     is_last: bool
     aux_index: int | None
     wait_event: object | None
+    submitted: float
 
 
 @dataclass
@@ -90,6 +104,54 @@ class _InFlight:
     room: int
     session: Session
     staging: StagingRange
+    trace: trace.Trace
+
+
+@dataclass
+class _Job:
+    """A room whose last chunk arrived: everything a destination worker needs to send it."""
+
+    room: int
+    slots: np.ndarray
+    aux_index: int | None
+    destinations: list[Destination]
+    trace: trace.Trace
+
+
+class _DestinationWorker:
+    """Sends the rooms bound for one decode address, one at a time, in its own thread: a dead or
+    slow decode (connect, announcement and staging waits are bounded, but long) holds up only
+    the rooms bound for it. Exits after `IDLE_EXIT_S` without work."""
+
+    IDLE_EXIT_S = 60.0
+
+    def __init__(self, sender: PrefillSender, address: str):
+        self.sender = sender
+        self.address = address
+        self.jobs: queue.Queue[_Job] = queue.Queue()
+        self.inflight: list[_InFlight] = []
+        self.thread = threading.Thread(target=self._run, name=f"lynx-send-{address[-12:]}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while not self.sender.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.05)
+            except queue.Empty:
+                job = None
+            try:
+                if job is not None:
+                    idle_since = time.monotonic()
+                    self.sender.send_job(job, self.inflight)
+                self.sender.reap(self.inflight)
+            except Exception:
+                logger.exception("lynx: prefill sender error (continuing)")
+            if (job is None and not self.inflight and self.jobs.empty()
+                    and time.monotonic() - idle_since > self.IDLE_EXIT_S
+                    and self.sender.retire(self)):
+                return
 
 
 class PrefillSender:
@@ -107,9 +169,14 @@ class PrefillSender:
         self._fault_residual_delay_s = fault_residual_delay_s
         self._queue: queue.Queue[_Chunk] = queue.Queue()
         self._pending: dict[int, list[np.ndarray]] = {}
-        self._inflight: list[_InFlight] = []
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
+        self._workers: dict[str, _DestinationWorker] = {}
+        self._workers_lock = threading.Lock()
+        # Decode addresses a connect failed to, with when they may be tried again: rooms bound
+        # there fail at once instead of each waiting out the connect timeout.
+        self._unreachable: dict[str, float] = {}
+        self.stopping = threading.Event()
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None) -> None:
@@ -117,18 +184,30 @@ class PrefillSender:
         if isinstance(kv_indices, torch.Tensor):
             kv_indices = kv_indices.cpu().numpy()
         self._queue.put(_Chunk(room, np.array(kv_indices, dtype=np.int64), is_last, aux_index,
-                               wait_event))
+                               wait_event, time.time()))
 
     def run(self, stop: threading.Event) -> None:
-        """The sender thread's loop."""
+        """The dispatcher thread's loop: collect each room's chunks and hand the complete room to
+        its destination's worker. A bug in handling one request must not stop the thread that
+        serves every other one: it is logged and the loop goes on."""
         while not stop.is_set():
             try:
-                item = self._queue.get(timeout=0.05)
+                item = self._queue.get(timeout=0.1)
             except queue.Empty:
-                item = None
-            if item is not None:
+                continue
+            try:
                 self._handle(item)
-            self._reap()
+            except Exception:
+                logger.exception("lynx: prefill dispatcher error (continuing)")
+        self.stopping.set()
+
+    def retire(self, worker: _DestinationWorker) -> bool:
+        """An idle worker asks to exit; False if a job raced in."""
+        with self._workers_lock:
+            if not worker.jobs.empty():
+                return False
+            self._workers.pop(worker.address, None)
+            return True
 
     def _handle(self, item: _Chunk) -> None:
         room = item.room
@@ -141,38 +220,72 @@ class PrefillSender:
         if not item.is_last:
             return
         slots = np.concatenate(self._pending.pop(room))
+        tr = trace.Trace("prefill", room)
+        tr.mark("submitted", item.submitted)
+        destinations = self.link.destinations(room)
+        if not destinations:
+            self.link.report(room, None, [])
+            return
+        job = _Job(room, slots, item.aux_index, destinations, tr)
+        address = destinations[0].session_address
+        with self._workers_lock:
+            worker = self._workers.get(address)
+            if worker is None:
+                worker = self._workers[address] = _DestinationWorker(self, address)
+            worker.jobs.put(job)
+
+    def send_job(self, job: _Job, inflight: list[_InFlight]) -> None:
+        """A destination worker sends one room (its failure fails that room only)."""
+        job.trace.mark("dequeued")
         try:
-            self._send(room, slots, item.aux_index)
+            self._send(job, inflight)
         except Exception as exc:
-            logger.exception("lynx: sending room %s failed", room)
-            self.link.report(room, f"lynx prefill send failed: {exc}", [])
+            logger.error("lynx: sending room %s failed: %s", job.room, exc,
+                         exc_info=not isinstance(exc, TransportError))
+            job.trace.facts["failure"] = str(exc)
+            trace.emit(job.trace)
+            self.link.report(job.room, f"lynx prefill send failed: {exc}", [])
 
     def _session_to(self, address: str) -> Session:
         with self._sessions_lock:
             s = self._sessions.get(address)
             if s is not None and not s.closed:
                 return s
+            retry_at = self._unreachable.get(address)
+            if retry_at is not None and time.monotonic() < retry_at:
+                raise SessionClosedError(
+                    f"decode {address} was unreachable {UNREACHABLE_COOLDOWN_S:g} s ago or less "
+                    f"(next try in {retry_at - time.monotonic():.1f} s)")
+        # Connect outside the lock: another destination's worker must not wait for this one.
+        try:
             s = self.endpoint.connect(address, timeout=self.config.connect_timeout_s)
             s.announce(IDENTITY_REQUEST, {}, meta=json.dumps(self.identity).encode())
+        except TransportError:
+            with self._sessions_lock:
+                self._unreachable[address] = time.monotonic() + UNREACHABLE_COOLDOWN_S
+            raise
+        with self._sessions_lock:
+            self._unreachable.pop(address, None)
             self._sessions[address] = s
-            return s
+        return s
 
-    def _send(self, room: int, prefill_slots: np.ndarray, aux_index: int | None) -> None:
-        destinations = self.link.destinations(room)
-        if not destinations:
-            self.link.report(room, None, [])
-            return
+    def _send(self, job: _Job, inflight_list: list[_InFlight]) -> None:
+        room, prefill_slots, aux_index, tr = job.room, job.slots, job.aux_index, job.trace
+        destinations = job.destinations
         pool = self._pool()
         num_tokens = len(prefill_slots)
         plan = StreamPlan.build(self.spec, pool.shape, num_tokens, self.config.chunk_tokens)
         aux = self.link.read_aux(aux_index)
         slots = torch.as_tensor(prefill_slots, dtype=torch.int64, device=pool.device)
+        tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
+                        residual_bytes=plan.residual_bytes if self.config.residual else 0)
         for dst in destinations:
             if dst.num_slots != num_tokens:
                 raise KVStreamError(f"decode allocated {dst.num_slots} KV slots for a request "
                                     f"of {num_tokens} tokens")
             session = self._session_to(dst.session_address)
             ann = session.wait_announcement(room, timeout=self.config.connect_timeout_s)
+            tr.mark("announcement")
             for ws, stream in _STREAMS.items():
                 if ann.stream_nbytes(stream) != plan.stream_bytes(ws):
                     raise KVStreamError(
@@ -181,28 +294,32 @@ class PrefillSender:
                         "flags or the model differ between prefill and decode")
             staging = self.staging.allocate(plan.staging_bytes,
                                             timeout_s=self.config.transfer_timeout_s)
-            inflight = _InFlight(room, session, staging)
-            self._inflight.append(inflight)
+            inflight = _InFlight(room, session, staging, tr)
+            inflight_list.append(inflight)
             try:
-                self._write_streams(session, room, pool, slots, staging, plan, aux)
+                self._write_streams(session, room, pool, slots, staging, plan, aux, tr)
             except Exception:
                 # A stream never written stays pending for the transport, so the reaper would
                 # never free this range: give it back now.
-                self._inflight.remove(inflight)
+                inflight_list.remove(inflight)
                 _release(session, room)
                 self.staging.free(staging)
                 raise
         self.link.report(room, None, [d.notify for d in destinations])
+        tr.mark("reported")
 
     def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
-                       staging: StagingRange, plan: StreamPlan, aux: bytes) -> None:
+                       staging: StagingRange, plan: StreamPlan, aux: bytes,
+                       tr: trace.Trace) -> None:
         """Encode layer by layer straight into staging: each layer's Anchor chunks are written
         as soon as they are encoded; the Residual chunks are made only after the whole Anchor
         stream (and its aux) is finished, each layer's written as soon as it is placed."""
         buf = self.staging.buffer
         chunk_tokens = self.config.chunk_tokens
         encoded = []
+        tr.mark("encode_start")
         for layer in range(plan.num_layers):
+            t0 = time.time()
             at = staging.offset + plan.anchor_offset(layer)
             written, layer_encoding = encode_layer_into(
                 pool, layer, slots, self.spec, chunk_tokens, room,
@@ -213,30 +330,40 @@ class PrefillSender:
             session.write_stream(room, Stream.ANCHOR, self.staging_region, at,
                                  plan.anchor_layer_bytes, stream_offset=plan.anchor_offset(layer))
             encoded.append(layer_encoding)
+            tr.span("encode_anchor", layer, t0, time.time())
         session.finish(room, Stream.ANCHOR, aux=aux)
+        tr.mark("anchor_posted")
         if self._fault_residual_delay_s:
             logger.warning("lynx: room %s Anchor finished; holding the Residual %.1f s (test "
                            "fault injection)", room, self._fault_residual_delay_s)
             time.sleep(self._fault_residual_delay_s)
         if not self.config.residual:
+            tr.mark("encode_end")
             return
+        # Residual layers go back to back: an exact Residual's size depends on the values (the
+        # plan gives each layer's bound, which is what the decode announced room for).
+        stream_at = 0
         for layer, layer_encoding in enumerate(encoded):
-            at = staging.offset + plan.residual_staging_offset(layer)
+            t0 = time.time()
+            at = staging.offset + plan.anchor_bytes + stream_at
             written = write_residual_into(pool, layer_encoding, slots, chunk_tokens, room,
                                           buf[at: at + plan.residual_layer_bytes])
-            if written != plan.residual_layer_bytes:
-                raise KVStreamError(f"layer {layer}: encoded {written} B of Residual, "
-                                    f"expected {plan.residual_layer_bytes} B")
-            session.write_stream(room, Stream.RESIDUAL, self.staging_region, at,
-                                 plan.residual_layer_bytes,
-                                 stream_offset=plan.residual_offset(layer))
+            if written > plan.residual_layer_bytes:
+                raise KVStreamError(f"layer {layer}: encoded {written} B of Residual, more than "
+                                    f"its bound of {plan.residual_layer_bytes} B")
+            session.write_stream(room, Stream.RESIDUAL, self.staging_region, at, written,
+                                 stream_offset=stream_at)
+            stream_at += written
+            tr.span("encode_residual", layer, t0, time.time())
         session.finish(room, Stream.RESIDUAL)
+        tr.mark("residual_posted")
+        tr.mark("encode_end")
 
-    def _reap(self) -> None:
+    def reap(self, inflight: list[_InFlight]) -> None:
         """Free the staging of rooms the transport has delivered (or failed)."""
         streams = (Stream.ANCHOR, Stream.RESIDUAL) if self.config.residual else (Stream.ANCHOR,)
         keep = []
-        for f in self._inflight:
+        for f in inflight:
             try:
                 done = all(f.session.send_state(f.room, s).done for s in streams)
             except TransportError:
@@ -244,9 +371,25 @@ class PrefillSender:
             if not done:
                 keep.append(f)
                 continue
+            self._trace_streams(f, streams)
             _release(f.session, f.room)
             self.staging.free(f.staging)
-        self._inflight = keep
+            trace.emit(f.trace)
+        inflight[:] = keep
+
+    @staticmethod
+    def _trace_streams(f: _InFlight, streams: tuple[Stream, ...]) -> None:
+        for stream in streams:
+            name = "anchor" if stream is Stream.ANCHOR else "residual"
+            try:
+                st = f.session.send_state(f.room, stream)
+            except TransportError:
+                continue
+            f.trace.mark_mono(f"{name}_first_sent", st.t_first_byte)
+            if st.ok:
+                f.trace.mark_mono(f"{name}_acked", st.t_done)
+            elif st.reason is not None:
+                f.trace.facts[f"{name}_failure"] = f"{st.reason.value} {st.detail}"
 
 
 def _release(session: Session, room: int) -> None:

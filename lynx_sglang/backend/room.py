@@ -2,18 +2,18 @@
 machine: `RoomState` plus one method per transition. Every transition checks where it comes from
 and logs at debug level.
 
-    AWAITING_SESSION --announced--> ANNOUNCED
-    ANNOUNCED --anchor_applied--> ANCHOR_APPLIED                (SGLang not told yet)
-    ANNOUNCED --anchor_applied(reported)--> SPECULATING         (Success reported at Anchor time)
-    ANCHOR_APPLIED --final_kv--> AWAITING_PREFILL               (Residual in the pool)
-    ANNOUNCED --final_kv--> AWAITING_PREFILL                    (Anchor and Residual landed together,
-                                                                  or the Anchor-only baseline)
-    AWAITING_PREFILL --done--> DONE                             (the prefill's Success arrived too)
-    SPECULATING --refined--> REFINED                            (the speculation controller verifies)
+    AWAITING_SESSION --announced--> ANNOUNCED                  (bytes land; layers are applied)
+    ANNOUNCED --anchor_complete--> AWAITING_RESIDUAL           (SGLang not told)
+    ANNOUNCED --anchor_complete(reported)--> SPECULATING       (Success reported at Anchor time)
+    ANNOUNCED | AWAITING_RESIDUAL --final_kv--> AWAITING_PREFILL   (every layer final, or the
+                                                                  Anchor-only baseline)
+    AWAITING_PREFILL --done--> DONE                            (the prefill's Success arrived too)
+    SPECULATING --refined--> REFINED                           (the speculation controller verifies)
     any live state --fail--> FAILED;  --cancel--> CANCELLED
 
 The prefill's own Success status may arrive in any state (`prefill_success` remembers it). Owned
-by `backend.decode.DecodeApplier`, always under its lock; the room's record is plain data.
+by `backend.decode.DecodeApplier`: transitions happen under its lock; the per-layer progress
+fields belong to the applier thread while the room is `busy`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ import torch
 
 from lynx_transport import Session
 
+from .. import trace as tracing
 from .outcome import ResidualOutcome, ResidualState
 from .plan import StreamPlan
 from .staging import StagingRange
+from .streams import LayerChunks, ResidualReader
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 class RoomState(enum.Enum):
     AWAITING_SESSION = "awaiting_session"
     ANNOUNCED = "announced"
-    ANCHOR_APPLIED = "anchor_applied"
+    AWAITING_RESIDUAL = "awaiting_residual"
     SPECULATING = "speculating"
     AWAITING_PREFILL = "awaiting_prefill"
     REFINED = "refined"
@@ -48,7 +50,7 @@ class RoomState(enum.Enum):
 
 # States in which the applier still has work (bytes may land, a stream may complete).
 TRANSFERRING = frozenset({RoomState.AWAITING_SESSION, RoomState.ANNOUNCED,
-                          RoomState.ANCHOR_APPLIED, RoomState.SPECULATING})
+                          RoomState.AWAITING_RESIDUAL, RoomState.SPECULATING})
 TERMINAL = frozenset({RoomState.DONE, RoomState.REFINED, RoomState.FAILED, RoomState.CANCELLED})
 
 
@@ -67,16 +69,30 @@ class DecodeRoom:
     state: RoomState = RoomState.AWAITING_SESSION
     created: float = field(default_factory=time.monotonic)
     session: Session | None = None
-    # Parsed Anchor chunks, kept from the Anchor's apply until the Residual's.
-    anchors: dict | None = None
     prefill_success: bool = False
     reported_at_anchor: bool = False
     failure: str | None = None
-    # time.monotonic() (system-wide on Linux, so comparable with the transport's timestamps)
+    # The applier is working on the room (cancel/drop wait for it to end).
+    busy: bool = False
+    # The speculation decision (None until the whole Anchor is in).
+    speculating: bool | None = None
+    # Per-layer progress (applier thread): Anchor layers validated / dequantized into the pool,
+    # layers at full precision, and the Residual stream's reader and its complete layers.
+    anchor_layers: list[LayerChunks | None] = field(default_factory=list)
+    anchor_parsed: int = 0
+    anchor_written: int = 0
+    final_layers: int = 0
+    residual_reader: ResidualReader | None = None
+    residual_ready: list[tuple[int, LayerChunks]] = field(default_factory=list)
     t_anchor_landed: float | None = None
-    t_anchor_applied: float | None = None
-    t_residual_landed: float | None = None
     t_residual_applied: float | None = None
+    trace: tracing.Trace | None = None
+
+    def __post_init__(self) -> None:
+        self.anchor_layers = [None] * self.plan.num_layers
+        self.trace = tracing.Trace("decode", self.room)
+        self.trace.mark_mono("registered", self.created)
+        self.trace.facts.update(tokens=self.plan.num_tokens, anchor_bytes=self.plan.anchor_bytes)
 
     # ---- transitions --------------------------------------------------------------------------
     def _move(self, allowed: frozenset[RoomState] | set[RoomState], to: RoomState,
@@ -89,46 +105,41 @@ class DecodeRoom:
     def announced(self, session: Session) -> None:
         self._move({RoomState.AWAITING_SESSION}, RoomState.ANNOUNCED, "staging announced")
         self.session = session
+        self.trace.mark("announced")
 
-    def anchor_applied(self, t_landed: float, *, reported: bool) -> None:
-        """The Anchor is in the pool; `reported`: Success went to SGLang now (speculation)."""
+    def anchor_complete(self, t_landed: float | None, *, reported: bool) -> None:
+        """The whole Anchor is in; `reported`: Success went to SGLang now (speculation)."""
         self._move({RoomState.ANNOUNCED},
-                   RoomState.SPECULATING if reported else RoomState.ANCHOR_APPLIED,
-                   "Anchor applied" + (", Success reported" if reported else ""))
+                   RoomState.SPECULATING if reported else RoomState.AWAITING_RESIDUAL,
+                   "Anchor complete" + (", Success reported" if reported else ""))
         self.t_anchor_landed = t_landed
         self.reported_at_anchor = reported
 
-    def final_kv(self, t_anchor_landed: float | None, t_residual_landed: float | None) -> None:
-        """The final KV (Residual-refined, or the Anchor alone as the lossy baseline) is in the
-        pool and SGLang was not told at Anchor time."""
-        self._move({RoomState.ANNOUNCED, RoomState.ANCHOR_APPLIED}, RoomState.AWAITING_PREFILL,
-                   "final KV in the pool")
-        if self.t_anchor_landed is None:
-            self.t_anchor_landed = t_anchor_landed
-        self._residual_in(t_residual_landed)
+    def final_kv(self, *, anchor_only: bool = False) -> None:
+        """The final KV (every layer Residual-refined, or the Anchor alone as the lossy baseline)
+        is in the pool and SGLang was not told at Anchor time."""
+        self._move({RoomState.ANNOUNCED} if anchor_only else {RoomState.AWAITING_RESIDUAL},
+                   RoomState.AWAITING_PREFILL, "final KV in the pool")
+        self.t_residual_applied = time.monotonic()
 
-    def refined(self, t_residual_landed: float) -> None:
+    def refined(self) -> None:
         """Speculating room: the Residual refined the pool; the controller verifies now."""
         self._move({RoomState.SPECULATING}, RoomState.REFINED, "Residual applied")
-        self._residual_in(t_residual_landed)
-
-    def _residual_in(self, t_landed: float | None) -> None:
-        self.t_residual_landed = t_landed
         self.t_residual_applied = time.monotonic()
-        self.anchors = None
 
     def done(self) -> None:
         self._move({RoomState.AWAITING_PREFILL}, RoomState.DONE, "Success reported")
+        self.trace.mark("reported")
 
     def fail(self, reason: str) -> None:
         self._move(TRANSFERRING | {RoomState.AWAITING_PREFILL}, RoomState.FAILED, reason)
         self.failure = reason
-        self.anchors = None
+        self.trace.facts["failure"] = reason
 
     def cancel(self) -> None:
         self._move(TRANSFERRING | {RoomState.AWAITING_PREFILL}, RoomState.CANCELLED,
                    "released before it completed")
-        self.anchors = None
+        self.trace.facts["cancelled"] = True
 
     # ---- views --------------------------------------------------------------------------------
     @property

@@ -44,6 +44,9 @@ class StagingPool:
         self.nbytes = nbytes
         # Sorted, non-overlapping, coalesced free ranges as (offset, length).
         self._free: list[tuple[int, int]] = [(0, nbytes)]
+        # Ranges handed out and not yet freed, by offset: a second free of one (a bug that would
+        # hand the same bytes to two requests) is refused.
+        self._allocated: dict[int, int] = {}
         self._cond = threading.Condition()
 
     def view(self, r: StagingRange) -> memoryview:
@@ -67,6 +70,7 @@ class StagingPool:
                             del self._free[i]
                         else:
                             self._free[i] = (off + size, n - size)
+                        self._allocated[off] = size
                         return StagingRange(off, size)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -78,6 +82,9 @@ class StagingPool:
 
     def free(self, r: StagingRange) -> None:
         with self._cond:
+            if self._allocated.get(r.offset) != r.length:
+                raise ValueError(f"staging range {r} is not allocated (freed twice?)")
+            del self._allocated[r.offset]
             i = bisect.bisect_left(self._free, (r.offset, 0))
             self._free.insert(i, (r.offset, r.length))
             # Coalesce with the neighbours.
@@ -91,4 +98,8 @@ class StagingPool:
             self._cond.notify_all()
 
     def free_bytes(self) -> int:
-        return sum(n for _, n in self._free)
+        with self._cond:
+            return sum(n for _, n in self._free)
+
+    def used_bytes(self) -> int:
+        return self.nbytes - self.free_bytes()

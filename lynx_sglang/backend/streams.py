@@ -3,10 +3,10 @@
 The layout of the streams is the request's `StreamPlan` (`backend.plan`). Chunks are
 self-describing (`lynx_kernels.parse_chunk`), so the decode walks a landed stream chunk by chunk.
 Prefill reads a request's slots (`encode_layer_into` for every layer's Anchor, then
-`write_residual_into`, straight into staging; `encode_layer` makes the same chunks as `bytes`);
-decode writes the Anchor reconstruction into its own slots (`parse_anchor` + `write_anchor`, or
-`apply_anchor`) and overwrites the same slots with the full-precision values when the Residual has
-landed (`apply_residual`).
+`write_residual_into`, straight into staging; `encode_layer` makes the same chunks as `bytes`).
+Decode works layer by layer as bytes land: `parse_anchor_layer` + `write_anchor_layer` for the
+Anchor, a `ResidualReader` over the Residual stream and `write_full_layer` for the full-precision
+values.
 
 Called by `backend.prefill` (sender thread) and `backend.decode` (applier thread).
 """
@@ -127,92 +127,113 @@ def _check_header(h: ChunkHeader, spec: CodecSpec, shape: KVShape, num_tokens: i
                             f"{shape.num_layers}-layer request of {num_tokens} tokens")
 
 
-def parse_anchor(stream_bytes: memoryview, pool: KVPoolView, num_tokens: int,
-                 spec: CodecSpec, request_tag: int) -> dict[tuple[int, StreamKind, int], Chunk]:
-    """Validate a landed Anchor stream (every chunk, and that the chunks tile every layer's K and
-    V over [0, num_tokens)); return its chunks keyed by (layer, kind, token_start)."""
-    shape = pool.shape
-    chunks: dict[tuple[int, StreamKind, int], Chunk] = {}
-    for chunk in iter_chunks(stream_bytes):
-        h = chunk.header
-        _check_header(h, spec, shape, num_tokens, request_tag, WireStream.ANCHOR)
-        chunks[(h.layer, h.kind, h.token_start)] = chunk
-    _check_coverage(chunks, shape, num_tokens)
-    return chunks
+# One layer's chunks of one stream: per kind, in token order, tiling [0, num_tokens).
+LayerChunks = dict[StreamKind, list[Chunk]]
 
 
-def _runs(chunks: dict[tuple[int, StreamKind, int], Chunk]) -> dict[tuple[int, StreamKind],
-                                                                    list[Chunk]]:
-    """The chunks of each (layer, kind), in token order."""
-    runs: dict[tuple[int, StreamKind], list[Chunk]] = {}
-    for key in sorted(chunks, key=lambda k: (k[0], KINDS.index(k[1]), k[2])):
-        runs.setdefault(key[:2], []).append(chunks[key])
-    return runs
+def _tile(chunks: list[Chunk], layer: int, num_tokens: int, what: str) -> LayerChunks:
+    """Group one layer's chunks by kind and check each kind tiles [0, num_tokens) exactly."""
+    out: LayerChunks = {kind: [] for kind in KINDS}
+    for chunk in chunks:
+        if chunk.header.layer != layer:
+            raise KVStreamError(f"{what} chunk of layer {chunk.header.layer} where layer {layer}'s "
+                                "belong")
+        out[chunk.header.kind].append(chunk)
+    for kind, run in out.items():
+        run.sort(key=lambda c: c.header.token_start)
+        pos = 0
+        for c in run:
+            if c.header.token_start != pos:
+                break
+            pos = c.header.token_end
+        if pos != num_tokens or len({c.header.token_start for c in run}) != len(run):
+            raise KVStreamError(f"{what} chunks of layer {layer} {kind.value} cover tokens "
+                                f"[0, {pos}) (or overlap), not [0, {num_tokens})")
+    return out
 
 
-def _write_run(pool: KVPoolView, layer: int, kind: StreamKind, slots: torch.Tensor,
-               chunks: list[Chunk], stage: str) -> None:
-    # One decode and one indexed write per layer's K or V: the codec's per-call cost, not per
-    # chunk. The values are the same as chunk by chunk (every step is per token or per group).
+def parse_anchor_layer(layer_bytes: memoryview, shape: KVShape, layer: int, num_tokens: int,
+                       spec: CodecSpec, request_tag: int) -> LayerChunks:
+    """Validate one layer's landed Anchor bytes (every chunk, and that its K and V chunks tile
+    [0, num_tokens)); nothing is written."""
+    chunks = []
+    for chunk in iter_chunks(layer_bytes):
+        _check_header(chunk.header, spec, shape, num_tokens, request_tag, WireStream.ANCHOR)
+        chunks.append(chunk)
+    return _tile(chunks, layer, num_tokens, "Anchor")
+
+
+def _assembled(chunks: list[Chunk], device) -> EncodedKV:
     try:
-        enc = assemble(chunks, device=pool.device)
+        return assemble(chunks, device=device)
     except CodecError as exc:
         raise KVStreamError(str(exc)) from exc
-    pool.write(layer, kind, slots[enc.token_start: enc.token_end], decode(enc, stage))
 
 
-def write_anchor(anchors: dict[tuple[int, StreamKind, int], Chunk], pool: KVPoolView,
-                 slots: torch.Tensor) -> None:
-    """Write the Anchor reconstruction of every chunk into the decode pool's `slots`."""
-    for (layer, kind), run in _runs(anchors).items():
-        _write_run(pool, layer, kind, slots, run, "anchor")
+def write_anchor_layer(anchor: LayerChunks, pool: KVPoolView, layer: int,
+                       slots: torch.Tensor) -> None:
+    """Write one layer's Anchor reconstruction into the decode pool's `slots`."""
+    # One decode and one indexed write per layer's K or V: the codec's per-call cost, not per
+    # chunk. The values are the same as chunk by chunk (every step is per token or per group).
+    for kind, run in anchor.items():
+        pool.write(layer, kind, slots, decode(_assembled(run, pool.device), "anchor"))
 
 
-def apply_anchor(stream_bytes: memoryview, pool: KVPoolView, slots: torch.Tensor,
-                 spec: CodecSpec, request_tag: int) -> dict[tuple[int, StreamKind, int], Chunk]:
-    """`parse_anchor` then `write_anchor`; returns the parsed chunks for `apply_residual`."""
-    anchors = parse_anchor(stream_bytes, pool, len(slots), spec, request_tag)
-    write_anchor(anchors, pool, slots)
-    return anchors
+def write_full_layer(anchor: LayerChunks, residual: LayerChunks, pool: KVPoolView, layer: int,
+                     slots: torch.Tensor) -> None:
+    """Write one layer's full-precision values (Anchor + Residual) into `slots`."""
+    for kind in KINDS:
+        if len(anchor[kind]) != len(residual[kind]) or any(
+                a.header.token_end != r.header.token_end
+                for a, r in zip(anchor[kind], residual[kind], strict=True)):
+            raise KVStreamError(f"Residual chunks of layer {layer} {kind.value} do not match its "
+                                "Anchor chunks")
+        enc = _assembled(anchor[kind] + residual[kind], pool.device)
+        pool.write(layer, kind, slots, decode(enc, "full"))
 
 
-def apply_residual(stream_bytes: memoryview, anchors: dict[tuple[int, StreamKind, int], Chunk],
-                   pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
-                   request_tag: int) -> None:
-    """Overwrite the Anchor-precision values in `slots` with the full-precision ones."""
-    shape = pool.shape
-    num_tokens = len(slots)
-    residuals: dict[tuple[int, StreamKind, int], Chunk] = {}
-    for chunk in iter_chunks(stream_bytes):
-        h = chunk.header
-        _check_header(h, spec, shape, num_tokens, request_tag, WireStream.RESIDUAL)
-        key = (h.layer, h.kind, h.token_start)
-        anchor = anchors.get(key)
-        if anchor is None or anchor.header.token_end != h.token_end:
-            raise KVStreamError(f"Residual chunk layer {h.layer} {h.kind.value} tokens "
-                                f"[{h.token_start}, {h.token_end}) has no matching Anchor chunk")
-        residuals[key] = chunk
-    if residuals.keys() != anchors.keys():
-        missing = sorted(set(anchors) - set(residuals))[:3]
-        raise KVStreamError(f"Residual stream misses {len(anchors) - len(residuals)} chunks "
-                            f"(e.g. {missing})")
-    # Nothing is written until the whole Residual stream has checked out.
-    runs = _runs(residuals)
-    for (layer, kind), run in _runs(anchors).items():
-        _write_run(pool, layer, kind, slots, run + runs[(layer, kind)], "full")
+class ResidualReader:
+    """Reads a Residual stream while it lands. `advance(view, landed)` parses the complete chunks
+    among the first `landed` bytes (each validated) and returns the layers whose K and V chunks
+    are all there, in layer order. The stream's chunks come layer by layer (the prefill writes
+    them so); anything else is refused."""
 
+    def __init__(self, shape: KVShape, num_tokens: int, spec: CodecSpec, request_tag: int):
+        self.shape, self.num_tokens, self.spec, self.tag = shape, num_tokens, spec, request_tag
+        self.pos = 0
+        self.next_layer = 0
+        self._current: list[Chunk] = []
+        self._covered = 0
 
-def _check_coverage(placed, shape: KVShape, num_tokens: int) -> None:
-    """Every layer's K and V must be tiled by Anchor chunks over [0, num_tokens)."""
-    runs = _runs(placed)
-    for layer in range(shape.num_layers):
-        for kind in KINDS:
-            covered = [(c.header.token_start, c.header.token_end) for c in runs.get((layer, kind), [])]
-            pos = 0
-            for start, end in covered:
-                if start != pos:
-                    break
-                pos = end
-            if pos != num_tokens:
-                raise KVStreamError(f"Anchor stream covers tokens [0, {pos}) of layer {layer} "
-                                    f"{kind.value}, not [0, {num_tokens})")
+    @property
+    def done(self) -> bool:
+        return self.next_layer == self.shape.num_layers
+
+    def advance(self, view: memoryview, landed: int) -> list[tuple[int, LayerChunks]]:
+        ready = []
+        while not self.done and landed - self.pos >= HEADER.size:
+            payload_len = HEADER.unpack(view[self.pos: self.pos + HEADER.size])[-2]
+            end = self.pos + HEADER.size + payload_len
+            if end > landed:
+                if end > len(view):
+                    raise KVStreamError(f"Residual chunk at byte {self.pos} runs past the "
+                                        f"stream end ({end} > {len(view)})")
+                break
+            chunk = parse_chunk(view[self.pos: end])
+            _check_header(chunk.header, self.spec, self.shape, self.num_tokens, self.tag,
+                          WireStream.RESIDUAL)
+            if chunk.header.layer != self.next_layer:
+                raise KVStreamError(f"Residual chunk of layer {chunk.header.layer} while layer "
+                                    f"{self.next_layer} is incomplete")
+            self.pos = end
+            self._current.append(chunk)
+            self._covered += chunk.header.num_tokens
+            if self._covered == 2 * self.num_tokens:  # K and V of the layer
+                ready.append((self.next_layer, _tile(self._current, self.next_layer,
+                                                     self.num_tokens, "Residual")))
+                self.next_layer += 1
+                self._current, self._covered = [], 0
+            elif self._covered > 2 * self.num_tokens:
+                raise KVStreamError(f"Residual chunks of layer {self.next_layer} cover more than "
+                                    f"its {self.num_tokens} tokens twice")
+        return ready

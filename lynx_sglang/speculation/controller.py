@@ -31,7 +31,7 @@ import time
 from http import HTTPStatus
 from typing import Protocol
 
-from .. import metrics
+from .. import metrics, trace
 from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
 from ..names import SPEC_RECORD, record_line
@@ -50,6 +50,8 @@ class Transfers(Protocol):
     def forget(self, room: int) -> None: ...
 
     def cancel(self, room: int) -> bool: ...
+
+    def note_verification(self, seconds: float) -> None: ...
 
 
 class SpecController:
@@ -230,11 +232,12 @@ class SpecController:
         to_check = [r for r in reqs if len(r.output_ids) > r.lynx_spec.verified_len]
         runner = scheduler.tp_worker.model_runner
         passes_before = runner.forward_pass_id
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         logits = verify_forward(scheduler, to_check) if to_check else []
         verify_s = time.monotonic() - t0
         passes = runner.forward_pass_id - passes_before
         if to_check:
+            self.transfers.note_verification(verify_s)
             self.counters.verify_forwards += 1
             self.counters.verify_model_passes += passes
             metrics.record_verify_time(verify_s)
@@ -249,7 +252,7 @@ class SpecController:
                 rollback(scheduler, req, st.verified_len, result)
                 recount_reasoning(scheduler, req, st)
             self._record(req, st, result, verify_s if checked else 0.0, passes if checked else 0,
-                         len(to_check))
+                         len(to_check), wall0 if checked else None)
             if len(req.output_ids) > st.verified_len:
                 req.update_finish_state(len(req.output_ids) - st.verified_len)
             if self.publisher is not None:
@@ -273,7 +276,15 @@ class SpecController:
                 scheduler.running_batch.merge_batch(batch)
 
     def _record(self, req, st: SpecState, result: VerifyResult, verify_s: float,
-                model_passes: int, batch_size: int) -> None:
+                model_passes: int, batch_size: int, verify_start: float | None) -> None:
+        tr = trace.Trace("spec", st.room)
+        if verify_start is not None:
+            tr.mark("verify_start", verify_start)
+            tr.mark("verify_end", verify_start + verify_s)
+        tr.facts.update(rid=req.rid, speculated=result.speculated, accepted=result.accepted,
+                        no_spec_reason=st.no_spec_reason, parked_reason=st.parked_reason,
+                        verify_batch=batch_size)
+        trace.emit(tr)
         c = self.counters
         c.verifications += 1
         c.speculated_tokens += result.speculated
@@ -299,15 +310,24 @@ class SpecController:
 
     # ---- other hook entry points ---------------------------------------------------------------
     def on_release(self, req) -> None:
-        """SGLang frees the request's KV slots: stop its Residual first (a barrier)."""
+        """SGLang frees the request's KV slots: stop its Residual first (a barrier), and forget
+        its draft logits (an aborted sampled request would otherwise leave them for the next
+        request on the same row to grow)."""
         room = getattr(req, "bootstrap_room", None)
         if room is not None:
             self.transfers.cancel(room)
+        st = getattr(req, "lynx_spec", None)
+        kv = getattr(req, "kv", None)
+        if kv is not None and st is not None and self.sampled_by_pool_idx.get(
+                kv.req_pool_idx) is st:
+            del self.sampled_by_pool_idx[kv.req_pool_idx]
 
     def record_draft_logits(self, pool_indices: list[int], logits) -> None:
         """The sampler is about to draw the next token of these batch rows: keep, for each
         speculating sampled request, the logits its draft token is drawn from."""
         for row, pool_idx in enumerate(pool_indices):
             st = self.sampled_by_pool_idx.get(pool_idx)
-            if st is not None:
+            # A parked request takes no more speculative steps; one row per speculative token
+            # at most, so a stale entry can never grow without bound.
+            if st is not None and len(st.draft_logits) <= self.max_tokens:
                 st.draft_logits.append(logits[row].detach().float().clone())

@@ -41,7 +41,8 @@ from pathlib import Path
 from lynx_kernels import KVShape
 
 from ..errors import LynxError
-from ..names import TIMELINE_ENV
+from ..names import TIMELINE_ENV, TRACE_DIR_ENV
+from ..trace import read_records
 from .client import GenerateError, StreamedGeneration, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .measure import (
@@ -50,14 +51,10 @@ from .measure import (
     add_kv_dtype_argument,
     kv_dtype_server_args,
     model_kv_shape,
-    prefill_done_events,
-    prefill_done_for,
-    selected_config,
-    transfer_line_for,
-    transfer_lines,
     wait_for,
 )
 from .prompts import passkey_prompt, random_ids_prompts
+from .trace_report import Breakdown, breakdown, parse_rate, records_by_request
 from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants
 
 BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
@@ -87,6 +84,8 @@ class RequestTiming:
     # lynx_client, Lynx variants: bytes per stream and Anchor/Residual landed/applied times.
     stream_bytes: dict[str, int] | None = None
     lynx_events_s: dict[str, float | None] = field(default_factory=dict)
+    # lynx_client: where the network-exposed TTFT went (tools.trace_report).
+    stages: Breakdown | None = None
     text: str = ""
 
 
@@ -126,12 +125,14 @@ def parse_bench_serving(result: dict, marks: tuple[int, ...]) -> list[RequestTim
 
 
 def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
-                  prefill_done: dict | None, transfer: dict | None) -> RequestTiming:
-    """Per-request timing of one streamed request, with the prefill's `prefill_done` event and
-    (Lynx) the decode's `lynx transfer` line matched to it."""
+                  prefill_done: float | None, transfer: dict | None,
+                  stages: Breakdown | None = None) -> RequestTiming:
+    """Per-request timing of one streamed request, with the prefill's `prefill_done` time and
+    (Lynx) the decode's transfer record (bytes per stream, landed/applied times) and its stage
+    breakdown."""
     rel = lambda t: None if t is None else round(t - got.t_send, 6)  # noqa: E731
     ttft = rel(got.t_first_token)
-    done = rel(prefill_done["t"]) if prefill_done else None
+    done = rel(prefill_done)
     return RequestTiming(
         LYNX_CLIENT, index, got.prompt_tokens, len(got.output_ids), ttft,
         {k: rel(got.t_tokens[k - 1]) if k <= len(got.t_tokens) else None for k in marks},
@@ -139,8 +140,8 @@ def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
         network_ttft_s=None if done is None else round(ttft - done, 6),
         stream_bytes=None if transfer is None else {"anchor": transfer["anchor_bytes"],
                                                     "residual": transfer["residual_bytes"]},
-        lynx_events_s={} if transfer is None else {k: rel(transfer[k]) for k in LYNX_EVENTS},
-        text=got.text)
+        lynx_events_s={} if transfer is None else {k: rel(transfer.get(k)) for k in LYNX_EVENTS},
+        stages=stages, text=got.text)
 
 
 def metric_values(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, list[float]]:
@@ -193,7 +194,7 @@ class VariantResult:
     run_dir: str
     warmup_attempts: int = 1
     # Lynx: the decode's effective configuration as it logged it at start-up.
-    server_config: str | None = None
+    server_config: dict | None = None
 
 
 def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new_tokens: int,
@@ -246,8 +247,8 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
                 warmup_ids: list[int], kv_shape: KVShape, run_dir: Path) -> VariantResult:
     spec = ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
-                       link=cfg.link,
-                       startup_timeout_s=cfg.startup_timeout_s, extra_env={TIMELINE_ENV: "1"})
+                       link=cfg.link, startup_timeout_s=cfg.startup_timeout_s,
+                       extra_env={TIMELINE_ENV: "1", TRACE_DIR_ENV: str(run_dir / "trace")})
     log = lambda msg: print(f"[bench-ttft] {variant.name}: {msg}", flush=True)  # noqa: E731
     log(f"starting prefill + decode + router (logs {run_dir}) ...")
     t0 = time.monotonic()
@@ -280,40 +281,39 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
         bench = parse_bench_serving(json.loads(out_file.read_text().splitlines()[-1]),
                                     cfg.token_marks)
         log(f"the same prompts with lynx_sglang.tools.client ({cfg.requests} request(s))")
-        streamed = []
-        for ids in prompts:
+        streamed, rids = [], []
+        for i, ids in enumerate(prompts):
             _flush_prefix_cache(cluster.prefill_url)
+            rids.append(f"bench-{variant.name}-{i}-{time.time_ns()}")
             streamed.append(generate_stream(cluster.url, input_ids=ids,
                                             max_new_tokens=cfg.max_new_tokens,
                                             timeout_s=cfg.request_timeout_s,
-                                            sampling={"ignore_eos": True}))
-        prefill_log, decode_log = cluster.log_path("prefill"), cluster.log_path("decode")
-
-        def matched() -> tuple[list, list]:
-            events = prefill_done_events(prefill_log.read_text(errors="replace"))
-            lines = transfer_lines(decode_log.read_text(errors="replace")) if is_lynx else []
-            ends = [g.t_send for g in streamed[1:]] + [float("inf")]
-            done = [prefill_done_for(events, g.prompt_tokens, g.t_send, g.t_first_token)
-                    for g in streamed]
-            xfer = [transfer_line_for(lines, g.prompt_tokens, g.t_send, end) if is_lynx else None
-                    for g, end in zip(streamed, ends, strict=True)]
-            return done, xfer
-
-        def complete() -> bool:
-            done, xfer = matched()
-            return None not in done and (not is_lynx or None not in xfer)
-
-        # The servers log asynchronously; give the last lines a moment to reach the files.
-        wait_for(complete)
-        done, xfer = matched()
-        server_config = selected_config(decode_log.read_text(errors="replace"))
-    if any(d is None for d in done):
-        raise BenchError(f"{variant.name}: a request has no `lynx timeline` prefill_done line in "
-                         f"{prefill_log}")
-    if is_lynx and any(x is None for x in xfer):
-        raise BenchError(f"{variant.name}: a request has no `lynx transfer` line in {decode_log}")
-    client = [client_timing(i, g, cfg.token_marks, d, x)
-              for i, (g, d, x) in enumerate(zip(streamed, done, xfer, strict=True))]
+                                            sampling={"ignore_eos": True}, rid=rids[-1]))
+        trace_dir = run_dir / "trace"
+        needed = ("timeline", "decode", "request") if is_lynx else ("timeline",)
+        # The servers write their records asynchronously: give them a moment.
+        wait_for(lambda: all(k in records_by_request(trace_dir, rid) for rid in rids
+                             for k in needed))
+        per_request = [records_by_request(trace_dir, rid) for rid in rids]
+        server_config = next((r["facts"]["config"] for r in read_records(trace_dir)
+                              if r["kind"] == "server" and r["facts"].get("role") == "decode"),
+                             None)
+    for rid, records in zip(rids, per_request, strict=True):
+        missing = [k for k in needed if k not in records]
+        if missing:
+            raise BenchError(f"{variant.name}: no {missing} trace record for request {rid} in "
+                             f"{trace_dir}")
+    rate = parse_rate(cfg.link)
+    client = []
+    for i, (g, rid, records) in enumerate(zip(streamed, rids, per_request, strict=True)):
+        transfer = None
+        if is_lynx:
+            transfer = dict(records["decode"]["marks"])
+            transfer.update(anchor_bytes=records["decode"]["facts"]["anchor_bytes"],
+                            residual_bytes=records["decode"]["facts"]["residual_bytes"])
+        client.append(client_timing(i, g, cfg.token_marks,
+                                    records["timeline"]["marks"]["prefill_done"], transfer,
+                                    breakdown(records, rid, g.t_first_token, rate)))
     if is_lynx:
         stream_bytes = client[-1].stream_bytes
         if any(r.stream_bytes != stream_bytes for r in client):

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -175,6 +177,18 @@ class Cluster:
         logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
         return proc
 
+    def _with_secret(self, spec: ClusterSpec) -> ClusterSpec:
+        """A Lynx pair authenticates its transport sessions with a shared secret: unless the
+        flags name one (or opt out), generate one for this cluster (mode 0600, in the run dir)."""
+        if spec.transfer_backend != "lynx" or any(
+                a in spec.server_args for a in ("--lynx-secret-file", "--lynx-insecure")):
+            return spec
+        path = self.run_dir / "lynx-secret"
+        path.write_bytes(secrets.token_bytes(32))
+        path.chmod(0o600)
+        return dataclasses.replace(spec, server_args=(*spec.server_args, "--lynx-secret-file",
+                                                      str(path)))
+
     def start(self) -> None:
         spec = self.spec
         if spec.mode is ClusterMode.SINGLE:
@@ -184,6 +198,7 @@ class Cluster:
             self._wait_healthy(self._procs)
             return
         p_port, d_port, r_port, b_port = free_port(), free_port(), free_port(), free_port()
+        spec = self._with_secret(spec)
         p_host = d_host = HOST
         wrap_p = wrap_d = list
         if spec.link:

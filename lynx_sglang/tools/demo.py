@@ -8,9 +8,10 @@ variants' outputs are identical (lossy ones are only scored against them), as a 
 `<out>/demo.json` and a timeline PNG.
 
 Times are wall-clock `time.time()` on this one machine: the client's send and each streamed token,
-the prefill's `lynx timeline` line (prefill forward done, `lynx_sglang.timeline`), for Lynx the
-decode's `lynx transfer` line (Anchor/Residual landed and applied) and, when it speculated, its
-`lynx spec` line (see `verified_wall`). Clusters run one after the other and each is stopped
+and the servers' trace records (`lynx_sglang.trace`, written to `<run dir>/trace`): the prefill
+forward done (any backend), and for Lynx every stage of the transfer, SGLang's first step and
+first token, and the verification. Each Lynx request also gets a stage breakdown of its
+network-exposed TTFT (`tools.trace_report`). Clusters run one after the other and each is stopped
 (whole process trees, link removed) before the next, also on error or Ctrl-C.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from lynx_kernels import KVShape
 
 from ..errors import LynxError
-from ..names import TIMELINE_ENV
+from ..names import TIMELINE_ENV, TRACE_DIR_ENV
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .measure import (
@@ -35,15 +36,11 @@ from .measure import (
     add_kv_dtype_argument,
     kv_dtype_server_args,
     model_kv_shape,
-    prefill_done_events,
-    prefill_done_for,
-    spec_lines,
-    transfer_line_for,
-    transfer_lines,
     wait_for,
 )
 from .netns import netns_available
 from .prompts import passkey_prompt
+from .trace_report import Breakdown, breakdown, format_breakdown, parse_rate, records_by_request
 from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, VariantError
 from .variants import select_variants as _select
 
@@ -60,13 +57,12 @@ class DemoError(LynxError):
 
 @dataclass(frozen=True)
 class SpecOutcome:
-    """The decode's `lynx spec` line of one speculating request."""
+    """The speculation record of one request that speculated."""
 
     speculated: int
     accepted: int
     rolled_back: int
     verify_ms: float
-    committed_to_verified_s: float
 
 
 @dataclass(frozen=True)
@@ -88,6 +84,7 @@ class DemoResult:
     lynx_events_s: dict[str, float | None] = field(default_factory=dict)
     spec: SpecOutcome | None = None
     verified_s: float | None = None
+    breakdown: Breakdown | None = None
     run_dir: str = ""
 
     @property
@@ -110,32 +107,23 @@ def select_variants(names: str) -> list[Variant]:
         raise DemoError(str(exc)) from exc
 
 
-def verified_wall(transfer: dict, spec: dict) -> float:
-    """Wall-clock time the speculative tokens were verified, computed from the two lines' fields:
-    the `lynx spec` line carries monotonic durations only (and the log's own timestamp has 1 s
-    resolution). SGLang commits the request at or after `anchor_applied`, and verification ends
-    `committed_to_verified_s` after the commit and at least `verify_ms` after `residual_applied`,
-    so the later of the two sums is a lower bound, short of the truth by the commit's delay
-    after the Anchor was applied (one scheduler step)."""
-    return max(transfer["anchor_applied"] + spec["committed_to_verified_s"],
-               transfer["residual_applied"] + spec["verify_ms"] / 1e3)
-
-
 def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
                 link: str | None, run_dir: Path, kv_shape: KVShape, kv_dtype: str,
                 startup_timeout_s: float, request_timeout_s: float) -> DemoResult:
+    trace_dir = run_dir / "trace"
     spec = ClusterSpec(
         str(model_dir), ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
         server_args=variant.server_args + kv_dtype_server_args(kv_dtype), link=link,
         startup_timeout_s=startup_timeout_s,
-        extra_env={TIMELINE_ENV: "1"},
+        extra_env={TIMELINE_ENV: "1", TRACE_DIR_ENV: str(trace_dir)},
     )
     log = lambda msg: print(f"[demo] {variant.name}: {msg}", flush=True)  # noqa: E731
     log(f"{variant.description}; starting prefill + decode + router (logs {run_dir}) ...")
     is_lynx = variant.transfer_backend == "lynx"
     t0 = time.monotonic()
+    rid = f"demo-{variant.name}-{time.time_ns()}"
     with Cluster(spec) as cluster:
-        # The warm-up also opens the transport session (see bench_ttft.WARMUP_ATTEMPTS).
+        # The warm-up also opens the transport session (see variants.WARMUP_ATTEMPTS).
         for attempt in range(1, WARMUP_ATTEMPTS + 1):
             log(f"up in {time.monotonic() - t0:.0f} s; warm-up request, attempt {attempt}")
             try:
@@ -149,49 +137,38 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
         log(f"long request ({len(prompt_ids)} prompt tokens, {max_new_tokens} new, streamed)")
         # ignore_eos: every variant streams exactly max_new_tokens, so token 64 exists.
         got = generate_stream(cluster.url, input_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                              timeout_s=request_timeout_s, sampling={"ignore_eos": True})
-        prefill_log, decode_log = cluster.log_path("prefill"), cluster.log_path("decode")
-
-        def found() -> tuple[dict | None, dict | None, dict | None]:
-            done = prefill_done_for(prefill_done_events(prefill_log.read_text(errors="replace")),
-                                    got.prompt_tokens, got.t_send, got.t_first_token)
-            if not is_lynx:
-                return done, None, None
-            text = decode_log.read_text(errors="replace")
-            xfer = transfer_line_for(transfer_lines(text), got.prompt_tokens, got.t_send,
-                                     float("inf"))
-            spec_line = None if xfer is None else next(
-                (s for s in reversed(spec_lines(text)) if s["room"] == xfer["room"]), None)
-            return done, xfer, spec_line
-
-        # The servers log asynchronously; give the lines a moment to reach the files. A request
-        # that did not speculate has no `lynx spec` line, so that one is not waited for.
-        wait_for(lambda: None not in found()[:2 if is_lynx else 1])
-        done, xfer, spec_line = found()
-    if done is None:
-        raise DemoError(f"{variant.name}: no `lynx timeline` prefill_done line in "
-                        f"{run_dir / 'prefill.log'}")
-    if is_lynx and xfer is None:
-        raise DemoError(f"{variant.name}: no `lynx transfer` line for the request in "
-                        f"{run_dir / 'decode.log'}")
+                              timeout_s=request_timeout_s, sampling={"ignore_eos": True},
+                              rid=rid)
+        needed = ("timeline", "decode", "request") if is_lynx else ("timeline",)
+        # The servers write their records asynchronously: give them a moment.
+        wait_for(lambda: all(k in records_by_request(trace_dir, rid) for k in needed))
+        records = records_by_request(trace_dir, rid)
+    missing = [k for k in needed if k not in records]
+    if missing:
+        raise DemoError(f"{variant.name}: no {missing} trace record for request {rid} in "
+                        f"{trace_dir}")
     rel = lambda t: None if t is None else round(t - got.t_send, 6)  # noqa: E731
     token_s = {k: rel(got.t_tokens[k - 1]) if k <= len(got.t_tokens) else None
                for k in TOKEN_MARKS}
+    done = records["timeline"]["marks"]["prefill_done"]
+    outcome = verified = None
     if is_lynx:
-        stream_bytes = {"anchor": xfer["anchor_bytes"], "residual": xfer["residual_bytes"]}
-        events = {k: rel(xfer[k]) for k in LYNX_EVENTS}
+        facts, marks = records["decode"]["facts"], records["decode"]["marks"]
+        stream_bytes = {"anchor": facts["anchor_bytes"], "residual": facts["residual_bytes"]}
+        events = {k: rel(marks.get(k)) for k in LYNX_EVENTS}
+        spec_rec = records.get("spec")
+        if spec_rec is not None and spec_rec["facts"]["speculated"]:
+            f, m = spec_rec["facts"], spec_rec["marks"]
+            outcome = SpecOutcome(f["speculated"], f["accepted"], f["speculated"] - f["accepted"],
+                                  round((m["verify_end"] - m["verify_start"]) * 1e3, 3))
+            verified = rel(m["verify_end"])
     else:
         stream_bytes, events = {"kv": kv_shape.bytes_for(got.prompt_tokens)}, {}
-    outcome = verified = None
-    if spec_line is not None:
-        outcome = SpecOutcome(spec_line["speculated"], spec_line["accepted"],
-                              spec_line["rolled_back"], spec_line["verify_ms"],
-                              spec_line["committed_to_verified_s"])
-        verified = rel(verified_wall(xfer, spec_line))
+    parts = breakdown(records, rid, got.t_first_token, parse_rate(link))
     return DemoResult(
         variant.name, variant.exact, got.prompt_tokens, got.output_ids,
-        rel(done["t"]), rel(got.t_first_token), rel(got.t_last_token), token_s, stream_bytes,
-        is_lynx, events, outcome, verified, str(run_dir))
+        rel(done), rel(got.t_first_token), rel(got.t_last_token), token_s, stream_bytes,
+        is_lynx, events, outcome, verified, parts, str(run_dir))
 
 
 def _fmt_bytes(result: DemoResult) -> str:
@@ -271,10 +248,13 @@ def format_table(results: list[DemoResult], link_desc: str) -> str:
             lines.append(f"{r.variant}: lossy, not compared; vs the exact output: first {prefix}, "
                          f"{equal} of {len(reference)} positions equal")
     lines.append("TTFT: send -> first token at the client; net TTFT: prefill forward done "
-                 "(prefill log) -> first token; token k: send -> k-th streamed token (pf: from "
+                 "(prefill trace) -> first token; token k: send -> k-th streamed token (pf: from "
                  "prefill done); spec/acc/rb: speculative tokens decoded on the Anchor / accepted "
-                 "/ rolled back at verification (decode's `lynx spec` line); total: send -> last "
-                 "token.")
+                 "/ rolled back at verification; total: send -> last token.")
+    for r in results:
+        if r.breakdown is not None and r.breakdown.speculated is not None:
+            lines.append(f"{r.variant}:")
+            lines.append(format_breakdown(r.breakdown))
     if any(not r.bytes_measured for r in results):
         lines.append("mooncake KV bytes are computed: prompt tokens x layers x 2 (K,V) x KV heads "
                      "x head dim x bytes per value of the KV pool's dtype.")
@@ -314,7 +294,7 @@ def plot_timeline(results: list[DemoResult], path: Path, title: str) -> None:
                         label=label(name))
         if r.verified_s is not None:
             ax.plot(r.verified_s, y + 0.3, marker="D", color="tab:purple", markersize=8,
-                    linestyle="", label=label("speculative tokens verified (lower bound)"))
+                    linestyle="", label=label("speculative tokens verified"))
         for k, t in r.token_s.items():
             if t is not None:
                 ax.plot(t, y, marker="|", color="black", markersize=16, linestyle="",
@@ -337,7 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", "--backends", dest="variants",
                         default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {[v.name for v in VARIANTS]} "
-                             f"(lynx_sglang.tools.bench_ttft.VARIANTS; default "
+                             f"(lynx_sglang.tools.variants.VARIANTS; default "
                              f"{','.join(DEFAULT_VARIANTS)}); --backends is an alias")
     parser.add_argument("--link", default="auto", metavar="RATE|auto|none",
                         help="shaped link between prefill and decode (two network namespaces, "
@@ -406,8 +386,6 @@ def run(args: argparse.Namespace) -> int:
         "variants": [asdict(v) for v in variants],
         "exact_outputs_identical": identical,
         "network_ttft_ratios": network_ttft_ratios(results),
-        "verified_s": "lower bound computed from the `lynx transfer` and `lynx spec` lines "
-                      "(lynx_sglang.tools.demo.verified_wall)",
         "wall_s": round(time.monotonic() - t0, 1),
         "results": [asdict(r) | {"ttft_s": r.ttft_s, "network_ttft_s": r.network_ttft_s}
                     for r in results]}, indent=1))

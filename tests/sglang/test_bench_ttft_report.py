@@ -27,13 +27,7 @@ from lynx_sglang.tools.bench_ttft import (
     token_times_from_itl,
 )
 from lynx_sglang.tools.client import StreamedGeneration
-from lynx_sglang.tools.measure import (
-    prefill_done_events,
-    prefill_done_for,
-    selected_config,
-    transfer_line_for,
-    transfer_lines,
-)
+from lynx_sglang.tools.measure import transfer_lines
 from lynx_sglang.tools.prompts import random_ids_prompts
 from lynx_sglang.tools.variants import VariantError, select_variants
 
@@ -70,10 +64,6 @@ def test_parse_bench_serving():
         parse_bench_serving(_bench_result(errors=["", "Traceback boom"]), MARKS)
 
 
-PREFILL_LOG = "\n".join(
-    f'[t] lynx_sglang.timeline INFO lynx timeline {{"rid": "{r}", "event": "prefill_done", '
-    f'"tokens": {n}, "t": {t}}}' for r, n, t in (("w", 10, 99.0), ("a", 300, 100.5),
-                                                  ("b", 300, 110.5)))
 DECODE_LOG = "\n".join([
     "[t] lynx transfer backend selected: LynxConfig(...)",
     *(f'[t] lynx transfer {{"room": {i}, "tokens": 300, "anchor_bytes": 10, "residual_bytes": 30,'
@@ -83,24 +73,20 @@ DECODE_LOG = "\n".join([
 ])
 
 
+def test_transfer_log_records_skip_the_start_up_line():
+    assert [ln["room"] for ln in transfer_lines(DECODE_LOG)] == [1, 2]
+
+
 def _streamed(t_send: float) -> StreamedGeneration:
     return StreamedGeneration([5, 6, 7, 8], 300, t_send, t_send + 1.0, t_send + 1.3,
                               (t_send + 1.0, t_send + 1.1, t_send + 1.2, t_send + 1.3), "txt")
 
 
-def test_client_timing_matches_each_request_its_own_log_lines():
-    events = prefill_done_events(PREFILL_LOG)
-    lines = transfer_lines(DECODE_LOG)
-    assert [ln["room"] for ln in lines] == [1, 2]  # the start-up line is not a transfer
-    assert selected_config(DECODE_LOG) == "LynxConfig(...)"
-    assert selected_config(PREFILL_LOG) is None
+def test_client_timing_from_the_requests_records():
     g = _streamed(110.0)
-    done = prefill_done_for(events, 300, g.t_send, g.t_first_token)
-    xfer = transfer_line_for(lines, 300, g.t_send, float("inf"))
-    assert done["rid"] == "b" and xfer["room"] == 2
-    assert transfer_line_for(lines, 300, 100.0, 110.0)["room"] == 1
-    assert prefill_done_for(events, 300, 120.0, 121.0) is None
-    t = client_timing(1, g, MARKS, done, xfer)
+    transfer = {"anchor_bytes": 10, "residual_bytes": 30, "anchor_landed": 110.3,
+                "residual_applied": 110.6}
+    t = client_timing(1, g, MARKS, 110.5, transfer)
     assert t.client == LYNX_CLIENT and t.output_tokens == 4
     assert t.ttft_s == pytest.approx(1.0) and t.prefill_done_s == pytest.approx(0.5)
     assert t.network_ttft_s == pytest.approx(0.5)

@@ -331,6 +331,13 @@ def _holds(pd: PD, req: Request, stage: str) -> bool:
     return all(torch.equal(got, want) for got, want in _expected(pd, req, stage))
 
 
+def _anchor_in(pd: PD, req: Request) -> bool:
+    """The decode has validated the room's whole Anchor. Non-speculative rooms never write it
+    into the pool (nothing would read it before the Residual), so the pool cannot tell."""
+    room = pd.decode.mgr.applier._rooms.get(req.room)
+    return room is not None and room.anchor_parsed == LAYERS
+
+
 # ---- tests ----------------------------------------------------------------------------------
 
 
@@ -378,8 +385,9 @@ def test_success_waits_for_the_residual(sgl, make_pd):
     before the Residual is in the KV pool."""
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     req = _start_request(sgl, pd, room=2002, seed=2)
-    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    _wait("the whole Anchor at the decode", lambda: _anchor_in(pd, req))
     assert req.receiver.poll() != sgl.KVPoll.Success
+    assert not _holds(pd, req, "anchor")  # not speculating: the Anchor is never written
 
     prefill = pd.prefill.mgr
     targets = [(i.endpoint, i.dst_port) for i in prefill.transfer_infos[req.room].values()]
@@ -440,10 +448,13 @@ def test_decode_is_told_why_the_prefill_failed(sgl, make_pd):
 
 
 def test_abort_mid_transfer_frees_staging(sgl, make_pd):
-    pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
+    # The fault injection holds every room's Residual in the prefill's one sender thread, so the
+    # second room waits for the first room's hold too: its deadline must cover both.
+    pd = make_pd(_cfg(target="exact", transfer_timeout_s=4 * RESIDUAL_HOLD_S + 4.0),
+                 residual_hold_s=RESIDUAL_HOLD_S)
     decode = pd.decode.mgr
     req = _start_request(sgl, pd, room=4004, seed=4)
-    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    _wait("the whole Anchor at the decode", lambda: _anchor_in(pd, req))
     assert decode.staging.free_bytes() < decode.staging.nbytes
     req.receiver.abort()
     assert req.receiver.poll() == sgl.KVPoll.Failed
@@ -451,7 +462,7 @@ def test_abort_mid_transfer_frees_staging(sgl, make_pd):
     # The prefill sends the Residual of the now unknown room when its hold ends: it fails the
     # room, and nothing lands in the decode pool.
     assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
-    assert _holds(pd, req, "anchor")
+    assert not _holds(pd, req, "full")
     assert decode.staging.free_bytes() == decode.staging.nbytes
     # The session between the two survives an aborted room: the next request goes through.
     nxt = _start_request(sgl, pd, room=4005, seed=5)
@@ -462,7 +473,7 @@ def test_abort_mid_transfer_frees_staging(sgl, make_pd):
 def test_prefill_staging_freed_after_decode_abort(sgl, make_pd):
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     req = _start_request(sgl, pd, room=4014, seed=4)
-    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    _wait("the whole Anchor at the decode", lambda: _anchor_in(pd, req))
     req.receiver.abort()
     assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
     # The reaper runs every 50 ms: a few seconds is a generous bound for a freed range.
@@ -472,13 +483,13 @@ def test_prefill_staging_freed_after_decode_abort(sgl, make_pd):
 def test_prefill_death_mid_transfer_fails_the_room(sgl, make_pd):
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     req = _start_request(sgl, pd, room=5005, seed=6)
-    _wait("the Anchor in the decode pool", lambda: _holds(pd, req, "anchor"))
+    _wait("the whole Anchor at the decode", lambda: _anchor_in(pd, req))
     pd.prefill.mgr.endpoint.close()  # the prefill's data plane dies between the two streams
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
     msg = _failure_message(sgl, req.receiver)
     assert "Residual stream failed" in msg, msg
     assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
-    assert _holds(pd, req, "anchor")
+    assert not _holds(pd, req, "full")
 
 
 @pytest.mark.parametrize("then", ["applied", "prefill_dies", "cancelled"])
@@ -488,7 +499,8 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     outcome is reported to the speculation controller (`residual_outcome`), not to SGLang."""
     from lynx_sglang.backend.outcome import ResidualState
 
-    pd = make_pd(_cfg(target="exact", speculate=True), residual_hold_s=RESIDUAL_HOLD_S)
+    pd = make_pd(_cfg(target="exact", speculate=True, spec_policy="always"),
+                 residual_hold_s=RESIDUAL_HOLD_S)
     decode = pd.decode.mgr.applier
     req = _start_request(sgl, pd, room=6006, seed=7)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
@@ -525,3 +537,23 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
         assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed  # its Residual is refused
         assert _holds(pd, req, "anchor")
     assert decode.staging.free_bytes() == decode.staging.nbytes
+
+
+def test_a_decode_setup_failure_reaches_the_prefill_at_once(sgl, make_pd):
+    """The decode refuses a room before any transfer (here: a decode-side prefix, which Lynx does
+    not support): the prefill hears it at once instead of waiting for metadata until SGLang's
+    bootstrap timeout (300 s)."""
+    pd = make_pd(_cfg(target="exact"))
+    room = 7007
+    sender = sgl.Sender(mgr=pd.prefill.mgr, bootstrap_addr=pd.bootstrap_addr, bootstrap_room=room)
+    receiver = sgl.Receiver(mgr=pd.decode.mgr, bootstrap_addr=pd.bootstrap_addr,
+                            bootstrap_room=room)
+    assert pd.decode.mgr.try_ensure_parallel_info(pd.bootstrap_addr)
+    receiver.init(0)
+    slots = (torch.arange(NUM_TOKENS) + 1).to(torch.int32).numpy()
+    receiver.send_metadata(slots, 0, decode_prefix_len=4)
+    assert receiver.poll() == sgl.KVPoll.Failed
+    assert "prefix cache" in _failure_message(sgl, receiver)
+    t0 = time.monotonic()
+    assert _poll_until_done(sgl, sender) == sgl.KVPoll.Failed
+    assert time.monotonic() - t0 < 10.0

@@ -12,22 +12,54 @@ from lynx_sglang.backend.aux import pack_aux, unpack_aux
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KVPoolView
 from lynx_sglang.backend.streams import (
-    apply_anchor,
-    apply_residual,
+    ResidualReader,
     encode_layer,
     encode_layer_into,
-    parse_anchor,
+    parse_anchor_layer,
+    write_anchor_layer,
+    write_full_layer,
     write_residual_into,
 )
 from lynx_sglang.errors import KVStreamError
 
 LAYERS, HEADS, DIM, SLOTS = 3, 3, 64, 600
+CHUNK = 256
 
 
 def _pool(seed: int) -> KVPoolView:
     g = torch.Generator().manual_seed(seed)
     mk = lambda: torch.randn(SLOTS, HEADS, DIM, generator=g)  # noqa: E731
     return KVPoolView([mk() for _ in range(LAYERS)], [mk() for _ in range(LAYERS)])
+
+
+def apply_anchor(anchor: memoryview, pool: KVPoolView, slots, spec, request_tag: int,
+                 write: bool = True):
+    """Every layer's Anchor as the decode applier takes it: validated layer by layer (at the
+    plan's offsets), then written."""
+    plan = StreamPlan.build(spec, pool.shape, len(slots), CHUNK)
+    if len(anchor) != plan.anchor_bytes:
+        raise KVStreamError(f"Anchor of {len(anchor)} B, the plan says {plan.anchor_bytes} B")
+    layers = []
+    for layer in range(LAYERS):
+        at = plan.anchor_offset(layer)
+        chunks = parse_anchor_layer(anchor[at: at + plan.anchor_layer_bytes], pool.shape, layer,
+                                    len(slots), spec, request_tag)
+        if write:
+            write_anchor_layer(chunks, pool, layer, slots)
+        layers.append(chunks)
+    return layers
+
+
+def apply_residual(residual: memoryview, anchors, pool: KVPoolView, slots, spec,
+                   request_tag: int, landed: int | None = None) -> int:
+    """Feed the Residual stream to a ResidualReader (`landed` bytes of it so far) and write every
+    complete layer at full precision; returns the layers written."""
+    reader = ResidualReader(pool.shape, len(slots), spec, request_tag)
+    done = 0
+    for layer, chunks in reader.advance(residual, len(residual) if landed is None else landed):
+        write_full_layer(anchors[layer], chunks, pool, layer, slots)
+        done += 1
+    return done
 
 
 def _streams(pool, slots, spec, chunk_tokens, tag):
@@ -51,7 +83,10 @@ def test_round_trip(target, num_tokens):
     before = [t.clone() for t in dst.k]
     anchor, residual = _streams(src, src_slots, spec, 256, tag=7)
     plan = StreamPlan.build(spec, src.shape, num_tokens, 256)
-    assert (len(anchor), len(residual)) == (plan.anchor_bytes, plan.residual_bytes)
+    assert len(anchor) == plan.anchor_bytes
+    # The exact Residual is coded (its size depends on the values); the plan gives its bound.
+    assert (len(residual) <= plan.residual_bytes if target == "exact"
+            else len(residual) == plan.residual_bytes)
 
     anchors = apply_anchor(memoryview(anchor), dst, dst_slots, spec, request_tag=7)
     for layer in range(LAYERS):
@@ -89,10 +124,13 @@ def test_encode_into_staging_writes_the_same_streams(target):
                                                     staging[at: at + a_layer])
         assert written == a_layer
         encoded.append(layer_encoding)
-    for layer, layer_encoding in enumerate(encoded):
-        r_off = plan.residual_staging_offset(layer)
-        assert write_residual_into(src, layer_encoding, slots, 128, 11,
-                                   staging[r_off: r_off + r_layer]) == r_layer
+    r_off = plan.anchor_bytes
+    for layer_encoding in encoded:
+        written = write_residual_into(src, layer_encoding, slots, 128, 11,
+                                      staging[r_off: r_off + r_layer])
+        assert written <= r_layer
+        r_off += written
+    staging = staging[:r_off]
     assert staging.tobytes() == anchor + residual
 
 
@@ -104,7 +142,7 @@ def test_residual_straight_after_parsing(target):
     src, dst = _pool(0), _pool(1)
     slots = torch.arange(300)
     anchor, residual = _streams(src, slots, spec, 256, tag=5)
-    anchors = parse_anchor(memoryview(anchor), dst, len(slots), spec, request_tag=5)
+    anchors = apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=5, write=False)
     apply_residual(memoryview(residual), anchors, dst, slots, spec, request_tag=5)
     for layer in range(LAYERS):
         full = decode(encode(src.v[layer][slots], spec, "v"), "full")
@@ -115,21 +153,27 @@ def test_mismatches_are_refused():
     spec = CodecSpec(target="exact")
     src, dst = _pool(0), _pool(1)
     slots = torch.arange(100)
-    anchor, residual = _streams(src, slots, spec, 64, tag=3)
+    anchor, residual = _streams(src, slots, spec, CHUNK, tag=3)
     with pytest.raises(KVStreamError, match="codec settings"):
         apply_anchor(memoryview(anchor), dst, slots, CodecSpec(target="int8"), request_tag=3)
     with pytest.raises(KVStreamError, match="request"):
         apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=4)
-    with pytest.raises(KVStreamError, match="tokens"):
+    with pytest.raises(KVStreamError, match="B, the plan says"):
         apply_anchor(memoryview(anchor), dst, slots[:50], spec, request_tag=3)
     corrupt = bytearray(anchor)
     corrupt[len(corrupt) // 2] ^= 0xFF
     with pytest.raises(CodecError, match="checksum"):
         apply_anchor(memoryview(bytes(corrupt)), dst, slots, spec, request_tag=3)
     anchors = apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=3)
-    with pytest.raises(KVStreamError, match="misses"):
-        apply_residual(memoryview(residual[: len(residual) // 2 // 1]), anchors, dst, slots, spec,
-                       request_tag=3)
+    # A Residual that has only partly landed writes only its complete layers.
+    half = len(residual) // 2
+    assert apply_residual(memoryview(residual), anchors, dst, slots, spec, request_tag=3,
+                          landed=half) == LAYERS // 2
+    per_layer = [b"".join(encode_layer(src, layer, slots, spec, CHUNK, request_tag=3)[1])
+                 for layer in range(LAYERS)]
+    swapped = per_layer[1] + per_layer[0] + b"".join(per_layer[2:])
+    with pytest.raises(KVStreamError, match="layer 1 while layer 0"):
+        apply_residual(memoryview(swapped), anchors, dst, slots, spec, request_tag=3)
 
 
 def test_pool_view_refuses_other_pools():

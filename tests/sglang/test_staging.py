@@ -37,3 +37,14 @@ def test_full_pool_fails_after_deadline_or_waits_for_free():
     assert pool.allocate(ALIGN, 5.0).offset == 0
     with pytest.raises(StagingFullError, match="more than the whole pool"):
         pool.allocate(5 * ALIGN, 0)
+
+
+def test_a_range_cannot_be_freed_twice():
+    pool = StagingPool(4 * ALIGN)
+    a = pool.allocate(ALIGN, 0)
+    pool.free(a)
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(type(a)(ALIGN, ALIGN))
+    assert pool.free_bytes() == 4 * ALIGN and pool.used_bytes() == 0

@@ -1,52 +1,142 @@
-"""Control-plane messages without sockets: framing and the HELLO check (`lynx_transport.wire`), and
-a Session's message handlers driven through `Session.on_message` with stand-in links."""
+"""Control-plane messages without sockets: framing and the typed messages (`lynx_transport.wire`),
+and a Session's message handlers driven through `Session.on_message` with stand-in links."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from lynx_transport import FailureReason, Session, Stream, UnknownRequestError
+from lynx_transport import (
+    Announcement,
+    Extent,
+    FailureReason,
+    Limits,
+    Session,
+    Stream,
+    UnknownRequestError,
+)
+from lynx_transport.auth import AUTH_BYTES
 from lynx_transport.wire import (
+    MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Announce,
+    Bye,
     Hello,
-    LocalIdentity,
-    announce_header,
-    check_hello,
+    Nack,
+    Ready,
+    Release,
+    Released,
+    VersionMismatch,
+    Welcome,
+    WireError,
     decode,
     encode,
-    make_hello,
-    parse_announce,
+    parse,
 )
 
 A, R = Stream.ANCHOR, Stream.RESIDUAL
-LOCAL = LocalIdentity("ep-local", "tcp", b"secret")
+SID = bytes(range(16))
+
+
+def _frames(kind: str, header: dict, payload: bytes = b"") -> list[bytes]:
+    return [kind.encode(), json.dumps({"sid": SID.hex(), **header}).encode(), payload]
 
 
 def test_frames_roundtrip_and_garbage():
-    msg = decode(encode("ACK", {"sid": "ab01", "req": 7}, b"xy"))
-    assert msg is not None
-    assert (msg.kind, msg.sid, msg.header["req"], msg.payload) == ("ACK", b"\xab\x01", 7, b"xy")
-    assert decode(encode("HB", {"sid": "ab01"})).payload == b""
-    assert decode([b"HB", b"not json"]) is None
-    assert decode([b"HB", b'{"no_sid": 1}']) is None
-    assert decode([b"HB", b'{"sid": "zz"}']) is None
+    env = decode(encode("ACK", SID, {"req": 7, "stream": 1, "nbytes": 3}, b"xy"))
+    assert (env.kind, env.sid, env.header["req"], env.payload, env.auth) == ("ACK", SID, 7, b"xy",
+                                                                             None)
+    assert parse(env) == Ack(7, R, 3)
+    assert decode([*encode("HB", SID, {}), b"\0" * AUTH_BYTES]).auth == b"\0" * AUTH_BYTES
+    for bad in ([b"HB", b"{}"],  # two frames
+                [b"HB", b"not json", b""],
+                [b"HB", b"[1, 2]", b""],  # not an object
+                [b"HB", b'{"no_sid": 1}', b""],
+                [b"HB", b'{"sid": "zz"}', b""],
+                [b"HB", json.dumps({"sid": "ab" * 15}).encode(), b""],  # 15 bytes
+                [b"hb", encode("HB", SID, {})[1], b""],  # kind: upper case only
+                [b"H" * 17, encode("HB", SID, {})[1], b""],
+                [b"\xff", encode("HB", SID, {})[1], b""],
+                [*encode("HB", SID, {}), b"short auth"],
+                [b"HB", encode("HB", SID, {})[1], b"x" * (64 * 1024 + 1)],  # payload cap
+                [b"HB", b" " * (MAX_HEADER_BYTES + 1), b""],
+                [b"HB", b"[" * 100_000, b""],  # nesting: RecursionError inside json
+                [b"HB", json.dumps({"sid": SID.hex(), "x": float("nan")}).encode(), b""]):
+        with pytest.raises(WireError):
+            decode(bad)
 
 
-def test_check_hello():
-    peer = LocalIdentity("ep-peer", "tcp", b"secret")
-    hello = make_hello(peer, {"port": 1}, {"nonce": "00"}, "tcp://h:1")
-    assert Hello.from_header(hello.to_header()) == hello
-    assert check_hello(hello, LOCAL) is None
-    assert check_hello(make_hello(LocalIdentity("p", "tcp", b"wrong"), {}, {}, ""), LOCAL) == "bad token"
-    assert check_hello(make_hello(LocalIdentity("p", "tcp", None), {}, {}, ""), LOCAL) == "bad token"
-    assert "backend 'verbs'" in check_hello(make_hello(LocalIdentity("p", "verbs", b"secret"),
-                                                       {}, {}, ""), LOCAL)
-    old = Hello.from_header({**hello.to_header(), "version": PROTOCOL_VERSION + 1})
-    assert "protocol version" in check_hello(old, LOCAL)
-    # without a local token any peer token is accepted
-    assert check_hello(hello, LocalIdentity("ep-local", "tcp", None)) is None
+def test_typed_messages_check_every_field():
+    def parsed(kind, header, payload=b""):
+        return parse(decode(_frames(kind, header, payload)))
+
+    nonce = "ab" * 32
+    hello = parsed("HELLO", {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": nonce})
+    assert hello == Hello("tcp", "", "?", bytes.fromhex(nonce))
+    with pytest.raises(VersionMismatch, match=f"protocol version 1 != {PROTOCOL_VERSION}"):
+        parsed("HELLO", {"version": 1, "backend": "tcp", "token": "zz"})  # a v1 peer
+    for bad in ({"version": "2", "backend": "tcp", "nonce": nonce},
+                {"version": PROTOCOL_VERSION, "backend": 5, "nonce": nonce},
+                {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": "zz" * 32},
+                {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": nonce[:-2]},
+                {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": nonce,
+                 "address": "a" * 10_000}):
+        with pytest.raises(WireError):
+            parsed("HELLO", bad)
+    assert parsed("ABORT", {"req": 3, "stream": None, "reason": "from-the-future"}) == Abort(
+        3, None, FailureReason.ABORTED)  # an unknown reason: the kind's default
+    assert parsed("BYE", {}) == Bye(FailureReason.CLOSED)
+    assert parsed("RELEASE", {"req": 2**64 - 1, "fence": True}) == Release(2**64 - 1, True)
+    for kind, bad in (("ACK", {"req": -1, "stream": 0, "nbytes": 0}),
+                      ("ACK", {"req": 2**64, "stream": 0, "nbytes": 0}),
+                      ("ACK", {"req": True, "stream": 0, "nbytes": 0}),  # a bool is no int
+                      ("ACK", {"req": 1, "stream": 2, "nbytes": 0}),
+                      ("NACK", {"req": 1, "stream": "0"}),
+                      ("NACK", {"req": 1, "stream": 0, "reason": ["x"]}),
+                      ("RELEASE", {"req": 1, "fence": "yes"}),
+                      ("RELEASED", {}),
+                      ("WELCOME", {"info": [], "prepare": {}}),
+                      ("WELCOME", {"info": {"k": {"nested": 1}}, "prepare": {}}),
+                      ("WELCOME", {"info": {f"k{i}": i for i in range(100)}, "prepare": {}}),
+                      ("AUTH", {"info": {}, "prepare": {"q": list(range(100))}})):
+        with pytest.raises(WireError):
+            parsed(kind, bad)
+    assert parsed("FUTURE", {}) is None  # a newer peer's kind: ignored
 
 
+def test_announce_roundtrip_and_caps():
+    ann = Announcement(9, {A: (Extent(3, 0, 100),), R: (Extent(3, 100, 50), Extent(4, 0, 1))},
+                       meta=b"m", targets={A: ({"addr": 1, "rkey": 2},), R: ({}, {})})
+    msg = Announce.of(ann, 30.0)
+    env = decode(encode(msg.KIND, SID, msg.header(), msg.payload))
+    got = parse(env)
+    assert got == msg
+    rec = got.announcement()
+    assert rec.bounds == ann.bounds and rec.targets == ann.targets and rec.meta == b"m"
+    assert rec.deadline is not None and rec.find(A, 3, 10, 20) == (Extent(3, 0, 100),
+                                                                   {"addr": 1, "rkey": 2})
+
+    def announce(bounds, **extra):
+        return parse(decode(_frames("ANNOUNCE", {"req": 1, "bounds": bounds, **extra})))
+
+    for bad in ({"2": []},  # no such stream
+                {"0": [[1, 0, 10]]},  # target missing
+                {"0": [[1, -1, 10, {}]]},
+                {"0": [[2**32, 0, 10, {}]]},  # region ids are u32
+                {"0": [[1, 2**64 - 5, 10, {}]]},  # ends beyond 2**64
+                {"0": [[1, 0, 10, {}]] * 1025},  # MAX_EXTENTS
+                {"0": "all of it"}):
+        with pytest.raises(WireError):
+            announce(bad)
+    for bad in (-1, "soon", 1e12):
+        with pytest.raises(WireError):
+            announce({}, deadline_in=bad)
+
+
+# ------------------------------------------------------------------ Session with stand-in links
 class _Backend:
     def __init__(self):
         self.drained: list[tuple[int, float]] = []
@@ -65,8 +155,9 @@ class _Host:
     default_deadline_s = None
     unsafe_skip_bounds = False
 
-    def __init__(self):
+    def __init__(self, limits: Limits | None = None):
         self.backend = _Backend()
+        self.limits = limits or Limits()
         self.counters: dict[str, int] = {}
 
     def region(self, rid):
@@ -86,10 +177,10 @@ class _Control:
     stopped = False
 
     def __init__(self):
-        self.sent: list[tuple[str, dict]] = []
+        self.sent: list = []
 
-    def send(self, sid, kind, header, payload=b"", *, force=False):
-        self.sent.append((kind, header))
+    def send(self, sid, message, *, force=False):
+        self.sent.append(message)
 
     def forget(self, sid):
         pass
@@ -98,43 +189,94 @@ class _Control:
         target()
 
 
-def _session() -> tuple[Session, _Control]:
-    control = _Control()
-    return Session(_Host(), control, b"\x01" * 16, True, "tcp://peer:1"), control
+def _session(**host) -> tuple[Session, _Control, _Host]:
+    control, h = _Control(), _Host(**host)
+    return Session(h, control, SID, True, "tcp://peer:1"), control, h
+
+
+def _announce(req: int) -> Announce:
+    return Announce(req, {A: (Extent(3, 0, 100),)}, {A: ({},)}, 30.0, b"m")
 
 
 def test_session_handshake_messages():
-    s, _ = _session()
-    assert not s.wants_heartbeats and not s.wait_welcome(0.0)
-    s.on_message("WELCOME", {"info": {"port": 2}, "prepare": {"nonce": "ff"}, "endpoint": "e"}, b"")
-    assert s.wait_welcome(0.0) and s.wants_heartbeats
-    assert (s.remote_info, s.remote_prepare, s.peer_endpoint_id) == ({"port": 2}, {"nonce": "ff"},
-                                                                      "e")
+    s, control, _ = _session()
+    assert not s.wants_heartbeats and not s.wait_challenge(0.0) and not s.wait_welcome(0.0)
+    s.challenged(b"k" * 32, "ep-peer")
+    assert s.wait_challenge(0.0) and s.data_key == b"k" * 32 and s.peer_endpoint_id == "ep-peer"
+    s.authenticate({"port": 1}, {"q": 1})
+    assert s.local_prepare == {"q": 1} and control.sent[-1].KIND == "AUTH"
+    s.on_message(Welcome({"port": 2}, {"nonce": "ff"}))
+    assert s.wait_welcome(0.0) and s.wants_heartbeats and s.welcomed
+    assert (s.remote_info, s.remote_prepare) == ({"port": 2}, {"nonce": "ff"})
+    s.on_message(Welcome({"port": 666}, {}))  # a second WELCOME changes nothing
+    assert s.remote_info == {"port": 2}
     s.data_path_up()
-    assert not s.ready
-    s.on_message("READY", {}, b"")
+    assert not s.ready and isinstance(control.sent[-1], Ready)
+    s.on_message(Ready())
     assert s.ready and s.wait_peer_ready(0.0)
     heard = s.last_heard
-    s.on_message("NO-SUCH-KIND", {}, b"")  # a newer peer's message: ignored, but proves liveness
+    s.on_message(None)  # a newer peer's kind: ignored, but proves liveness
     assert s.last_heard >= heard and not s.closed
-    r, _ = _session()
-    r.on_message("REJECT", {"reason": "bad token"}, b"")
-    assert r.wait_welcome(0.0) and r.handshake_error == "bad token"
+    r, _, _ = _session()
+    r.refused("authentication failed")
+    r.refused("a later reason does not replace the first")
+    assert r.wait_challenge(0.0) and r.handshake_error == "authentication failed"
 
 
 def test_session_announce_release_and_bye():
-    s, control = _session()
-    header = {"req": 9, "bounds": {"0": [[3, 0, 100]], "1": [[3, 100, 50]]}, "deadline_in": 30}
-    s.on_message("ANNOUNCE", announce_header(parse_announce(header, b"m"), 30.0), b"m")
+    s, control, _ = _session()
+    s.on_message(_announce(9))
     ann = s.announcement(9)
     assert ann is not None and ann.meta == b"m" and ann.deadline is not None
-    assert ann.stream_nbytes(A) == 100 and ann.stream_nbytes(R) == 50
-    # a fenced RELEASE: the sender drains the request, then answers RELEASED
-    s.on_message("RELEASE", {"req": 9, "fence": True}, b"")
-    assert ("RELEASED", {"req": 9}) in control.sent
+    assert ann.stream_nbytes(A) == 100
+    # a fenced RELEASE of a request with nothing in flight: answered RELEASED at once
+    s.on_message(Release(9, fence=True))
+    assert Released(9) in control.sent
     assert s.wait_announcement(9, timeout=0) is ann  # still there, but no longer live:
     with pytest.raises(UnknownRequestError, match="no \\(live\\) announcement"):
         s.finish(9, A)
-    s.on_message("BYE", {"reason": "closed", "detail": "bye"}, b"")
+    # RELEASE of requests never announced does not grow the session's state
+    for req in range(1000, 1100):
+        s.on_message(Release(req))
+    assert list(s._peer_released) == [9]
+    s.on_message(Bye(FailureReason.CLOSED, "bye"))
     assert s.closed and s.close_reason is FailureReason.PEER_DIED
     assert s.close_detail == "peer closed the session: bye"
+
+
+def test_pending_announcements_are_capped():
+    s, control, host = _session(limits=Limits(max_peer_announcements=3))
+    for req in range(5):
+        s.on_message(_announce(req))
+    assert [s.announcement(r) is not None for r in range(5)] == [True] * 3 + [False] * 2
+    aborts = [m for m in control.sent if isinstance(m, Abort)]
+    assert [m.request_id for m in aborts] == [3, 4]
+    assert "max_peer_announcements" in aborts[0].detail
+    assert host.counters["peer_announcements_refused"] == 2
+    s.on_message(_announce(1))  # a known request may be announced again
+    s.release(0)  # released here: its place is free
+    s.on_message(_announce(3))
+    assert s.announcement(3) is not None
+    s.on_message(Release(1))  # released by the peer: no longer live, so its place is free too
+    s.on_message(_announce(4))
+    assert s.announcement(4) is not None
+    t, _, _ = _session(limits=Limits(max_peer_announcements=3))
+    for req in range(10):  # the released ones kept are bounded as well, oldest dropped first
+        t.on_message(_announce(req))
+        t.on_message(Release(req))
+    assert list(t._peer_released) == [7, 8, 9] and set(t._peer_ann) == {7, 8, 9}
+
+
+def test_released_only_for_a_fence_we_wait_for():
+    s, _, _ = _session()
+    for req in range(100):
+        s.on_message(Released(req))
+    assert s._fences == {}
+
+
+def test_nack_and_abort_of_unknown_requests_are_harmless():
+    s, _, _ = _session()
+    s.on_message(Nack(5, A, FailureReason.CORRUPTION, "x"))
+    s.on_message(Abort(6, None, FailureReason.ABORTED, "y"))
+    s.on_message(Ack(7, R, 10))
+    assert not s.closed

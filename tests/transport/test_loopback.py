@@ -316,13 +316,19 @@ def test_strict_priority_anchor_overtakes_residual():
 
 
 @pytest.mark.timeout(30)
-def test_token_and_deadline():
-    rx = Endpoint(name="rx", token="s3cret")
-    bad = Endpoint(name="bad", token="wrong")
-    good = Endpoint(name="good", token="s3cret")
+def test_secret_and_deadline():
+    secret = b"s3cret, shared by the deployment"
+    rx = Endpoint(name="rx", secret=secret)
+    bad = Endpoint(name="bad", secret=b"wrong, but long enough too")
+    none = Endpoint(name="none")
+    good = Endpoint(name="good", secret=secret)
     try:
-        with pytest.raises(HandshakeError, match="token"):
-            bad.connect(rx.address, timeout=3)
+        for stranger in (bad, none):
+            with pytest.raises(HandshakeError, match="same secret"):
+                stranger.connect(rx.address, timeout=3)
+        with pytest.raises(HandshakeError, match="same secret"):
+            good.connect(none.address, timeout=3)  # a secret-holder refuses a secret-less peer
+        assert rx.stats()["handshake_auth_failed"] == 2
         s_tx = good.connect(rx.address, timeout=5)
         s_rx = rx.accept(timeout=5)
         dst = rx.register(np.zeros(MiB, np.uint8))
@@ -333,9 +339,8 @@ def test_token_and_deadline():
         s_rx.release(1)
         rx.deregister(dst)
     finally:
-        good.close()
-        bad.close()
-        rx.close()
+        for ep in (good, none, bad, rx):
+            ep.close()
 
 
 def _spawn(*args: str) -> subprocess.Popen:

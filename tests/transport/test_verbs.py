@@ -106,8 +106,8 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
 # ---------------------------------------------------------------------------------- tests
 @pytest.mark.timeout(120)
 def test_registration_once_and_released_on_close():
-    """MRs: one per region at register(), rkey only for writable regions, none left after close;
-    no QP, MR or thread survives Endpoint.close()."""
+    """MRs: one per region at register(), with no rkey published (peers write through per-extent
+    registrations), none left after close; no QP, MR or thread survives Endpoint.close()."""
     threads_before = {t.ident for t in threading.enumerate()}
     ep = _endpoint("reg")
     try:
@@ -118,10 +118,8 @@ def test_registration_once_and_released_on_close():
         r_w = ep.register(buf)
         r_ro = ep.register(ro)
         assert len(_main_thread_mrs()) == base + 2
-        assert r_w.backend_info["addr"] == buf.ctypes.data
-        assert r_w.backend_info["length"] == buf.nbytes
-        assert r_w.backend_info["rkey"] == r_w.backend_handle.rkey
-        assert "rkey" not in r_ro.backend_info  # a read-only buffer is never a target
+        assert r_w.backend_handle.buf == buf.ctypes.data
+        assert r_w.backend_info == {} and r_ro.backend_info == {}  # nothing to publish
         ep.deregister(r_ro)
         assert len(_main_thread_mrs()) == base + 1
         stats = ep.stats()["backend"]
@@ -178,6 +176,7 @@ def test_completion_per_request_and_stream(pair):
     stage = np.zeros(total, np.uint8)
     dst = rx.register(stage)
     srcs, data, where, off = {}, {}, {}, 0
+    mrs_before = len(_rdma_resources("mr"))
     for rid, (na, nr) in sizes.items():
         s_rx.announce(rid, {A: [(dst.id, off, na)], R: [(dst.id, off + na, nr)]}, deadline_s=60)
         where[rid] = off
@@ -185,6 +184,9 @@ def test_completion_per_request_and_stream(pair):
         data[rid] = pattern(na + nr, rid)
         srcs[rid] = tx.register(data[rid])
     mrs_registered = len(_rdma_resources("mr"))
+    # one registration per announced extent (6) and per source region (3)
+    assert mrs_registered == mrs_before + 6 + 3
+    assert rx.stats()["backend"]["exposed_extents"] == 6
     for rid, (na, _nr) in sizes.items():
         s_tx.wait_announcement(rid, timeout=30)
         s_tx.write_stream(rid, A, srcs[rid], 0, na)
@@ -209,10 +211,14 @@ def test_completion_per_request_and_stream(pair):
         for stream in (A, R):
             sent = s_tx.wait_sent(rid, stream, timeout=30)
             assert sent.ok and sent.nbytes == sizes[rid][int(stream)], sent
-    assert len(_rdma_resources("mr")) == mrs_registered  # no per-request/chunk registration
+    assert len(_rdma_resources("mr")) == mrs_registered  # no per-chunk registration
     backend = tx.stats()["backend"]
     assert backend["bytes_sent"] == total
     assert rx.stats()["backend"]["crc_errors"] == 0
+    for rid in sizes:
+        s_rx.release(rid)
+    assert rx.stats()["backend"]["exposed_extents"] == 0
+    assert len(_rdma_resources("mr")) == mrs_registered - 6
 
 
 @pytest.mark.timeout(180)
@@ -329,38 +335,103 @@ def test_bounds_refused(pair):
     st = s_rx.recv_state(1, A)
     assert st.status is Status.PENDING and st.nbytes == 0
 
-    # a peer that skips the sender-side check: the receiver refuses the notice
+    # a peer that skips the sender-side check and writes inside an extent announced to it, but
+    # names another request in its notice: the bytes land (one-sided), the receiver refuses them
     bad = Endpoint(backend="verbs", name="bad", peer_timeout_s=LONG_HEARTBEAT_S,
                    backend_options=_options(), _unsafe_skip_bounds=True)
     try:
         s_bad = bad.connect(rx.address, timeout=30)
         s_rx2 = rx.accept(timeout=30)
         src2 = bad.register(pattern(16 * KiB, 4))
-        s_rx2.announce(7, {A: [(dst.id, 0, 8 * KiB)]}, deadline_s=60)
-        s_bad.wait_announcement(7, timeout=30)
-        s_bad.write(7, A, src2, 0, 8 * KiB, dst.id, 96 * KiB)
-        s_bad.finish(7, A)
-        st = s_rx2.wait(7, A, timeout=30)
-        assert st.status is Status.FAILED and st.reason is FailureReason.OUT_OF_BOUNDS, st
-        assert st.nbytes == 0
-        sent = s_bad.wait_sent(7, A, timeout=30)
-        assert sent.status is Status.FAILED and sent.reason is FailureReason.OUT_OF_BOUNDS, sent
-        assert rx.stats()["backend"]["refused"] == 1
-
-        # a chunk for a request the receiver never announced, posted straight to the backend
         s_rx2.announce(8, {A: [(dst.id, 0, 8 * KiB)]}, deadline_s=60)
         ann = s_bad.wait_announcement(8, timeout=30)
-        bad.backend.post_write(WriteOp(s_bad.id, 99, A, src2, 0, 4 * KiB, dst.id, 0,
-                                       ann.region_info[dst.id]))
+        ext, info = ann.find(A, dst.id, 0, 4 * KiB)
+        bad.backend.post_write(WriteOp(s_bad.id, 99, A, src2, 0, 4 * KiB, dst.id, 0, ext, info))
         end = time.monotonic() + 30
-        while rx.stats()["backend"]["refused"] < 2 and time.monotonic() < end:
+        while rx.stats()["backend"]["refused"] < 1 and time.monotonic() < end:
             time.sleep(0.01)
-        assert rx.stats()["backend"]["refused"] == 2
+        assert rx.stats()["backend"]["refused"] == 1
         assert rx.stats().get("refused_unknown_request") == 1
         st8 = s_rx2.recv_state(8, A)
         assert st8.status is Status.PENDING and st8.nbytes == 0  # other requests unaffected
     finally:
         bad.close()
+
+
+@pytest.mark.timeout(120)
+def test_write_beyond_its_extent_is_refused_by_the_nic(pair):
+    """A peer that skips the sender-side check and aims past its extent (with that extent's
+    rkey: the only kind it was given) is refused by the NIC: not a byte lands outside the extent,
+    its session fails on both sides, the honest session goes on. The announcement never carries
+    the region-wide rkey."""
+    rx, tx, s_rx, s_tx = pair
+    stage = np.zeros(128 * KiB, np.uint8)
+    dst = rx.register(stage)
+    bad = Endpoint(backend="verbs", name="bad", peer_timeout_s=LONG_HEARTBEAT_S,
+                   backend_options=_options(), _unsafe_skip_bounds=True)
+    try:
+        s_bad = bad.connect(rx.address, timeout=30)
+        s_rx2 = rx.accept(timeout=30)
+        src = bad.register(np.full(16 * KiB, 0xEE, np.uint8))
+        s_rx2.announce(7, {A: [(dst.id, 0, 8 * KiB)]}, deadline_s=60)
+        ann = s_bad.wait_announcement(7, timeout=30)
+        (target,) = ann.targets[A]
+        assert target["rkey"] != dst.backend_handle.rkey and target["addr"] == dst.addr
+        s_bad.write(7, A, src, 0, 8 * KiB, dst.id, 96 * KiB)
+        s_bad.finish(7, A)
+        sent = s_bad.wait_sent(7, A, timeout=30)
+        assert sent.status is Status.FAILED, sent
+        end = time.monotonic() + 30
+        while not s_rx2.closed and time.monotonic() < end:
+            time.sleep(0.01)
+        assert s_rx2.closed and s_bad.closed
+        assert not stage.any(), "bytes landed outside the announced extent"
+        print(f"write beyond its extent: sender {sent.reason.value}: {sent.detail}; "
+              f"receiver: {s_rx2.close_reason.value}: {s_rx2.close_detail}")
+    finally:
+        bad.close()
+    assert rx.stats()["backend"]["exposed_extents"] == 0  # the closed session's are gone
+    src_ok = tx.register(pattern(32 * KiB, 5))
+    s_rx.announce(1, {A: [(dst.id, 0, 32 * KiB)]}, deadline_s=60)
+    s_tx.wait_announcement(1, timeout=30)
+    s_tx.write_stream(1, A, src_ok, 0, 32 * KiB)
+    s_tx.finish(1, A)
+    assert s_rx.wait(1, A, timeout=30).ok
+    assert np.array_equal(stage[:32 * KiB], np.asarray(src_ok.view))
+
+
+@pytest.mark.timeout(120)
+def test_fin_aux_checksum(pair, monkeypatch):
+    """A FIN whose aux bytes do not match their CRC fails the stream CORRUPTION on both sides; the
+    request's other stream and the session go on."""
+    import lynx_transport.verbs as verbs
+
+    rx, tx, s_rx, s_tx = pair
+    stage = np.zeros(64 * KiB, np.uint8)
+    dst = rx.register(stage)
+    src = tx.register(pattern(64 * KiB, 6))
+    s_rx.announce(1, {A: [(dst.id, 0, 32 * KiB)], R: [(dst.id, 32 * KiB, 32 * KiB)]},
+                  deadline_s=60)
+    s_tx.wait_announcement(1, timeout=30)
+    pack = verbs.pack_fin_notice
+
+    def corrupt_anchor_fin(stream, request_id, total, aux):
+        raw = pack(stream, request_id, total, aux)
+        return raw[:-1] + bytes([raw[-1] ^ 0xFF]) if stream is A else raw
+
+    monkeypatch.setattr(verbs, "pack_fin_notice", corrupt_anchor_fin)
+    s_tx.write_stream(1, A, src, 0, 32 * KiB)
+    s_tx.finish(1, A, aux=b"first-token")
+    s_tx.write_stream(1, R, src, 32 * KiB, 32 * KiB)
+    s_tx.finish(1, R, aux=b"fine")
+    a = s_rx.wait(1, A, timeout=30)
+    assert a.status is Status.FAILED and a.reason is FailureReason.CORRUPTION, a
+    assert "checksum" in a.detail
+    r = s_rx.wait(1, R, timeout=30)
+    assert r.ok and r.aux == b"fine", r
+    sent = s_tx.wait_sent(1, A, timeout=30)
+    assert sent.status is Status.FAILED and sent.reason is FailureReason.CORRUPTION
+    assert not s_rx.closed
 
 
 @pytest.mark.timeout(180)
@@ -382,6 +453,7 @@ def test_release_waits_for_in_flight_chunks(pair):
     s_rx.release(1, timeout=10)
     snapshot = stage.copy()
     assert not s_rx.closed and not s_tx.closed  # fenced by the sender's reply, not by closing
+    assert rx.stats()["backend"]["exposed_extents"] == 0  # and the extent's registration is gone
     time.sleep(0.5)
     assert np.array_equal(stage, snapshot), "bytes landed after release() returned"
     landed = int(np.count_nonzero(snapshot))
@@ -406,7 +478,7 @@ def test_device_and_gid_selection():
     ip = os.environ.get("LYNX_RDMA_IPV4")
     if not ip:
         pytest.skip("LYNX_RDMA_IPV4 (the RoCE interface address) not set; rdma_vm.sh sets it")
-    ep = Endpoint(backend="verbs", host=ip,
+    ep = Endpoint(backend="verbs", host=ip, secret=b"test secret, 16+ bytes",
                   backend_options={"device": os.environ.get("LYNX_RDMA_DEVICE") or None})
     try:
         info = ep.backend.local_info()

@@ -1,0 +1,48 @@
+"""The decode scheduler's own steps on a transferred request, as `request` records of
+`lynx_sglang.trace`: SGLang committed it to its running batch (`committed`: the scheduler's first
+step on it) and streamed its first token (`first_token_out`).
+
+Hook adapters registered by `plugin` in every decode scheduler of a Lynx server (speculative or
+not); scheduler thread only. A request that is committed but never streams (aborted first) is
+forgotten after `MAX_PENDING` newer ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .trace import Trace, emit
+
+MAX_PENDING = 4096
+_pending: OrderedDict[int, Trace] = OrderedDict()
+
+
+def commit_transfer_after(result, queue, decode_req):
+    req = decode_req.req
+    room = getattr(req, "bootstrap_room", None)
+    if room is not None:
+        tr = Trace("request", room)
+        tr.mark("committed")
+        tr.facts["rid"] = req.rid
+        _pending[room] = tr
+        while len(_pending) > MAX_PENDING:
+            _pending.popitem(last=False)
+    return result
+
+
+def process_batch_result_prebuilt_after(result, processor, batch):
+    for req in batch.reqs:
+        tr = _pending.pop(getattr(req, "bootstrap_room", None), None)
+        if tr is not None:
+            tr.mark("first_token_out")
+            emit(tr)
+    return result
+
+
+HOOKS = (
+    ("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+     commit_transfer_after, "AFTER"),
+    ("sglang.srt.managers.scheduler_components.batch_result_processor."
+     "SchedulerBatchResultProcessor.process_batch_result_prebuilt",
+     process_batch_result_prebuilt_after, "AFTER"),
+)

@@ -1,0 +1,195 @@
+"""What a broken or hostile peer can send the decode applier and the prefill sender, refused without
+harm (no SGLang needed): aux items that would overflow SGLang's buffers, malformed or competing
+prefill identities, silent sessions that would hold up others, and a dead decode that would stall
+the transfers to every other one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from lynx_sglang.backend import decode as decode_mod
+from lynx_sglang.backend.aux import check_aux_items, pack_aux, unpack_aux
+from lynx_sglang.backend.decode import DecodeApplier, DecodeLink, _identity
+from lynx_sglang.backend.prefill import IDENTITY_REQUEST
+from lynx_sglang.config import LynxConfig
+from lynx_sglang.errors import KVStreamError
+
+
+def test_aux_items_that_do_not_fit_are_refused():
+    lens = [64, 8]
+    check_aux_items(unpack_aux(pack_aux([b"x" * 64, b"y" * 8])), lens)
+    with pytest.raises(KVStreamError, match="holds 64 B"):
+        check_aux_items([(0, b"x" * 984)], lens)
+    with pytest.raises(KVStreamError, match="2 aux buffers"):
+        check_aux_items([(7, b"x")], lens)
+
+
+@pytest.mark.parametrize("meta", [b"[]", b"1", b'{"rank_ip": "1.2.3.4", "rank_port": null}',
+                                  b'{"rank_ip": 5, "rank_port": 80}', b"\xff\xfe",
+                                  b'{"rank_ip": "a", "rank_port": 70000}', b'{"rank_port": 80}',
+                                  b'{"rank_ip": "a", "rank_port": true}'])
+def test_malformed_identities_are_refused(meta):
+    assert _identity(meta) is None
+
+
+class _Session:
+    def __init__(self, meta: bytes | None, peer: str = "tcp://1.2.3.4:1"):
+        self.meta, self.peer_address, self.closed = meta, peer, False
+
+    def announcement(self, request_id):
+        assert request_id == IDENTITY_REQUEST
+        return None if self.meta is None else SimpleNamespace(meta=self.meta)
+
+    def close(self):
+        self.closed = True
+
+
+class _Endpoint:
+    def __init__(self, sessions):
+        self.sessions = list(sessions)
+
+    def accept(self, timeout=None):
+        if self.sessions:
+            return self.sessions.pop(0)
+        time.sleep(min(timeout or 0.01, 0.01))
+        return None
+
+
+def _applier(endpoint) -> DecodeApplier:
+    link = DecodeLink(lambda *a: None, lambda *a: None, lambda *a: None)
+    return DecodeApplier(LynxConfig(), lambda: None, None, None, endpoint, link)
+
+
+def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
+    monkeypatch.setattr(decode_mod, "IDENTITY_TIMEOUT_S", 0.5)
+    silent = [_Session(None) for _ in range(3)]
+    bad = _Session(b"[]")
+    real = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}')
+    applier = _applier(_Endpoint([*silent, bad, real]))
+    stop = threading.Event()
+    t = threading.Thread(target=applier.accept_loop, args=(stop,), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    try:
+        while ("1.2.3.4", 4000) not in applier._prefill_sessions:
+            assert time.monotonic() - t0 < 0.4, "a real prefill waited for silent strangers"
+            time.sleep(0.01)
+        assert bad.closed and applier._prefill_sessions[("1.2.3.4", 4000)] is real
+        while not all(s.closed for s in silent):  # past the identity deadline
+            assert time.monotonic() - t0 < 3.0
+            time.sleep(0.01)
+        assert t.is_alive()  # nothing a peer sent stopped the thread
+    finally:
+        stop.set()
+        t.join(2)
+
+
+def test_a_live_rank_is_never_taken_over():
+    first = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}')
+    thief = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}', "tcp://6.6.6.6:1")
+    applier = _applier(_Endpoint([]))
+    assert applier._identify(first, time.monotonic() + 1)
+    assert applier._identify(thief, time.monotonic() + 1)
+    assert thief.closed and not first.closed
+    assert applier._prefill_sessions[("1.2.3.4", 4000)] is first
+    first.closed = True  # once the first is gone, a restarted prefill may take the rank
+    again = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}')
+    assert applier._identify(again, time.monotonic() + 1) and not again.closed
+
+
+def test_draft_logits_of_an_aborted_sampled_request_are_forgotten():
+    from lynx_sglang.speculation.controller import SpecController
+    from lynx_sglang.speculation.state import SpecState
+
+    transfers = SimpleNamespace(cancel=lambda room: False)
+    ctl = SpecController(transfers, LynxConfig())
+    st = SpecState(room=9, sampled=True)
+    req = SimpleNamespace(bootstrap_room=9, lynx_spec=st, kv=SimpleNamespace(req_pool_idx=3))
+    ctl.sampled_by_pool_idx[3] = st
+    for _ in range(100):  # never more rows than speculative tokens
+        ctl.record_draft_logits([3], torch.zeros(1, 8))
+    assert len(st.draft_logits) == ctl.max_tokens + 1
+    ctl.on_release(req)  # SGLang aborted and released it while it was speculating
+    assert 3 not in ctl.sampled_by_pool_idx
+    ctl.record_draft_logits([3], torch.zeros(1, 8))  # the row's next request is untouched
+    assert len(st.draft_logits) == ctl.max_tokens + 1
+
+
+def test_unpack_aux_never_reads_past_the_blob():
+    blob = pack_aux([b"abc"])
+    for cut in range(1, len(blob)):
+        with pytest.raises(KVStreamError, match="truncated"):
+            unpack_aux(blob[:cut])
+    assert unpack_aux(np.zeros(0, np.uint8).tobytes()) == []
+
+
+def test_a_dead_decode_does_not_stall_the_transfers_to_another():
+    """Rooms bound for a decode that never answers wait (and fail) on their own worker; a room for
+    a live decode, submitted after them, goes out at once; and once a connect has failed, the
+    next room for the dead decode fails at once instead of waiting out the connect timeout."""
+    import socket
+
+    from lynx_sglang.backend.plan import StreamPlan
+    from lynx_sglang.backend.pool import KVPoolView
+    from lynx_sglang.backend.prefill import Destination, PrefillLink, PrefillSender
+    from lynx_sglang.backend.staging import StagingPool
+    from lynx_transport import Endpoint, Stream
+
+    layers, heads, dim, tokens = 2, 2, 64, 100
+    cfg = LynxConfig.build(connect_timeout_s=2.0, transfer_timeout_s=10.0, staging_mib=4,
+                           target="int8")
+    pool = KVPoolView([torch.randn(256, heads, dim) for _ in range(layers)],
+                      [torch.randn(256, heads, dim) for _ in range(layers)])
+    dead = socket.socket()  # listens, never answers a handshake
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(8)
+    dead_address = f"tcp://127.0.0.1:{dead.getsockname()[1]}"
+    reports: dict[int, tuple[float, str | None]] = {}
+    with Endpoint(host="127.0.0.1") as dec, Endpoint(host="127.0.0.1") as pre:
+        dec_staging = StagingPool(4 << 20)
+        region = dec.register(dec_staging.buffer)
+        pre_staging = StagingPool(4 << 20)
+        pre_region = pre.register(pre_staging.buffer)
+        plan = StreamPlan.build(cfg.codec, pool.shape, tokens, cfg.chunk_tokens)
+        where = {1: dead_address, 2: dec.address, 3: dead_address}
+        link = PrefillLink(
+            is_live=lambda room: True,
+            destinations=lambda room: [Destination(where[room], tokens, ("x", 0))],
+            read_aux=lambda index: b"",
+            report=lambda room, failure, targets: reports.setdefault(
+                room, (time.monotonic(), failure)))
+        sender = PrefillSender(cfg, lambda: pool, pre_staging, pre_region, pre,
+                               {"rank_ip": "127.0.0.1", "rank_port": 1}, link)
+        stop = threading.Event()
+        threading.Thread(target=sender.run, args=(stop,), daemon=True).start()
+        try:
+            slots = torch.arange(tokens)
+            t0 = time.monotonic()
+            sender.submit(1, slots, True, 0)
+            sender.submit(2, slots, True, 0)
+            session = dec.accept(timeout=5)
+            assert session is not None
+            r = dec_staging.allocate(plan.staging_bytes, 1)
+            session.announce(2, {Stream.ANCHOR: [(region.id, r.offset, plan.anchor_bytes)],
+                                 Stream.RESIDUAL: [(region.id, r.offset + plan.anchor_bytes,
+                                                    plan.residual_bytes)]})
+            assert session.wait(2, Stream.RESIDUAL, timeout=5).ok
+            while 2 not in reports or 1 not in reports:
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
+            assert reports[2][1] is None and reports[2][0] - t0 < 1.5  # not behind room 1
+            assert reports[1][1] and reports[1][0] - t0 >= 1.5  # waited out its own connect
+            t1 = time.monotonic()
+            sender.submit(3, slots, True, 0)
+            while 3 not in reports:
+                time.sleep(0.01)
+            assert "unreachable" in reports[3][1] and reports[3][0] - t1 < 0.5
+        finally:
+            stop.set()
+            dead.close()

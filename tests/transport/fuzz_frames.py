@@ -1,0 +1,45 @@
+"""atheris harness: the data-path parsers — the tcp frame header (`lynx_transport.tcp.
+parse_frame_header`) and the verbs notice (`lynx_transport.verbs.parse_notice`) — must raise
+nothing but their documented errors (FrameError, NoticeError), and what they accept must respect
+the caps a receiver relies on.
+
+usage: python fuzz_frames.py [libFuzzer flags] [corpus dir ...]
+An input is one byte (its low bit: the stream whose socket / QP it arrived on) and the frame;
+fuzz_corpus/frames/ holds valid frames as seeds. test_fuzz.py runs it briefly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import atheris
+
+with atheris.instrument_imports(include=["lynx_transport"]):
+    from lynx_transport import tcp, verbs
+    from lynx_transport.backend import MAX_CHUNK_BYTES
+    from lynx_transport.types import MAX_AUX_BYTES, Stream
+
+
+def check(data: bytes) -> None:
+    if not data:
+        return
+    stream, body = Stream(data[0] & 1), data[1:]
+    try:
+        h = tcp.parse_frame_header(body[:tcp.HDR.size], stream)
+    except tcp.FrameError:
+        pass
+    else:
+        cap = MAX_AUX_BYTES if h.kind == tcp.KIND_FIN else MAX_CHUNK_BYTES
+        assert h.length <= cap and h.offset + h.length < 1 << 64
+    try:
+        n = verbs.parse_notice(body, stream)
+    except verbs.NoticeError:
+        pass
+    else:
+        assert n.length <= MAX_CHUNK_BYTES or n.kind == 2
+        assert n.aux is None or len(n.aux) <= MAX_AUX_BYTES
+
+
+if __name__ == "__main__":
+    atheris.Setup(sys.argv, check)
+    atheris.Fuzz()
