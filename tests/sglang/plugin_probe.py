@@ -9,6 +9,7 @@ import json
 import os
 import pkgutil
 import sys
+import tempfile
 
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 from lynx_sglang import cpu_compat
@@ -45,7 +46,7 @@ prepare_server_args([*base, "--disaggregation-transfer-backend", "mooncake"])
 out["config_without_lynx"] = os.environ.get("LYNX_SGLANG_CONFIG")
 
 prepare_server_args([*base, "--disaggregation-transfer-backend", "lynx", "--lynx-target", "exact",
-                     "--lynx-anchor-bits", "5"])
+                     "--lynx-anchor-bits", "5", "--lynx-insecure"])
 out["config"] = json.loads(os.environ["LYNX_SGLANG_CONFIG"])
 
 from sglang.srt.disaggregation import utils as disagg_utils  # noqa: E402
@@ -68,6 +69,18 @@ def error_of(argv):
 
 out["refused_pp"] = error_of([*base, "--disaggregation-transfer-backend", "lynx",
                               "--pp-size", "2"])
+from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
+
+from lynx_transport.auth import is_loopback  # noqa: E402
+
+os.environ.pop("LYNX_SGLANG_SECRET", None)
+out["local_ip_is_loopback"] = is_loopback(get_local_ip_auto())
+out["refused_no_secret"] = error_of([*base, "--disaggregation-transfer-backend", "lynx"])
+with tempfile.NamedTemporaryFile("wb", suffix=".key") as key:
+    key.write(os.urandom(32))
+    key.flush()
+    out["accepted_secret_file"] = error_of([*base, "--disaggregation-transfer-backend", "lynx",
+                                            "--lynx-secret-file", key.name]) is None
 out["refused_bits"] = error_of([*base, "--disaggregation-transfer-backend", "lynx",
                                 "--lynx-anchor-bits", "9"])
 print("PROBE " + json.dumps(out))

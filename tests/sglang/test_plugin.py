@@ -58,3 +58,11 @@ def test_unsupported_options_are_refused(probe):
     assert "--pp-size" in probe["refused_pp"]
     assert "LynxConfigError" in probe["refused_bits"]
     assert "anchor-bits" in probe["refused_bits"]
+
+
+def test_a_reachable_listener_needs_a_secret(probe):
+    if probe["local_ip_is_loopback"]:
+        pytest.skip("this host's SGLang address is loopback: no secret is required there")
+    assert "LynxConfigError" in probe["refused_no_secret"]
+    assert "--lynx-secret-file" in probe["refused_no_secret"]
+    assert probe["accepted_secret_file"]
