@@ -10,12 +10,19 @@
 Wire format: `to_chunks(enc, chunk_tokens, stream=...)` -> bytes chunks (or `write_chunks` straight
 into a buffer); `parse_chunk`, `assemble` on the receiving side; `refine_(pool_slots, enc)`
 rewrites Anchor-precision values in place.
-Modules: spec (parameters), codec (encode/decode), wire (chunks), sizes (byte accounting),
-shapes (model KV presets),
-rotation, ops_torch (reference), ops_triton (CUDA kernels). This package never imports SGLang.
+
+Serving path, one call per (layer, kind) of a request, pool rows straight to wire bytes and back
+(C kernels on CPU, Triton on CUDA): `encode_run_into`, `apply_anchor_run`, `apply_residual_run`,
+sized by `run_nbytes`.
+
+Modules: spec (parameters), codec (encode/decode), wire (chunks), exact (the exact Residual's
+format), fused (the serving calls), sizes (byte accounting), shapes (model KV presets), rotation,
+ops_torch (reference), ops_cpu (C kernels), ops_triton (CUDA kernels). This package never imports
+SGLang.
 """
 
 from .codec import EncodedKV, decode, encode, protected_positions, refine_
+from .fused import RunBytes, apply_anchor_run, apply_residual_run, encode_run_into, run_nbytes
 from .shapes import PRESETS, KVShape, preset
 from .sizes import StreamBytes, quantized_nbytes_per_token, stream_nbytes_per_token
 from .spec import CodecError, CodecSpec, KGrouping, Stage, StreamKind, Target
@@ -38,19 +45,24 @@ __all__ = [
     "EncodedKV",
     "KGrouping",
     "KVShape",
+    "RunBytes",
     "Stage",
     "StreamBytes",
     "StreamKind",
     "Target",
     "WireStream",
+    "apply_anchor_run",
+    "apply_residual_run",
     "assemble",
     "decode",
     "encode",
+    "encode_run_into",
     "parse_chunk",
     "preset",
     "protected_positions",
     "quantized_nbytes_per_token",
     "refine_",
+    "run_nbytes",
     "stream_nbytes_per_token",
     "to_chunks",
     "write_chunks",

@@ -8,7 +8,12 @@ quantize/pack/dequant work goes to `ops_triton` for CUDA tensors and `ops_torch`
 Quantization: asymmetric min-max to INT8 per group with fp16 zero (= group minimum rounded down)
 and fp16 scale (= range / 255 rounded up), so every non-protected value's code lies in 0..255 and the
 reconstruction error of the full code is at most scale/2; the Anchor's bucket midpoint is within
-scale * 2**(residual_bits - 1).
+scale * 2**(residual_bits - 1). Every step is IEEE fp32 arithmetic in a fixed order (no FMA, the
+rotation a pinned FWHT), so the torch, C and Triton implementations agree bit for bit.
+
+Values fp16 scale/zero cannot cover (|x| >= `unrepresentable_limit`, or +-Inf): target "int8"
+refuses them; target "exact" zeroes them before the rotation and the statistics, and the exact
+Residual carries their bits (its correction escapes). NaN is always refused.
 
 Layout of an `EncodedKV` covering tokens [token_start, token_start + num_tokens) of a run of
 total_tokens (hd = heads * head_dim; a/r = anchor/residual bits):
@@ -16,13 +21,15 @@ total_tokens (hd = heads * head_dim; a/r = anchor/residual bits):
   zero/scale fp16 [ceil(n / G), hd]   groups over tokens (K per channel; token_start % G == 0)
              fp16 [n, hd / G]          groups over channels (per token)
   protected dtype [p, heads, head_dim] original values of the sink/recent tokens in range
-  residual  uint8 [n, hd * r / 8] (target int8) | dtype [n, heads, head_dim] (target exact) | None
+  residual  uint8 [n, hd * r / 8] (target int8) | dtype [n, heads, head_dim] (target exact: the
+            original values; `lynx_kernels.wire` codes them as low bits + correction) | None
 Tensors are owned by the EncodedKV; `rows` says which rows of each hold a token range (the wire
 format cuts chunks with it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -129,7 +136,7 @@ class EncodedKV:
         return slice(lo, hi), groups, slice(first, first + mine)
 
 
-def _check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int) -> None:
+def check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int) -> None:
     where = f"layer {layer} {kind.value.upper()}"
     if not isinstance(x, torch.Tensor):
         raise CodecError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
@@ -153,15 +160,53 @@ def _check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int)
         raise CodecError(f"{where}: rotation needs a power-of-two head_dim, got {head_dim}")
 
 
-def _check_finite(x: torch.Tensor, kind: StreamKind, layer: int) -> None:
-    where = f"layer {layer} {kind.value.upper()}"
-    finite = torch.isfinite(x)
-    if not bool(finite.all()):
-        t, h, d = (int(i) for i in (~finite).nonzero()[0])
-        raise CodecError(
-            f"{where}: non-finite value {x[t, h, d].item()} at token {t}, head {h}, channel {d} "
-            f"({int((~finite).sum())} non-finite values in all)"
-        )
+def unrepresentable_limit(rotate: bool, head_dim: int) -> float:
+    """fp32 |x| from which fp16 scale/zero may fail to cover a value: 65504, or 65504/sqrt(head_dim)
+    with the rotation (a rotated value is at most sqrt(head_dim) times the largest of its row)."""
+    limit = FP16_MAX / math.sqrt(head_dim) if rotate else FP16_MAX
+    return float(torch.tensor(limit, dtype=torch.float32))
+
+
+def _name_first(x: torch.Tensor, mask: torch.Tensor, kind: StreamKind, layer: int,
+                what: str) -> CodecError:
+    t, h, d = (int(i) for i in mask.nonzero()[0])
+    return CodecError(
+        f"layer {layer} {kind.value.upper()}: {what} {x[t, h, d].item()} at token {t}, head {h}, "
+        f"channel {d} ({int(mask.sum())} such values in all)"
+    )
+
+
+def quantization_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int):
+    """The fp32 `[tokens, heads * head_dim]` values the quantizer sees: `x` (target exact: with
+    its unrepresentable values zeroed), rotated if `spec.rotate`. Raises CodecError for NaN, and
+    for unrepresentable values under target int8. May return a view of `x`; never writes it."""
+    tokens, heads, head_dim = x.shape
+    x32 = x.to(torch.float32)
+    exact = spec.target is Target.EXACT
+    if exact:
+        limit = unrepresentable_limit(spec.rotate, head_dim)
+        low, high = (float(v) for v in torch.aminmax(x32))  # NaN propagates: one check for all
+        if not (-low < limit and high < limit):
+            nan = torch.isnan(x32)
+            if bool(nan.any()):
+                raise _name_first(x, nan, kind, layer, "NaN value")
+            x32 = torch.where(x32.abs() >= limit, 0.0, x32)
+    if spec.rotate:
+        x32 = rotate(x32, spec.rotation_seed)
+    if not exact:
+        low, high = (float(v) for v in torch.aminmax(x32))
+        # A non-finite input makes the extremes non-finite (the rotation has no zero entry), so
+        # the costly per-value finiteness check only runs to name the culprit.
+        if not (-low < FP16_MAX and high < FP16_MAX):
+            finite = torch.isfinite(x)
+            if not bool(finite.all()):
+                raise _name_first(x, ~finite, kind, layer, "non-finite value")
+            raise CodecError(
+                f"layer {layer} {kind.value.upper()}: |value| up to {max(-low, high):g} is beyond "
+                f"what fp16 scale/zero can represent ({FP16_MAX:g}); target 'exact' carries such "
+                "values"
+            )
+    return x32.reshape(tokens, heads * head_dim)
 
 
 def _group_stats(x32: torch.Tensor, spec: CodecSpec, over_tokens: bool):
@@ -195,6 +240,11 @@ def _group_stats(x32: torch.Tensor, spec: CodecSpec, over_tokens: bool):
     else:
         grouped = x32.view(n, hd // g, g)
         lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    # Rotated exact-target values may exceed fp16 by fp32 rounding; the clamp keeps scale/zero
+    # finite (codes then clamp, and the exact Residual's correction absorbs it). Adding +0 turns
+    # -0 into +0: which zero a min/max returns is up to the implementation, the bytes must not be.
+    lo = lo.clamp(-FP16_MAX, FP16_MAX) + 0.0
+    hi = hi.clamp(-FP16_MAX, FP16_MAX) + 0.0
     zero = lo.to(torch.float16)
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -torch.inf)),
                        zero)
@@ -203,6 +253,12 @@ def _group_stats(x32: torch.Tensor, spec: CodecSpec, over_tokens: bool):
     scale = torch.where(scale.float() * (2**QUANT_BITS - 1) < span,
                         torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
     return zero, scale
+
+
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 1/scale per group (0 where the scale is 0: a constant group quantizes to code 0)."""
+    scale32 = scale.float()
+    return torch.where(scale32 > 0, 1.0 / scale32, torch.zeros_like(scale32))
 
 
 def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
@@ -215,31 +271,15 @@ def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
         kind = StreamKind(kind)
     except ValueError:
         raise CodecError(f"kind must be 'k' or 'v', got {kind!r}") from None
-    _check_input(x, spec, kind, layer)
+    check_input(x, spec, kind, layer)
     tokens, heads, head_dim = x.shape
-    hd = heads * head_dim
-    x32 = x.to(torch.float32)
-    if spec.rotate:
-        x32 = rotate(x32, spec.rotation_seed)
-    low, high = (float(v) for v in torch.aminmax(x32))
-    peak = max(-low, high)
-    # A non-finite input makes the extremes non-finite (the rotation has no zero entry), so the
-    # costly per-value finiteness check only runs to name the culprit.
-    if not (-low < FP16_MAX and high < FP16_MAX):
-        _check_finite(x, kind, layer)
-        raise CodecError(
-            f"layer {layer} {kind.value.upper()}: |value| up to {peak:g} is beyond what fp16 "
-            f"scale/zero can represent ({FP16_MAX:g})"
-        )
-    x32 = x32.reshape(tokens, hd)
+    x32 = quantization_input(x, spec, kind, layer)
     over_tokens = spec.groups_over_tokens(kind)
     protected = protected_positions(tokens, spec.sink_tokens, spec.recent_tokens, 0, tokens)
     zero, scale = _group_stats(x32, spec, over_tokens)
-    scale32 = scale.float()
-    inv_scale = torch.where(scale32 > 0, 1.0 / scale32, torch.zeros_like(scale32))
     with_residual_bits = spec.target is Target.INT8
     anchor, residual = _ops(x.device, impl).encode_packed(
-        x32, zero.float(), inv_scale, spec.group_size, over_tokens, spec.anchor_bits,
+        x32, zero.float(), inverse_scale(scale), spec.group_size, over_tokens, spec.anchor_bits,
         with_residual_bits,
     )
     if not with_residual_bits:
@@ -249,6 +289,37 @@ def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
         total_tokens=tokens, token_start=0, num_tokens=tokens, anchor=anchor, zero=zero,
         scale=scale, protected=x[protected.to(x.device)].clone(), residual=residual,
     )
+
+
+def reconstruct(enc: EncodedKV, low_bits: torch.Tensor | None, impl: str = "auto") -> torch.Tensor:
+    """The INT8 reconstruction `[num_tokens, heads, head_dim]` in enc.dtype of every token
+    (protected ones included, unreplaced): bucket midpoints when `low_bits` is None, else the full
+    codes (the packed low bits `[n, hd * residual_bits / 8]`)."""
+    spec = enc.spec
+    ops = _ops(enc.device, impl)
+    hd = enc.num_heads * enc.head_dim
+    args = (enc.zero.float(), enc.scale.float(), hd, spec.group_size, enc.over_tokens,
+            spec.anchor_bits)
+    if low_bits is None:
+        values32 = ops.dequant_anchor(enc.anchor, *args)
+    else:
+        values32 = ops.dequant_full(enc.anchor, low_bits, *args)
+    values32 = values32.view(enc.num_tokens, enc.num_heads, enc.head_dim)
+    if spec.rotate:
+        values32 = unrotate(values32, spec.rotation_seed)
+    return values32.to(enc.dtype)
+
+
+def exact_parts(enc: EncodedKV, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed low bits, INT8 reconstruction) of a target-exact run whose `residual` holds the
+    original values: what the exact Residual sends and what its correction is relative to."""
+    spec = enc.spec
+    x32 = quantization_input(enc.residual, spec, enc.kind, enc.layer)
+    _, low = _ops(enc.device, impl).encode_packed(
+        x32, enc.zero.float(), inverse_scale(enc.scale), spec.group_size, enc.over_tokens,
+        spec.anchor_bits, True,
+    )
+    return low, reconstruct(enc, low, impl)
 
 
 def decode(enc: EncodedKV, stage: str = "anchor", *, impl: str = "auto",
@@ -280,18 +351,7 @@ def decode(enc: EncodedKV, stage: str = "anchor", *, impl: str = "auto",
     if exact:
         values = enc.residual.view(shape)
     else:
-        ops = _ops(enc.device, impl)
-        hd = enc.num_heads * enc.head_dim
-        args = (enc.zero.float(), enc.scale.float(), hd, spec.group_size, enc.over_tokens,
-                spec.anchor_bits)
-        if stage is Stage.ANCHOR:
-            values32 = ops.dequant_anchor(enc.anchor, *args)
-        else:
-            values32 = ops.dequant_full(enc.anchor, enc.residual, *args)
-        values32 = values32.view(shape)
-        if spec.rotate:
-            values32 = unrotate(values32, spec.rotation_seed)
-        values = values32.to(enc.dtype)
+        values = reconstruct(enc, enc.residual if stage is Stage.FULL else None, impl)
     if out is None:
         # The exact Residual is the EncodedKV's own memory: the caller gets a copy of it.
         out = values.clone() if exact else values

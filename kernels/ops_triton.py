@@ -1,10 +1,11 @@
 """Triton kernels for the codec's per-value work, same contract as `lynx_kernels.ops_torch`.
 
 `lynx_kernels.codec` uses these for CUDA tensors; the test suite runs them on CPU under
-`TRITON_INTERPRET=1` and checks them against the torch reference (codes bit-exact, dequantized
-values within float rounding: on a GPU the compiler may fuse `zero + scale * code` into one FMA).
-Each program handles BLOCK words of 8 values; a word of 8 `bits`-bit values is `bits` bytes, so
-packing needs no cross-program communication. Triton is imported lazily by the caller.
+`TRITON_INTERPRET=1` and checks them against the torch reference bit for bit. Every launch passes
+`enable_fp_fusion=False`: the reference rounds `scale * code` and `+ zero` separately (and
+`(x - zero) * inv + 0.5` step by step), so an FMA would change the bits. Each program handles
+BLOCK words of 8 values; a word of 8 `bits`-bit values is `bits` bytes, so packing needs no
+cross-program communication. Triton is imported lazily by the caller.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def encode_packed(x: torch.Tensor, zero: torch.Tensor, inv_scale: torch.Tensor, 
     _encode_kernel[grid](x.contiguous(), zero.contiguous(), inv_scale.contiguous(), anchor,
                          residual, n_words, HD=hd, G=group_size, OVER_TOKENS=over_tokens,
                          A_BITS=anchor_bits, R_BITS=residual_bits, WITH_RESIDUAL=with_residual,
-                         BLOCK=_BLOCK)
+                         BLOCK=_BLOCK, enable_fp_fusion=False)
     return anchor, (residual if with_residual else None)
 
 
@@ -109,7 +110,7 @@ def _dequant(anchor, residual, zero, scale, hd, group_size, over_tokens, anchor_
                           zero.contiguous(), scale.contiguous(), out, n_words, HD=hd,
                           G=group_size, OVER_TOKENS=over_tokens, A_BITS=anchor_bits,
                           R_BITS=residual_bits, FULL=full,
-                          MID=((1 << residual_bits) - 1) / 2, BLOCK=_BLOCK)
+                          MID=((1 << residual_bits) - 1) / 2, BLOCK=_BLOCK, enable_fp_fusion=False)
     return out
 
 

@@ -11,11 +11,18 @@ Header (little endian, `HEADER.size` bytes): magic "LYNX", format version, strea
 sink/recent tokens, rotation seed, request tag, total tokens of the run, token range
 [start, end), payload length, CRC-32.
 Anchor payload: packed anchor bits, zero (fp16), scale (fp16), protected tokens (original dtype).
-Residual payload: packed low bits (target int8) or the original values (target exact).
+Residual payload: packed low bits (target int8); target exact: packed low bits + the correction
+section of `lynx_kernels.exact` (variable length), or, flagged "raw" in the header when that would
+be longer, the chunk's original values. `ChunkHeader.section_sizes` gives the raw form's length:
+the bound staging is sized with.
+
+Version 2 (this one) changed the rotation to a pinned FWHT (Anchor bytes of rotated specs) and the
+exact Residual to low bits + correction; a version-1 chunk is refused.
 
 Buffers: `to_chunks` returns new `bytes` objects owned by the caller (copy them into a transport
-staging region and drop them). `parse_chunk` keeps a reference to the buffer it was given (no
-copy); the caller must not reuse that buffer until the chunk has been decoded or assembled.
+staging region and drop them); `write_chunks` fills a caller's buffer and keeps no reference.
+`parse_chunk` keeps a reference to the buffer it was given (no copy); the caller must not reuse
+that buffer until the chunk has been decoded or assembled.
 """
 
 from __future__ import annotations
@@ -31,18 +38,26 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .codec import EncodedKV, protected_count
+from . import exact
+from .codec import EncodedKV, exact_parts, protected_count, protected_positions, reconstruct
 from .spec import CodecError, CodecSpec, KGrouping, StreamKind, Target
 
 MAGIC = b"LYNX"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER = struct.Struct("<4sBBBBBBHHHHHHIQIIIII")
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 _KINDS = {StreamKind.K: 0, StreamKind.V: 1}
 _KINDS_BY_CODE = {code: kind for kind, code in _KINDS.items()}
-_FLAG_EXACT, _FLAG_ROTATE, _FLAG_K_PER_TOKEN = 1, 2, 4
+_FLAG_EXACT, _FLAG_ROTATE, _FLAG_K_PER_TOKEN, _FLAG_RAW = 1, 2, 4, 8
+
+
+def spec_flags(spec: CodecSpec) -> int:
+    """The header flags a spec sets (every chunk of its runs carries them)."""
+    return ((_FLAG_EXACT if spec.target is Target.EXACT else 0)
+            | (_FLAG_ROTATE if spec.rotate else 0)
+            | (_FLAG_K_PER_TOKEN if spec.k_grouping is KGrouping.TOKEN else 0))
 
 
 class WireStream(IntEnum):
@@ -52,6 +67,9 @@ class WireStream(IntEnum):
 
 @dataclass(frozen=True)
 class ChunkHeader:
+    """One chunk's header. `raw`: an exact Residual chunk carried as its original values (the
+    coded form would have been longer)."""
+
     stream: WireStream
     spec: CodecSpec
     kind: StreamKind
@@ -64,16 +82,35 @@ class ChunkHeader:
     token_start: int
     token_end: int
     payload_len: int
+    raw: bool = False
 
     @property
     def num_tokens(self) -> int:
         return self.token_end - self.token_start
 
+    @property
+    def coded_exact(self) -> bool:
+        """An exact Residual chunk in the coded form (low bits + correction section)."""
+        return (self.stream is WireStream.RESIDUAL and self.spec.target is Target.EXACT
+                and not self.raw)
+
+    @property
+    def protected_tokens(self) -> int:
+        return protected_count(self.total_tokens, self.spec.sink_tokens, self.spec.recent_tokens,
+                               self.token_start, self.token_end)
+
+    @property
+    def coded_values(self) -> int:
+        """Values the correction section of an exact Residual chunk codes (its unprotected ones)."""
+        return (self.num_tokens - self.protected_tokens) * self.num_heads * self.head_dim
+
+    @property
+    def low_bits_nbytes(self) -> int:
+        return self.num_tokens * self.num_heads * self.head_dim * self.spec.residual_bits // 8
+
     def pack(self, checksum: int) -> bytes:
         spec = self.spec
-        flags = ((_FLAG_EXACT if spec.target is Target.EXACT else 0)
-                 | (_FLAG_ROTATE if spec.rotate else 0)
-                 | (_FLAG_K_PER_TOKEN if spec.k_grouping is KGrouping.TOKEN else 0))
+        flags = spec_flags(spec) | (_FLAG_RAW if self.raw else 0)
         return HEADER.pack(
             MAGIC, FORMAT_VERSION, int(self.stream), _KINDS[self.kind], _DTYPES[self.dtype], flags,
             spec.anchor_bits, spec.group_size, self.layer, self.num_heads, self.head_dim,
@@ -82,24 +119,27 @@ class ChunkHeader:
         )
 
     def section_sizes(self) -> dict[str, int]:
-        """Byte length of each payload section, derived from the header alone."""
+        """Byte length of each payload section, derived from the header alone. For an exact
+        Residual chunk: its raw form, the most a coded one may take (what staging is sized for)."""
         hd = self.num_heads * self.head_dim
         n = self.num_tokens
         itemsize = self.dtype.itemsize
         if self.stream is WireStream.RESIDUAL:
             if self.spec.target is Target.EXACT:
                 return {"residual": n * hd * itemsize}
-            return {"residual": n * hd * self.spec.residual_bits // 8}
+            return {"residual": self.low_bits_nbytes}
         g = self.spec.group_size
         groups = (-(-n // g)) * hd if self.spec.groups_over_tokens(self.kind) else n * hd // g
-        protected = protected_count(self.total_tokens, self.spec.sink_tokens,
-                                    self.spec.recent_tokens, self.token_start, self.token_end)
         return {
             "anchor": n * hd * self.spec.anchor_bits // 8,
             "zero": groups * 2,
             "scale": groups * 2,
-            "protected": protected * hd * itemsize,
+            "protected": self.protected_tokens * hd * itemsize,
         }
+
+    def bound(self) -> int:
+        """The most payload bytes a chunk with this header may carry."""
+        return sum(self.section_sizes().values())
 
 
 @dataclass(frozen=True)
@@ -117,11 +157,15 @@ class Chunk:
             raise CodecError("to_encoded needs an Anchor chunk; attach Residuals with assemble()")
         return _anchor_run([self], device)
 
-    def residual_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The Residual chunk's payload, shaped as `EncodedKV.residual` rows for its range."""
-        if self.header.stream is not WireStream.RESIDUAL:
-            raise CodecError("residual_tensor needs a Residual chunk")
-        return _residual_rows([self], device)
+    def exact_section(self) -> exact.Section:
+        """The correction section of a coded exact Residual chunk (views of its payload)."""
+        h = self.header
+        rec_len_at, records_at = exact.section_layout(len(self.payload), h.low_bits_nbytes,
+                                                      h.coded_values)
+        at = h.low_bits_nbytes
+        data = torch.from_numpy(np.frombuffer(self.payload[at:], dtype=np.uint8).copy())
+        return exact.Section(data[: rec_len_at - at], data[rec_len_at - at: records_at - at],
+                             data[records_at - at:])
 
 
 def _checksum(header: ChunkHeader, payload: bytes | memoryview) -> int:
@@ -164,14 +208,57 @@ def _anchor_run(anchors: Sequence[Chunk], device) -> EncodedKV:
     )
 
 
-def _residual_rows(residuals: Sequence[Chunk], device) -> torch.Tensor:
-    """Residual chunks that tile a run, in token order, as `EncodedKV.residual` rows."""
+def _residual_rows(residuals: Sequence[Chunk], anchor: EncodedKV, device) -> torch.Tensor:
+    """Residual chunks that tile the run of `anchor`, in token order, as `EncodedKV.residual`."""
     h = residuals[0].header
-    n = residuals[-1].header.token_end - h.token_start
-    payloads = [c.payload for c in residuals]
-    if h.spec.target is Target.EXACT:
-        return _tensor(payloads, h.dtype, (n, h.num_heads, h.head_dim), device)
-    return _tensor(payloads, torch.uint8, (n, -1), device)
+    if h.spec.target is Target.INT8:
+        return _tensor([c.payload for c in residuals], torch.uint8, (anchor.num_tokens, -1), device)
+    return _exact_values(residuals, anchor)
+
+
+def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV) -> torch.Tensor:
+    """The original values `[n, heads, head_dim]` of an exact run: raw chunks' payloads, coded
+    chunks' corrections applied to the INT8 reconstruction (anchor + low bits)."""
+    h = residuals[0].header
+    coding = exact.CODINGS[h.dtype]
+    n, hd = anchor.num_tokens, h.num_heads * h.head_dim
+    shape = (n, h.num_heads, h.head_dim)
+    device = anchor.device
+    bits = torch.zeros(shape, dtype=torch.int64, device=device)
+    low = torch.zeros((n, hd * h.spec.residual_bits // 8), dtype=torch.uint8, device=device)
+    coded = torch.zeros(n, dtype=torch.bool, device=device)
+    sections, counts = [], []
+    for c in residuals:
+        rows = slice(c.header.token_start - anchor.token_start, c.header.token_end - anchor.token_start)
+        if c.header.raw:
+            raw = exact.value_bits(_tensor([c.payload], h.dtype, (-1, *shape[1:]), device))
+            exact.check_not_nan(raw, coding)
+            bits[rows] = raw
+            continue
+        low[rows] = _tensor([c.payload[: c.header.low_bits_nbytes]], torch.uint8, (-1, low.shape[1]),
+                            device)
+        coded[rows] = True
+        sections.append(c.exact_section())
+        counts.append(c.header.coded_values)
+    if sections:
+        keep = coded.clone()
+        keep[_protected_rows(anchor)] = False
+        r_bits = exact.value_bits(reconstruct(anchor, low))[keep]
+        e_s = exact.scale_exponents(anchor.scale, n, h.num_heads, h.head_dim, h.spec.group_size,
+                                    anchor.over_tokens, h.spec.rotate)[keep]
+        sections = [exact.Section(*(t.to(device) for t in s.parts())) for s in sections]
+        bits[keep] = exact.decode_sections(
+            sections, exact.classes(r_bits, e_s, coding).reshape(-1), r_bits.reshape(-1), counts,
+            coding).view(-1, h.num_heads, h.head_dim)
+    values = exact.bits_to_values(bits, h.dtype)
+    values[_protected_rows(anchor)] = anchor.protected
+    return values
+
+
+def _protected_rows(enc: EncodedKV) -> torch.Tensor:
+    positions = protected_positions(enc.total_tokens, enc.spec.sink_tokens,
+                                    enc.spec.recent_tokens, enc.token_start, enc.token_end)
+    return (positions - enc.token_start).to(enc.device)
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
@@ -180,15 +267,16 @@ def _byte_rows(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().view(torch.uint8).reshape(len(t), row_bytes).numpy()
 
 
-def _sections(enc: EncodedKV, stream: WireStream) -> list[tuple[np.ndarray, int]]:
-    """The run's tensors of `stream`, in payload order, as byte rows, each with which of
-    `EncodedKV.rows` indexes it (0 tokens, 1 groups, 2 protected)."""
-    if stream is WireStream.ANCHOR:
-        return [(_byte_rows(enc.anchor), 0), (_byte_rows(enc.zero), 1),
-                (_byte_rows(enc.scale), 1), (_byte_rows(enc.protected), 2)]
-    if enc.residual is None:
-        raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
-    return [(_byte_rows(enc.residual), 0)]
+def _flat(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """A chunk to write: its header (payload_len set) and its payload's byte pieces in order."""
+
+    header: ChunkHeader
+    parts: list[np.ndarray]
 
 
 def _checked_stream(enc: EncodedKV, chunk_tokens: int, stream: str, request_tag: int) -> WireStream:
@@ -205,34 +293,79 @@ def _checked_stream(enc: EncodedKV, chunk_tokens: int, stream: str, request_tag:
         )
     if not 0 <= request_tag < 2**64:
         raise CodecError(f"request_tag must fit in 64 bits, got {request_tag}")
+    if wire_stream is WireStream.RESIDUAL and enc.residual is None:
+        raise CodecError("cannot emit Residual chunks: this EncodedKV has no residual")
     return wire_stream
 
 
-def write_chunks(enc: EncodedKV, chunk_tokens: int, out, *, stream: str = "anchor",
-                 request_tag: int = 0) -> list[int]:
-    """`to_chunks` written back to back into the writable buffer `out` (a staging region, say)
-    instead of new `bytes`; returns the chunks' lengths. The bytes are exactly `to_chunks`'."""
+def _payloads(enc: EncodedKV, chunk_tokens: int, stream: str, request_tag: int) -> list[_Payload]:
+    """Every chunk of `stream` of the run, cut every `chunk_tokens` tokens."""
     wire_stream = _checked_stream(enc, chunk_tokens, stream, request_tag)
-    buf = np.frombuffer(out, dtype=np.uint8)
-    # Byte views of the whole run once (one device copy for CUDA); chunks are row ranges of them.
-    sections = _sections(_on_cpu(enc), wire_stream)
-    lengths, pos = [], 0
-    for start, end, ranges in _chunk_rows(enc, chunk_tokens):
-        parts = [rows[ranges[which]] for rows, which in sections]
+    chunks = list(_chunk_rows(enc, chunk_tokens))
+    if wire_stream is WireStream.ANCHOR:
+        cpu = _on_cpu(enc)
+        sections = [(_byte_rows(cpu.anchor), 0), (_byte_rows(cpu.zero), 1),
+                    (_byte_rows(cpu.scale), 1), (_byte_rows(cpu.protected), 2)]
+        pieces = [([rows[ranges[which]] for rows, which in sections], False)
+                  for _, _, ranges in chunks]
+    elif enc.spec.target is Target.INT8:
+        rows = _byte_rows(enc.residual.cpu())
+        pieces = [([rows[ranges[0]]], False) for _, _, ranges in chunks]
+    else:
+        pieces = _exact_pieces(enc, chunks)
+    payloads = []
+    for (start, end, _), (parts, raw) in zip(chunks, pieces, strict=True):
         header = ChunkHeader(
             stream=wire_stream, spec=enc.spec, kind=enc.kind, dtype=enc.dtype, layer=enc.layer,
             num_heads=enc.num_heads, head_dim=enc.head_dim, request_tag=request_tag,
             total_tokens=enc.total_tokens, token_start=start, token_end=end,
-            payload_len=sum(p.size for p in parts),
+            payload_len=sum(p.size for p in parts), raw=raw,
         )
+        payloads.append(_Payload(header, parts))
+    return payloads
+
+
+def _exact_pieces(enc: EncodedKV, chunks) -> list[tuple[list[np.ndarray], bool]]:
+    """Each chunk's exact Residual payload pieces and whether it is raw (see lynx_kernels.exact)."""
+    coding = exact.CODINGS[enc.dtype]
+    low, prediction = exact_parts(enc)
+    keep = torch.ones(enc.num_tokens, dtype=torch.bool, device=enc.device)
+    keep[_protected_rows(enc)] = False
+    x_bits = exact.value_bits(enc.residual)[keep].reshape(-1)
+    r_bits = exact.value_bits(prediction)[keep].reshape(-1)
+    e_s = exact.scale_exponents(enc.scale, enc.num_tokens, enc.num_heads, enc.head_dim,
+                                enc.spec.group_size, enc.over_tokens, enc.spec.rotate)
+    hd = enc.num_heads * enc.head_dim
+    counts = [(rows.stop - rows.start - (prot.stop - prot.start)) * hd
+              for _, _, (rows, _, prot) in chunks]
+    sections = exact.encode_sections(
+        exact.zigzag(exact.ordinal(x_bits, coding) - exact.ordinal(r_bits, coding)),
+        exact.classes(r_bits, e_s[keep].reshape(-1), coding), x_bits, counts, coding)
+    low_rows, value_rows = _byte_rows(low.cpu()), _byte_rows(enc.residual.cpu())
+    pieces = []
+    for (_, _, (rows, _, _)), section in zip(chunks, sections, strict=True):
+        coded = [low_rows[rows], *(_flat(t) for t in section.parts())]
+        raw = [value_rows[rows]]
+        if sum(p.size for p in coded) <= raw[0].size:
+            pieces.append((coded, False))
+        else:
+            pieces.append((raw, True))
+    return pieces
+
+
+def _write(payloads: list[_Payload], out) -> list[int]:
+    buf = np.frombuffer(out, dtype=np.uint8)
+    lengths, pos = [], 0
+    for p in payloads:
+        header = p.header
         chunk_end = pos + HEADER.size + header.payload_len
         if chunk_end > len(buf):
             raise CodecError(f"output buffer of {len(buf)} B is too small: chunk of tokens "
-                             f"[{start}, {end}) ends at byte {chunk_end}")
+                             f"[{header.token_start}, {header.token_end}) ends at byte {chunk_end}")
         at = pos + HEADER.size
-        for p in parts:
-            buf[at: at + p.size] = p.reshape(-1)
-            at += p.size
+        for part in p.parts:
+            buf[at: at + part.size] = part.reshape(-1)
+            at += part.size
         buf[pos: pos + HEADER.size] = np.frombuffer(header.pack(0), dtype=np.uint8)
         # zlib.crc32(header + payload) == _checksum(header, payload): one pass over the bytes.
         checksum = zlib.crc32(buf[pos: chunk_end])
@@ -240,6 +373,14 @@ def write_chunks(enc: EncodedKV, chunk_tokens: int, out, *, stream: str = "ancho
         lengths.append(chunk_end - pos)
         pos = chunk_end
     return lengths
+
+
+def write_chunks(enc: EncodedKV, chunk_tokens: int, out, *, stream: str = "anchor",
+                 request_tag: int = 0) -> list[int]:
+    """`to_chunks` written back to back into the writable buffer `out` (a staging region, say)
+    instead of new `bytes`; returns the chunks' lengths (an exact Residual's vary with the data,
+    each at most its header's bound). The bytes are exactly `to_chunks`'."""
+    return _write(_payloads(enc, chunk_tokens, stream, request_tag), out)
 
 
 def _chunk_rows(enc: EncodedKV, chunk_tokens: int):
@@ -260,13 +401,9 @@ def _on_cpu(enc: EncodedKV) -> EncodedKV:
 def to_chunks(enc: EncodedKV, chunk_tokens: int, *, stream: str = "anchor",
               request_tag: int = 0) -> list[bytes]:
     """Serialize `stream` ("anchor" or "residual") of `enc` as chunks of `chunk_tokens` tokens."""
-    enc = _on_cpu(enc)
-    sections = _sections(enc, _checked_stream(enc, chunk_tokens, stream, request_tag))
-    buf = bytearray(sum(
-        HEADER.size + sum((ranges[which].stop - ranges[which].start) * rows.shape[1]
-                          for rows, which in sections)
-        for _, _, ranges in _chunk_rows(enc, chunk_tokens)))
-    lengths = write_chunks(enc, chunk_tokens, buf, stream=stream, request_tag=request_tag)
+    payloads = _payloads(enc, chunk_tokens, stream, request_tag)
+    buf = bytearray(sum(HEADER.size + p.header.payload_len for p in payloads))
+    lengths = _write(payloads, buf)
     chunks, pos = [], 0
     for n in lengths:
         chunks.append(bytes(buf[pos: pos + n]))
@@ -285,19 +422,21 @@ def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
     if magic != MAGIC:
         raise CodecError(f"not a Lynx chunk (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:
-        raise CodecError(f"chunk format version {version}, this codec reads {FORMAT_VERSION}")
+        raise CodecError(f"chunk format version {version}, this codec reads {FORMAT_VERSION}: "
+                         "prefill and decode run different lynx-sglang versions")
     if stream not in (0, 1) or kind not in _KINDS_BY_CODE or dtype not in _DTYPES_BY_CODE:
         raise CodecError(f"corrupt chunk header (stream={stream}, kind={kind}, dtype={dtype})")
-    if flags & ~(_FLAG_EXACT | _FLAG_ROTATE | _FLAG_K_PER_TOKEN):
-        raise CodecError(f"corrupt chunk header (unknown flags {flags:#x})")
+    if flags & ~(_FLAG_EXACT | _FLAG_ROTATE | _FLAG_K_PER_TOKEN | _FLAG_RAW) or (
+            flags & _FLAG_RAW and not (stream == WireStream.RESIDUAL and flags & _FLAG_EXACT)):
+        raise CodecError(f"corrupt chunk header (flags {flags:#x})")
     if not start < end <= total:
         raise CodecError(f"corrupt chunk header (token range [{start}, {end}) of {total})")
-    spec = _spec(anchor_bits, group_size, flags, sink, recent, seed)
+    spec = _spec(anchor_bits, group_size, flags & ~_FLAG_RAW, sink, recent, seed)
     header = ChunkHeader(
         stream=WireStream(stream), spec=spec, kind=_KINDS_BY_CODE[kind],
         dtype=_DTYPES_BY_CODE[dtype], layer=layer, num_heads=heads, head_dim=head_dim,
         request_tag=request_tag, total_tokens=total, token_start=start, token_end=end,
-        payload_len=payload_len,
+        payload_len=payload_len, raw=bool(flags & _FLAG_RAW),
     )
     payload = view[HEADER.size:]
     if len(payload) != payload_len:
@@ -305,12 +444,7 @@ def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
             f"layer {layer} tokens [{start}, {end}): payload is {len(payload)} bytes, header "
             f"says {payload_len} (truncated or trailing bytes)"
         )
-    expected = sum(header.section_sizes().values())
-    if payload_len != expected:
-        raise CodecError(
-            f"layer {layer} tokens [{start}, {end}): payload_len {payload_len} does not match the "
-            f"{expected} bytes its parameters imply"
-        )
+    _check_payload_len(header, payload)
     if _checksum(header, payload) != checksum:
         raise CodecError(
             f"layer {layer} {header.kind.value.upper()} {header.stream.name} tokens "
@@ -319,6 +453,27 @@ def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
     if header.spec.groups_over_tokens(header.kind) and start % group_size:
         raise CodecError(f"chunk starts at token {start}, not a multiple of group_size")
     return Chunk(header=header, payload=payload)
+
+
+def _check_payload_len(header: ChunkHeader, payload: memoryview) -> None:
+    """The payload length its header implies: exactly the sections' (a coded exact Residual: at most
+    the bound, and exactly its low bits, k table, record lengths and the records they sum to)."""
+    where = f"layer {header.layer} tokens [{header.token_start}, {header.token_end})"
+    bound = header.bound()
+    if not header.coded_exact:
+        if header.payload_len != bound:
+            raise CodecError(f"{where}: payload_len {header.payload_len} does not match the "
+                             f"{bound} bytes its parameters imply")
+        return
+    if header.payload_len > bound:
+        raise CodecError(f"{where}: exact Residual payload_len {header.payload_len} exceeds its "
+                         f"bound of {bound} bytes")
+    rec_len_at, records_at = exact.section_layout(header.payload_len, header.low_bits_nbytes,
+                                                  header.coded_values)
+    records = int(np.frombuffer(payload[rec_len_at: records_at], dtype="<u2").sum(dtype=np.int64))
+    if records_at + records != header.payload_len:
+        raise CodecError(f"{where}: exact Residual record lengths sum to {records} bytes, the "
+                         f"payload holds {header.payload_len - records_at}")
 
 
 @lru_cache(maxsize=64)
@@ -382,6 +537,6 @@ def assemble(chunks: Iterable[bytes | bytearray | memoryview | Chunk],
                 f"Residual chunks cover [{residuals[0].header.token_start}, "
                 f"{residuals[-1].header.token_end}), Anchor chunks [{start}, {end})"
             )
-        enc = replace(enc, residual=_residual_rows(residuals, device))
+        enc = replace(enc, residual=_residual_rows(residuals, enc, device))
     return enc
 

