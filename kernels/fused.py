@@ -198,7 +198,11 @@ def encode_run_into(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecSp
                     anchor_out, residual_out, *, impl: str = "auto") -> tuple[int, int]:
     """Encode the tokens held in `pool_layer[slots]` (token i in row slots[i]) into Anchor chunks
     written back to back into `anchor_out` and Residual chunks into `residual_out`; returns
-    (anchor bytes, residual bytes) written. The pool is only read."""
+    (anchor bytes, residual bytes) written. The pool is only read.
+
+    `residual_out=None` writes the Anchor only (0 Residual bytes): the prefill sends every layer's
+    Anchor before it spends time on any Residual (an exact Residual costs ~10x its Anchor), and
+    encodes again with both buffers for the Residual; the Anchor bytes come out the same."""
     run = _run(pool_layer, slots, spec, kind, layer, request_tag, len(slots), impl)
     if chunk_tokens <= 0 or (spec.groups_over_tokens(run.kind) and chunk_tokens % spec.group_size):
         raise CodecError(f"chunk_tokens={chunk_tokens} must be positive"
@@ -206,15 +210,19 @@ def encode_run_into(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecSp
                             "per channel" if spec.groups_over_tokens(run.kind) else ""))
     sizes = run.sizes(chunk_tokens)
     anchor = _out(anchor_out, sizes.anchor, "anchor_out")
-    residual = _out(residual_out, sizes.residual_bound, "residual_out")
+    residual = (None if residual_out is None
+                else _out(residual_out, sizes.residual_bound, "residual_out"))
     if run.impl == "cpu":
         return ops_cpu.encode_run(run.pool, run.slots, spec, run.kind, layer, chunk_tokens,
                                   request_tag, spec_flags(spec), anchor, residual)
     enc = encode(run.pool.index_select(0, run.slots), spec, run.kind, layer=layer,
                  impl=_torch_impl(run))
-    return (sum(write_chunks(enc, chunk_tokens, anchor, stream="anchor", request_tag=request_tag)),
-            sum(write_chunks(enc, chunk_tokens, residual, stream="residual",
-                             request_tag=request_tag)))
+    anchor_written = sum(write_chunks(enc, chunk_tokens, anchor, stream="anchor",
+                                      request_tag=request_tag))
+    if residual is None:
+        return anchor_written, 0
+    return anchor_written, sum(write_chunks(enc, chunk_tokens, residual, stream="residual",
+                                            request_tag=request_tag))
 
 
 def _walk(data: np.ndarray, run: _Run, stream: WireStream,

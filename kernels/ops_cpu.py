@@ -131,13 +131,16 @@ def _check(rc: int, err: ctypes.Array) -> None:
 
 def encode_run(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec, kind: StreamKind,
                layer: int, chunk_tokens: int, request_tag: int, flags: int,
-               anchor_out: np.ndarray, residual_out: np.ndarray) -> tuple[int, int]:
+               anchor_out: np.ndarray, residual_out: np.ndarray | None) -> tuple[int, int]:
+    """`encode_run_into` of lynx_kernels.fused (residual_out None: the Anchor only)."""
     params = _params(spec, kind, pool, layer, request_tag, len(slots), chunk_tokens, flags)
     written = (ctypes.c_int64 * 2)()
     err = ctypes.create_string_buffer(_ERR_LEN)
+    res_ptr, res_cap = (None, 0) if residual_out is None else (residual_out.ctypes.data,
+                                                               residual_out.size)
     rc = _lib().lynx_encode_run(ctypes.byref(params), pool.data_ptr(), slots.data_ptr(),
-                                anchor_out.ctypes.data, anchor_out.size, residual_out.ctypes.data,
-                                residual_out.size, written, err, _ERR_LEN)
+                                anchor_out.ctypes.data, anchor_out.size, res_ptr, res_cap,
+                                written, err, _ERR_LEN)
     if rc == _E_INPUT:
         # The reference names the offending value; the C code only knows that there is one.
         quantization_input(pool[slots], spec, kind, layer)

@@ -69,7 +69,8 @@ class CodecSpec:
     one servers use by default (the anchor study in docs/anchor_study/ measured it).
 
     anchor_bits: top bits of each INT8 code sent in the Anchor (2..6); the Residual carries the
-        remaining `8 - anchor_bits` bits (target int8) or the original values (target exact).
+        remaining `8 - anchor_bits` bits (target int8) plus, for target exact (the default), the coded
+        correction from the INT8 reconstruction to the original values.
     group_size: values per scale/zero group (32, 64 or 128). For K grouped per channel a group is
         `group_size` consecutive tokens of one channel; otherwise `group_size` consecutive channels
         of one token and head (so head_dim must be divisible by it).
@@ -86,8 +87,10 @@ class CodecSpec:
     group_size: int = _param(64, "values per quantization scale/zero group",
                              choices=GROUP_SIZES)
     target: Target | str = _param(  # noqa: RUF009 (a field() with metadata)
-        Target.INT8, "what Anchor+Residual reconstruct on decode: 'int8' = the INT8-quantized KV "
-                     "(about half the bytes of BF16), 'exact' = the prefill KV bit for bit")
+        Target.EXACT, "what Anchor+Residual reconstruct on decode: 'exact' (default) = the "
+                      "prefill KV bit for bit (about 0.74 of the BF16 bytes: the INT8 low bits plus "
+                      "coded corrections), 'int8' = INT8-KV-equivalent output (about 0.55 of BF16; "
+                      "greedy outputs may differ from a single server's)")
     k_grouping: KGrouping | str = _param(  # noqa: RUF009 (a field() with metadata)
         KGrouping.CHANNEL, "K quantization groups: 'channel' (over tokens, KIVI-style) or 'token'; "
                            "V is always grouped per token")

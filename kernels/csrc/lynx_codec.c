@@ -883,6 +883,7 @@ typedef struct {
 typedef struct {
     uint8_t *anchor, *low, *zero, *scale, *prot;
     int64_t c0, nprot, nv;
+    int residual; /* 0: Anchor only (low bits go to scratch, no corrections are coded) */
 } chunk_out_t;
 
 static void free_all(void **ptrs, int n) {
@@ -927,7 +928,7 @@ INLINE void finish_row(const geo_t *G, enc_scratch_t *W, chunk_out_t *o, const u
     const uint8_t *src = pool_row(G, pool, slots[t]);
     if (is_protected(G, t)) {
         memcpy(o->prot + o->nprot++ * hd * G->vb, src, (size_t)(hd * G->vb));
-    } else if (G->exact) {
+    } else if (G->exact && o->residual) {
         predict_row(G, &W->q, at, W->codes, W->v);
         row_scale_exponents(G, &W->q, at, W->es);
         exact_row(G, W->v, W->es, src, (uint8_t *)W->S.zc + o->nv * G->vb * 2);
@@ -962,12 +963,22 @@ static int encode_impl(const lynx_params *p, const uint8_t *pool, const int64_t 
     ptrs[np++] = W.q.s = xalloc(gpr * 4);
     ptrs[np++] = W.q.inv = xalloc(gpr * 4);
     const int need = np;
-    ptrs[np++] = W.S.zc = G.exact ? xalloc(chunk_values * G.vb * 2) : NULL;
-    ptrs[np++] = W.S.blk = G.exact ? xalloc(num_blocks(chunk_values) * 32) : NULL;
-    ptrs[np++] = W.S.records = G.exact ? xalloc(chunk_values * G.vb + 64) : NULL;
-    ptrs[np++] = W.S.area = G.exact ? xalloc(2 * BLOCK * 8 + 64) : NULL;
+    /* Without a Residual buffer only the Anchor is written: the low bits still come out of the
+     * packing (into scratch) but no exact correction is computed or coded. */
+    const int residual = rout != NULL;
+    const int coding = G.exact && residual;
+    uint8_t *low_scratch = residual ? NULL : xalloc(chunk_values * G.r / 8 + 8);
+    if (!residual && !low_scratch) {
+        free_all(ptrs, np);
+        return fail(e, LYNX_E_NOMEM, "out of memory for the codec's scratch");
+    }
+    ptrs[np++] = low_scratch;
+    ptrs[np++] = W.S.zc = coding ? xalloc(chunk_values * G.vb * 2) : NULL;
+    ptrs[np++] = W.S.blk = coding ? xalloc(num_blocks(chunk_values) * 32) : NULL;
+    ptrs[np++] = W.S.records = coding ? xalloc(chunk_values * G.vb + 64) : NULL;
+    ptrs[np++] = W.S.area = coding ? xalloc(2 * BLOCK * 8 + 64) : NULL;
     for (int i = 0; i < np; i++)
-        if (!ptrs[i] && (i < need || G.exact)) {
+        if (!ptrs[i] && (i < need || (i > need && coding))) {
             free_all(ptrs, np);
             return fail(e, LYNX_E_NOMEM, "out of memory for the codec's scratch");
         }
@@ -976,14 +987,16 @@ static int encode_impl(const lynx_params *p, const uint8_t *pool, const int64_t 
     for (int64_t c0 = 0; c0 < n && !bad; c0 += ct) {
         const int64_t c1 = c0 + ct < n ? c0 + ct : n, nc = c1 - c0;
         const int64_t alen = anchor_payload_len(&G, c0, c1);
-        if (apos + HEADER_SIZE + alen > acap || rpos + HEADER_SIZE + residual_bound(&G, nc) > rcap) {
+        if (apos + HEADER_SIZE + alen > acap ||
+            (residual && rpos + HEADER_SIZE + residual_bound(&G, nc) > rcap)) {
             rc = fail(e, LYNX_E_BUFFER, "output buffer too small for the chunk of tokens [%lld, %lld)",
                       (long long)c0, (long long)c1);
             break;
         }
         chunk_out_t o;
         o.anchor = aout + apos + HEADER_SIZE;
-        o.low = rout + rpos + HEADER_SIZE;
+        o.low = residual ? rout + rpos + HEADER_SIZE : low_scratch;
+        o.residual = residual;
         o.zero = o.anchor + nc * hd * G.a / 8;
         o.scale = o.zero + 2 * group_count(&G, nc);
         o.prot = o.scale + 2 * group_count(&G, nc);
@@ -1036,6 +1049,9 @@ static int encode_impl(const lynx_params *p, const uint8_t *pool, const int64_t 
                            !clamped && t >= k0 && t < k1);
         }
         if (bad) break;
+        put_header(aout + apos, &G, STREAM_ANCHOR, p->flags, c0, c1, alen);
+        apos += HEADER_SIZE + alen;
+        if (!residual) continue;
         int64_t rlen = low_len(&G, nc);
         int flags = p->flags;
         if (G.exact) {
@@ -1050,9 +1066,7 @@ static int encode_impl(const lynx_params *p, const uint8_t *pool, const int64_t 
                 flags |= FLAG_RAW;
             }
         }
-        put_header(aout + apos, &G, STREAM_ANCHOR, p->flags, c0, c1, alen);
         put_header(rout + rpos, &G, STREAM_RESIDUAL, flags, c0, c1, rlen);
-        apos += HEADER_SIZE + alen;
         rpos += HEADER_SIZE + rlen;
     }
     if (bad && rc == LYNX_OK)

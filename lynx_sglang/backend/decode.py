@@ -56,7 +56,7 @@ from .pool import KVPoolView
 from .prefill import IDENTITY_REQUEST
 from .room import TRANSFERRING, DecodeRoom, RoomState
 from .staging import StagingPool
-from .streams import ResidualReader, parse_anchor_layer, write_anchor_layer, write_full_layer
+from .streams import ResidualReader, anchor_layer, apply_anchor_layer, apply_full_layer
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class DecodeApplier:
         # Never block the scheduler thread: a full staging buffer fails the request at once.
         staging = self.staging.allocate(plan.staging_bytes, timeout_s=0.0)
         room = DecodeRoom(room_id, prefill, slots, aux_index, plan, staging)
-        room.residual_reader = ResidualReader(pool.shape, plan.num_tokens, self.spec, room_id)
+        room.residual_reader = ResidualReader(plan.num_layers, plan.num_tokens)
         with self._lock:
             self._rooms[room_id] = room
             self._try_announce(room)
@@ -309,7 +309,7 @@ class DecodeApplier:
         if self.config.residual and residual is None:
             return
         pool = self._pool()
-        progressed = self._parse_anchor_layers(room, anchor)
+        progressed = self._landed_anchor_layers(room, anchor)
         progressed |= self._write_final_layers(room, residual, pool)
         if room.state is RoomState.ANNOUNCED and room.speculating is not False:
             progressed |= self._write_anchor_layers(room, pool)
@@ -337,41 +337,38 @@ class DecodeApplier:
             return None
         return st
 
-    def _parse_anchor_layers(self, room: DecodeRoom, st) -> bool:
+    def _landed_anchor_layers(self, room: DecodeRoom, st) -> bool:
         plan = room.plan
         landed = _landed(st, plan.anchor_bytes)
-        if room.anchor_parsed == 0 and landed:
+        if room.anchor_layers_landed == 0 and landed:
             room.trace.mark_mono("anchor_first_byte", st.t_first_byte)
         view = self.staging.view(room.staging)
-        shape = self._pool().shape
-        start = room.anchor_parsed
-        while (room.anchor_parsed < plan.num_layers
-               and plan.anchor_offset(room.anchor_parsed + 1) <= landed):
-            layer = room.anchor_parsed
-            at = plan.anchor_offset(layer)
-            room.anchor_layers[layer] = parse_anchor_layer(
-                view[at: at + plan.anchor_layer_bytes], shape, layer, plan.num_tokens, self.spec,
-                room.room)
-            room.anchor_parsed += 1
-        return room.anchor_parsed > start
+        start = room.anchor_layers_landed
+        while (room.anchor_layers_landed < plan.num_layers
+               and plan.anchor_offset(room.anchor_layers_landed + 1) <= landed):
+            layer = room.anchor_layers_landed
+            room.anchor_layers[layer] = anchor_layer(view, plan, layer)
+            room.anchor_layers_landed += 1
+        return room.anchor_layers_landed > start
 
     def _write_anchor_layers(self, room: DecodeRoom, pool: KVPoolView) -> bool:
         """Dequantize the parsed Anchor layers that are not final yet into the pool."""
         if not (self.config.speculate or not self.config.residual):
             return False  # nothing would read Anchor-precision KV before the Residual's
         wrote = False
-        for layer in range(room.anchor_written, room.anchor_parsed):
+        for layer in range(room.anchor_written, room.anchor_layers_landed):
             if layer >= room.final_layers:
                 t0 = time.time()
                 if room.trace.marks.get("anchor_apply_start") is None:
                     room.trace.mark("anchor_apply_start", t0)
-                write_anchor_layer(room.anchor_layers[layer], pool, layer, room.slots)
+                apply_anchor_layer(room.anchor_layers[layer], pool, layer, room.slots, self.spec,
+                                   room.room)
                 t1 = time.time()
                 room.trace.span("anchor_apply", layer, t0, t1)
                 est = self.estimates
                 est.anchor_layer_s = est._ema(est.anchor_layer_s, t1 - t0)
                 wrote = True
-        room.anchor_written = room.anchor_parsed
+        room.anchor_written = room.anchor_layers_landed
         return wrote
 
     def _write_final_layers(self, room: DecodeRoom, st, pool: KVPoolView) -> bool:
@@ -386,12 +383,13 @@ class DecodeApplier:
             room.trace.mark_mono("residual_first_byte", st.t_first_byte)
         room.residual_ready.extend(reader.advance(view, landed))
         wrote = False
-        while room.residual_ready and room.residual_ready[0][0] < room.anchor_parsed:
+        while room.residual_ready and room.residual_ready[0][0] < room.anchor_layers_landed:
             layer, chunks = room.residual_ready.pop(0)
             t0 = time.time()
             if room.trace.marks.get("residual_apply_start") is None:
                 room.trace.mark("residual_apply_start", t0)
-            write_full_layer(room.anchor_layers[layer], chunks, pool, layer, room.slots)
+            apply_full_layer(room.anchor_layers[layer], chunks, pool, layer, room.slots,
+                             self.spec, room.room)
             room.trace.span("residual_apply", layer, t0, time.time())
             room.anchor_layers[layer] = None  # its memory views are no longer needed
             room.final_layers += 1

@@ -2,7 +2,7 @@
 know before anything is encoded (codec settings, KV shape, token count, chunk size).
 
 Stream layout: for layer 0..L-1, for K then V, the wire chunks of tokens [0, T) cut every
-`chunk_tokens` tokens (`lynx_kernels.to_chunks`), concatenated. Every layer's share of the Anchor
+`chunk_tokens` tokens (`lynx_kernels.fused.run_nbytes`), concatenated. Every layer's share of the Anchor
 stream has the same length, so layer l's Anchor lies at `anchor_offset(l)`. The Residual's layers
 also follow one another, but an exact Residual is coded, so its size depends on the values: the
 plan gives each layer's bound (`residual_layer_bytes`), and the decode finds the layers by walking
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lynx_kernels import ChunkHeader, CodecSpec, KVShape, WireStream
-from lynx_kernels.wire import HEADER
+from lynx_kernels import CodecSpec, KVShape, WireStream, fused
 
 from ..errors import KVStreamError
 from .pool import KINDS
@@ -28,27 +27,29 @@ class StreamPlan:
     num_tokens: int
     num_layers: int
     chunk_tokens: int
-    anchor_layer_bytes: int
-    residual_layer_bytes: int
+    # Per layer: the K run's bytes, then the V run's (Anchor exactly; Residual its bound).
+    anchor_run_bytes: tuple[int, int]
+    residual_run_bound: tuple[int, int]
 
     @classmethod
     def build(cls, spec: CodecSpec, shape: KVShape, num_tokens: int,
               chunk_tokens: int) -> StreamPlan:
         if num_tokens <= 0:
             raise KVStreamError(f"a request must have at least one token, got {num_tokens}")
-        per_layer = {WireStream.ANCHOR: 0, WireStream.RESIDUAL: 0}
-        for kind in KINDS:
-            for start in range(0, num_tokens, chunk_tokens):
-                end = min(start + chunk_tokens, num_tokens)
-                for stream in per_layer:
-                    header = ChunkHeader(
-                        stream=stream, spec=spec, kind=kind, dtype=shape.dtype, layer=0,
-                        num_heads=shape.num_kv_heads, head_dim=shape.head_dim, request_tag=0,
-                        total_tokens=num_tokens, token_start=start, token_end=end,
-                        payload_len=0)
-                    per_layer[stream] += HEADER.size + sum(header.section_sizes().values())
-        return cls(num_tokens, shape.num_layers, chunk_tokens, per_layer[WireStream.ANCHOR],
-                   per_layer[WireStream.RESIDUAL])
+        runs = [fused.run_nbytes(spec, kind, shape.dtype, shape.num_kv_heads, shape.head_dim,
+                                 num_tokens, chunk_tokens) for kind in KINDS]
+        return cls(num_tokens, shape.num_layers, chunk_tokens,
+                   (runs[0].anchor, runs[1].anchor),
+                   (runs[0].residual_bound, runs[1].residual_bound))
+
+    @property
+    def anchor_layer_bytes(self) -> int:
+        return sum(self.anchor_run_bytes)
+
+    @property
+    def residual_layer_bytes(self) -> int:
+        """A layer's Residual bound (its exact size for the int8 target)."""
+        return sum(self.residual_run_bound)
 
     @property
     def anchor_bytes(self) -> int:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lynx_kernels import CodecSpec, WireStream
+from lynx_kernels import CodecSpec, Target, WireStream
 from lynx_transport import (
     Endpoint,
     Region,
@@ -52,7 +52,7 @@ from ..errors import KVStreamError
 from .plan import StreamPlan
 from .pool import KVPoolView
 from .staging import StagingPool, StagingRange
-from .streams import encode_layer_into, write_residual_into
+from .streams import encode_layer_into
 
 logger = logging.getLogger(__name__)
 
@@ -311,25 +311,30 @@ class PrefillSender:
     def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
                        staging: StagingRange, plan: StreamPlan, aux: bytes,
                        tr: trace.Trace) -> None:
-        """Encode layer by layer straight into staging: each layer's Anchor chunks are written
-        as soon as they are encoded; the Residual chunks are made only after the whole Anchor
-        stream (and its aux) is finished, each layer's written as soon as it is placed."""
+        """Encode layer by layer straight into staging; each layer's Anchor goes out as soon as it
+        is encoded, every layer's Anchor (and the aux) before any Residual byte. An int8 Residual
+        is cheap and of fixed size, so it is encoded in the same pass, at its place; an exact
+        Residual costs ~10x its Anchor, so it is encoded in a second pass, after the whole Anchor
+        is out, each layer written as soon as it is placed."""
         buf = self.staging.buffer
         chunk_tokens = self.config.chunk_tokens
-        encoded = []
+        residual_base = staging.offset + plan.anchor_bytes
+        one_pass = self.config.residual and self.spec.target is Target.INT8
+        tr.facts["one_pass"] = one_pass
         tr.mark("encode_start")
         for layer in range(plan.num_layers):
             t0 = time.time()
             at = staging.offset + plan.anchor_offset(layer)
-            written, layer_encoding = encode_layer_into(
+            r_at = residual_base + layer * plan.residual_layer_bytes
+            written, _ = encode_layer_into(
                 pool, layer, slots, self.spec, chunk_tokens, room,
-                buf[at: at + plan.anchor_layer_bytes])
+                buf[at: at + plan.anchor_layer_bytes],
+                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None)
             if written != plan.anchor_layer_bytes:
                 raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
                                     f"expected {plan.anchor_layer_bytes} B")
             session.write_stream(room, Stream.ANCHOR, self.staging_region, at,
                                  plan.anchor_layer_bytes, stream_offset=plan.anchor_offset(layer))
-            encoded.append(layer_encoding)
             tr.span("encode_anchor", layer, t0, time.time())
         session.finish(room, Stream.ANCHOR, aux=aux)
         tr.mark("anchor_posted")
@@ -340,21 +345,23 @@ class PrefillSender:
         if not self.config.residual:
             tr.mark("encode_end")
             return
-        # Residual layers go back to back: an exact Residual's size depends on the values (the
-        # plan gives each layer's bound, which is what the decode announced room for).
-        stream_at = 0
-        for layer, layer_encoding in enumerate(encoded):
-            t0 = time.time()
-            at = staging.offset + plan.anchor_bytes + stream_at
-            written = write_residual_into(pool, layer_encoding, slots, chunk_tokens, room,
-                                          buf[at: at + plan.residual_layer_bytes])
-            if written > plan.residual_layer_bytes:
-                raise KVStreamError(f"layer {layer}: encoded {written} B of Residual, more than "
-                                    f"its bound of {plan.residual_layer_bytes} B")
-            session.write_stream(room, Stream.RESIDUAL, self.staging_region, at, written,
-                                 stream_offset=stream_at)
-            stream_at += written
-            tr.span("encode_residual", layer, t0, time.time())
+        if one_pass:
+            session.write_stream(room, Stream.RESIDUAL, self.staging_region, residual_base,
+                                 plan.residual_bytes, stream_offset=0)
+        else:
+            # The second pass encodes the Anchor again (the corrections are relative to it) into
+            # scratch; the layers go back to back, each as long as its values need.
+            scratch = np.empty(plan.anchor_layer_bytes, dtype=np.uint8)
+            stream_at = 0
+            for layer in range(plan.num_layers):
+                t0 = time.time()
+                at = residual_base + stream_at
+                _, written = encode_layer_into(pool, layer, slots, self.spec, chunk_tokens, room,
+                                               scratch, buf[at: at + plan.residual_layer_bytes])
+                session.write_stream(room, Stream.RESIDUAL, self.staging_region, at, written,
+                                     stream_offset=stream_at)
+                stream_at += written
+                tr.span("encode_residual", layer, t0, time.time())
         session.finish(room, Stream.RESIDUAL)
         tr.mark("residual_posted")
         tr.mark("encode_end")

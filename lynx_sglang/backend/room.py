@@ -31,7 +31,7 @@ from .. import trace as tracing
 from .outcome import ResidualOutcome, ResidualState
 from .plan import StreamPlan
 from .staging import StagingRange
-from .streams import LayerChunks, ResidualReader
+from .streams import LayerRuns, ResidualReader
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +76,14 @@ class DecodeRoom:
     busy: bool = False
     # The speculation decision (None until the whole Anchor is in).
     speculating: bool | None = None
-    # Per-layer progress (applier thread): Anchor layers validated / dequantized into the pool,
+    # Per-layer progress (applier thread): Anchor layers landed (their byte views) / applied to the pool,
     # layers at full precision, and the Residual stream's reader and its complete layers.
-    anchor_layers: list[LayerChunks | None] = field(default_factory=list)
-    anchor_parsed: int = 0
+    anchor_layers: list[LayerRuns | None] = field(default_factory=list)
+    anchor_layers_landed: int = 0
     anchor_written: int = 0
     final_layers: int = 0
     residual_reader: ResidualReader | None = None
-    residual_ready: list[tuple[int, LayerChunks]] = field(default_factory=list)
+    residual_ready: list[tuple[int, LayerRuns]] = field(default_factory=list)
     t_anchor_landed: float | None = None
     t_residual_applied: float | None = None
     trace: tracing.Trace | None = None

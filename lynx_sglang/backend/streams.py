@@ -1,239 +1,150 @@
 """How one request's KV cache becomes the two Lynx byte streams, and back into a KV pool.
 
-The layout of the streams is the request's `StreamPlan` (`backend.plan`). Chunks are
-self-describing (`lynx_kernels.parse_chunk`), so the decode walks a landed stream chunk by chunk.
-Prefill reads a request's slots (`encode_layer_into` for every layer's Anchor, then
-`write_residual_into`, straight into staging; `encode_layer` makes the same chunks as `bytes`).
-Decode works layer by layer as bytes land: `parse_anchor_layer` + `write_anchor_layer` for the
-Anchor, a `ResidualReader` over the Residual stream and `write_full_layer` for the full-precision
-values.
+The layout of the streams is the request's `StreamPlan` (`backend.plan`): per layer, the K run's
+chunks then the V run's. Every call here is one fused codec call per (layer, kind) run
+(`lynx_kernels.fused`: the C kernels on CPU pools, one GIL-free call each): pool rows are encoded
+straight into staging, and landed staging bytes are applied straight into pool rows, with no
+intermediate tensors or chunk objects.
 
-Called by `backend.prefill` (sender thread) and `backend.decode` (applier thread).
+Prefill (`backend.prefill`, sender thread): `encode_layer_into` writes a layer's Anchor (and, when
+given a buffer, its Residual) into staging. Decode (`backend.decode`, applier thread): the Anchor
+of layer l lies at the plan's fixed offset (`anchor_layer`); an exact Residual's size depends on
+the values, so a `ResidualReader` walks the chunk headers of the landed Residual bytes to find
+each layer's K and V runs; `apply_anchor_layer` / `apply_full_layer` then validate every chunk of
+the layer (header, CRC, tiling, and for the exact Residual every correction) before writing
+anything, and write only the request's slots.
+
+Buffers: the `LayerRuns` views point into the decode's staging range; they are valid until the
+room's staging range is freed, which the applier does only after the room is concluded or failed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from lynx_kernels import (
-    Chunk,
-    ChunkHeader,
-    CodecError,
-    CodecSpec,
-    EncodedKV,
-    KVShape,
-    StreamKind,
-    Target,
-    WireStream,
-    assemble,
-    decode,
-    encode,
-    parse_chunk,
-    to_chunks,
-    write_chunks,
-)
-from lynx_kernels.wire import HEADER
+from lynx_kernels import CodecError, CodecSpec, StreamKind, fused
+from lynx_kernels.wire import HEADER, MAGIC
 
 from ..errors import KVStreamError
+from .plan import StreamPlan
 from .pool import KINDS, KVPoolView
 
-
-def encode_layer(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
-                 chunk_tokens: int, request_tag: int) -> tuple[list[bytes], list[bytes]]:
-    """Anchor and Residual chunks of one layer (K then V) of the tokens held in `slots`, as new
-    `bytes` (`encode_layer_into` writes the same bytes straight into a buffer)."""
-    anchors: list[bytes] = []
-    residuals: list[bytes] = []
-    for kind in KINDS:
-        enc = encode(pool.read(layer, kind, slots), spec, kind.value, layer=layer)
-        anchors += to_chunks(enc, chunk_tokens, stream="anchor", request_tag=request_tag)
-        residuals += to_chunks(enc, chunk_tokens, stream="residual", request_tag=request_tag)
-    return anchors, residuals
+# Header fields the reader needs (lynx_kernels.wire.HEADER's order).
+_F_MAGIC, _F_KIND, _F_LAYER, _F_START, _F_END, _F_PAYLOAD = 0, 3, 8, 16, 17, 18
 
 
-@dataclass
-class LayerEncoding:
-    """One layer's K and V encodings between its Anchor write and its Residual write. Exact
-    Residuals (the values themselves) are not kept: the pool slots still hold them."""
+@dataclass(frozen=True)
+class LayerRuns:
+    """One layer's bytes of one stream: its K run's chunks and its V run's chunks."""
 
-    layer: int
-    runs: tuple[EncodedKV, EncodedKV]
+    k: memoryview
+    v: memoryview
+
+    def of(self, kind: StreamKind) -> memoryview:
+        return self.k if kind is StreamKind.K else self.v
 
 
 def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
-                      chunk_tokens: int, request_tag: int, anchor_out) -> tuple[int, LayerEncoding]:
-    """`encode_layer`'s Anchor chunks written back to back into the writable buffer `anchor_out`
-    (a staging range: no intermediate `bytes`); returns the bytes written and what
-    `write_residual_into` needs for the layer's Residual chunks, so every layer's Anchor can go
-    out before any Residual is written. Every layer's share of a stream has the same length, so
-    layer l's lies at l * that length (`stream_nbytes` / num_layers)."""
-    written = 0
-    runs = []
-    for kind in KINDS:
-        enc = encode(pool.read(layer, kind, slots), spec, kind.value, layer=layer)
-        written += sum(write_chunks(enc, chunk_tokens, anchor_out[written:], stream="anchor",
-                                    request_tag=request_tag))
-        runs.append(replace(enc, residual=None) if spec.target is Target.EXACT else enc)
-    return written, LayerEncoding(layer, (runs[0], runs[1]))
-
-
-def write_residual_into(pool: KVPoolView, encoded: LayerEncoding, slots: torch.Tensor,
-                        chunk_tokens: int, request_tag: int, residual_out) -> int:
-    """The layer's Residual chunks (K then V) written back to back into `residual_out`; returns
-    the bytes written. `slots` must still hold the values `encode_layer_into` encoded."""
-    written = 0
-    for kind, enc in zip(KINDS, encoded.runs, strict=True):
-        if enc.residual is None:  # exact: the Residual is the values
-            enc = replace(enc, residual=pool.read(encoded.layer, kind, slots))
-        written += sum(write_chunks(enc, chunk_tokens, residual_out[written:], stream="residual",
-                                    request_tag=request_tag))
-    return written
-
-
-def iter_chunks(stream_bytes: memoryview) -> Iterator[Chunk]:
-    """Parse a landed stream chunk by chunk (each validated: header, lengths, CRC)."""
-    pos = 0
-    n = len(stream_bytes)
-    while pos < n:
-        if n - pos < HEADER.size:
-            raise KVStreamError(f"stream ends inside a chunk header at byte {pos} of {n}")
-        payload_len = HEADER.unpack(stream_bytes[pos: pos + HEADER.size])[-2]
-        end = pos + HEADER.size + payload_len
-        if end > n:
-            raise KVStreamError(f"chunk at byte {pos} runs past the stream end ({end} > {n})")
-        yield parse_chunk(stream_bytes[pos:end])
-        pos = end
-
-
-def _check_header(h: ChunkHeader, spec: CodecSpec, shape: KVShape, num_tokens: int,
-                  request_tag: int, stream: WireStream) -> None:
-    if h.stream is not stream:
-        raise KVStreamError(f"expected a {stream.name} chunk, got {h.stream.name}")
-    if h.request_tag != request_tag:
-        raise KVStreamError(f"chunk of request {h.request_tag} in the stream of {request_tag}")
-    if h.spec != spec:
-        raise KVStreamError(f"prefill codec settings {h.spec} differ from this decode's {spec}; "
-                            "set the same --lynx-* flags on both servers")
-    if (h.num_heads, h.head_dim, h.dtype) != (shape.num_kv_heads, shape.head_dim, shape.dtype):
-        raise KVStreamError(
-            f"chunk shape heads={h.num_heads} head_dim={h.head_dim} {h.dtype} does not match the "
-            f"decode KV pool ({shape.num_kv_heads}, {shape.head_dim}, {shape.dtype})"
-        )
-    if not 0 <= h.layer < shape.num_layers or h.total_tokens != num_tokens:
-        raise KVStreamError(f"chunk layer {h.layer} / {h.total_tokens} tokens does not fit a "
-                            f"{shape.num_layers}-layer request of {num_tokens} tokens")
-
-
-# One layer's chunks of one stream: per kind, in token order, tiling [0, num_tokens).
-LayerChunks = dict[StreamKind, list[Chunk]]
-
-
-def _tile(chunks: list[Chunk], layer: int, num_tokens: int, what: str) -> LayerChunks:
-    """Group one layer's chunks by kind and check each kind tiles [0, num_tokens) exactly."""
-    out: LayerChunks = {kind: [] for kind in KINDS}
-    for chunk in chunks:
-        if chunk.header.layer != layer:
-            raise KVStreamError(f"{what} chunk of layer {chunk.header.layer} where layer {layer}'s "
-                                "belong")
-        out[chunk.header.kind].append(chunk)
-    for kind, run in out.items():
-        run.sort(key=lambda c: c.header.token_start)
-        pos = 0
-        for c in run:
-            if c.header.token_start != pos:
-                break
-            pos = c.header.token_end
-        if pos != num_tokens or len({c.header.token_start for c in run}) != len(run):
-            raise KVStreamError(f"{what} chunks of layer {layer} {kind.value} cover tokens "
-                                f"[0, {pos}) (or overlap), not [0, {num_tokens})")
-    return out
-
-
-def parse_anchor_layer(layer_bytes: memoryview, shape: KVShape, layer: int, num_tokens: int,
-                       spec: CodecSpec, request_tag: int) -> LayerChunks:
-    """Validate one layer's landed Anchor bytes (every chunk, and that its K and V chunks tile
-    [0, num_tokens)); nothing is written."""
-    chunks = []
-    for chunk in iter_chunks(layer_bytes):
-        _check_header(chunk.header, spec, shape, num_tokens, request_tag, WireStream.ANCHOR)
-        chunks.append(chunk)
-    return _tile(chunks, layer, num_tokens, "Anchor")
-
-
-def _assembled(chunks: list[Chunk], device) -> EncodedKV:
+                      chunk_tokens: int, request_tag: int, anchor_out,
+                      residual_out=None) -> tuple[int, int]:
+    """Encode one layer (K then V) of the tokens held in `slots`: its Anchor chunks back to back
+    into `anchor_out`, and, if `residual_out` is given, its Residual chunks into that (None: the
+    Anchor only, see `lynx_kernels.fused.encode_run_into`). Returns the bytes written to each."""
+    anchor = residual = 0
     try:
-        return assemble(chunks, device=device)
+        for kind in KINDS:
+            a, r = fused.encode_run_into(
+                pool.layer(layer, kind), slots, spec, kind, layer, chunk_tokens, request_tag,
+                anchor_out[anchor:], None if residual_out is None else residual_out[residual:])
+            anchor += a
+            residual += r
     except CodecError as exc:
-        raise KVStreamError(str(exc)) from exc
+        raise KVStreamError(f"encoding layer {layer}: {exc}") from exc
+    return anchor, residual
 
 
-def write_anchor_layer(anchor: LayerChunks, pool: KVPoolView, layer: int,
-                       slots: torch.Tensor) -> None:
-    """Write one layer's Anchor reconstruction into the decode pool's `slots`."""
-    # One decode and one indexed write per layer's K or V: the codec's per-call cost, not per
-    # chunk. The values are the same as chunk by chunk (every step is per token or per group).
-    for kind, run in anchor.items():
-        pool.write(layer, kind, slots, decode(_assembled(run, pool.device), "anchor"))
+def anchor_layer(view: memoryview, plan: StreamPlan, layer: int) -> LayerRuns:
+    """Layer `layer`'s runs in a landed Anchor stream (fixed offsets: nothing is read)."""
+    at = plan.anchor_offset(layer)
+    k_end = at + plan.anchor_run_bytes[0]
+    return LayerRuns(view[at:k_end], view[k_end: at + plan.anchor_layer_bytes])
 
 
-def write_full_layer(anchor: LayerChunks, residual: LayerChunks, pool: KVPoolView, layer: int,
-                     slots: torch.Tensor) -> None:
-    """Write one layer's full-precision values (Anchor + Residual) into `slots`."""
+def _apply(write, layer: int, what: str) -> None:
+    try:
+        write()
+    except CodecError as exc:
+        raise KVStreamError(f"{what} of layer {layer}: {exc}") from exc
+
+
+def apply_anchor_layer(anchor: LayerRuns, pool: KVPoolView, layer: int, slots: torch.Tensor,
+                       spec: CodecSpec, request_tag: int) -> None:
+    """Validate one layer's Anchor runs and write their reconstruction into the pool's `slots`."""
     for kind in KINDS:
-        if len(anchor[kind]) != len(residual[kind]) or any(
-                a.header.token_end != r.header.token_end
-                for a, r in zip(anchor[kind], residual[kind], strict=True)):
-            raise KVStreamError(f"Residual chunks of layer {layer} {kind.value} do not match its "
-                                "Anchor chunks")
-        enc = _assembled(anchor[kind] + residual[kind], pool.device)
-        pool.write(layer, kind, slots, decode(enc, "full"))
+        _apply(lambda kind=kind: fused.apply_anchor_run(
+            anchor.of(kind), pool.layer(layer, kind), slots, spec, kind, layer, request_tag,
+            len(slots)), layer, f"the Anchor {kind.value.upper()}")
+
+
+def apply_full_layer(anchor: LayerRuns, residual: LayerRuns, pool: KVPoolView, layer: int,
+                     slots: torch.Tensor, spec: CodecSpec, request_tag: int) -> None:
+    """Validate one layer's Anchor and Residual runs and write its full-precision values."""
+    for kind in KINDS:
+        _apply(lambda kind=kind: fused.apply_residual_run(
+            anchor.of(kind), residual.of(kind), pool.layer(layer, kind), slots, spec, kind, layer,
+            request_tag, len(slots)), layer, f"the Residual {kind.value.upper()}")
 
 
 class ResidualReader:
-    """Reads a Residual stream while it lands. `advance(view, landed)` parses the complete chunks
-    among the first `landed` bytes (each validated) and returns the layers whose K and V chunks
-    are all there, in layer order. The stream's chunks come layer by layer (the prefill writes
-    them so); anything else is refused."""
+    """Finds the layers of a Residual stream while it lands. `advance(view, landed)` walks the
+    chunk headers among the first `landed` bytes and returns the layers whose K and V runs are
+    complete, in layer order. The stream's runs come layer by layer, K then V, each tiling the
+    request's tokens (the prefill writes them so); anything else is refused here. The chunks
+    themselves (CRC, settings, corrections) are validated when the layer is applied."""
 
-    def __init__(self, shape: KVShape, num_tokens: int, spec: CodecSpec, request_tag: int):
-        self.shape, self.num_tokens, self.spec, self.tag = shape, num_tokens, spec, request_tag
+    def __init__(self, num_layers: int, num_tokens: int):
+        self.num_layers, self.num_tokens = num_layers, num_tokens
         self.pos = 0
         self.next_layer = 0
-        self._current: list[Chunk] = []
-        self._covered = 0
+        self._run_start = 0  # where the current layer's K run starts
+        self._k_end: int | None = None  # where its V run starts, once the K run is complete
+        self._covered = 0  # tokens of the current run so far
 
     @property
     def done(self) -> bool:
-        return self.next_layer == self.shape.num_layers
+        return self.next_layer == self.num_layers
 
-    def advance(self, view: memoryview, landed: int) -> list[tuple[int, LayerChunks]]:
+    def advance(self, view: memoryview, landed: int) -> list[tuple[int, LayerRuns]]:
         ready = []
         while not self.done and landed - self.pos >= HEADER.size:
-            payload_len = HEADER.unpack(view[self.pos: self.pos + HEADER.size])[-2]
-            end = self.pos + HEADER.size + payload_len
+            h = HEADER.unpack_from(view, self.pos)
+            end = self.pos + HEADER.size + h[_F_PAYLOAD]
+            kind = StreamKind.K if self._k_end is None else StreamKind.V
+            where = f"Residual chunk at byte {self.pos}"
+            if h[_F_MAGIC] != MAGIC:
+                raise KVStreamError(f"{where} is not a Lynx chunk")
+            if end > len(view):
+                raise KVStreamError(f"{where} runs past the stream end ({end} > {len(view)})")
+            if h[_F_LAYER] != self.next_layer or h[_F_KIND] != (0 if kind is StreamKind.K else 1):
+                raise KVStreamError(f"{where} is of layer {h[_F_LAYER]} kind {h[_F_KIND]} while "
+                                    f"layer {self.next_layer} {kind.value.upper()} is incomplete")
+            if h[_F_START] != self._covered or not self._covered < h[_F_END] <= self.num_tokens:
+                raise KVStreamError(f"{where} holds tokens [{h[_F_START]}, {h[_F_END]}) where "
+                                    f"[{self._covered}, ...) of {self.num_tokens} belong")
             if end > landed:
-                if end > len(view):
-                    raise KVStreamError(f"Residual chunk at byte {self.pos} runs past the "
-                                        f"stream end ({end} > {len(view)})")
                 break
-            chunk = parse_chunk(view[self.pos: end])
-            _check_header(chunk.header, self.spec, self.shape, self.num_tokens, self.tag,
-                          WireStream.RESIDUAL)
-            if chunk.header.layer != self.next_layer:
-                raise KVStreamError(f"Residual chunk of layer {chunk.header.layer} while layer "
-                                    f"{self.next_layer} is incomplete")
             self.pos = end
-            self._current.append(chunk)
-            self._covered += chunk.header.num_tokens
-            if self._covered == 2 * self.num_tokens:  # K and V of the layer
-                ready.append((self.next_layer, _tile(self._current, self.next_layer,
-                                                     self.num_tokens, "Residual")))
-                self.next_layer += 1
-                self._current, self._covered = [], 0
-            elif self._covered > 2 * self.num_tokens:
-                raise KVStreamError(f"Residual chunks of layer {self.next_layer} cover more than "
-                                    f"its {self.num_tokens} tokens twice")
+            self._covered = h[_F_END]
+            if self._covered < self.num_tokens:
+                continue
+            self._covered = 0
+            if self._k_end is None:
+                self._k_end = end
+                continue
+            ready.append((self.next_layer, LayerRuns(view[self._run_start:self._k_end],
+                                                     view[self._k_end:end])))
+            self.next_layer += 1
+            self._run_start, self._k_end = end, None
         return ready

@@ -30,9 +30,10 @@ class Variant:
 VARIANTS: tuple[Variant, ...] = (
     Variant("mooncake", "mooncake_tcp", (), "SGLang's Mooncake over TCP, full KV (the baseline)"),
     Variant("lynx", "lynx", ("--lynx-target", "exact"),
-            "Lynx speculative (default flags), Residual = exact values (bit-identical KV)"),
+            "Lynx speculative (default flags), Residual = INT8 low bits + coded corrections "
+            "(bit-identical KV)"),
     Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
-            "Lynx non-speculative, Residual = exact values: decoding waits for the Residual"),
+            "Lynx non-speculative, exact Residual: decoding waits for the Residual"),
     Variant("lynx-int8", "lynx", ("--lynx-target", "int8"),
             "Lynx speculative (default flags), Residual = low 4 bits of the INT8 code (INT8 KV)",
             exact=False),

@@ -50,6 +50,16 @@ class Run:
         assert na == sizes.anchor and nr <= sizes.residual_bound
         return anchor[:na].tobytes(), residual[:nr].tobytes()
 
+    def encode_anchor_only(self, impl: str) -> bytes:
+        _, heads, head_dim = self.pool.shape
+        sizes = fused.run_nbytes(self.spec, self.kind, self.pool.dtype, heads, head_dim,
+                                 self.tokens, self.chunk_tokens)
+        anchor = np.zeros(sizes.anchor, np.uint8)
+        na, nr = fused.encode_run_into(self.pool, self.slots, self.spec, self.kind, self.layer,
+                                       self.chunk_tokens, self.tag, anchor, None, impl=impl)
+        assert na == sizes.anchor and nr == 0
+        return anchor.tobytes()
+
     def apply(self, impl: str, anchor: bytes, residual: bytes | None = None,
               into: torch.Tensor | None = None) -> torch.Tensor:
         """A fresh pool (or `into`) after applying the Anchor, or Anchor then Residual."""

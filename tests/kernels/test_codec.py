@@ -155,13 +155,15 @@ def test_constant_groups_decode_exactly():
         (lambda: torch.randn(0, 2, 64), {}, "empty"),
         (lambda: torch.randn(4, 2, 48), {"kind": "v"}, "not divisible by group_size=64"),
         (lambda: torch.randn(4, 2, 12), {}, "multiple of 8"),
-        (lambda: torch.randn(4, 2, 64) * 1e5, {}, "fp16"),
+        (lambda: torch.randn(4, 2, 64) * 1e5, {"target": "int8"}, "fp16"),
         (lambda: [[1.0]], {}, "torch.Tensor"),
     ],
 )
 def test_bad_input_is_named(make, kwargs, message):
+    """(The int8 target refuses values an fp16 scale cannot hold; exact carries them.)"""
+    spec = CodecSpec(target=kwargs.pop("target", "exact"))
     with pytest.raises(CodecError, match=message):
-        encode(make(), CodecSpec(), layer=7, **{"kind": "k", **kwargs})
+        encode(make(), spec, layer=7, **{"kind": "k", **kwargs})
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -169,7 +171,10 @@ def test_non_finite_reports_layer_and_position(bad):
     x = torch.randn(10, 3, 64)
     x[6, 2, 17] = bad
     with pytest.raises(CodecError, match=r"layer 12 V: non-finite value .* token 6, head 2, channel 17"):
-        encode(x, CodecSpec(), "v", layer=12)
+        encode(x, CodecSpec(target="int8"), "v", layer=12)
+    if bad != bad:  # exact carries ±Inf bit for bit; only NaN is refused
+        with pytest.raises(CodecError, match=r"layer 12 V: NaN value .* token 6, head 2, channel 17"):
+            encode(x, CodecSpec(target="exact"), "v", layer=12)
 
 
 @pytest.mark.parametrize(

@@ -107,9 +107,9 @@ def test_int8_still_refuses_unrepresentable_values():
     x = torch.randn(40, 2, 64)
     x[3, 0, 0] = torch.inf
     with pytest.raises(CodecError, match="non-finite value inf"):
-        encode(x, CodecSpec(), "k")
+        encode(x, CodecSpec(target="int8"), "k")
     with pytest.raises(CodecError, match="fp16"):
-        encode(torch.full((40, 2, 64), 7e4), CodecSpec(rotate=False), "k")
+        encode(torch.full((40, 2, 64), 7e4), CodecSpec(target="int8", rotate=False), "k")
 
 
 def coded_chunk() -> tuple[list[bytes], bytes]:
@@ -183,7 +183,7 @@ def test_unary_longer_than_an_escape_is_rejected():
 
 
 def test_raw_flag_outside_an_exact_residual_is_rejected():
-    enc = encode(torch.randn(64, 2, 64), CodecSpec(), "v")
+    enc = encode(torch.randn(64, 2, 64), CodecSpec(target="int8"), "v")
     for chunk in (to_chunks(enc, 64)[0], to_chunks(enc, 64, stream="residual")[0]):
         flags = parse_chunk(chunk).header
         assert not flags.raw

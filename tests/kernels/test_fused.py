@@ -26,6 +26,8 @@ def same_everywhere(run: Run) -> None:
     t_anchor, t_residual = run.encode("torch")
     assert c_anchor == t_anchor, "Anchor bytes differ"
     assert c_residual == t_residual, "Residual bytes differ"
+    for impl in ("cpu", "torch"):
+        assert run.encode_anchor_only(impl) == c_anchor, f"{impl} Anchor-only bytes differ"
     for stage in ("anchor", "residual"):
         args = (c_anchor,) if stage == "anchor" else (c_anchor, c_residual)
         c_pool, t_pool = run.apply("cpu", *args), run.apply("torch", *args)

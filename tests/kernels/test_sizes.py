@@ -17,9 +17,14 @@ BF16_BYTES = 2
 def test_size_goals_at_group_64(model):
     heads, head_dim = SHAPES[model]
     bf16 = 2 * heads * head_dim * BF16_BYTES
-    sizes = stream_nbytes_per_token(CodecSpec(group_size=64), heads, head_dim)
+    sizes = stream_nbytes_per_token(CodecSpec(group_size=64, target="int8"), heads, head_dim)
     assert sizes.anchor <= 0.30 * bf16
     assert sizes.total <= 0.55 * bf16
+    # exact: the coded Residual's size depends on the values; the estimate (measured on real
+    # SmolLM2 KV, docs/codec.md) must stay within the goal, the bound is what staging reserves.
+    exact = stream_nbytes_per_token(CodecSpec(group_size=64), heads, head_dim)
+    assert exact.anchor == sizes.anchor
+    assert exact.anchor + exact.residual_expected <= 0.80 * bf16
 
 
 @pytest.mark.parametrize("target", ["int8", "exact"])

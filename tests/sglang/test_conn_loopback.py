@@ -335,7 +335,7 @@ def _anchor_in(pd: PD, req: Request) -> bool:
     """The decode has validated the room's whole Anchor. Non-speculative rooms never write it
     into the pool (nothing would read it before the Residual), so the pool cannot tell."""
     room = pd.decode.mgr.applier._rooms.get(req.room)
-    return room is not None and room.anchor_parsed == LAYERS
+    return room is not None and room.anchor_layers_landed == LAYERS
 
 
 # ---- tests ----------------------------------------------------------------------------------

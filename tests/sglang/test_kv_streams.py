@@ -7,18 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from lynx_kernels import CodecError, CodecSpec, decode, encode
+from lynx_kernels import CodecSpec, decode, encode, to_chunks
 from lynx_sglang.backend.aux import pack_aux, unpack_aux
 from lynx_sglang.backend.plan import StreamPlan
-from lynx_sglang.backend.pool import KVPoolView
+from lynx_sglang.backend.pool import KINDS, KVPoolView
 from lynx_sglang.backend.streams import (
     ResidualReader,
-    encode_layer,
+    anchor_layer,
+    apply_anchor_layer,
+    apply_full_layer,
     encode_layer_into,
-    parse_anchor_layer,
-    write_anchor_layer,
-    write_full_layer,
-    write_residual_into,
 )
 from lynx_sglang.errors import KVStreamError
 
@@ -34,19 +32,15 @@ def _pool(seed: int) -> KVPoolView:
 
 def apply_anchor(anchor: memoryview, pool: KVPoolView, slots, spec, request_tag: int,
                  write: bool = True):
-    """Every layer's Anchor as the decode applier takes it: validated layer by layer (at the
-    plan's offsets), then written."""
+    """Every layer's Anchor as the decode applier takes it: found at the plan's offsets, then
+    validated and written."""
     plan = StreamPlan.build(spec, pool.shape, len(slots), CHUNK)
     if len(anchor) != plan.anchor_bytes:
         raise KVStreamError(f"Anchor of {len(anchor)} B, the plan says {plan.anchor_bytes} B")
-    layers = []
-    for layer in range(LAYERS):
-        at = plan.anchor_offset(layer)
-        chunks = parse_anchor_layer(anchor[at: at + plan.anchor_layer_bytes], pool.shape, layer,
-                                    len(slots), spec, request_tag)
-        if write:
-            write_anchor_layer(chunks, pool, layer, slots)
-        layers.append(chunks)
+    layers = [anchor_layer(anchor, plan, layer) for layer in range(LAYERS)]
+    if write:
+        for layer, runs in enumerate(layers):
+            apply_anchor_layer(runs, pool, layer, slots, spec, request_tag)
     return layers
 
 
@@ -54,20 +48,30 @@ def apply_residual(residual: memoryview, anchors, pool: KVPoolView, slots, spec,
                    request_tag: int, landed: int | None = None) -> int:
     """Feed the Residual stream to a ResidualReader (`landed` bytes of it so far) and write every
     complete layer at full precision; returns the layers written."""
-    reader = ResidualReader(pool.shape, len(slots), spec, request_tag)
+    reader = ResidualReader(LAYERS, len(slots))
     done = 0
-    for layer, chunks in reader.advance(residual, len(residual) if landed is None else landed):
-        write_full_layer(anchors[layer], chunks, pool, layer, slots)
+    for layer, runs in reader.advance(residual, len(residual) if landed is None else landed):
+        apply_full_layer(anchors[layer], runs, pool, layer, slots, spec, request_tag)
         done += 1
     return done
+
+
+def _reference_layer(pool, layer, slots, spec, chunk_tokens, tag) -> tuple[bytes, bytes]:
+    """One layer's streams by the torch reference codec (`encode` + `to_chunks`)."""
+    anchor = residual = b""
+    for kind in KINDS:
+        enc = encode(pool.read(layer, kind, slots), spec, kind.value, layer=layer)
+        anchor += b"".join(to_chunks(enc, chunk_tokens, stream="anchor", request_tag=tag))
+        residual += b"".join(to_chunks(enc, chunk_tokens, stream="residual", request_tag=tag))
+    return anchor, residual
 
 
 def _streams(pool, slots, spec, chunk_tokens, tag):
     anchor, residual = b"", b""
     for layer in range(LAYERS):
-        a, r = encode_layer(pool, layer, slots, spec, chunk_tokens, request_tag=tag)
-        anchor += b"".join(a)
-        residual += b"".join(r)
+        a, r = _reference_layer(pool, layer, slots, spec, chunk_tokens, tag)
+        anchor += a
+        residual += r
     return anchor, residual
 
 
@@ -106,10 +110,12 @@ def test_round_trip(target, num_tokens):
         assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("target", ["exact", "int8"])
-def test_encode_into_staging_writes_the_same_streams(target):
-    """What the prefill writes straight into staging, every layer's Anchor and then every layer's
-    Residual, each at its fixed offset, is byte for byte the streams of `encode_layer`."""
+def test_encode_into_staging_writes_the_same_streams(target, one_pass):
+    """What the prefill writes straight into staging with the fused codec, every layer's Anchor
+    (alone, or with its Residual in one pass) and then every layer's Residual back to back, is
+    byte for byte the streams of the torch reference."""
     spec = CodecSpec(target=target, sink_tokens=4, recent_tokens=16, rotate=True)
     src = _pool(0)
     slots = torch.randperm(SLOTS)[:345]
@@ -117,21 +123,28 @@ def test_encode_into_staging_writes_the_same_streams(target):
     plan = StreamPlan.build(spec, src.shape, len(slots), 128)
     a_layer, r_layer = plan.anchor_layer_bytes, plan.residual_layer_bytes
     staging = np.zeros(plan.staging_bytes, dtype=np.uint8)
-    encoded = []
+    one_pass_residual = []
     for layer in range(LAYERS):
         at = plan.anchor_offset(layer)
-        written, layer_encoding = encode_layer_into(src, layer, slots, spec, 128, 11,
-                                                    staging[at: at + a_layer])
+        r_at = plan.anchor_bytes + layer * r_layer
+        written, r_written = encode_layer_into(
+            src, layer, slots, spec, 128, 11, staging[at: at + a_layer],
+            staging[r_at: r_at + r_layer] if one_pass else None)
         assert written == a_layer
-        encoded.append(layer_encoding)
+        one_pass_residual.append(staging[r_at: r_at + r_written].tobytes())
+        assert one_pass or r_written == 0
+    assert staging[:plan.anchor_bytes].tobytes() == anchor
+    if one_pass:
+        assert b"".join(one_pass_residual) == residual
+        return
+    scratch = np.zeros(a_layer, dtype=np.uint8)
     r_off = plan.anchor_bytes
-    for layer_encoding in encoded:
-        written = write_residual_into(src, layer_encoding, slots, 128, 11,
-                                      staging[r_off: r_off + r_layer])
+    for layer in range(LAYERS):
+        _, written = encode_layer_into(src, layer, slots, spec, 128, 11, scratch,
+                                       staging[r_off: r_off + r_layer])
         assert written <= r_layer
         r_off += written
-    staging = staging[:r_off]
-    assert staging.tobytes() == anchor + residual
+    assert staging[plan.anchor_bytes:r_off].tobytes() == residual
 
 
 @pytest.mark.parametrize("target", ["exact", "int8"])
@@ -154,25 +167,26 @@ def test_mismatches_are_refused():
     src, dst = _pool(0), _pool(1)
     slots = torch.arange(100)
     anchor, residual = _streams(src, slots, spec, CHUNK, tag=3)
-    with pytest.raises(KVStreamError, match="codec settings"):
+    before = dst.k[0].clone()
+    with pytest.raises(KVStreamError, match="settings"):
         apply_anchor(memoryview(anchor), dst, slots, CodecSpec(target="int8"), request_tag=3)
-    with pytest.raises(KVStreamError, match="request"):
+    with pytest.raises(KVStreamError, match="tag 3"):
         apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=4)
+    assert torch.equal(dst.k[0], before), "a refused Anchor wrote into the pool"
     with pytest.raises(KVStreamError, match="B, the plan says"):
         apply_anchor(memoryview(anchor), dst, slots[:50], spec, request_tag=3)
     corrupt = bytearray(anchor)
     corrupt[len(corrupt) // 2] ^= 0xFF
-    with pytest.raises(CodecError, match="checksum"):
+    with pytest.raises(KVStreamError, match=r"checksum|CRC"):
         apply_anchor(memoryview(bytes(corrupt)), dst, slots, spec, request_tag=3)
     anchors = apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=3)
     # A Residual that has only partly landed writes only its complete layers.
     half = len(residual) // 2
     assert apply_residual(memoryview(residual), anchors, dst, slots, spec, request_tag=3,
                           landed=half) == LAYERS // 2
-    per_layer = [b"".join(encode_layer(src, layer, slots, spec, CHUNK, request_tag=3)[1])
-                 for layer in range(LAYERS)]
+    per_layer = [_reference_layer(src, layer, slots, spec, CHUNK, 3)[1] for layer in range(LAYERS)]
     swapped = per_layer[1] + per_layer[0] + b"".join(per_layer[2:])
-    with pytest.raises(KVStreamError, match="layer 1 while layer 0"):
+    with pytest.raises(KVStreamError, match="layer 1 kind 0 while layer 0 K"):
         apply_residual(memoryview(swapped), anchors, dst, slots, spec, request_tag=3)
 
 
