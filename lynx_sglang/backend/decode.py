@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ import torch
 from lynx_transport import Endpoint, FailureReason, Region, Session, Status, Stream, TransportError
 
 from .. import metrics, trace
-from ..config import LynxConfig
+from ..config import LynxConfig, wire_mismatch
 from ..errors import KVStreamError
 from ..names import TRANSFER_RECORD, record_line
 from .aux import unpack_aux
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 BUSY_WAIT_S = 30.0
 # A prefill rank that connected but has not named itself within this long is dropped.
 IDENTITY_TIMEOUT_S = 10.0
+REFUSED_CLOSE_DELAY_S = 2.0
 # What one verification is assumed to cost before the first one was measured (a GPU's order of
 # magnitude; on a CPU the first measurement replaces it).
 INITIAL_VERIFY_ESTIMATE_S = 0.05
@@ -105,6 +107,9 @@ class DecodeApplier:
         self.endpoint = endpoint
         self.link = link
         self._prefill_sessions: dict[tuple[str, int], Session] = {}
+        # Prefill ranks whose wire settings differ from ours: their rooms fail at once, saying so.
+        self._refused_ranks: dict[tuple[str, int], str] = {}
+        self._closing: list[tuple[Session, float]] = []  # refused sessions (accept thread only)
         # Every room not yet forgotten: transferring, awaiting the prefill's Success, or reported
         # at Anchor time and not yet consumed by the speculation controller.
         self._rooms: dict[int, DecodeRoom] = {}
@@ -119,7 +124,11 @@ class DecodeApplier:
         checked without blocking, so a silent or malformed peer never delays another."""
         waiting: list[tuple[Session, float]] = []
         while not stop.is_set():
-            s = self.endpoint.accept(timeout=0.1 if waiting else 0.5)
+            s = self.endpoint.accept(timeout=0.1 if waiting or self._closing else 0.5)
+            due = [c for c in self._closing if c[1] <= time.monotonic()]
+            for refused, _ in due:
+                refused.close()
+            self._closing = [c for c in self._closing if c not in due]
             if s is not None:
                 waiting.append((s, time.monotonic() + IDENTITY_TIMEOUT_S))
             still = []
@@ -146,13 +155,30 @@ class DecodeApplier:
                          s.peer_address, IDENTITY_TIMEOUT_S)
             s.close()
             return True
-        key = _identity(ann.meta)
-        if key is None:
+        who = _identity(ann.meta)
+        if who is None:
             logger.error("lynx: session from %s sent a malformed identity %r; closed",
                          s.peer_address, bytes(ann.meta[:200]))
             s.close()
             return True
+        key, settings = who
+        differ = wire_mismatch(self.config.wire_settings(), settings)
+        if differ:
+            why = (f"prefill rank {key[0]}:{key[1]} runs other --lynx-* settings than this decode "
+                   f"({'; '.join(differ)}): give both servers the same flags")
+            if self._refused_ranks.get(key) != why:
+                logger.error("lynx: %s; its session from %s is closed and its requests fail",
+                             why, s.peer_address)
+            with self._lock:
+                self._refused_ranks[key] = why
+            # Closed a little later, so the answer arrives before the connection drops (the
+            # prefill closes it itself once it has read the answer).
+            _answer(s, why)
+            self._closing.append((s, time.monotonic() + REFUSED_CLOSE_DELAY_S))
+            self._wake.set()
+            return True
         with self._lock:
+            self._refused_ranks.pop(key, None)
             current = self._prefill_sessions.get(key)
             if current is not None and not current.closed and current is not s:
                 taken = True
@@ -164,6 +190,7 @@ class DecodeApplier:
                          "already serves; closed", s.peer_address, *key)
             s.close()
             return True
+        _answer(s, None)
         logger.info("lynx: transport session from prefill rank %s:%d", *key)
         self._wake.set()
         return True
@@ -297,7 +324,10 @@ class DecodeApplier:
                 announced = self._try_announce(room)
             # The prefill opens its session at its first transfer, after that request's prefill
             # forward: the whole transfer deadline applies, not the connect timeout.
-            if not announced and time.monotonic() - room.created > self.config.transfer_timeout_s:
+            refused = self._refused_ranks.get(room.prefill)
+            if not announced and refused is not None:
+                self._fail(room, refused)
+            elif not announced and time.monotonic() - room.created > self.config.transfer_timeout_s:
                 self.link.forget_prefill_rank(room.prefill)
                 self._fail(room, f"no transport session from prefill rank {room.prefill} "
                                  f"within {self.config.transfer_timeout_s:g} s")
@@ -539,8 +569,19 @@ class DecodeApplier:
         # aborts the running request when it reads this outcome.
 
 
-def _identity(meta: bytes) -> tuple[str, int] | None:
-    """A prefill rank's announced identity `{"rank_ip": str, "rank_port": int}`, or None."""
+def _answer(s: Session, refused: str | None) -> None:
+    """Answer a prefill's identity announcement: accepted, or refused and why (the prefill waits
+    for this answer when it opens a session, `PrefillSender._session_to`)."""
+    answer = {"accepted": True} if refused is None else {"refused": refused[:1000]}
+    try:
+        s.announce(IDENTITY_REQUEST, {}, meta=json.dumps(answer).encode())
+    except (TransportError, ValueError) as exc:
+        logger.debug("lynx: could not answer %s: %s", s.peer_address, exc)
+
+
+def _identity(meta: bytes) -> tuple[tuple[str, int], Any] | None:
+    """A prefill rank's announced identity `{"rank_ip": str, "rank_port": int, "config": {...}}`
+    as ((ip, port), its wire settings), or None if malformed."""
     try:
         who = json.loads(bytes(meta))
         ip, port = who["rank_ip"], who["rank_port"]
@@ -550,7 +591,7 @@ def _identity(meta: bytes) -> tuple[str, int] | None:
         return None
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         return None
-    return ip, port
+    return (ip, port), who.get("config")
 
 
 def _landed(st, bound: int) -> int:

@@ -83,7 +83,8 @@ class LynxKVManager(MooncakeKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.sender = PrefillSender(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
-                {"rank_ip": self.local_ip, "rank_port": self.rank_port},
+                {"rank_ip": self.local_ip, "rank_port": self.rank_port,
+                 "config": self.lynx.wire_settings()},
                 PrefillLink(self._room_live, self._destinations, self._read_aux,
                             self._report_prefill),
                 float(os.environ.get(FAULT_RESIDUAL_DELAY_ENV, "0") or 0))

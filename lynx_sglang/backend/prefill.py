@@ -260,10 +260,15 @@ class PrefillSender:
         try:
             s = self.endpoint.connect(address, timeout=self.config.connect_timeout_s)
             s.announce(IDENTITY_REQUEST, {}, meta=json.dumps(self.identity).encode())
+            why = refusal(s.wait_announcement(IDENTITY_REQUEST,
+                                              timeout=self.config.connect_timeout_s))
         except TransportError:
             with self._sessions_lock:
                 self._unreachable[address] = time.monotonic() + UNREACHABLE_COOLDOWN_S
             raise
+        if why is not None:
+            s.close()
+            raise KVStreamError(f"decode {address} refused this prefill: {why}")
         with self._sessions_lock:
             self._unreachable.pop(address, None)
             self._sessions[address] = s
@@ -397,6 +402,20 @@ class PrefillSender:
                 f.trace.mark_mono(f"{name}_acked", st.t_done)
             elif st.reason is not None:
                 f.trace.facts[f"{name}_failure"] = f"{st.reason.value} {st.detail}"
+
+
+def refusal(answer) -> str | None:
+    """Why the decode refused this prefill's session, from its answer to the identity
+    announcement (`{"accepted": true}` or `{"refused": why}`); an answer that is neither is a
+    refusal too."""
+    try:
+        said = json.loads(bytes(answer.meta))
+    except ValueError:
+        said = None
+    if isinstance(said, dict) and said.get("accepted") is True:
+        return None
+    why = said.get("refused") if isinstance(said, dict) else None
+    return why if isinstance(why, str) else f"unintelligible answer {bytes(answer.meta[:100])!r}"
 
 
 def _release(session: Session, room: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 from dataclasses import dataclass
@@ -40,7 +41,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
         "codec-report",
         "lynx_sglang.tools.codec_report",
-        "bytes per token per stream and error statistics of the Lynx codec for a model's KV shape",
+        "wire bytes per token per stream (int8 and exact targets, the exact entropy bound) and "
+        "error statistics of the Lynx codec on real (embedded SmolLM2) or synthetic KV",
     ),
     Subcommand(
         "demo",
@@ -56,6 +58,38 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 )
 
 
+def version_report() -> str:
+    """What an operator checks first: this package, the SGLang it would hook, the codec's speed
+    path and the RDMA bindings."""
+    from lynx_kernels import ops_cpu
+    from lynx_sglang.sglang_support import installed_sglang_version, supported_sglang
+
+    sglang = installed_sglang_version()
+    try:
+        import pyverbs  # noqa: F401
+
+        verbs = "available"
+    except ImportError as exc:
+        verbs = f"not importable ({exc}); --lynx-transport tcp only"
+    codec = (f"C kernels ({ops_cpu.isa()})" if ops_cpu.available()
+             else f"torch reference only: {ops_cpu.unavailable_reason()}")
+    return "\n".join([
+        f"lynx-sglang {importlib.metadata.version('lynx-sglang')}",
+        f"sglang {sglang}: " + ("supported" if supported_sglang(sglang) else "NOT supported"),
+        f"codec on CPU pools: {codec}",
+        f"pyverbs: {verbs}",
+    ])
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_report())
+        parser.exit()
+
+
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="lynx-sglang",
@@ -66,6 +100,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
         ),
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print lynx-sglang's version and what it found on this machine "
+                             "(SGLang and whether it is supported, the C codec, pyverbs) and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     subparsers = {}
     for cmd in SUBCOMMANDS:

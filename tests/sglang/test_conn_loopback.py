@@ -410,41 +410,25 @@ def test_success_waits_for_the_residual(sgl, make_pd):
         assert torch.equal(got, src)
 
 
-@pytest.mark.parametrize("field, prefill_value, decode_value, detected_by", [
-    ("target", "exact", "int8", "prefill"),  # different stream sizes: the prefill refuses
-    ("rotate", True, False, "decode"),  # same sizes: the decode refuses the chunk headers
+@pytest.mark.parametrize("field, prefill_value, decode_value, flag", [
+    ("target", "exact", "int8", "--lynx-target"),  # different stream sizes
+    ("rotate", True, False, "--lynx-rotate"),  # same sizes: only the settings tell
 ])
-def test_codec_mismatch_fails_both_sides(sgl, make_pd, field, prefill_value, decode_value,
-                                         detected_by):
+def test_codec_mismatch_fails_both_sides_at_connect(sgl, make_pd, field, prefill_value,
+                                                    decode_value, flag):
+    """The prefill sends its wire settings when it opens the session; the decode refuses the
+    session once, naming the flag, and both sides' requests fail with that reason."""
     pd = make_pd(_cfg(**{field: prefill_value}), _cfg(**{field: decode_value}))
     req = _start_request(sgl, pd, room=3003, seed=3)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
-    if detected_by == "prefill":
-        _failure_message(sgl, req.receiver)  # what it says: test_decode_is_told_why_...
-        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
-        assert "differ between prefill and decode" in _failure_message(sgl, req.sender)
-    else:
-        # Only the decode can see that the bytes do not fit. It fails the room as soon as the
-        # Anchor is parsed, so the prefill either finished its Residual first (Success) or found
-        # the room withdrawn while writing it (Failed): both end, neither hangs.
-        assert _poll_until_done(sgl, req.sender) in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
-        # The prefill's failure (a consequence: the decode withdrew the room) reaches the decode
-        # through SGLang's record_failure, at any time before the receiver reads its reason; this
-        # forces the late order, which once made the decode report the consequence.
-        pd.decode.mgr.record_failure(req.room, "lynx prefill send failed: no (live) announcement")
-        decode_msg = _failure_message(sgl, req.receiver)
-        assert "codec settings" in decode_msg and "differ" in decode_msg, decode_msg
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    expect = f"{flag}: prefill {prefill_value!r}, decode {decode_value!r}"
+    assert expect in _failure_message(sgl, req.sender)
+    decode_msg = _failure_message(sgl, req.receiver)
+    assert expect in decode_msg, decode_msg
     # failure_exception() cleared the receiver: nothing of the room is left in decode staging.
     assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
     assert not _holds(pd, req, "full")
-
-
-def test_decode_is_told_why_the_prefill_failed(sgl, make_pd):
-    pd = make_pd(_cfg(target="exact"), _cfg(target="int8"))
-    req = _start_request(sgl, pd, room=3013, seed=3)
-    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
-    msg = _failure_message(sgl, req.receiver)
-    assert "differ between prefill and decode" in msg, msg
 
 
 def test_abort_mid_transfer_frees_staging(sgl, make_pd):

@@ -5,6 +5,7 @@ the transfers to every other one."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -38,6 +39,12 @@ def test_malformed_identities_are_refused(meta):
     assert _identity(meta) is None
 
 
+def _who(port: int = 4000, config: LynxConfig | None = None) -> bytes:
+    """A prefill rank's identity announcement, with its wire settings."""
+    return json.dumps({"rank_ip": "1.2.3.4", "rank_port": port,
+                       "config": (config or LynxConfig()).wire_settings()}).encode()
+
+
 class _Session:
     def __init__(self, meta: bytes | None, peer: str = "tcp://1.2.3.4:1"):
         self.meta, self.peer_address, self.closed = meta, peer, False
@@ -45,6 +52,10 @@ class _Session:
     def announcement(self, request_id):
         assert request_id == IDENTITY_REQUEST
         return None if self.meta is None else SimpleNamespace(meta=self.meta)
+
+    def announce(self, request_id, bounds, meta=b""):
+        assert request_id == IDENTITY_REQUEST and not bounds
+        self.answer = json.loads(meta)
 
     def close(self):
         self.closed = True
@@ -70,7 +81,7 @@ def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
     monkeypatch.setattr(decode_mod, "IDENTITY_TIMEOUT_S", 0.5)
     silent = [_Session(None) for _ in range(3)]
     bad = _Session(b"[]")
-    real = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}')
+    real = _Session(_who())
     applier = _applier(_Endpoint([*silent, bad, real]))
     stop = threading.Event()
     t = threading.Thread(target=applier.accept_loop, args=(stop,), daemon=True)
@@ -91,16 +102,40 @@ def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
 
 
 def test_a_live_rank_is_never_taken_over():
-    first = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}')
-    thief = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}', "tcp://6.6.6.6:1")
+    first = _Session(_who())
+    thief = _Session(_who(), "tcp://6.6.6.6:1")
     applier = _applier(_Endpoint([]))
     assert applier._identify(first, time.monotonic() + 1)
     assert applier._identify(thief, time.monotonic() + 1)
     assert thief.closed and not first.closed
     assert applier._prefill_sessions[("1.2.3.4", 4000)] is first
     first.closed = True  # once the first is gone, a restarted prefill may take the rank
-    again = _Session(b'{"rank_ip": "1.2.3.4", "rank_port": 4000}')
+    again = _Session(_who())
     assert applier._identify(again, time.monotonic() + 1) and not again.closed
+
+
+def test_other_wire_settings_are_refused_at_connect_naming_the_flags(caplog):
+    """A prefill started with other --lynx-* codec flags is refused once, when its session opens,
+    with the differing flags named; a prefill without settings (an older version) likewise."""
+    applier = _applier(_Endpoint([]))
+    other = LynxConfig.build(target="int8", chunk_tokens=128)
+    s = _Session(_who(config=other))
+    with caplog.at_level("ERROR"):
+        assert applier._identify(s, time.monotonic() + 1)
+    assert "--lynx-target" in s.answer["refused"]  # told before its session is closed
+    assert ("1.2.3.4", 4000) not in applier._prefill_sessions
+    why = applier._refused_ranks[("1.2.3.4", 4000)]
+    assert "--lynx-target: prefill 'int8', decode 'exact'" in why
+    assert "--lynx-chunk-tokens: prefill 128, decode 256" in why
+    assert "--lynx-anchor-bits" not in why
+    assert sum("other --lynx-* settings" in r.message for r in caplog.records) == 1
+    bare = _Session(b'{"rank_ip": "1.2.3.5", "rank_port": 4000}')
+    assert applier._identify(bare, time.monotonic() + 1) and "refused" in bare.answer
+    assert "(not sent)" in applier._refused_ranks[("1.2.3.5", 4000)]
+    fixed = _Session(_who())  # restarted with the same flags: accepted, the refusal forgotten
+    assert applier._identify(fixed, time.monotonic() + 1) and not fixed.closed
+    assert fixed.answer == {"accepted": True}
+    assert ("1.2.3.4", 4000) not in applier._refused_ranks
 
 
 def test_draft_logits_of_an_aborted_sampled_request_are_forgotten():
@@ -175,6 +210,7 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
             sender.submit(2, slots, True, 0)
             session = dec.accept(timeout=5)
             assert session is not None
+            session.announce(IDENTITY_REQUEST, {}, meta=b'{"accepted": true}')
             r = dec_staging.allocate(plan.staging_bytes, 1)
             session.announce(2, {Stream.ANCHOR: [(region.id, r.offset, plan.anchor_bytes)],
                                  Stream.RESIDUAL: [(region.id, r.offset + plan.anchor_bytes,
