@@ -63,6 +63,9 @@ class LynxConfig:
                "can reach the port could write into KV memory; only on an isolated, trusted "
                "network")
     chunk_tokens: int = _opt(256, "tokens per wire chunk, a multiple of the group size")
+    encode_threads: int = _opt(2, "prefill: threads encoding a layer's K and V at once (the C "
+                                  "codec releases the GIL; 1 = one after the other)",
+                               choices=(1, 2))
     staging_mib: int = _opt(256, "registered staging memory per server for in-flight requests' "
                                  "encoded KV, in MiB")
     connect_timeout_s: float = _opt(30.0, "deadline for the prefill to connect to a decode's data "

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +178,9 @@ class PrefillSender:
         # there fail at once instead of each waiting out the connect timeout.
         self._unreachable: dict[str, float] = {}
         self.stopping = threading.Event()
+        # Shared by every destination worker: a layer's V is encoded while its K is.
+        self._encoder = (ThreadPoolExecutor(1, thread_name_prefix="lynx-encode")
+                         if config.encode_threads > 1 else None)
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None) -> None:
@@ -200,6 +204,8 @@ class PrefillSender:
             except Exception:
                 logger.exception("lynx: prefill dispatcher error (continuing)")
         self.stopping.set()
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def retire(self, worker: _DestinationWorker) -> bool:
         """An idle worker asks to exit; False if a job raced in."""
@@ -334,7 +340,7 @@ class PrefillSender:
             written, _ = encode_layer_into(
                 pool, layer, slots, self.spec, chunk_tokens, room,
                 buf[at: at + plan.anchor_layer_bytes],
-                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None)
+                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None, self._encoder)
             if written != plan.anchor_layer_bytes:
                 raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
                                     f"expected {plan.anchor_layer_bytes} B")
@@ -362,7 +368,8 @@ class PrefillSender:
                 t0 = time.time()
                 at = residual_base + stream_at
                 _, written = encode_layer_into(pool, layer, slots, self.spec, chunk_tokens, room,
-                                               scratch, buf[at: at + plan.residual_layer_bytes])
+                                               scratch, buf[at: at + plan.residual_layer_bytes],
+                                               self._encoder)
                 session.write_stream(room, Stream.RESIDUAL, self.staging_region, at, written,
                                      stream_offset=stream_at)
                 stream_at += written

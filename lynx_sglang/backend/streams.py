@@ -20,6 +20,7 @@ room's staging range is freed, which the applier does only after the room is con
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -47,22 +48,38 @@ class LayerRuns:
 
 
 def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
-                      chunk_tokens: int, request_tag: int, anchor_out,
-                      residual_out=None) -> tuple[int, int]:
+                      chunk_tokens: int, request_tag: int, anchor_out, residual_out=None,
+                      executor: Executor | None = None) -> tuple[int, int]:
     """Encode one layer (K then V) of the tokens held in `slots`: its Anchor chunks back to back
     into `anchor_out`, and, if `residual_out` is given, its Residual chunks into that (None: the
-    Anchor only, see `lynx_kernels.fused.encode_run_into`). Returns the bytes written to each."""
-    anchor = residual = 0
+    Anchor only, see `lynx_kernels.fused.encode_run_into`). Returns the bytes written to each.
+
+    With `executor`, K and V are encoded at once (the C codec releases the GIL): V's Residual is
+    written after K's bound and moved down next to K's real end afterwards (an exact Residual's
+    length is known only once it is coded)."""
+    k_size = fused.run_nbytes(spec, StreamKind.K, pool.layer(layer, StreamKind.K).dtype,
+                              *pool.layer(layer, StreamKind.K).shape[1:], len(slots),
+                              chunk_tokens)
+    k_res_at = 0 if residual_out is None else k_size.residual_bound
+
+    def run(kind: StreamKind, a_at: int, r_at: int) -> tuple[int, int]:
+        return fused.encode_run_into(
+            pool.layer(layer, kind), slots, spec, kind, layer, chunk_tokens, request_tag,
+            anchor_out[a_at:], None if residual_out is None else residual_out[r_at:])
+
     try:
-        for kind in KINDS:
-            a, r = fused.encode_run_into(
-                pool.layer(layer, kind), slots, spec, kind, layer, chunk_tokens, request_tag,
-                anchor_out[anchor:], None if residual_out is None else residual_out[residual:])
-            anchor += a
-            residual += r
+        if executor is None:
+            ka, kr = run(StreamKind.K, 0, 0)
+            va, vr = run(StreamKind.V, ka, kr)
+            return ka + va, kr + vr
+        v = executor.submit(run, StreamKind.V, k_size.anchor, k_res_at)
+        ka, kr = run(StreamKind.K, 0, 0)
+        va, vr = v.result()
     except CodecError as exc:
         raise KVStreamError(f"encoding layer {layer}: {exc}") from exc
-    return anchor, residual
+    if residual_out is not None and kr != k_res_at:
+        residual_out[kr: kr + vr] = residual_out[k_res_at: k_res_at + vr].copy()
+    return ka + va, kr + vr
 
 
 def anchor_layer(view: memoryview, plan: StreamPlan, layer: int) -> LayerRuns:

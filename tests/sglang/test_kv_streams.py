@@ -3,6 +3,8 @@ plan, pool, aux)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -110,13 +112,15 @@ def test_round_trip(target, num_tokens):
         assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("target", ["exact", "int8"])
-def test_encode_into_staging_writes_the_same_streams(target, one_pass):
+def test_encode_into_staging_writes_the_same_streams(target, one_pass, threads):
     """What the prefill writes straight into staging with the fused codec, every layer's Anchor
     (alone, or with its Residual in one pass) and then every layer's Residual back to back, is
     byte for byte the streams of the torch reference."""
     spec = CodecSpec(target=target, sink_tokens=4, recent_tokens=16, rotate=True)
+    executor = ThreadPoolExecutor(1) if threads == 2 else None
     src = _pool(0)
     slots = torch.randperm(SLOTS)[:345]
     anchor, residual = _streams(src, slots, spec, 128, tag=11)
@@ -129,7 +133,7 @@ def test_encode_into_staging_writes_the_same_streams(target, one_pass):
         r_at = plan.anchor_bytes + layer * r_layer
         written, r_written = encode_layer_into(
             src, layer, slots, spec, 128, 11, staging[at: at + a_layer],
-            staging[r_at: r_at + r_layer] if one_pass else None)
+            staging[r_at: r_at + r_layer] if one_pass else None, executor)
         assert written == a_layer
         one_pass_residual.append(staging[r_at: r_at + r_written].tobytes())
         assert one_pass or r_written == 0
@@ -141,7 +145,7 @@ def test_encode_into_staging_writes_the_same_streams(target, one_pass):
     r_off = plan.anchor_bytes
     for layer in range(LAYERS):
         _, written = encode_layer_into(src, layer, slots, spec, 128, 11, scratch,
-                                       staging[r_off: r_off + r_layer])
+                                       staging[r_off: r_off + r_layer], executor)
         assert written <= r_layer
         r_off += written
     assert staging[plan.anchor_bytes:r_off].tobytes() == residual
