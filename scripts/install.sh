@@ -38,7 +38,7 @@ pip_install() {
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 # setup.py and kernels/csrc build the C codec (lynx_kernels._ckernels): a change there reinstalls.
-STAMP=.venv/.lynx-deps-$(cat pyproject.toml setup.py kernels/csrc/*.c scripts/requirements-sglang-cpu.txt scripts/install.sh | sha256sum | cut -c1-16)
+STAMP=.venv/.lynx-deps-$(cat pyproject.toml setup.py kernels/csrc/*.[ch] scripts/requirements-sglang-cpu.txt scripts/install.sh | sha256sum | cut -c1-16)
 if [ ! -f "$STAMP" ]; then
   log "torch 2.13.0 (CPU build) + triton"
   pip_install torch==2.13.0 triton==3.9.0

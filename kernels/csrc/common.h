@@ -1,0 +1,79 @@
+/* Shared definitions: return codes, wire constants, the run parameters (mirrors ops_cpu._Params), errors, aligned scratch.
+ * Part of lynx_codec.c's single translation unit (included there, in order). */
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LYNX_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define LYNX_CLONES
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* Return codes (kept in sync with ops_cpu). */
+enum { LYNX_OK = 0, LYNX_E_INPUT = 1, LYNX_E_CHUNK = 2, LYNX_E_BUFFER = 3, LYNX_E_NOMEM = 4,
+       LYNX_E_ARG = 5 };
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { STREAM_ANCHOR = 0, STREAM_RESIDUAL = 1 };
+#define FLAG_EXACT 1
+#define FLAG_RAW 8
+#define HEADER_SIZE 54
+#define FORMAT_VERSION 2
+#define FP16_MAX 65504.0f
+#define BLOCK 256
+#define ESCAPE_Q 16
+#define NCLS 16
+#define BITLEN_BINS 40
+#define HIST_STRIDE 7
+
+/* Mirrors ops_cpu._Params field for field. */
+typedef struct {
+    int32_t dtype;        /* wire code: 0 fp32, 1 fp16, 2 bf16 */
+    int32_t kind;         /* wire code: 0 K, 1 V */
+    int32_t exact;        /* target exact */
+    int32_t over_tokens;  /* groups span tokens (K per channel) */
+    int32_t rotate;
+    int32_t flags;        /* the header flags of the spec (exact, rotate, K per token) */
+    int32_t anchor_bits;
+    int32_t group_size;
+    int32_t heads;
+    int32_t head_dim;
+    int32_t sink;
+    int32_t recent;
+    uint32_t seed;
+    int32_t layer;
+    uint64_t request_tag;
+    int64_t total_tokens;
+    int64_t chunk_tokens; /* encode only */
+    int64_t pool_rows;
+    int64_t pool_stride;  /* elements from one pool row to the next */
+    float inv_sqrt_d;     /* fp32(1/sqrt(head_dim)) */
+    float limit;          /* exact: |x| >= limit is zeroed for the statistics */
+    int32_t class_offset;
+    int32_t k_base;
+    const float *signs;   /* head_dim values of +-1 */
+} lynx_params;
+
+typedef struct {
+    char *buf;
+    int64_t len;
+} err_t;
+
+static int fail(err_t *e, int code, const char *fmt, ...) {
+    if (e->buf && e->len > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->buf, (size_t)e->len, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static void *xalloc(int64_t n) {
+    size_t size = (size_t)((n + 127) / 64 * 64);
+    return aligned_alloc(64, size);
+}

@@ -1,0 +1,211 @@
+/* encode_impl: a run of pool rows into Anchor and Residual wire chunks.
+ * Part of lynx_codec.c's single translation unit (included there, in order). */
+/* ---- encode ---- */
+
+typedef struct {
+    float *x;           /* [block][hd] fp32 values (rotated) */
+    float *v;           /* [hd] prediction */
+    float *lo, *hi;     /* [hd] */
+    uint8_t *codes;     /* [hd] */
+    int8_t *es;         /* [hd] */
+    groups_t q;         /* the block's groups */
+    section_scratch_t S;
+} enc_scratch_t;
+
+/* Where a chunk's pieces go while its rows are encoded. */
+typedef struct {
+    uint8_t *anchor, *low, *zero, *scale, *prot;
+    int64_t c0, nprot, nv;
+    int residual; /* 0: Anchor only (low bits go to scratch, no corrections are coded) */
+} chunk_out_t;
+
+static void free_all(void **ptrs, int n) {
+    for (int i = 0; i < n; i++) free(ptrs[i]);
+}
+
+/* Per-token groups of a row: min/max of each run of g values. */
+INLINE void row_minmax(const float *restrict x, int64_t hd, int64_t g, float *restrict lo,
+                       float *restrict hi) {
+    for (int64_t j = 0; j < hd / g; j++) {
+        const float *xg = x + j * g;
+        v8f l = vload(xg), h = l;
+        for (int64_t i = 8; i < g; i += 8) {
+            const v8f y = vload(xg + i);
+            l = (v8f)(((v8i)y & (y < l)) | ((v8i)l & ~(y < l)));
+            h = (v8f)(((v8i)y & (y > h)) | ((v8i)h & ~(y > h)));
+        }
+        float a = l[0], b = h[0];
+        for (int i = 1; i < 8; i++) {
+            a = l[i] < a ? l[i] : a;
+            b = h[i] > b ? h[i] : b;
+        }
+        lo[j] = a;
+        hi[j] = b;
+    }
+}
+
+/* int8 target: 1 if some group's values reach FP16_MAX in magnitude (the reference refuses). */
+INLINE int groups_out_of_range(const float *restrict lo, const float *restrict hi, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= !(lo[i] > -FP16_MAX) | !(hi[i] < FP16_MAX);
+    return bad;
+}
+
+/* Quantizes a prepared (rotated) row of token t and writes what it contributes to its chunk:
+ * packed top and low bits, a protected row's original values, an exact row's corrections. */
+INLINE void finish_row(const geo_t *G, enc_scratch_t *W, chunk_out_t *o, const uint8_t *pool,
+                       const int64_t *slots, int64_t t, const float *x, int64_t at, int inside) {
+    const int64_t hd = G->hd, i = t - o->c0;
+    quantize_row(G, x, &W->q, at, W->codes, inside);
+    pack_codes(W->codes, hd, G->a, o->anchor + i * hd * G->a / 8, o->low + i * hd * G->r / 8);
+    const uint8_t *src = pool_row(G, pool, slots[t]);
+    if (is_protected(G, t)) {
+        memcpy(o->prot + o->nprot++ * hd * G->vb, src, (size_t)(hd * G->vb));
+    } else if (G->exact && o->residual) {
+        predict_row(G, &W->q, at, W->codes, W->v);
+        row_scale_exponents(G, &W->q, at, W->es);
+        exact_row(G, W->v, W->es, src, (uint8_t *)W->S.zc + o->nv * G->vb * 2);
+        o->nv += hd;
+    }
+}
+
+LYNX_CLONES
+static int encode_impl(const lynx_params *p, const uint8_t *pool, const int64_t *slots,
+                       uint8_t *aout, int64_t acap, uint8_t *rout, int64_t rcap, int64_t *written,
+                       err_t *e) {
+    geo_t G;
+    geo_init(&G, p);
+    const int64_t hd = G.hd, n = G.n, ct = p->chunk_tokens;
+    /* Groups over tokens need a block's statistics before quantizing it; per-token rows are
+     * done one at a time, in L1. */
+    const int64_t B = G.over ? G.g : 1;
+    const int64_t gpr = G.over ? hd : hd / G.g; /* groups per row */
+    const int64_t chunk_values = (ct < n ? ct : n) * hd;
+    enc_scratch_t W;
+    void *ptrs[20];
+    int np = 0;
+    ptrs[np++] = W.x = xalloc(B * hd * 4);
+    ptrs[np++] = W.v = xalloc(hd * 4);
+    ptrs[np++] = W.lo = xalloc(hd * 4);
+    ptrs[np++] = W.hi = xalloc(hd * 4);
+    ptrs[np++] = W.codes = xalloc(hd);
+    ptrs[np++] = W.es = xalloc(hd);
+    ptrs[np++] = W.q.zb = xalloc(gpr * 2);
+    ptrs[np++] = W.q.sb = xalloc(gpr * 2);
+    ptrs[np++] = W.q.z = xalloc(gpr * 4);
+    ptrs[np++] = W.q.s = xalloc(gpr * 4);
+    ptrs[np++] = W.q.inv = xalloc(gpr * 4);
+    const int need = np;
+    /* Without a Residual buffer only the Anchor is written: the low bits still come out of the
+     * packing (into scratch) but no exact correction is computed or coded. */
+    const int residual = rout != NULL;
+    const int coding = G.exact && residual;
+    uint8_t *low_scratch = residual ? NULL : xalloc(chunk_values * G.r / 8 + 8);
+    if (!residual && !low_scratch) {
+        free_all(ptrs, np);
+        return fail(e, LYNX_E_NOMEM, "out of memory for the codec's scratch");
+    }
+    ptrs[np++] = low_scratch;
+    ptrs[np++] = W.S.zc = coding ? xalloc(chunk_values * G.vb * 2) : NULL;
+    ptrs[np++] = W.S.blk = coding ? xalloc(num_blocks(chunk_values) * 32) : NULL;
+    ptrs[np++] = W.S.records = coding ? xalloc(chunk_values * G.vb + 64) : NULL;
+    ptrs[np++] = W.S.area = coding ? xalloc(2 * BLOCK * 8 + 64) : NULL;
+    for (int i = 0; i < np; i++)
+        if (!ptrs[i] && (i < need || (i > need && coding))) {
+            free_all(ptrs, np);
+            return fail(e, LYNX_E_NOMEM, "out of memory for the codec's scratch");
+        }
+    int64_t apos = 0, rpos = 0;
+    int bad = 0, rc = LYNX_OK;
+    for (int64_t c0 = 0; c0 < n && !bad; c0 += ct) {
+        const int64_t c1 = c0 + ct < n ? c0 + ct : n, nc = c1 - c0;
+        const int64_t alen = anchor_payload_len(&G, c0, c1);
+        if (apos + HEADER_SIZE + alen > acap ||
+            (residual && rpos + HEADER_SIZE + residual_bound(&G, nc) > rcap)) {
+            rc = fail(e, LYNX_E_BUFFER, "output buffer too small for the chunk of tokens [%lld, %lld)",
+                      (long long)c0, (long long)c1);
+            break;
+        }
+        chunk_out_t o;
+        o.anchor = aout + apos + HEADER_SIZE;
+        o.low = residual ? rout + rpos + HEADER_SIZE : low_scratch;
+        o.residual = residual;
+        o.zero = o.anchor + nc * hd * G.a / 8;
+        o.scale = o.zero + 2 * group_count(&G, nc);
+        o.prot = o.scale + 2 * group_count(&G, nc);
+        o.c0 = c0;
+        o.nprot = o.nv = 0;
+        int64_t kept0, kept1;
+        kept_range(&G, c0, c1, &kept0, &kept1);
+        for (int64_t b0 = c0; b0 < c1 && !bad; b0 += B) {
+            const int64_t b1 = b0 + B < c1 ? b0 + B : c1;
+            int64_t k0, k1;
+            kept_range(&G, b0, b1, &k0, &k1);
+            for (int64_t t = b0; t < b1; t++) {
+                float *x = W.x + (t - b0) * hd;
+                bad |= load_row(&G, pool_row(&G, pool, slots[t]), x);
+                if (G.rotate) row_transform(&G, x, 0);
+                if (!G.over) {
+                    row_minmax(x, hd, G.g, W.lo, W.hi);
+                    if (!G.exact) bad |= groups_out_of_range(W.lo, W.hi, gpr);
+                    const int clamped = group_params(W.lo, W.hi, gpr, &W.q, 0);
+                    memcpy(o.zero + 2 * (t - c0) * gpr, W.q.zb, (size_t)gpr * 2);
+                    memcpy(o.scale + 2 * (t - c0) * gpr, W.q.sb, (size_t)gpr * 2);
+                    finish_row(&G, &W, &o, pool, slots, t, x, 0, !clamped);
+                } else if (t < k0 || t >= k1) {
+                    if (!G.exact) bad |= out_of_range(x, hd); /* not in the statistics */
+                } else if (t == k0) {
+                    memcpy(W.lo, x, (size_t)hd * 4);
+                    memcpy(W.hi, x, (size_t)hd * 4);
+                } else {
+                    float *restrict lo = W.lo, *restrict hi = W.hi;
+                    for (int64_t i = 0; i < hd; i++) {
+                        lo[i] = x[i] < lo[i] ? x[i] : lo[i];
+                        hi[i] = x[i] > hi[i] ? x[i] : hi[i];
+                    }
+                }
+            }
+            if (!G.over || bad) continue;
+            if (k1 == k0) {
+                memset(W.lo, 0, (size_t)hd * 4);
+                memset(W.hi, 0, (size_t)hd * 4);
+            } else if (!G.exact) {
+                bad |= groups_out_of_range(W.lo, W.hi, hd);
+            }
+            const int clamped = group_params(W.lo, W.hi, hd, &W.q, 0);
+            const int64_t row = (b0 - c0) / G.g;
+            memcpy(o.zero + 2 * row * hd, W.q.zb, (size_t)hd * 2);
+            memcpy(o.scale + 2 * row * hd, W.q.sb, (size_t)hd * 2);
+            /* protected rows are not in the statistics */
+            for (int64_t t = b0; t < b1; t++)
+                finish_row(&G, &W, &o, pool, slots, t, W.x + (t - b0) * hd, 0,
+                           !clamped && t >= k0 && t < k1);
+        }
+        if (bad) break;
+        put_header(aout + apos, &G, STREAM_ANCHOR, p->flags, c0, c1, alen);
+        apos += HEADER_SIZE + alen;
+        if (!residual) continue;
+        int64_t rlen = low_len(&G, nc);
+        int flags = p->flags;
+        if (G.exact) {
+            const int64_t raw = nc * hd * G.vb;
+            const int64_t sec = section_encode(&G, &W.S, o.nv, pool, slots, kept0, raw - rlen, o.low + rlen);
+            if (sec >= 0) {
+                rlen += sec;
+            } else {
+                for (int64_t t = c0; t < c1; t++)
+                    memcpy(o.low + (t - c0) * hd * G.vb, pool_row(&G, pool, slots[t]), (size_t)(hd * G.vb));
+                rlen = raw;
+                flags |= FLAG_RAW;
+            }
+        }
+        put_header(rout + rpos, &G, STREAM_RESIDUAL, flags, c0, c1, rlen);
+        rpos += HEADER_SIZE + rlen;
+    }
+    if (bad && rc == LYNX_OK)
+        rc = fail(e, LYNX_E_INPUT, G.exact ? "NaN in the input" : "non-finite or out-of-range input");
+    written[0] = apos;
+    written[1] = rpos;
+    free_all(ptrs, np);
+    return rc;
+}
