@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """CPU cost of the Lynx KV data path of one request, as SGLang's `lynx` backend runs it.
 
-Prefill side: encode every layer's K and V of the request's pool slots into Anchor and Residual
-chunks placed in a staging numpy buffer (what `LynxKVManager._write_streams` does, without the
-transport). Decode side: parse + write the Anchor into the decode pool's slots, then apply the
-Residual (what the decode applier does when the streams have landed); `decode_residual_only` skips
-the Anchor write, as the applier does when the Residual has landed by the time it looks.
+Prefill side (`backend.prefill._write_streams`, without the transport): every layer's Anchor
+encoded straight into a staging numpy buffer (one fused C call per layer and kind, K and V on two
+threads with `--encode-threads 2`), then the Residual: for target int8 in the same pass, for exact
+in a second pass. Decode side (`backend.decode`): every layer's Anchor applied into the decode
+pool's slots, then the Residual (the layers found by walking the landed Residual's chunk headers);
+`decode_residual_only` skips the Anchor write, as the applier does when both streams have landed by
+the time it looks.
 
 Each is reported in wall-clock and in CPU seconds (the best of --repeats runs after a warm-up: the
 least disturbed by other work on a shared machine); the wall-clock time also as a ratio to a plain
 copy of the request's KV bytes (a gather of every layer's K and V slots into one buffer, what a
-raw-bytes backend does) and to sending those fp32 bytes at 1 Gbit/s (bytes * 8 / 1e9 s).
+raw-bytes backend does) and to sending those bytes at 1 Gbit/s (bytes * 8 / 1e9 s).
 
     .venv/bin/python scripts/bench_kv_path.py --json out/bench_kv_path.json
 """
@@ -21,21 +23,21 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from lynx_kernels import CodecSpec, preset
+from lynx_kernels import CodecSpec, Target, preset
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KVPoolView
 from lynx_sglang.backend.streams import (
     ResidualReader,
+    anchor_layer,
+    apply_anchor_layer,
+    apply_full_layer,
     encode_layer_into,
-    parse_anchor_layer,
-    write_anchor_layer,
-    write_full_layer,
-    write_residual_into,
 )
 
 LINK_BPS = 1e9
@@ -54,43 +56,47 @@ def timed(fn, repeats: int) -> tuple[float, float]:
     return min(wall), min(cpu)
 
 
-def make_pool(layers: int, heads: int, head_dim: int, slots: int, seed: int) -> KVPoolView:
+def make_pool(layers: int, heads: int, head_dim: int, slots: int, seed: int,
+              dtype: torch.dtype) -> KVPoolView:
     g = torch.Generator().manual_seed(seed)
-    mk = lambda: torch.randn(slots, heads, head_dim, generator=g)  # noqa: E731
+    mk = lambda: torch.randn(slots, heads, head_dim, generator=g).to(dtype)  # noqa: E731
     return KVPoolView([mk() for _ in range(layers)], [mk() for _ in range(layers)])
 
 
 def encode_request(pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec, chunk_tokens: int,
-                   buf: np.ndarray, plan: StreamPlan) -> None:
+                   buf: np.ndarray, plan: StreamPlan, executor: Executor | None) -> int:
     """Every layer's chunks into `buf` (Anchor stream, then Residual stream), as the prefill
-    sender writes them."""
+    sender writes them; returns the Residual's bytes."""
     a_layer, r_layer = plan.anchor_layer_bytes, plan.residual_layer_bytes
-    encoded = [encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1,
-                                 buf[plan.anchor_offset(layer): plan.anchor_offset(layer) + a_layer])[1]
-               for layer in range(plan.num_layers)]
+    one_pass = spec.target is Target.INT8
+    for layer in range(plan.num_layers):
+        at = plan.anchor_offset(layer)
+        r_at = plan.anchor_bytes + layer * r_layer
+        encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1, buf[at: at + a_layer],
+                          buf[r_at: r_at + r_layer] if one_pass else None, executor)
+    if one_pass:
+        return plan.residual_bytes
+    scratch = np.empty(a_layer, dtype=np.uint8)
     at = plan.anchor_bytes
-    for layer_encoding in encoded:
-        at += write_residual_into(pool, layer_encoding, slots, chunk_tokens, 1,
-                                  buf[at: at + r_layer])
+    for layer in range(plan.num_layers):
+        at += encode_layer_into(pool, layer, slots, spec, chunk_tokens, 1, scratch,
+                                buf[at: at + r_layer], executor)[1]
+    return at - plan.anchor_bytes
 
 
 def decode_request(buf: np.ndarray, pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
-                   plan: StreamPlan, with_anchor: bool = True) -> None:
-    """Parse + write the Anchor, then apply the Residual; without `with_anchor`, the decode's
-    path when both streams have landed before it looks (no Anchor-precision write)."""
+                   plan: StreamPlan, residual_bytes: int, with_anchor: bool = True) -> None:
+    """Apply the Anchor, then the Residual; without `with_anchor`, the decode's path when both
+    streams have landed before it looks (no Anchor-precision write)."""
     view = memoryview(buf)
-    anchors = []
-    for layer in range(plan.num_layers):
-        at = plan.anchor_offset(layer)
-        chunks = parse_anchor_layer(view[at: at + plan.anchor_layer_bytes], pool.shape, layer,
-                                    len(slots), spec, request_tag=1)
-        if with_anchor:
-            write_anchor_layer(chunks, pool, layer, slots)
-        anchors.append(chunks)
-    reader = ResidualReader(pool.shape, len(slots), spec, request_tag=1)
-    residual = view[plan.anchor_bytes: plan.staging_bytes]
-    for layer, chunks in reader.advance(residual, len(residual)):
-        write_full_layer(anchors[layer], chunks, pool, layer, slots)
+    anchors = [anchor_layer(view, plan, layer) for layer in range(plan.num_layers)]
+    if with_anchor:
+        for layer, runs in enumerate(anchors):
+            apply_anchor_layer(runs, pool, layer, slots, spec, 1)
+    reader = ResidualReader(plan.num_layers, len(slots))
+    residual = view[plan.anchor_bytes: plan.anchor_bytes + residual_bytes]
+    for layer, runs in reader.advance(residual, len(residual)):
+        apply_full_layer(anchors[layer], runs, pool, layer, slots, spec, 1)
 
 
 def plain_copy(pool: KVPoolView, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -101,31 +107,36 @@ def plain_copy(pool: KVPoolView, slots: torch.Tensor, out: torch.Tensor) -> None
 
 def bench(tokens: int, args, spec: CodecSpec) -> dict:
     shape = preset(args.model)
+    dtype = getattr(torch, args.dtype)
     slots_total = 2 * tokens + 64
-    src = make_pool(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots_total, 0)
-    dst = make_pool(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots_total, 1)
+    src = make_pool(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots_total, 0, dtype)
+    dst = make_pool(shape.num_layers, shape.num_kv_heads, shape.head_dim, slots_total, 1, dtype)
     g = torch.Generator().manual_seed(2)
     src_slots = torch.randperm(slots_total, generator=g)[:tokens]
     dst_slots = torch.randperm(slots_total, generator=g)[:tokens]
     plan = StreamPlan.build(spec, src.shape, tokens, args.chunk_tokens)
     buf = np.zeros(plan.staging_bytes, dtype=np.uint8)
-    kv_bytes = 2 * shape.num_layers * tokens * shape.num_kv_heads * shape.head_dim * 4
-    copy_out = torch.empty(shape.num_layers, 2, tokens, shape.num_kv_heads, shape.head_dim)
+    kv_bytes = 2 * shape.num_layers * tokens * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+    copy_out = torch.empty(shape.num_layers, 2, tokens, shape.num_kv_heads, shape.head_dim,
+                           dtype=dtype)
+    executor = ThreadPoolExecutor(1) if args.encode_threads > 1 else None
 
     t_copy = timed(lambda: plain_copy(src, src_slots, copy_out), args.repeats)
-    t_prefill = timed(
-        lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan), args.repeats)
-    t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan), args.repeats)
-    t_residual_only = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan, False),
-                            args.repeats)
+    t_prefill = timed(lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan,
+                                             executor), args.repeats)
+    residual_bytes = encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan, executor)
+    t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan, residual_bytes),
+                     args.repeats)
+    t_residual_only = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan,
+                                                   residual_bytes, False), args.repeats)
     for layer in range(shape.num_layers):  # the bytes it times must also be the right ones
         for a, b in ((dst.k, src.k), (dst.v, src.v)):
-            if spec.target.value == "exact" and not torch.equal(a[layer][dst_slots],
-                                                                b[layer][src_slots]):
+            if spec.target is Target.EXACT and not torch.equal(a[layer][dst_slots],
+                                                               b[layer][src_slots]):
                 raise SystemExit(f"layer {layer}: decoded KV differs from the prefill's")
     link_s = kv_bytes * 8 / LINK_BPS
     row = {"tokens": tokens, "kv_bytes": kv_bytes,
-           "anchor_bytes": plan.anchor_bytes, "residual_bytes": plan.residual_bytes,
+           "anchor_bytes": plan.anchor_bytes, "residual_bytes": residual_bytes,
            "copy_s": t_copy[0], "copy_cpu_s": t_copy[1], "link_1gbit_s": link_s}
     for name, (wall, cpu) in (("prefill", t_prefill), ("decode", t_decode),
                               ("decode_residual_only", t_residual_only)):
@@ -145,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: SGLang CPU servers run 1-2)")
+    parser.add_argument("--encode-threads", type=int, choices=(1, 2), default=2,
+                        help="as --lynx-encode-threads (default 2)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="KV pool dtype (default bfloat16, the demo's)")
     parser.add_argument("--json", type=Path, default=Path("out/bench_kv_path.json"))
     args = parser.parse_args(argv)
 
@@ -164,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(cpu: prefill {row['prefill_cpu_s'] * 1e3:.1f} ms, decode "
                   f"{row['decode_cpu_s'] * 1e3:.1f} ms)",
                   file=sys.stderr)
-    report = {"model": args.model, "threads": args.threads, "chunk_tokens": args.chunk_tokens,
+    report = {"model": args.model, "threads": args.threads, "dtype": args.dtype,
+              "encode_threads": args.encode_threads, "chunk_tokens": args.chunk_tokens,
               "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
