@@ -52,7 +52,9 @@ class LynxConfig:
     codec: CodecSpec = field(default_factory=CodecSpec)
     transport: str = _opt("tcp", "data plane for the two KV streams", choices=TRANSPORTS)
     ib_device: str | None = _opt(None, "RDMA device for --lynx-transport verbs (e.g. mlx5_0, "
-                                       "rxe0; default: the first device)")
+                                       "rxe0) for every rank of this server; default: SGLang's "
+                                       "--disaggregation-ib-device resolved per GPU (list, per-GPU "
+                                       "map or JSON file, as for Mooncake), else the first device")
     secret_file: str | None = _opt(
         None, "file whose bytes (at least 16, e.g. `head -c 32 /dev/urandom`) authenticate every "
               "Lynx transport session: give every prefill and decode of the deployment the same "

@@ -56,6 +56,27 @@ from .staging import StagingPool
 logger = logging.getLogger(__name__)
 
 
+def rdma_device(lynx_device: str | None, sglang_devices: str | None, gpu_id: int) -> str | None:
+    """This rank's RDMA device: `--lynx-ib-device` if given, else SGLang's
+    `--disaggregation-ib-device` resolved for this GPU the way SGLang's Mooncake backend does it (a
+    list "mlx5_0,mlx5_1", a per-GPU JSON map '{"0": "mlx5_0"}' or a JSON file of one); where
+    that leaves several devices, the GPU's own by index (the transport drives one NIC per rank)."""
+    if lynx_device:
+        return lynx_device
+    if not sglang_devices:
+        return None
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        get_ib_devices_for_gpu,
+    )
+
+    try:
+        resolved = get_ib_devices_for_gpu(sglang_devices, gpu_id) or ""
+    except ValueError as exc:
+        raise LynxConfigError(f"--disaggregation-ib-device: {exc}") from None
+    devices = [d.strip() for d in resolved.split(",") if d.strip()]
+    return devices[gpu_id % len(devices)] if devices else None
+
+
 class LynxKVManager(MooncakeKVManager):
     sender_trace_module = None
     supports_role_switch = False
@@ -111,7 +132,12 @@ class LynxKVManager(MooncakeKVManager):
     # ---- engine hooks of MooncakeKVManager: the transport replaces Mooncake's engine ---------
     def init_engine(self):
         self.engine = None
-        options = {"device": self.lynx.ib_device} if self.lynx.transport == "verbs" else None
+        options = None
+        if self.lynx.transport == "verbs":
+            device = rdma_device(self.lynx.ib_device, getattr(self.kv_args, "ib_device", None),
+                                 getattr(self.kv_args, "gpu_id", 0) or 0)
+            logger.info("lynx: verbs transport on RDMA device %s", device or "(the first one)")
+            options = {"device": device}
         self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
                                  secret=self.lynx.load_secret(), allow_insecure=self.lynx.insecure,
                                  backend_options=options, name=f"lynx-{self.rank_port}")
