@@ -6,9 +6,12 @@ multiprocess collector. Metrics created here, in a scheduler process, therefore 
 `/metrics` page as SGLang's, with no endpoint of our own. Without `--enable-metrics` every record
 call is a no-op.
 
-Recorded by `lynx_sglang.backend.decode` (bytes and times of each request's two streams) and
-`lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back, verification time, how
-each speculating request ended).
+Recorded by `lynx_sglang.backend.decode` (bytes and times of each request's two streams, failed
+requests), `lynx_sglang.backend.prefill` (failed sends), `lynx_sglang.backend.staging` (staging
+memory in use) and `lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back,
+verification time, how each speculating request ended). Every series carries SGLang's
+`model_name` plus the server's `role` (prefill/decode) and `tp_rank`, set once per scheduler
+process by the KV manager (`configure`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 @dataclass
 class _Instruments:
+    failures: Any
+    staging_used: Any
     stream_bytes: Any
     anchor_wait: Any
     anchor_to_residual: Any
@@ -36,6 +41,32 @@ class _Instruments:
 
 _instruments: _Instruments | None = None
 _disabled = False
+# The process's own labels (configure); the same values on every series.
+_PROCESS_LABELS = ("model_name", "role", "tp_rank")
+_process = {"model_name": "", "role": "", "tp_rank": "0"}
+
+
+def configure(model_name: str, role: str, tp_rank: int) -> None:
+    """This scheduler process's labels (the KV manager calls it before recording anything)."""
+    _process.update(model_name=model_name, role=role, tp_rank=str(tp_rank))
+
+
+def _labels(metric, *own: str):
+    return metric.labels(*(_process[k] for k in _PROCESS_LABELS), *own)
+
+
+def failure_kind(reason: str) -> str:
+    """A bounded label for a failure reason (the reason itself is free text)."""
+    text = reason.lower()
+    for kind, words in (("settings_mismatch", ("settings", "differ", "refused")),
+                        ("timeout", ("timeout", "deadline", "within")),
+                        ("peer_died", ("peer_died", "closed", "unreachable", "dead")),
+                        ("bad_data", ("chunk", "checksum", "crc", "codec", "aux", "stream")),
+                        ("staging_full", ("staging",)),
+                        ("aborted", ("abort", "released"))):
+        if any(w in text for w in words):
+            return kind
+    return "other"
 
 
 def enabled() -> bool:
@@ -51,27 +82,32 @@ def _get() -> _Instruments | None:
         return None
     # Imported only now: prometheus_client picks its multiprocess mode from the environment at
     # import time.
-    from prometheus_client import Counter, Histogram
+    from prometheus_client import Counter, Gauge, Histogram
 
+    p = list(_PROCESS_LABELS)
     _instruments = _Instruments(
+        failures=Counter("lynx_request_failures_total",
+                         "Requests whose Lynx transfer failed, by kind of reason", [*p, "kind"]),
+        staging_used=Gauge("lynx_staging_used_bytes", "Staging memory held by requests in flight",
+                           p, multiprocess_mode="livesum"),
         stream_bytes=Counter("lynx_stream_bytes_total",
-                             "KV bytes received per Lynx stream (decode)", ["stream"]),
+                             "KV bytes received per Lynx stream (decode)", [*p, "stream"]),
         anchor_wait=Histogram("lynx_anchor_wait_seconds",
                               "Transfer announced -> Anchor applied to the KV pool (decode)",
-                              buckets=_TIME_BUCKETS),
+                              p, buckets=_TIME_BUCKETS),
         anchor_to_residual=Histogram("lynx_anchor_to_residual_seconds",
                                      "Anchor landed -> Residual applied (decode)",
-                                     buckets=_TIME_BUCKETS),
+                                     p, buckets=_TIME_BUCKETS),
         spec_tokens=Counter("lynx_spec_tokens_total",
-                            "Speculative tokens on the Anchor by fate", ["fate"]),
+                            "Speculative tokens on the Anchor by fate", [*p, "fate"]),
         spec_requests=Counter("lynx_spec_requests_total",
-                              "Requests decoded on the Anchor by outcome", ["outcome"]),
+                              "Requests decoded on the Anchor by outcome", [*p, "outcome"]),
         verify_seconds=Histogram("lynx_spec_verify_seconds",
                                  "Verification forward + rollback per batch",
-                                 buckets=_TIME_BUCKETS),
+                                 p, buckets=_TIME_BUCKETS),
         stage_seconds=Histogram("lynx_stage_seconds",
                                 "Duration of each traced stage of a request (lynx_sglang.trace)",
-                                ["stage"], buckets=_STAGE_BUCKETS),
+                                [*p, "stage"], buckets=_STAGE_BUCKETS),
     )
     return _instruments
 
@@ -81,12 +117,12 @@ def record_transfer(anchor_bytes: int, residual_bytes: int, anchor_wait_s: float
     m = _get()
     if m is None:
         return
-    m.stream_bytes.labels("anchor").inc(anchor_bytes)
-    m.stream_bytes.labels("residual").inc(residual_bytes)
+    _labels(m.stream_bytes, "anchor").inc(anchor_bytes)
+    _labels(m.stream_bytes, "residual").inc(residual_bytes)
     if anchor_wait_s is not None:
-        m.anchor_wait.observe(anchor_wait_s)
+        _labels(m.anchor_wait).observe(anchor_wait_s)
     if anchor_to_residual_s is not None:
-        m.anchor_to_residual.observe(anchor_to_residual_s)
+        _labels(m.anchor_to_residual).observe(anchor_to_residual_s)
 
 
 def record_verification(speculated: int, accepted: int, outcome: str) -> None:
@@ -94,20 +130,33 @@ def record_verification(speculated: int, accepted: int, outcome: str) -> None:
     m = _get()
     if m is None:
         return
-    m.spec_tokens.labels("speculated").inc(speculated)
-    m.spec_tokens.labels("accepted").inc(accepted)
-    m.spec_tokens.labels("rolled_back").inc(speculated - accepted)
-    m.spec_requests.labels(outcome).inc()
+    _labels(m.spec_tokens, "speculated").inc(speculated)
+    _labels(m.spec_tokens, "accepted").inc(accepted)
+    _labels(m.spec_tokens, "rolled_back").inc(speculated - accepted)
+    _labels(m.spec_requests, outcome).inc()
 
 
 def record_verify_time(seconds: float) -> None:
     m = _get()
     if m is not None:
-        m.verify_seconds.observe(seconds)
+        _labels(m.verify_seconds).observe(seconds)
 
 
 def record_stage(stage: str, seconds: float) -> None:
     """One traced stage's duration (`lynx_sglang.trace.STAGES`)."""
     m = _get()
     if m is not None and seconds >= 0:
-        m.stage_seconds.labels(stage).observe(seconds)
+        _labels(m.stage_seconds, stage).observe(seconds)
+
+
+def record_failure(reason: str) -> None:
+    """One request whose transfer failed on this server (`failure_kind` of its reason)."""
+    m = _get()
+    if m is not None:
+        _labels(m.failures, failure_kind(reason)).inc()
+
+
+def record_staging_used(used_bytes: int) -> None:
+    m = _get()
+    if m is not None:
+        _labels(m.staging_used).set(used_bytes)

@@ -556,6 +556,7 @@ class DecodeApplier:
 
     def _fail(self, room: DecodeRoom, reason: str) -> None:
         logger.error("lynx: room %s failed: %s", room.room, reason)
+        metrics.record_failure(reason)
         with self._lock:
             room.fail(reason)
             reported = room.reported_at_anchor

@@ -42,7 +42,7 @@ from sglang.srt.server_args import ServerArgs
 
 from lynx_transport import Endpoint
 
-from .. import trace
+from .. import metrics, trace
 from ..config import LynxConfig
 from ..errors import KVStreamError, LynxConfigError, UnsupportedSGLangError
 from ..names import FAULT_RESIDUAL_DELAY_ENV
@@ -95,6 +95,8 @@ class LynxKVManager(MooncakeKVManager):
         check_anchor_safety(server_args)
         self.lynx = LynxConfig.from_env() or LynxConfig()
         trace.configure(self.lynx.trace_dir)
+        metrics.configure(server_args.served_model_name or server_args.model_path,
+                          disaggregation_mode.value, getattr(args, "engine_rank", 0) or 0)
         self.pool: KVPoolView | None = None
         self._stop = threading.Event()
         # Decode: failure reasons this side found itself, by room, until the receiver has read

@@ -47,7 +47,7 @@ from lynx_transport import (
 )
 from lynx_transport.types import MAX_REQUEST_ID
 
-from .. import trace
+from .. import metrics, trace
 from ..config import LynxConfig
 from ..errors import KVStreamError
 from .plan import StreamPlan
@@ -249,6 +249,7 @@ class PrefillSender:
             logger.error("lynx: sending room %s failed: %s", job.room, exc,
                          exc_info=not isinstance(exc, TransportError))
             job.trace.facts["failure"] = str(exc)
+            metrics.record_failure(str(exc))
             trace.emit(job.trace)
             self.link.report(job.room, f"lynx prefill send failed: {exc}", [])
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import metrics
 from ..errors import StagingFullError
 
 ALIGN = 64
@@ -71,6 +72,7 @@ class StagingPool:
                         else:
                             self._free[i] = (off + size, n - size)
                         self._allocated[off] = size
+                        metrics.record_staging_used(self.nbytes - self._free_locked())
                         return StagingRange(off, size)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -95,11 +97,15 @@ class StagingPool:
                 else:
                     merged.append((off, n))
             self._free[max(0, i - 1): i + 2] = merged
+            metrics.record_staging_used(self.nbytes - self._free_locked())
             self._cond.notify_all()
 
     def free_bytes(self) -> int:
         with self._cond:
-            return sum(n for _, n in self._free)
+            return self._free_locked()
+
+    def _free_locked(self) -> int:
+        return sum(n for _, n in self._free)
 
     def used_bytes(self) -> int:
         return self.nbytes - self.free_bytes()

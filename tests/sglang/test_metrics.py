@@ -4,12 +4,17 @@ mode is chosen when prometheus_client is imported."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 RECORD_AND_EXPORT = """
 from lynx_sglang import metrics
+metrics.configure("smollm2", "decode", 1)
 metrics.record_transfer(1000, 3000, 0.25, 1.5)
+metrics.record_failure("Anchor stream failed: timeout deadline passed")
+metrics.record_failure("prefill rank 1.2.3.4:5 runs other --lynx-* settings than this decode")
+metrics.record_staging_used(4096)
 metrics.record_verification(10, 7, "verified")
 metrics.record_verification(0, 0, "not_speculable")
 metrics.record_verify_time(0.2)
@@ -35,23 +40,36 @@ def _run(env_dir: str | None) -> str:
     return out.stdout
 
 
-def _value(text: str, prefix: str) -> float:
-    (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
-    return float(line.rsplit(" ", 1)[1])
+def _value(text: str, name: str, **labels: str) -> float:
+    """The sample `name` whose labels are exactly this process's plus `labels` (the multiprocess
+    exporter orders labels by name)."""
+    want = {"model_name": "smollm2", "role": "decode", "tp_rank": "1", **labels}
+    found = []
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.startswith(name + "{"):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', head[len(name):]))
+            if got == want:
+                found.append(float(value))
+    (only,) = found
+    return only
 
 
 def test_metrics_reach_the_multiprocess_exporter(tmp_path):
     text = _run(str(tmp_path))
     assert "ENABLED True" in text
-    assert _value(text, 'lynx_stream_bytes_total{stream="anchor"}') == 1000
-    assert _value(text, 'lynx_stream_bytes_total{stream="residual"}') == 3000
-    assert _value(text, 'lynx_spec_tokens_total{fate="speculated"}') == 10
-    assert _value(text, 'lynx_spec_tokens_total{fate="accepted"}') == 7
-    assert _value(text, 'lynx_spec_tokens_total{fate="rolled_back"}') == 3
-    assert _value(text, 'lynx_spec_requests_total{outcome="verified"}') == 1
-    assert _value(text, 'lynx_spec_requests_total{outcome="not_speculable"}') == 1
+    assert _value(text, "lynx_stream_bytes_total", stream="anchor") == 1000
+    assert _value(text, "lynx_stream_bytes_total", stream="residual") == 3000
+    assert _value(text, "lynx_spec_tokens_total", fate="speculated") == 10
+    assert _value(text, "lynx_spec_tokens_total", fate="accepted") == 7
+    assert _value(text, "lynx_spec_tokens_total", fate="rolled_back") == 3
+    assert _value(text, "lynx_spec_requests_total", outcome="verified") == 1
+    assert _value(text, "lynx_spec_requests_total", outcome="not_speculable") == 1
     assert _value(text, "lynx_anchor_to_residual_seconds_count") == 1
     assert _value(text, "lynx_spec_verify_seconds_sum") == 0.2
+    assert _value(text, "lynx_request_failures_total", kind="timeout") == 1
+    assert _value(text, "lynx_request_failures_total", kind="settings_mismatch") == 1
+    assert _value(text, "lynx_staging_used_bytes") == 4096
 
 
 def test_metrics_are_a_no_op_without_enable_metrics():
