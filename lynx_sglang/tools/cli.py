@@ -51,6 +51,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "TTFT table + timeline",
     ),
     Subcommand(
+        "doctor",
+        "lynx_sglang.tools.doctor",
+        "check this machine for serving with Lynx: SGLang version, plugin registration, C codec, "
+        "RDMA devices, transport secret, staging sizing for a model",
+    ),
+    Subcommand(
         "up",
         "lynx_sglang.tools.cluster",
         "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",

@@ -1,0 +1,145 @@
+"""`lynx-sglang doctor`: what this machine has for running Lynx inside SGLang, and what is missing.
+
+Each check is one line: OK, WARN (works, but not as it should for serving) or FAIL (Lynx cannot run
+this way), with what was found and what to do. Checks: the installed SGLang against the supported
+release, the plugin's entry point (how SGLang finds Lynx), the C codec, pyverbs and the RDMA devices
+it sees, the transport secret, and, with `--model`, the staging memory one request of
+`--context-tokens` needs against `--staging-mib`. Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+
+class Verdict(Enum):
+    OK = "OK"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: Verdict
+    detail: str
+
+
+def check_sglang() -> Check:
+    from lynx_sglang.sglang_support import (
+        SUPPORTED_SGLANG_VERSION,
+        installed_sglang_version,
+        supported_sglang,
+    )
+
+    found = installed_sglang_version()
+    if supported_sglang(found):
+        return Check("sglang", Verdict.OK, f"{found}")
+    return Check("sglang", Verdict.FAIL, f"found {found}; Lynx hooks SGLang "
+                 f"{SUPPORTED_SGLANG_VERSION}.*: pip install 'sglang=={SUPPORTED_SGLANG_VERSION}.*'")
+
+
+def check_plugin() -> Check:
+    points = [e for e in importlib.metadata.entry_points(group="sglang.srt.plugins")
+              if e.name == "lynx"]
+    if not points:
+        return Check("plugin", Verdict.FAIL, "no `lynx` entry point in sglang.srt.plugins: "
+                     "install this package into SGLang's environment (pip install .)")
+    return Check("plugin", Verdict.OK, f"entry point lynx = {points[0].value}")
+
+
+def check_codec() -> Check:
+    from lynx_kernels import ops_cpu
+
+    if ops_cpu.available():
+        return Check("C codec", Verdict.OK, f"built ({ops_cpu.isa()})")
+    return Check("C codec", Verdict.WARN, f"{ops_cpu.unavailable_reason()}: CPU KV pools use the "
+                 "torch reference, ~50x slower (install gcc and reinstall)")
+
+
+def rdma_devices() -> list[str]:
+    """The RDMA devices the kernel exposes (what pyverbs would open)."""
+    root = Path("/sys/class/infiniband")
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def check_rdma() -> Check:
+    try:
+        import pyverbs  # noqa: F401
+    except ImportError as exc:
+        return Check("rdma", Verdict.WARN, f"pyverbs not importable ({exc}): --lynx-transport tcp "
+                     "only (Debian/Ubuntu: apt install python3-pyverbs; a venv needs "
+                     "--system-site-packages)")
+    devices = rdma_devices()
+    if not devices:
+        return Check("rdma", Verdict.WARN, "pyverbs importable, no RDMA device: --lynx-transport "
+                     "tcp only (soft-RoCE for a test: rdma link add rxe0 type rxe netdev IFACE)")
+    return Check("rdma", Verdict.OK, f"devices {', '.join(devices)}")
+
+
+def check_secret(secret_file: str | None) -> Check:
+    from lynx_sglang.config import SECRET_ENV, LynxConfig
+    from lynx_sglang.errors import LynxConfigError
+
+    try:
+        secret = LynxConfig(secret_file=secret_file).load_secret()
+    except LynxConfigError as exc:
+        return Check("secret", Verdict.FAIL, str(exc))
+    if secret is None:
+        return Check("secret", Verdict.WARN, f"none (--lynx-secret-file or ${SECRET_ENV}): the "
+                     "servers will only listen on loopback unless --lynx-insecure")
+    return Check("secret", Verdict.OK, f"{len(secret)} bytes"
+                 + (f" from {secret_file}" if secret_file else f" from ${SECRET_ENV}"))
+
+
+def check_staging(model: str, context_tokens: int, staging_mib: int) -> Check:
+    import torch
+
+    from lynx_kernels import CodecSpec, KVShape, preset
+    from lynx_sglang.backend.plan import StreamPlan
+
+    try:
+        shape = (KVShape.from_hf_config(model, torch.bfloat16) if Path(model).exists()
+                 else preset(model))
+    except (ValueError, OSError) as exc:
+        return Check("staging", Verdict.FAIL, f"--model {model}: {exc}")
+    need = StreamPlan.build(CodecSpec(), shape, context_tokens, 256).staging_bytes
+    have = staging_mib << 20
+    what = (f"{shape.name or model}: one {context_tokens}-token request holds {need / 2**20:,.0f} "
+            f"MiB of staging; --lynx-staging-mib {staging_mib} holds {have // need} at once")
+    if need > have:
+        return Check("staging", Verdict.FAIL, f"{what}: raise --lynx-staging-mib to at least "
+                     f"{-(-need // 2**20)}")
+    return Check("staging", Verdict.OK if have // need >= 4 else Verdict.WARN, what)
+
+
+def run_checks(args: argparse.Namespace) -> list[Check]:
+    checks = [check_sglang(), check_plugin(), check_codec(), check_rdma(),
+              check_secret(args.secret_file)]
+    if args.model:
+        checks.append(check_staging(args.model, args.context_tokens, args.staging_mib))
+    return checks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model folder / config.json, or a preset (SmolLM2-135M, "
+                             "Llama-3.1-8B, ...), to size staging for")
+    parser.add_argument("--context-tokens", type=int, default=8192,
+                        help="prompt length to size staging for (default: %(default)s)")
+    parser.add_argument("--staging-mib", type=int, default=256,
+                        help="the --lynx-staging-mib you intend (default: %(default)s)")
+    parser.add_argument("--secret-file", default=None,
+                        help="the --lynx-secret-file you intend (default: $LYNX_SGLANG_SECRET)")
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = run_checks(args)
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"{c.verdict.value:<5} {c.name:<{width}}  {c.detail}")
+    return 1 if any(c.verdict is Verdict.FAIL for c in checks) else 0

@@ -1,0 +1,42 @@
+"""`lynx-sglang doctor`: each check says OK / WARN / FAIL with what to do, and the exit status is 1
+only when Lynx cannot run as configured."""
+
+from __future__ import annotations
+
+import argparse
+
+from lynx_sglang.tools import doctor
+from lynx_sglang.tools.cli import main
+
+
+def _args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    return parser.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+def test_staging_is_sized_against_the_flag():
+    ok = doctor.check_staging("SmolLM2-135M", 1500, 256)
+    assert ok.verdict is doctor.Verdict.OK and "holds 5 at once" in ok.detail
+    short = doctor.check_staging("Llama-3.1-8B", 32768, 256)
+    assert short.verdict is doctor.Verdict.FAIL and "at least 5252" in short.detail
+    unknown = doctor.check_staging("no-such-model", 10, 256)
+    assert unknown.verdict is doctor.Verdict.FAIL and "known:" in unknown.detail
+
+
+def test_secret(tmp_path, monkeypatch):
+    monkeypatch.delenv("LYNX_SGLANG_SECRET", raising=False)
+    assert doctor.check_secret(None).verdict is doctor.Verdict.WARN
+    key = tmp_path / "k"
+    key.write_bytes(b"x" * 32)
+    assert doctor.check_secret(str(key)).verdict is doctor.Verdict.OK
+    assert doctor.check_secret(str(tmp_path / "missing")).verdict is doctor.Verdict.FAIL
+
+
+def test_this_install_is_found_and_the_exit_status_follows_failures(capsys):
+    checks = {c.name: c for c in doctor.run_checks(_args())}
+    assert checks["plugin"].verdict is doctor.Verdict.OK  # the editable install registers it
+    assert set(checks) == {"sglang", "plugin", "C codec", "rdma", "secret"}
+    assert main(["doctor", "--model", "Llama-3.1-8B", "--context-tokens", "32768"]) == 1
+    assert "FAIL  staging" in capsys.readouterr().out
+
