@@ -204,7 +204,16 @@ class LynxConfig:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> LynxConfig:
-        return cls.build(**{f.name: getattr(ns, _dest(f.name)) for f in _flag_fields()})
+        """The config the `--lynx-*` flags give, over `--lynx-config` if one was given (a flag
+        left at its default takes the file's value; a flag set on the command line wins)."""
+        flat = {f.name: getattr(ns, _dest(f.name)) for f in _flag_fields()}
+        source = getattr(ns, CONFIG_SOURCE_DEST, None)
+        if source:
+            defaults = cls().flat()
+            for name, value in load_config_source(source).items():
+                if flat[name] == defaults[name]:
+                    flat[name] = value
+        return cls.build(**flat)
 
     def export_to_env(self) -> None:
         os.environ[CONFIG_ENV] = json.dumps(self.flat())
@@ -248,6 +257,33 @@ def _argparse_kwargs(f: dataclasses.Field, default: Any) -> dict[str, Any]:
     return kwargs
 
 
+CONFIG_SOURCE_DEST = "lynx_config_source"
+
+
+def load_config_source(source: str) -> dict[str, Any]:
+    """`--lynx-config`'s settings: a JSON object, inline or in a file, keyed by field or flag name
+    (`"target"`, `"lynx-target"` or `"--lynx-target"`); unknown keys are refused by name."""
+    try:
+        text = source if source.lstrip()[:1] in ("{", "[") else Path(source).read_text()
+        raw = json.loads(text)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LynxConfigError(f"--lynx-config {source!r}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise LynxConfigError(f"--lynx-config must be a JSON object, got {type(raw).__name__}")
+    known = {f.name for f in _flag_fields()}
+    out, unknown = {}, []
+    for key, value in raw.items():
+        name = str(key).removeprefix("--").removeprefix("lynx-").removeprefix("lynx_")
+        name = name.replace("-", "_")
+        if name in known:
+            out[name] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise LynxConfigError(f"--lynx-config: unknown settings {unknown}; known: {sorted(known)}")
+    return out
+
+
 def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `--lynx-*` flags (used only with --disaggregation-transfer-backend lynx)."""
     codec, config = CodecSpec(), LynxConfig()
@@ -255,6 +291,10 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
         "Lynx KV transfer (with --disaggregation-transfer-backend lynx; "
         "set the same values on prefill and decode)"
     )
+    g.add_argument("--lynx-config", dest=CONFIG_SOURCE_DEST, default=None, metavar="FILE|JSON",
+                   help="Lynx settings as a JSON object (inline or a file), keyed by flag name "
+                        "without --lynx- (e.g. '{\"target\": \"exact\", \"staging-mib\": 1024}'); "
+                        "flags given on the command line win")
     for f in _flag_fields():
         default = getattr(codec if hasattr(codec, f.name) else config, f.name)
         g.add_argument(flag_name(f.name), dest=_dest(f.name), **_argparse_kwargs(f, default))
