@@ -138,7 +138,9 @@ class Report:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=REAL_MODEL,
-                        help=f"KV shape preset: {', '.join(PRESETS)} (default: %(default)s)")
+                        help=f"KV shape: a preset ({', '.join(PRESETS)}) or any Hugging Face "
+                             "model folder / config.json (its KV shape; synthetic KV) "
+                             "(default: %(default)s)")
     parser.add_argument("--kv", choices=["real", "synthetic"], default=None,
                         help=f"sample KV: 'real' = the embedded {EMBEDDED_NAME}'s KV over study "
                              f"prompts (only for {REAL_MODEL}), 'synthetic' = generated "
@@ -449,8 +451,18 @@ def _spec_dict(spec: CodecSpec) -> dict:
     return {k: getattr(v, "value", v) for k, v in asdict(spec).items()}
 
 
+def model_shape(model: str) -> KVShape:
+    """A preset by name, or the KV shape of a Hugging Face config (folder or config.json)."""
+    if Path(model).exists():
+        return KVShape.from_hf_config(model, torch.bfloat16, name=Path(model).name)
+    try:
+        return preset(model)
+    except ValueError as exc:
+        raise SystemExit(f"--model: {exc}, or give a Hugging Face model folder / config.json") from None
+
+
 def build_report(args: argparse.Namespace) -> Report:
-    shape = preset(args.model)
+    shape = model_shape(args.model)
     kv = args.kv or ("real" if shape.name == REAL_MODEL else "synthetic")
     if kv == "real" and shape.name != REAL_MODEL:
         raise SystemExit(f"--kv real needs --model {REAL_MODEL}: the embedded {EMBEDDED_NAME} is "
