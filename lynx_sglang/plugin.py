@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import cpu_compat, reference_kv, request_trace, timeline
+from . import cpu_compat, idle, reference_kv, request_trace, timeline
 from .config import LynxConfig, add_lynx_arguments
 from .errors import LynxConfigError
 from .names import BACKEND_SELECTED, SECRET_ENV
@@ -48,6 +48,7 @@ FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
@@ -57,7 +58,7 @@ def hook_targets() -> tuple[str, ...]:
     from .speculation.hooks import HOOKS
 
     return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
-            DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST,
+            DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST, SCHEDULER_ON_IDLE,
             *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
 
 
@@ -83,6 +84,7 @@ def register() -> None:
             HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
+            HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_after, HookType.AFTER)
             _register(request_trace.HOOKS)
             if config.speculate:
                 _register_speculation_hooks()

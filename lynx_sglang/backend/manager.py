@@ -42,7 +42,7 @@ from sglang.srt.server_args import ServerArgs
 
 from lynx_transport import Endpoint
 
-from .. import metrics, trace
+from .. import idle, metrics, trace
 from ..config import LynxConfig
 from ..errors import KVStreamError, LynxConfigError, UnsupportedSGLangError
 from ..names import FAULT_RESIDUAL_DELAY_ENV
@@ -214,6 +214,7 @@ class LynxKVManager(MooncakeKVManager):
         if failure is not None:
             self.record_own_failure(room, failure)
         super().update_status(room, KVPoll.Failed if failure is not None else KVPoll.Success)
+        idle.notify()
 
     def _write_aux(self, aux_index: int, items: list[tuple[int, bytes]]) -> None:
         """Write the peer's aux items into the room's aux slot, each checked first: SGLang's own
@@ -267,6 +268,7 @@ class LynxKVManager(MooncakeKVManager):
             self._own_failures.pop(room, None)
 
     def update_status(self, bootstrap_room: int, status: KVPoll):
+        idle.notify()
         if (self.disaggregation_mode == DisaggregationMode.DECODE and status == KVPoll.Success
                 and self.applier.on_prefill_success(bootstrap_room)):
             return
