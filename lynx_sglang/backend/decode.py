@@ -424,11 +424,13 @@ class DecodeApplier:
             room.anchor_layers[layer] = None  # its memory views are no longer needed
             room.final_layers += 1
             wrote = True
-        if st.ok and reader.done:
-            room.trace.mark_mono("residual_landed", st.t_done)
-            if reader.pos != landed:
-                raise KVStreamError(f"the Residual stream has {landed - reader.pos} B after its "
-                                    "last layer")
+        if reader.done and "residual_landed" not in room.trace.marks:
+            # Every layer's bytes are in; on tcp that can be seen before the stream's completion
+            # message, and the room may conclude before it: mark the landing now.
+            room.trace.mark_mono("residual_landed", st.t_done if st.ok else time.monotonic())
+        if st.ok and reader.done and reader.pos != landed:
+            raise KVStreamError(f"the Residual stream has {landed - reader.pos} B after its "
+                                "last layer")
         if st.ok and not reader.done:
             raise KVStreamError(f"the Residual stream ended after {reader.pos} B with layer "
                                 f"{reader.next_layer} incomplete")

@@ -203,11 +203,17 @@ def test_decode_metrics_count_speculation(spec_cluster):
     # Runs after the tests above sent their requests through this cluster.
     with urllib.request.urlopen(spec_cluster.decode_url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    values = {}
+    # Samples by name and their own labels (every series also carries model_name/role/tp_rank).
+    values: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("lynx_") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+            head, value = line.rsplit(" ", 1)
+            name, _, labels = head.partition("{")
+            assert 'role="decode"' in labels and 'tp_rank="0"' in labels, line
+            own = [kv for kv in labels.rstrip("}").split(",")
+                   if kv and not kv.startswith(("model_name=", "role=", "tp_rank="))]
+            key = name + ("{" + ",".join(own) + "}" if own else "")
+            values[key] = values.get(key, 0.0) + float(value)
     assert values.get('lynx_spec_tokens_total{fate="speculated"}', 0) > 0, values
     assert values.get('lynx_spec_tokens_total{fate="rolled_back"}', 0) > 0, values
     assert values.get('lynx_spec_requests_total{outcome="not_speculable"}', 0) >= 1, values
