@@ -23,7 +23,7 @@ SGLang.
 
 from .codec import EncodedKV, decode, encode, protected_positions, refine_
 from .fused import RunBytes, apply_anchor_run, apply_residual_run, encode_run_into, run_nbytes
-from .shapes import PRESETS, KVShape, preset
+from .shapes import PRESETS, KVShape, model_shape, preset
 from .sizes import StreamBytes, quantized_nbytes_per_token, stream_nbytes_per_token
 from .spec import CodecError, CodecSpec, KGrouping, Stage, StreamKind, Target
 from .wire import (
@@ -57,6 +57,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_run_into",
+    "model_shape",
     "parse_chunk",
     "preset",
     "protected_positions",

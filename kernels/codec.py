@@ -136,6 +136,14 @@ class EncodedKV:
         return slice(lo, hi), groups, slice(first, first + mine)
 
 
+def parse_kind(kind: StreamKind | str) -> StreamKind:
+    """`kind` as a StreamKind ("k" / "v"); anything else is a CodecError."""
+    try:
+        return StreamKind(kind)
+    except ValueError:
+        raise CodecError(f"kind must be 'k' or 'v', got {kind!r}") from None
+
+
 def check_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int) -> None:
     where = f"layer {layer} {kind.value.upper()}"
     if not isinstance(x, torch.Tensor):
@@ -267,10 +275,7 @@ def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
 
     `x` is only read; the result owns fresh tensors on x's device.
     """
-    try:
-        kind = StreamKind(kind)
-    except ValueError:
-        raise CodecError(f"kind must be 'k' or 'v', got {kind!r}") from None
+    kind = parse_kind(kind)
     check_input(x, spec, kind, layer)
     tokens, heads, head_dim = x.shape
     x32 = quantization_input(x, spec, kind, layer)

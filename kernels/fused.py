@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import ops_cpu
-from .codec import check_input, decode, encode
+from .codec import check_input, decode, encode, parse_kind
 from .spec import CodecError, CodecSpec, StreamKind
 from .wire import (
     HEADER,
@@ -145,10 +145,7 @@ def _run(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec, kind: StreamK
          layer: int, request_tag: int, total_tokens: int, impl: str) -> _Run:
     if not isinstance(spec, CodecSpec):
         raise CodecError(f"spec must be a CodecSpec, got {type(spec).__name__}")
-    try:
-        kind = StreamKind(kind)
-    except ValueError:
-        raise CodecError(f"kind must be 'k' or 'v', got {kind!r}") from None
+    kind = parse_kind(kind)
     check_input(pool, spec, kind, layer)
     _, heads, head_dim = pool.shape
     if not (0 <= layer < _U16 and heads < _U16 and head_dim < _U16):

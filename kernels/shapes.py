@@ -88,3 +88,14 @@ def preset(name: str) -> KVShape:
         if key.lower() == name.lower():
             return shape
     raise ValueError(f"unknown model shape {name!r}; known: {', '.join(PRESETS)}")
+
+
+def model_shape(model: str | Path, dtype: torch.dtype | str = torch.bfloat16) -> KVShape:
+    """A preset by name, or the KV shape of a Hugging Face model folder / config.json; a
+    ValueError (OSError for an unreadable config) says which."""
+    if Path(model).exists():
+        return KVShape.from_hf_config(model, dtype, name=Path(model).name)
+    try:
+        return preset(str(model)).with_dtype(dtype)
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or give a Hugging Face model folder / config.json") from None

@@ -177,12 +177,14 @@ def test_a_full_decode_that_is_not_bit_identical_fails_the_report(monkeypatch):
 
 
 def test_any_hugging_face_config_gives_its_shape(tmp_path):
-    from lynx_sglang.tools.codec_report import model_shape
+    from lynx_kernels import model_shape
 
     (tmp_path / "config.json").write_text(
         '{"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, '
         '"hidden_size": 512}')
     shape = model_shape(str(tmp_path))
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (4, 2, 64)
-    with pytest.raises(SystemExit, match="Hugging Face model folder"):
+    with pytest.raises(ValueError, match="Hugging Face model folder"):
         model_shape("no-such-model")
+    with pytest.raises(SystemExit, match="Hugging Face model folder"):
+        codec_report.build_report(_args("--model", "no-such-model"))

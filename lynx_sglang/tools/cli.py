@@ -65,25 +65,17 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 
 
 def version_report() -> str:
-    """What an operator checks first: this package, the SGLang it would hook, the codec's speed
-    path and the RDMA bindings."""
-    from lynx_kernels import ops_cpu
-    from lynx_sglang.sglang_support import installed_sglang_version, supported_sglang
+    """What an operator checks first: this package, then `lynx-sglang doctor`'s checks of the
+    SGLang it would hook, the codec's speed path and the RDMA bindings."""
+    from .doctor import check_codec, check_rdma, check_sglang
 
-    sglang = installed_sglang_version()
-    try:
-        import pyverbs  # noqa: F401
-
-        verbs = "available"
-    except ImportError as exc:
-        verbs = f"not importable ({exc}); --lynx-transport tcp only"
-    codec = (f"C kernels ({ops_cpu.isa()})" if ops_cpu.available()
-             else f"torch reference only: {ops_cpu.unavailable_reason()}")
+    sglang, codec, rdma = check_sglang(), check_codec(), check_rdma()
     return "\n".join([
         f"lynx-sglang {importlib.metadata.version('lynx-sglang')}",
-        f"sglang {sglang}: " + ("supported" if supported_sglang(sglang) else "NOT supported"),
-        f"codec on CPU pools: {codec}",
-        f"pyverbs: {verbs}",
+        f"sglang {sglang.detail}: " + ("supported" if sglang.verdict.value == "OK"
+                                       else "NOT supported"),
+        f"codec on CPU pools: {codec.detail}",
+        f"pyverbs: {rdma.detail}",
     ])
 
 

@@ -54,8 +54,8 @@ from lynx_kernels import (
     apply_residual_run,
     assemble,
     encode_run_into,
+    model_shape,
     parse_chunk,
-    preset,
     protected_positions,
     quantized_nbytes_per_token,
     run_nbytes,
@@ -228,9 +228,9 @@ def real_kv(shape: KVShape, prompts: int, prompt_tokens: int) -> KVSample:
     if prompts < 1 or prompt_tokens < 64:
         raise SystemExit("--prompts must be >= 1 and --prompt-tokens >= 64")
     folder = embedded_model_dir()
-    model_shape = KVShape.from_hf_config(folder)
-    if (model_shape.num_layers, model_shape.hd) != (shape.num_layers, shape.hd):
-        raise SystemExit(f"the embedded model's KV ({model_shape}) is not {shape.name}'s")
+    embedded = KVShape.from_hf_config(folder)
+    if (embedded.num_layers, embedded.hd) != (shape.num_layers, shape.hd):
+        raise SystemExit(f"the embedded model's KV ({embedded}) is not {shape.name}'s")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
                                                  local_files_only=True).eval()
@@ -451,18 +451,11 @@ def _spec_dict(spec: CodecSpec) -> dict:
     return {k: getattr(v, "value", v) for k, v in asdict(spec).items()}
 
 
-def model_shape(model: str) -> KVShape:
-    """A preset by name, or the KV shape of a Hugging Face config (folder or config.json)."""
-    if Path(model).exists():
-        return KVShape.from_hf_config(model, torch.bfloat16, name=Path(model).name)
-    try:
-        return preset(model)
-    except ValueError as exc:
-        raise SystemExit(f"--model: {exc}, or give a Hugging Face model folder / config.json") from None
-
-
 def build_report(args: argparse.Namespace) -> Report:
-    shape = model_shape(args.model)
+    try:
+        shape = model_shape(args.model)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"--model: {exc}") from None
     kv = args.kv or ("real" if shape.name == REAL_MODEL else "synthetic")
     if kv == "real" and shape.name != REAL_MODEL:
         raise SystemExit(f"--kv real needs --model {REAL_MODEL}: the embedded {EMBEDDED_NAME} is "

@@ -97,14 +97,11 @@ def check_secret(secret_file: str | None) -> Check:
 
 
 def check_staging(model: str, context_tokens: int, staging_mib: int) -> Check:
-    import torch
-
-    from lynx_kernels import CodecSpec, KVShape, preset
+    from lynx_kernels import CodecSpec, model_shape
     from lynx_sglang.backend.plan import StreamPlan
 
     try:
-        shape = (KVShape.from_hf_config(model, torch.bfloat16) if Path(model).exists()
-                 else preset(model))
+        shape = model_shape(model)
     except (ValueError, OSError) as exc:
         return Check("staging", Verdict.FAIL, f"--model {model}: {exc}")
     need = StreamPlan.build(CodecSpec(), shape, context_tokens, 256).staging_bytes
