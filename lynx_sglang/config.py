@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_kernels import CodecError, CodecSpec
+from lynx_transport.verbs import VerbsOptions
 
 from .errors import LynxConfigError
 from .names import CONFIG_ENV, SECRET_ENV
@@ -55,6 +56,18 @@ class LynxConfig:
                                        "rxe0) for every rank of this server; default: SGLang's "
                                        "--disaggregation-ib-device resolved per GPU (list, per-GPU "
                                        "map or JSON file, as for Mooncake), else the first device")
+    ib_gid_index: int | None = _opt(
+        None, "verbs: GID table index of the RDMA port (like Mooncake's MC_GID_INDEX); default: "
+              "the GID whose IPv4-mapped address is this server's host, else the first RoCE v2 "
+              "GID", type=int)
+    ib_anchor_sl: int = _opt(VerbsOptions.anchor_sl, "verbs: InfiniBand service level of the "
+                                                     "Anchor queue pair (0-15)")
+    ib_residual_sl: int = _opt(VerbsOptions.residual_sl, "verbs: service level of the Residual "
+                                                         "queue pair (0-15)")
+    ib_anchor_tc: int = _opt(VerbsOptions.anchor_tc, "verbs: RoCE traffic class (DSCP << 2) of "
+                                                     "the Anchor queue pair; 184 = DSCP 46 (EF)")
+    ib_residual_tc: int = _opt(VerbsOptions.residual_tc, "verbs: traffic class of the Residual "
+                                                         "queue pair; 32 = DSCP 8 (CS1)")
     secret_file: str | None = _opt(
         None, "file whose bytes (at least 16, e.g. `head -c 32 /dev/urandom`) authenticate every "
               "Lynx transport session: give every prefill and decode of the deployment the same "
@@ -123,6 +136,13 @@ class LynxConfig:
         for name in ("connect_timeout_s", "transfer_timeout_s", "spec_deadline_s"):
             if not getattr(self, name) > 0:
                 raise LynxConfigError(f"{flag_name(name)} must be > 0")
+        try:
+            self.verbs_options(device=None)
+        except ValueError as exc:
+            message = str(exc)
+            for option in ("gid_index", "anchor_sl", "residual_sl", "anchor_tc", "residual_tc"):
+                message = message.replace(option, flag_name("ib_" + option))
+            raise LynxConfigError(message) from None
         if self.speculate and not self.residual:
             raise LynxConfigError("--no-lynx-residual serves the Anchor as the final KV: there is "
                                   "nothing to verify, pass --no-lynx-speculate too")
@@ -165,6 +185,15 @@ class LynxConfig:
         when it opens a session and the decode compares them with its own (`wire_mismatch`)."""
         flat = self.flat()
         return {name: flat[name] for name in WIRE_SETTINGS}
+
+    def verbs_options(self, device: str | None) -> dict[str, Any]:
+        """`backend_options` of the verbs transport for this config on RDMA device `device`
+        (validated: ValueError names the bad option)."""
+        options = {"device": device, "gid_index": self.ib_gid_index,
+                   "anchor_sl": self.ib_anchor_sl, "residual_sl": self.ib_residual_sl,
+                   "anchor_tc": self.ib_anchor_tc, "residual_tc": self.ib_residual_tc}
+        VerbsOptions.from_dict(options)
+        return options
 
     def load_secret(self) -> bytes | None:
         """The transport secret: the file's bytes, else the hex in the environment, else None."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,41 @@ def test_wire_mismatch_names_flags():
     prefill = LynxConfig.build(rotate=False).wire_settings()
     assert wire_mismatch(decode, prefill) == ["--lynx-rotate: prefill False, decode True"]
     assert wire_mismatch(decode, decode) == []
+
+
+def test_rdma_path_flags_reach_the_verbs_options():
+    cfg = _config("--lynx-ib-gid-index", "3", "--lynx-ib-anchor-sl", "5", "--lynx-ib-anchor-tc", "106",
+                  "--lynx-ib-residual-sl", "1", "--lynx-ib-residual-tc", "0")
+    assert cfg.verbs_options("mlx5_1") == {"device": "mlx5_1", "gid_index": 3, "anchor_sl": 5,
+                                           "residual_sl": 1, "anchor_tc": 106, "residual_tc": 0}
+    assert _config().verbs_options(None)["gid_index"] is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--lynx-ib-anchor-sl", "16"), r"--lynx-ib-anchor-sl must be in \[0, 15\]"),
+    (("--lynx-ib-residual-tc", "256"), r"--lynx-ib-residual-tc must be in \[0, 255\]"),
+    (("--lynx-ib-gid-index", "-1"), "--lynx-ib-gid-index must be >= 0"),
+])
+def test_bad_rdma_path_flags_are_refused_by_name(argv, message):
+    with pytest.raises(LynxConfigError, match=message):
+        _config(*argv)
+
+
+def _flag_table() -> list[str]:
+    """The flags table of docs/operators.md, one row per `--lynx-*` flag, from the parser."""
+    parser = argparse.ArgumentParser()
+    add_lynx_arguments(parser)
+    rows = []
+    for action in parser._actions:
+        flag = action.option_strings[0] if action.option_strings else ""
+        if not flag.startswith("--lynx-") or flag == "--lynx-config":
+            continue
+        text, _, shown = action.help.rpartition(" (default ")
+        rows.append(f"| `{flag}` | `{shown.rstrip(')')}` | {text} |")
+    return rows
+
+
+def test_operators_doc_lists_every_flag_as_the_parser_explains_it():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operators.md").read_text().splitlines()
+    missing = [row for row in _flag_table() if row not in doc]
+    assert not missing, "docs/operators.md flag table is stale; rows to put in:\n" + "\n".join(missing)

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
     CommonKVReceiver,
@@ -138,8 +138,12 @@ class LynxKVManager(MooncakeKVManager):
         if self.lynx.transport == "verbs":
             device = rdma_device(self.lynx.ib_device, getattr(self.kv_args, "ib_device", None),
                                  getattr(self.kv_args, "gpu_id", 0) or 0)
-            logger.info("lynx: verbs transport on RDMA device %s", device or "(the first one)")
-            options = {"device": device}
+            options = self.lynx.verbs_options(device)
+            logger.info("lynx: verbs transport on RDMA device %s (GID index %s; Anchor SL %d TC "
+                        "%d, Residual SL %d TC %d)", device or "(the first one)",
+                        "auto" if options["gid_index"] is None else options["gid_index"],
+                        options["anchor_sl"], options["anchor_tc"], options["residual_sl"],
+                        options["residual_tc"])
         self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
                                  secret=self.lynx.load_secret(), allow_insecure=self.lynx.insecure,
                                  backend_options=options, name=f"lynx-{self.rank_port}")
@@ -157,6 +161,10 @@ class LynxKVManager(MooncakeKVManager):
     def attach_kv_pool(self, pool) -> None:
         """Called (plugin hook) right after SGLang built this manager, with its KV pool."""
         self.pool = KVPoolView.from_sglang_pool(pool)
+        # GPUDirect (registering device memory with the NIC) is not implemented: say so, so an
+        # operator comparing with Mooncake knows the encoded bytes leave from host memory.
+        logger.info("lynx: staging: host memory, %d MiB registered with the %s transport; KV pool "
+                    "on %s", self.lynx.staging_mib, self.lynx.transport, self.pool.device)
         head_dim = self.pool.shape.head_dim
         if self.lynx.codec.rotate and head_dim & (head_dim - 1):
             # Refuse at start-up rather than failing every request in the codec later.
@@ -278,6 +286,16 @@ class LynxKVManager(MooncakeKVManager):
 class LynxKVSender(CommonKVSender):
     """Prefill side of one request: SGLang's CommonKVSender, whose `send` queues the request's
     KV indices on LynxKVManager.add_transfer_request (no CUDA host-index fast path)."""
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        # SGLang's own counts the pool bytes of the request's slots; report what Lynx moved
+        # (the Anchor plus the coded Residual), so sglang:kv_transfer_total_mb and its speed
+        # show the real wire volume.
+        metric = super().get_transfer_metric()
+        sent = self.kv_mgr.sender.take_sent_bytes(self.bootstrap_room)
+        if sent is not None:
+            metric.transfer_total_bytes = sent
+        return metric
 
 
 class LynxKVReceiver(CommonKVReceiver):

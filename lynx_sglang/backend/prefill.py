@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ logger = logging.getLogger(__name__)
 IDENTITY_REQUEST = MAX_REQUEST_ID
 # After a failed connect to a decode, rooms bound there fail at once for this long.
 UNREACHABLE_COOLDOWN_S = 5.0
+# Rooms whose sent-byte count waits for SGLang to read it (it reads right after Success).
+SENT_BYTES_KEPT = 4096
 _STREAMS = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
 
 
@@ -177,6 +180,10 @@ class PrefillSender:
         # Decode addresses a connect failed to, with when they may be tried again: rooms bound
         # there fail at once instead of each waiting out the connect timeout.
         self._unreachable: dict[str, float] = {}
+        # Bytes each successful room put on the wire, for SGLang's transfer metrics (read once
+        # by `take_sent_bytes`; capped, since an aborted request's entry is never read).
+        self._sent_bytes: OrderedDict[int, int] = OrderedDict()
+        self._sent_lock = threading.Lock()
         self.stopping = threading.Event()
         # Shared by every destination worker: a layer's V is encoded while its K is.
         self._encoder = (ThreadPoolExecutor(1, thread_name_prefix="lynx-encode")
@@ -189,6 +196,18 @@ class PrefillSender:
             kv_indices = kv_indices.cpu().numpy()
         self._queue.put(_Chunk(room, np.array(kv_indices, dtype=np.int64), is_last, aux_index,
                                wait_event, time.time()))
+
+    def take_sent_bytes(self, room: int) -> int | None:
+        """The Anchor + Residual bytes sent for `room` (every destination), once; None if the
+        room was not sent (failed, or already taken)."""
+        with self._sent_lock:
+            return self._sent_bytes.pop(room, None)
+
+    def _record_sent(self, room: int, nbytes: int) -> None:
+        with self._sent_lock:
+            self._sent_bytes[room] = nbytes
+            while len(self._sent_bytes) > SENT_BYTES_KEPT:
+                self._sent_bytes.popitem(last=False)
 
     def run(self, stop: threading.Event) -> None:
         """The dispatcher thread's loop: collect each room's chunks and hand the complete room to
@@ -291,6 +310,7 @@ class PrefillSender:
         slots = torch.as_tensor(prefill_slots, dtype=torch.int64, device=pool.device)
         tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
                         residual_bytes=plan.residual_bytes if self.config.residual else 0)
+        sent = 0
         for dst in destinations:
             if dst.num_slots != num_tokens:
                 raise KVStreamError(f"decode allocated {dst.num_slots} KV slots for a request "
@@ -309,7 +329,7 @@ class PrefillSender:
             inflight = _InFlight(room, session, staging, tr)
             inflight_list.append(inflight)
             try:
-                self._write_streams(session, room, pool, slots, staging, plan, aux, tr)
+                sent += self._write_streams(session, room, pool, slots, staging, plan, aux, tr)
             except Exception:
                 # A stream never written stays pending for the transport, so the reaper would
                 # never free this range: give it back now.
@@ -317,17 +337,18 @@ class PrefillSender:
                 _release(session, room)
                 self.staging.free(staging)
                 raise
+        self._record_sent(room, sent)
         self.link.report(room, None, [d.notify for d in destinations])
         tr.mark("reported")
 
     def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
                        staging: StagingRange, plan: StreamPlan, aux: bytes,
-                       tr: trace.Trace) -> None:
+                       tr: trace.Trace) -> int:
         """Encode layer by layer straight into staging; each layer's Anchor goes out as soon as it
         is encoded, every layer's Anchor (and the aux) before any Residual byte. An int8 Residual
         is cheap and of fixed size, so it is encoded in the same pass, at its place; an exact
         Residual costs ~10x its Anchor, so it is encoded in a second pass, after the whole Anchor
-        is out, each layer written as soon as it is placed."""
+        is out, each layer written as soon as it is placed. Returns the bytes posted."""
         buf = self.staging.buffer
         chunk_tokens = self.config.chunk_tokens
         residual_base = staging.offset + plan.anchor_bytes
@@ -356,10 +377,11 @@ class PrefillSender:
             time.sleep(self._fault_residual_delay_s)
         if not self.config.residual:
             tr.mark("encode_end")
-            return
+            return plan.anchor_bytes
         if one_pass:
             session.write_stream(room, Stream.RESIDUAL, self.staging_region, residual_base,
                                  plan.residual_bytes, stream_offset=0)
+            stream_at = plan.residual_bytes
         else:
             # The second pass encodes the Anchor again (the corrections are relative to it) into
             # scratch; the layers go back to back, each as long as its values need.
@@ -378,6 +400,7 @@ class PrefillSender:
         session.finish(room, Stream.RESIDUAL)
         tr.mark("residual_posted")
         tr.mark("encode_end")
+        return plan.anchor_bytes + stream_at
 
     def reap(self, inflight: list[_InFlight]) -> None:
         """Free the staging of rooms the transport has delivered (or failed)."""

@@ -42,6 +42,7 @@ import pytest
 import torch
 
 from lynx_kernels import decode, encode
+from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV
 
@@ -354,6 +355,18 @@ def test_one_request(sgl, make_pd, target):
 
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
     assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    # SGLang's transfer metric (sglang:kv_transfer_total_mb) counts the bytes Lynx sent, not
+    # the pool bytes of the slots; read once.
+    plan = StreamPlan.build(pd.prefill.mgr.lynx.codec, pd.prefill.mgr.pool.shape, NUM_TOKENS,
+                            pd.prefill.mgr.lynx.chunk_tokens)
+    sent = req.sender.get_transfer_metric().transfer_total_bytes
+    pool_bytes = NUM_TOKENS * LAYERS * 2 * HEADS * HEAD_DIM * pd.prefill.pool.k_buffer[0].element_size()
+    if target == "int8":
+        assert sent == plan.anchor_bytes + plan.residual_bytes
+    else:
+        assert plan.anchor_bytes < sent <= plan.anchor_bytes + plan.residual_bytes
+    assert sent != pool_bytes
+    assert req.sender.get_transfer_metric().transfer_total_bytes == pool_bytes
     if target == "exact":
         for kind in ("k_buffer", "v_buffer"):
             for layer in range(LAYERS):
