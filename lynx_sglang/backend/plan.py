@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lynx_kernels import CodecSpec, KVShape, WireStream, fused
+from lynx_kernels.sizes import stream_nbytes_per_token
 
 from ..errors import KVStreamError
 from .pool import KINDS
@@ -30,6 +31,9 @@ class StreamPlan:
     # Per layer: the K run's bytes, then the V run's (Anchor exactly; Residual its bound).
     anchor_run_bytes: tuple[int, int]
     residual_run_bound: tuple[int, int]
+    # The Residual's expected size: its bound for the fixed-size int8 format; for the coded
+    # exact one the estimate from corrections measured on real KV (`lynx_kernels.sizes`).
+    residual_bytes_expected: int
 
     @classmethod
     def build(cls, spec: CodecSpec, shape: KVShape, num_tokens: int,
@@ -38,9 +42,15 @@ class StreamPlan:
             raise KVStreamError(f"a request must have at least one token, got {num_tokens}")
         runs = [fused.run_nbytes(spec, kind, shape.dtype, shape.num_kv_heads, shape.head_dim,
                                  num_tokens, chunk_tokens) for kind in KINDS]
+        bound = shape.num_layers * (runs[0].residual_bound + runs[1].residual_bound)
+        per_token = stream_nbytes_per_token(spec, shape.num_kv_heads, shape.head_dim,
+                                            shape.dtype.itemsize, num_tokens, dtype=shape.dtype)
+        values = shape.num_layers * num_tokens
+        headers = max(bound - round(values * per_token.residual), 0)
+        expected = min(bound, round(values * per_token.residual_expected) + headers)
         return cls(num_tokens, shape.num_layers, chunk_tokens,
                    (runs[0].anchor, runs[1].anchor),
-                   (runs[0].residual_bound, runs[1].residual_bound))
+                   (runs[0].residual_bound, runs[1].residual_bound), expected)
 
     @property
     def anchor_layer_bytes(self) -> int:
@@ -63,12 +73,6 @@ class StreamPlan:
     def staging_bytes(self) -> int:
         """Anchor then Residual, back to back."""
         return self.anchor_bytes + self.residual_bytes
-
-    @property
-    def residual_bytes_expected(self) -> int:
-        """What the Residual stream is expected to carry (its exact size for the fixed-size
-        formats; the speculation decision estimates its arrival from it)."""
-        return self.residual_bytes
 
     def stream_bytes(self, stream: WireStream) -> int:
         return self.anchor_bytes if stream is WireStream.ANCHOR else self.residual_bytes

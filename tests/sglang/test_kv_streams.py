@@ -112,6 +112,23 @@ def test_round_trip(target, num_tokens):
         assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("target", ["exact", "int8"])
+def test_plan_expects_the_residual_size_it_gets(target, dtype):
+    """The speculation decision estimates the Residual's arrival from `residual_bytes_expected`:
+    with the bound instead (2.3x BF16-coded sizes) it waited for a Residual ~2x too long."""
+    src = _pool(0)
+    src = KVPoolView([t.to(dtype) for t in src.k], [t.to(dtype) for t in src.v])
+    spec = CodecSpec(target=target)
+    _, residual = _streams(src, torch.arange(500), spec, 256, tag=3)
+    plan = StreamPlan.build(spec, src.shape, 500, 256)
+    if target == "int8":
+        assert len(residual) == plan.residual_bytes_expected == plan.residual_bytes
+    else:
+        assert plan.residual_bytes_expected < plan.residual_bytes
+        assert 0.85 < len(residual) / plan.residual_bytes_expected < 1.15
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("target", ["exact", "int8"])
