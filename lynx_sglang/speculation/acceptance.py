@@ -6,6 +6,9 @@ forward (exact KV) and, for sampled requests, the logits each speculative token 
 
 - Greedy: keep the longest prefix whose tokens equal the exact argmax; the first mismatch is
   replaced by the exact argmax. The result is token-identical to exact greedy decoding.
+- The verification may also feed the last draft token, giving one row more than there are drafts:
+  when every draft is kept, that row's exact token follows them (a "bonus" token: the decode step
+  the verification forward has already done), argmax for greedy, drawn from p for sampling.
 - Sampling (standard speculative sampling, Leviathan et al. 2023 / Chen et al. 2023): draft token
   x_i was drawn from q_i (the sampler's distribution on Anchor KV); keep it with probability
   min(1, p_i(x_i) / q_i(x_i)) where p_i is the exact distribution; at the first rejection draw the
@@ -22,30 +25,33 @@ import torch
 
 @dataclass(frozen=True)
 class Acceptance:
-    """`accepted` leading draft tokens are kept; `correction` (if not None) follows them."""
+    """`accepted` leading draft tokens are kept; `next_token` (if not None) is the exact token
+    after them: the replacement of the first rejected draft, or, when every draft is kept and the
+    verification had the extra row, the bonus token."""
 
     accepted: int
-    correction: int | None
+    next_token: int | None
 
 
 def accept_greedy(exact_logits: torch.Tensor, drafts: list[int]) -> Acceptance:
-    """`exact_logits[i]` predicts the token at the position of `drafts[i]`."""
+    """`exact_logits[i]` predicts the token at the position of `drafts[i]` (and row
+    `len(drafts)`, if given, the token after the last draft)."""
     _check(exact_logits, drafts)
     exact = exact_logits.argmax(dim=-1).tolist()
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == exact[accepted]:
         accepted += 1
-    return Acceptance(accepted, None if accepted == len(drafts) else exact[accepted])
+    return Acceptance(accepted, exact[accepted] if accepted < len(exact) else None)
 
 
 def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: list[int],
                    generator: torch.Generator | None = None) -> Acceptance:
     """`target_probs[i]` (exact) and `draft_probs[i]` (what `drafts[i]` was sampled from) are
-    probability rows over the vocabulary."""
+    probability rows over the vocabulary; a last target row past the drafts gives the bonus."""
     _check(target_probs, drafts)
-    if draft_probs.shape != target_probs.shape:
+    if draft_probs.shape != (len(drafts), target_probs.shape[1]):
         raise ValueError(f"draft probabilities {tuple(draft_probs.shape)} do not match the target "
-                         f"{tuple(target_probs.shape)}")
+                         f"{tuple(target_probs.shape)} and {len(drafts)} drafts")
     p_all = target_probs.double()
     q_all = draft_probs.double()
     for i, x in enumerate(drafts):
@@ -61,12 +67,15 @@ def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts
             residual, total = p, p.sum()
         y = int(torch.multinomial((residual / total).float(), 1, generator=generator))
         return Acceptance(i, y)
+    if len(p_all) > len(drafts):
+        return Acceptance(len(drafts), int(torch.multinomial(p_all[-1].float(), 1,
+                                                             generator=generator)))
     return Acceptance(len(drafts), None)
 
 
 def _check(rows: torch.Tensor, drafts: list[int]) -> None:
-    if rows.dim() != 2 or rows.shape[0] != len(drafts):
-        raise ValueError(f"expected one row per draft token ({len(drafts)}), got a tensor of "
-                         f"shape {tuple(rows.shape)}")
+    if rows.dim() != 2 or rows.shape[0] not in (len(drafts), len(drafts) + 1):
+        raise ValueError(f"expected one row per draft token ({len(drafts)}), and optionally one "
+                         f"for the bonus token, got a tensor of shape {tuple(rows.shape)}")
     if not torch.isfinite(rows).all():
         raise ValueError("verification logits/probabilities contain NaN or Inf")

@@ -233,7 +233,11 @@ class SpecController:
         runner = scheduler.tp_worker.model_runner
         passes_before = runner.forward_pass_id
         t0, wall0 = time.monotonic(), time.time()
-        logits = verify_forward(scheduler, to_check) if to_check else []
+        # The forward also does the decode step that follows it (the bonus token), unless the
+        # request's drafts end in a held-back finish or it has no room for another token.
+        bonus = [not r.lynx_spec.finish_pending
+                 and len(r.output_ids) < r.sampling_params.max_new_tokens for r in to_check]
+        logits = verify_forward(scheduler, to_check, bonus) if to_check else []
         verify_s = time.monotonic() - t0
         passes = runner.forward_pass_id - passes_before
         if to_check:
@@ -297,6 +301,7 @@ class SpecController:
             "t": round(time.time(), 6), "rid": req.rid, "room": st.room, "speculated": result.speculated,
             "accepted": result.accepted, "rolled_back": result.speculated - result.accepted,
             "corrected": result.corrected_token is not None,
+            "bonus": result.bonus_token is not None,
             "no_spec_reason": st.no_spec_reason, "parked_reason": st.parked_reason,
             "verify_ms": round(verify_s * 1e3, 3), "verify_model_passes": model_passes,
             "verify_batch": batch_size,

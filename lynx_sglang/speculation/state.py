@@ -57,6 +57,8 @@ class VerifyResult:
     speculated: int
     accepted: int
     corrected_token: int | None
+    # The exact token after all `speculated` kept drafts, from the verification's extra row.
+    bonus_token: int | None = None
 
 
 # Req attributes SGLang's reasoning-token accounting advances token by token (Req.

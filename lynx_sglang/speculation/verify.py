@@ -64,13 +64,17 @@ def extend_attention_as_decode(original, backend, query, output, k_cache, v_cach
     return output
 
 
-def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
+def verify_forward(scheduler, reqs: list, bonus: list[bool]) -> list[torch.Tensor]:
     """One EXTEND forward over every request's speculative positions on top of its (refined)
-    prompt KV; returns, per request, the logits [n, vocab] predicting output_ids[1..n].
+    prompt KV; returns, per request, the logits [n, vocab] predicting output_ids[1..n], plus a
+    last row predicting the token after tn where `bonus` asks for it and a KV slot was free.
 
     Request i has prompt length P and output_ids [t0 .. tn]; KV slots for t0..t(n-1) exist at
     positions P..P+n-1 (written during speculation). The extend feeds t0..t(n-1) at those
-    positions into the same slots, so their KV is rewritten at full precision.
+    positions into the same slots, so their KV is rewritten at full precision. With the bonus it
+    also feeds tn at position P+n, in a newly allocated slot: the decode step that would follow
+    the verification, done in the same forward (the slot is freed by `rollback` if a draft is
+    rejected, like every position past the kept prefix).
     """
     from sglang.srt.layers.logits_processor import LogitsMetadata
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -79,13 +83,17 @@ def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
 
     device = scheduler.req_to_token_pool.device
     req_to_token = scheduler.req_to_token_pool.req_to_token
-    tokens, locs, prefix_lens, extend_lens, seq_lens = [], [], [], [], []
     for req in reqs:
-        p = len(req.origin_input_ids)
         n = len(req.output_ids) - 1
-        if req.kv.kv_committed_len != p + n:
+        if req.kv.kv_committed_len != len(req.origin_input_ids) + n:
             raise RuntimeError(f"lynx verify: request {req.rid} holds KV for "
-                               f"{req.kv.kv_committed_len} positions, expected {p + n}")
+                               f"{req.kv.kv_committed_len} positions, expected "
+                               f"{len(req.origin_input_ids) + n}")
+    bonus = _bonus_slots(scheduler, reqs, bonus)
+    tokens, locs, prefix_lens, extend_lens, seq_lens = [], [], [], [], []
+    for req, extra in zip(reqs, bonus, strict=True):
+        p = len(req.origin_input_ids)
+        n = len(req.output_ids) - 1 + extra
         tokens.extend(req.output_ids[:n])
         locs.append(req_to_token[req.kv.req_pool_idx, p: p + n].to(torch.int64))
         prefix_lens.append(p)
@@ -131,6 +139,25 @@ def verify_forward(scheduler, reqs: list) -> list[torch.Tensor]:
     return list(torch.split(logits, extend_lens))
 
 
+def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
+    """Allocate the KV slot at position P+n of each request that wants a bonus token; 1 where
+    one was allocated. Without free slots for all of them, none gets one (the verification is
+    then the plain one; nothing is evicted for it)."""
+    # A request holding slots past its committed KV (none does without SGLang's overlap
+    # schedule) gets no bonus: position P+n must be the next one allocated.
+    wanted = [w and r.kv.kv_allocated_len == r.kv.kv_committed_len
+              for r, w in zip(reqs, wanted, strict=True)]
+    want = [r for r, w in zip(reqs, wanted, strict=True) if w]
+    slots = scheduler.token_to_kv_pool_allocator.alloc(len(want)) if want else None
+    if slots is None:
+        return [0] * len(reqs)
+    req_to_token = scheduler.req_to_token_pool.req_to_token
+    for req, slot in zip(want, slots.tolist(), strict=True):
+        req_to_token[req.kv.req_pool_idx, req.kv.kv_allocated_len] = slot
+        req.kv.kv_allocated_len += 1
+    return [int(w) for w in wanted]
+
+
 def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
     """Greedy: compare argmaxes. Sampled: speculative sampling with the exact distribution p and
     the one each draft token was drawn from, q (both at the request's temperature)."""
@@ -157,13 +184,16 @@ def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
 
 
 def apply_acceptance(req, st: SpecState, acc: Acceptance) -> VerifyResult:
-    """Edit output_ids in place: keep the accepted drafts, then the correction if any."""
+    """Edit output_ids in place: keep the accepted drafts, then the exact next token if any (a
+    correction, or the bonus when every draft was kept)."""
     n = len(req.output_ids) - st.verified_len
-    if acc.correction is None:
+    if acc.next_token is None:
         return VerifyResult(n, acc.accepted, None)
     del req.output_ids[st.verified_len + acc.accepted:]
-    req.output_ids.append(acc.correction)
-    return VerifyResult(n, acc.accepted, acc.correction)
+    req.output_ids.append(acc.next_token)
+    if acc.accepted < n:
+        return VerifyResult(n, acc.accepted, acc.next_token)
+    return VerifyResult(n, acc.accepted, None, bonus_token=acc.next_token)
 
 
 def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:

@@ -24,9 +24,18 @@ def test_greedy_keeps_the_agreeing_prefix_and_corrects_the_first_mismatch():
     assert accept_greedy(exact, [0, 1, 4, 1]) == Acceptance(0, 3)
 
 
+def test_greedy_bonus_row_gives_the_token_after_the_last_kept_draft():
+    exact = _logits_with_argmax([3, 1, 4, 1, 5])  # 4 drafts + the row after the last one
+    assert accept_greedy(exact, [3, 1, 4, 1]) == Acceptance(4, 5)
+    # A rejection still wins over the bonus row: the correction follows the kept prefix.
+    assert accept_greedy(exact, [3, 1, 5, 1]) == Acceptance(2, 4)
+
+
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="one row per draft"):
-        accept_greedy(torch.zeros(3, 8), [1, 2])
+        accept_greedy(torch.zeros(4, 8), [1, 2])
+    with pytest.raises(ValueError, match="one row per draft"):
+        accept_greedy(torch.zeros(1, 8), [1, 2])
     with pytest.raises(ValueError, match="NaN or Inf"):
         accept_greedy(torch.full((1, 8), float("nan")), [1])
     with pytest.raises(ValueError, match="do not match"):
@@ -58,7 +67,7 @@ def _emitted_first_tokens(rule, trials: int, seed: int) -> torch.Tensor:
 def test_speculative_sampling_emits_the_target_distribution():
     def lynx_rule(draft, gen):
         result = accept_sampled(P[None], Q[None], [draft], gen)
-        return draft if result.accepted == 1 else result.correction
+        return draft if result.accepted == 1 else result.next_token
 
     counts = _emitted_first_tokens(lynx_rule, 6000, seed=1)
     # 3 degrees of freedom over P's support; 16.27 is the 0.1% critical value.
@@ -77,3 +86,18 @@ def test_sampling_stops_at_the_first_rejection():
     assert accept_sampled(p, q, [0, 2]) == Acceptance(0, 1)
     # Identical distributions accept everything.
     assert accept_sampled(q[1:].repeat(3, 1), q[1:].repeat(3, 1), [0, 1, 2]) == Acceptance(3, None)
+
+
+def test_sampled_bonus_token_follows_the_exact_distribution():
+    """With every draft kept, the extra target row's token is drawn from p (here the drafts are
+    always kept: p == q on their rows), so it must be distributed as P."""
+    uniform = torch.full((1, len(P)), 1 / len(P))
+    target = torch.cat([uniform, P[None]])
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.zeros(len(P))
+    for _ in range(6000):
+        draft = int(torch.multinomial(uniform[0], 1, generator=gen))
+        result = accept_sampled(target, uniform, [draft], gen)
+        assert result.accepted == 1
+        counts[result.next_token] += 1
+    assert _chi2(counts, P) < 16.27, counts

@@ -75,6 +75,11 @@ def test_greedy_identical_with_rollbacks_and_one_verify_forward(spec_cluster, re
     multi = [rec for rec in lines if rec["speculated"] >= 2]
     assert multi, lines
     assert all(rec["verify_model_passes"] == 1 for rec in multi), multi
+    # Where every draft was kept and no finish was held, the same forward gave the next token.
+    kept_all = [rec for rec in lines if rec["speculated"] > 0 and rec["rolled_back"] == 0
+                and not (rec["parked_reason"] or "").startswith("speculative finish")]
+    assert all(rec["bonus"] for rec in kept_all), kept_all
+    assert not any(rec["bonus"] and rec["corrected"] for rec in lines), lines
 
 
 def test_stop_token_during_speculation_waits_for_verification(spec_cluster, stop_case,

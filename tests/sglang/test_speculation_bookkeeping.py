@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from lynx_sglang.speculation.acceptance import Acceptance
 from lynx_sglang.speculation.state import SpecState
-from lynx_sglang.speculation.verify import apply_acceptance, rollback
+from lynx_sglang.speculation.verify import _bonus_slots, apply_acceptance, rollback
 
 
 @dataclass
@@ -73,6 +75,72 @@ def test_rejecting_the_first_draft_keeps_only_the_prefill_token():
     assert req.output_ids == [1, 7]
     assert sched.tree_cache.freed == [[(11, 13)]]
     assert req.kv.kv_committed_len == 11
+
+
+@dataclass
+class _Allocator:
+    free: list[int]
+
+    def alloc(self, n: int):
+        if n > len(self.free):
+            return None
+        out, self.free = self.free[:n], self.free[n:]
+        return torch.tensor(out, dtype=torch.int64)
+
+
+@dataclass
+class _ReqToTokenPool:
+    req_to_token: torch.Tensor
+
+
+@dataclass
+class _BonusScheduler:
+    token_to_kv_pool_allocator: _Allocator
+    req_to_token_pool: _ReqToTokenPool = field(
+        default_factory=lambda: _ReqToTokenPool(torch.zeros(2, 64, dtype=torch.int32)))
+    tree_cache: _TreeCache = field(default_factory=_TreeCache)
+
+
+def _bonus_req(n_spec: int, row: int) -> _Req:
+    req = _speculated_req(n_spec)
+    req.kv.req_pool_idx = row
+    return req
+
+
+def test_bonus_slot_then_full_acceptance_keeps_the_bonus_token_and_its_input_kv():
+    sched = _BonusScheduler(_Allocator([77, 78]))
+    req, st = _bonus_req(4, row=1), SpecState(room=1)
+    assert _bonus_slots(sched, [req], [True]) == [1]
+    # Position P + n = 14 (the input of the last draft) now has a slot: the verification
+    # forward feeds s4 there, and its last row predicts the bonus token.
+    assert int(sched.req_to_token_pool.req_to_token[1, 14]) == 77
+    assert req.kv.kv_allocated_len == 15
+    result = apply_acceptance(req, st, Acceptance(4, 55))
+    rollback(sched, req, st.verified_len, result)
+    assert req.output_ids == [1, 10, 11, 12, 13, 55]
+    assert (result.corrected_token, result.bonus_token) == (None, 55)
+    assert sched.tree_cache.freed == []
+    assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 15
+
+
+def test_bonus_slot_is_freed_with_the_rejected_positions():
+    sched = _BonusScheduler(_Allocator([77]))
+    req, st = _bonus_req(4, row=0), SpecState(room=1)
+    assert _bonus_slots(sched, [req], [True]) == [1]
+    result = apply_acceptance(req, st, Acceptance(1, 99))
+    rollback(sched, req, st.verified_len, result)
+    assert req.output_ids == [1, 10, 99]
+    assert (result.corrected_token, result.bonus_token) == (99, None)
+    assert sched.tree_cache.freed == [[(12, 15)]]
+    assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 12
+
+
+def test_no_bonus_without_free_slots_or_when_not_asked():
+    sched = _BonusScheduler(_Allocator([77]))
+    a, b = _bonus_req(2, row=0), _bonus_req(3, row=1)
+    assert _bonus_slots(sched, [a, b], [True, True]) == [0, 0]  # one slot for two: none
+    assert _bonus_slots(sched, [a, b], [False, True]) == [0, 1]
+    assert (a.kv.kv_allocated_len, b.kv.kv_allocated_len) == (12, 14)
 
 
 THINK_END = 7
