@@ -91,6 +91,7 @@ class Endpoint:
         self._lock = threading.RLock()
         self._counters: dict[str, int] = {}
         self._closed = False
+        self._on_progress: Callable[[], None] | None = None
 
         backend_cls = load_backend(backend)
         self.backend_name = backend
@@ -181,6 +182,23 @@ class Endpoint:
         """Add `n` to the counter `key` of `stats()`."""
         with self._lock:
             self._counters[key] = self._counters.get(key, 0) + n
+
+    def on_progress(self, listener: Callable[[], None] | None) -> None:
+        """Call `listener()` whenever bytes land in, or a receive stream of, any session of this
+        Endpoint changes (chunk landed, stream complete, stream failed), so a consumer can block
+        on its own event instead of polling `recv_state`. It runs on the transport's threads: it
+        must be quick and must not call back into the transport (e.g. `threading.Event.set`).
+        An exception it raises is counted (`progress_listener_errors`) and otherwise ignored."""
+        self._on_progress = listener
+
+    def progress(self) -> None:
+        listener = self._on_progress
+        if listener is None:
+            return
+        try:
+            listener()
+        except Exception:
+            self.count("progress_listener_errors")
 
     # ------------------------------------------------------------------ sessions
     def connect(self, address: str, timeout: float = 10.0) -> Session:

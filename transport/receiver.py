@@ -360,6 +360,7 @@ class ReceiverRole(SessionBase):
         if changed:
             self._host.count("rx_failed_" + reason.value, len(changed))
             self._notify()
+            self._host.progress()
 
     # ------------------------------------------------------------------ internals
     def _chunk_done(self, request_id: int, stream: Stream, rs: RxStream, nbytes: int, ok: bool,
@@ -374,10 +375,13 @@ class ReceiverRole(SessionBase):
             complete = rs.land_locked(nbytes)
         if complete:
             self._rx_completed(request_id, stream, rs)
+        else:
+            self._host.progress()
 
     def _rx_completed(self, request_id: int, stream: Stream, rs: RxStream) -> None:
         self._send(Ack(request_id, stream, rs.landed))
         self._notify()
+        self._host.progress()
 
 
 def _check_request_id(request_id: int) -> None:

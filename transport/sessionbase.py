@@ -44,6 +44,8 @@ class SessionHost(Protocol):
 
     def count(self, key: str, n: int = 1) -> None: ...
 
+    def progress(self) -> None: ...  # a receive stream moved (`Endpoint.on_progress`)
+
 
 class SessionControl(Protocol):
     """What a Session uses of the control plane (`control.ControlPlane` implements it)."""

@@ -117,6 +117,7 @@ class DecodeApplier:
         self._idle = threading.Condition(self._lock)
         self._wake = threading.Event()
         self.estimates = _Estimates(verify_s=INITIAL_VERIFY_ESTIMATE_S)
+        endpoint.on_progress(self._wake.set)
 
     # ---- threads ------------------------------------------------------------------------------
     def accept_loop(self, stop: threading.Event) -> None:
@@ -198,6 +199,8 @@ class DecodeApplier:
     def run(self, stop: threading.Event) -> None:
         """The applier thread's loop. A failure in one room fails that room only."""
         while not stop.is_set():
+            # Cleared before looking, so a wake-up during the steps below is never lost.
+            self._wake.clear()
             with self._lock:
                 rooms = [r for r in self._rooms.values() if r.state in TRANSFERRING]
                 for room in rooms:
@@ -212,8 +215,9 @@ class DecodeApplier:
                     with self._lock:
                         room.busy = False
                         self._idle.notify_all()
-            self._wake.wait(0.002 if rooms else 0.1)
-            self._wake.clear()
+            # The transport wakes this thread when bytes land (`Endpoint.on_progress`), SGLang's
+            # calls when a room changes; the timeout only bounds the unannounced-room deadline.
+            self._wake.wait(0.1)
 
     # ---- SGLang's scheduler thread ------------------------------------------------------------
     def register(self, room_id: int, prefill: tuple[str, int], kv_indices,

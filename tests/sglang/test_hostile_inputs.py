@@ -71,6 +71,9 @@ class _Endpoint:
         time.sleep(min(timeout or 0.01, 0.01))
         return None
 
+    def on_progress(self, listener):
+        pass
+
 
 def _applier(endpoint) -> DecodeApplier:
     link = DecodeLink(lambda *a: None, lambda *a: None, lambda *a: None)

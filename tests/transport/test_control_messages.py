@@ -172,6 +172,9 @@ class _Host:
     def count(self, key, n=1):
         self.counters[key] = self.counters.get(key, 0) + n
 
+    def progress(self):
+        self.counters["progress"] = self.counters.get("progress", 0) + 1
+
 
 class _Control:
     stopped = False

@@ -453,3 +453,44 @@ def test_crc32_used_when_peer_lacks_xxhash():
     finally:
         tx.close()
         rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_progress_listener_wakes_a_consumer_on_every_change(pair):
+    """`Endpoint.on_progress` lets the decode's applier block instead of polling: it fires when
+    chunks land before the stream completes, at completion and at a failure; a listener that
+    raises is counted and never breaks the data path."""
+    rx, tx, s_rx, s_tx = pair
+    calls: list[tuple[int, Status]] = []
+    rx.on_progress(lambda: calls.append((s_rx.recv_state(9, A).nbytes, s_rx.recv_state(9, A).status)))
+    n = 4 * MiB
+    stage = np.zeros(n, np.uint8)
+    dst, src = rx.register(stage), tx.register(pattern(n, 9))
+    s_rx.announce(9, {A: [(dst.id, 0, n)]})
+    s_tx.wait_announcement(9, timeout=5)
+    s_tx.write_stream(9, A, src, 0, n)
+    s_tx.finish(9, A)
+    assert s_rx.wait(9, A, timeout=10).ok
+    assert any(0 < landed < n for landed, _ in calls), calls  # woken mid-stream
+    assert calls[-1] == (n, Status.COMPLETE)
+    s_rx.release(9)
+    s_tx.release(9)
+
+    failed = threading.Event()
+    rx.on_progress(lambda: failed.set() if s_rx.recv_state(10, R).status is Status.FAILED else None)
+    s_rx.announce(10, {R: [(dst.id, 0, 1024)]})
+    s_tx.wait_announcement(10, timeout=5)
+    s_tx.abort(10, "test abort")
+    assert failed.wait(10)
+    s_rx.release(10)
+
+    def broken():
+        raise RuntimeError("listener bug")
+
+    rx.on_progress(broken)
+    s_rx.announce(11, {A: [(dst.id, 0, 1024)]})
+    s_tx.wait_announcement(11, timeout=5)
+    s_tx.write_stream(11, A, src, 0, 1024)
+    s_tx.finish(11, A)
+    assert s_rx.wait(11, A, timeout=10).ok
+    assert rx.stats()["progress_listener_errors"] >= 1
