@@ -18,9 +18,18 @@ computes in fp32). Bytes per stream: Lynx variants from the decode's `lynx trans
 request; mooncake from the model's KV shape in that dtype (computed). Greedy, `ignore_eos`
 (bench_serving's default), so every request streams exactly `--max-new-tokens` tokens.
 
+`--no-bench-serving` leaves out step 1.
+
+`--url ROUTER` measures an already running cluster instead, as one variant (`--label`): the same
+warm-up and steps 1 and 2 through that router (its /flush_cache reaches every server). What needs
+the servers' trace files (net TTFT, Lynx's stream times, the stage breakdown) is reported as
+unavailable; bytes per stream come from Lynx's counters on `--metrics-url`'s /metrics when it has
+them.
+
 Writes `<out>/bench_ttft.json` (config, per-variant per-request numbers of both clients, medians,
 baseline ÷ variant ratios of the medians), `<out>/bench_ttft.png` (bar plot of the medians) and the
-servers' and bench_serving's logs under `<out>/bench_ttft_runs/<variant>/`.
+servers' and bench_serving's logs under `<out>/bench_ttft_runs/<variant>/`. Progress (variant i/N,
+start-up waits, request j/M, an ETA) goes to stderr (`tools.progress`).
 """
 
 from __future__ import annotations
@@ -33,10 +42,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from lynx_kernels import KVShape
 
@@ -53,6 +63,7 @@ from .measure import (
     model_kv_shape,
     wait_for,
 )
+from .progress import Progress
 from .prompts import passkey_prompt, random_ids_prompts
 from .trace_report import Breakdown, breakdown, parse_rate, records_by_request
 from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants
@@ -60,11 +71,20 @@ from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants
 BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
 LYNX_CLIENT = "lynx_client"      # lynx_sglang.tools.client.generate_stream's per-request numbers
 CLIENTS = (BENCH_SERVING, LYNX_CLIENT)
+
+
 class BenchError(LynxError):
     pass
 
 
 DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
+# Options that only apply when this tool starts the clusters, with their defaults: argparse's own
+# default is None, so that check_arguments can tell whether one was given next to --url.
+LAUNCH_DEFAULTS = {"variants": ",".join(DEFAULT_VARIANTS), "baseline": "mooncake",
+                   "link": "1gbit", "kv_dtype": DEFAULT_KV_DTYPE, "startup_timeout_s": 300.0}
+# Options that only apply to an already running cluster (--url).
+EXTERNAL_OPTIONS = ("label", "metrics_url")
+DEFAULT_LABEL = "external"
 
 
 @dataclass(frozen=True)
@@ -189,12 +209,15 @@ class VariantResult:
     # Bytes per stream of one request: {"anchor", "residual"} (measured, Lynx) or {"kv"}.
     stream_bytes: dict[str, int]
     bytes_measured: bool
-    # Whether both clients got the same text for each prompt (same prompts, greedy).
-    same_text_both_clients: bool
+    # Whether both clients got the same text for each prompt (same prompts, greedy); None when
+    # bench_serving did not run.
+    same_text_both_clients: bool | None
     run_dir: str
     warmup_attempts: int = 1
     # Lynx: the decode's effective configuration as it logged it at start-up.
     server_config: dict | None = None
+    # What could not be measured and why (an external cluster's trace records are out of reach).
+    unavailable: tuple[str, ...] = ()
 
 
 def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new_tokens: int,
@@ -216,15 +239,46 @@ def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new
 
 def _flush_prefix_cache(server_url: str, timeout_s: float = 60.0) -> None:
     """Empty a server's prefix cache (waits until it is idle), so a repeated prompt is prefilled
-    and transferred in full again."""
-    req = urllib.request.Request(f"{server_url}/flush_cache?timeout={timeout_s:.0f}", data=b"",
-                                 method="POST")
+    and transferred in full again. A router passes it on to all its servers."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s + 10) as r:
-            if r.status != 200:
-                raise BenchError(f"flush_cache on {server_url}: HTTP {r.status}")
-    except (urllib.error.URLError, OSError) as exc:
+        r = requests.post(f"{server_url}/flush_cache", params={"timeout": f"{timeout_s:.0f}"},
+                          timeout=timeout_s + 10)
+    except requests.RequestException as exc:
         raise BenchError(f"flush_cache on {server_url} failed: {exc}") from exc
+    if r.status_code != 200:
+        raise BenchError(f"flush_cache on {server_url}: HTTP {r.status_code}: {r.text[:500]!r}")
+
+
+def stream_byte_counters(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float] | None:
+    """Lynx's `lynx_stream_bytes_total` per stream from a Prometheus `/metrics` page (a decode
+    server with SGLang's --enable-metrics), summed over its series; None when the page cannot
+    be read or has no such counter (metrics off, not Lynx, or a router's page)."""
+    try:
+        r = requests.get(f"{metrics_url}/metrics", timeout=timeout_s)
+    except requests.RequestException:
+        return None
+    if r.status_code != 200:
+        return None
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == "lynx_stream_bytes_total":
+                stream = sample.labels.get("stream", "")
+                totals[stream] = totals.get(stream, 0.0) + sample.value
+    return totals or None
+
+
+def settled_stream_byte_counters(metrics_url: str, timeout_s: float = 10.0) -> dict | None:
+    """`stream_byte_counters` once two reads in a row agree: the decode counts a transfer when
+    its KV is final, which with speculation can be a moment after the request's last token."""
+    last = [stream_byte_counters(metrics_url)]
+
+    def unchanged() -> bool:
+        last.append(stream_byte_counters(metrics_url))
+        return last[-1] == last[-2]
+
+    wait_for(unchanged, timeout_s=timeout_s, poll_s=0.5)
+    return last[-1]
 
 
 @dataclass(frozen=True)
@@ -238,57 +292,86 @@ class BenchConfig:
     token_marks: tuple[int, ...]
     variants: tuple[str, ...]
     baseline: str
-    startup_timeout_s: float
+    startup_timeout_s: float | None  # None for an external cluster
     request_timeout_s: float
-    kv_dtype: str = DEFAULT_KV_DTYPE
+    # None for an external cluster: it runs with whatever KV dtype it was started with.
+    kv_dtype: str | None = DEFAULT_KV_DTYPE
+    # The router of an already running cluster that was measured (--url), instead of variants.
+    url: str | None = None
+    # False (--no-bench-serving): only this project's streaming client sends requests.
+    use_bench_serving: bool = True
+
+
+def warm_up(url: str, warmup_ids: list[int], cfg: BenchConfig, progress: Progress) -> int:
+    """One full-length request; returns the attempt that succeeded."""
+    for attempt in range(1, WARMUP_ATTEMPTS + 1):
+        progress.note(f"warm-up request ({len(warmup_ids)} tokens), attempt {attempt}")
+        try:
+            generate(url, input_ids=warmup_ids, max_new_tokens=4, timeout_s=cfg.request_timeout_s)
+        except GenerateError as exc:
+            progress.note(f"warm-up failed: {exc}")
+            if attempt == WARMUP_ATTEMPTS:
+                raise
+        else:
+            return attempt
+
+
+def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
+                      progress: Progress) -> list[RequestTiming]:
+    out_file = run_dir / "bench_serving.jsonl"
+    out_file.unlink(missing_ok=True)  # bench_serving appends
+    cmd = bench_serving_command(url, Path(cfg.model), cfg.prompt_tokens, cfg.max_new_tokens,
+                                cfg.requests, cfg.seed, out_file)
+    (run_dir / "bench_serving.cmd").write_text(" ".join(cmd) + "\n")
+    progress.note(f"sglang.bench_serving: {cfg.requests} request(s), one at a time "
+                  f"(log {run_dir / 'bench_serving.log'})")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with open(run_dir / "bench_serving.log", "wb") as bs_log:
+        proc = subprocess.run(cmd, stdout=bs_log, stderr=subprocess.STDOUT, env=env,
+                              timeout=cfg.request_timeout_s * cfg.requests + 300)
+    if proc.returncode != 0 or not out_file.is_file():
+        raise BenchError(f"{name}: bench_serving exited with {proc.returncode}; "
+                         f"log {run_dir / 'bench_serving.log'}")
+    return parse_bench_serving(json.loads(out_file.read_text().splitlines()[-1]), cfg.token_marks)
+
+
+def stream_prompts(url: str, flush_url: str, name: str, prompts: list[list[int]],
+                   cfg: BenchConfig, progress: Progress) -> tuple[list[StreamedGeneration], list[str]]:
+    """The prompts with lynx_sglang.tools.client, one at a time, `flush_url`'s prefix cache
+    emptied before each; returns the streams and their request ids."""
+    streamed, rids = [], []
+    for i, ids in enumerate(prompts):
+        progress.request(i + 1, len(prompts), "(lynx_sglang.tools.client)")
+        _flush_prefix_cache(flush_url)
+        rids.append(f"bench-{name}-{i}-{time.time_ns()}")
+        streamed.append(generate_stream(url, input_ids=ids, max_new_tokens=cfg.max_new_tokens,
+                                        timeout_s=cfg.request_timeout_s,
+                                        sampling={"ignore_eos": True}, rid=rids[-1]))
+    return streamed, rids
+
+
+def _same_text(bench: list[RequestTiming], client: list[RequestTiming]) -> bool | None:
+    return [b.text for b in bench] == [c.text for c in client] if bench else None
 
 
 def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
-                warmup_ids: list[int], kv_shape: KVShape, run_dir: Path) -> VariantResult:
+                warmup_ids: list[int], kv_shape: KVShape, run_dir: Path,
+                progress: Progress) -> VariantResult:
     spec = ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
                        link=cfg.link, startup_timeout_s=cfg.startup_timeout_s,
                        extra_env={TIMELINE_ENV: "1", TRACE_DIR_ENV: str(run_dir / "trace")})
-    log = lambda msg: print(f"[bench-ttft] {variant.name}: {msg}", flush=True)  # noqa: E731
-    log(f"starting prefill + decode + router (logs {run_dir}) ...")
+    progress.start_variant(variant.name,
+                           f"starting cluster: prefill + decode + router (logs {run_dir})")
     t0 = time.monotonic()
     is_lynx = variant.transfer_backend == "lynx"
-    with Cluster(spec) as cluster:
-        for attempt in range(1, WARMUP_ATTEMPTS + 1):
-            log(f"up in {time.monotonic() - t0:.0f} s; warm-up request ({len(warmup_ids)} "
-                f"tokens), attempt {attempt}")
-            try:
-                generate(cluster.url, input_ids=warmup_ids, max_new_tokens=4,
-                         timeout_s=cfg.request_timeout_s)
-                break
-            except GenerateError as exc:
-                log(f"warm-up failed: {exc}")
-                if attempt == WARMUP_ATTEMPTS:
-                    raise
-        out_file = run_dir / "bench_serving.jsonl"
-        out_file.unlink(missing_ok=True)  # bench_serving appends
-        cmd = bench_serving_command(cluster.url, Path(cfg.model), cfg.prompt_tokens,
-                                    cfg.max_new_tokens, cfg.requests, cfg.seed, out_file)
-        (run_dir / "bench_serving.cmd").write_text(" ".join(cmd) + "\n")
-        log(f"sglang.bench_serving: {cfg.requests} request(s), one at a time")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        with open(run_dir / "bench_serving.log", "wb") as bs_log:
-            proc = subprocess.run(cmd, stdout=bs_log, stderr=subprocess.STDOUT, env=env,
-                                  timeout=cfg.request_timeout_s * cfg.requests + 300)
-        if proc.returncode != 0 or not out_file.is_file():
-            raise BenchError(f"{variant.name}: bench_serving exited with {proc.returncode}; "
-                             f"log {run_dir / 'bench_serving.log'}")
-        bench = parse_bench_serving(json.loads(out_file.read_text().splitlines()[-1]),
-                                    cfg.token_marks)
-        log(f"the same prompts with lynx_sglang.tools.client ({cfg.requests} request(s))")
-        streamed, rids = [], []
-        for i, ids in enumerate(prompts):
-            _flush_prefix_cache(cluster.prefill_url)
-            rids.append(f"bench-{variant.name}-{i}-{time.time_ns()}")
-            streamed.append(generate_stream(cluster.url, input_ids=ids,
-                                            max_new_tokens=cfg.max_new_tokens,
-                                            timeout_s=cfg.request_timeout_s,
-                                            sampling={"ignore_eos": True}, rid=rids[-1]))
+    with Cluster(spec, on_wait=progress.waiting) as cluster:
+        progress.note(f"up in {time.monotonic() - t0:.0f} s")
+        attempt = warm_up(cluster.url, warmup_ids, cfg, progress)
+        bench = (run_bench_serving(cluster.url, variant.name, cfg, run_dir, progress)
+                 if cfg.use_bench_serving else [])
+        streamed, rids = stream_prompts(cluster.url, cluster.prefill_url, variant.name, prompts,
+                                        cfg, progress)
         trace_dir = run_dir / "trace"
         needed = ("timeline", "decode", "request") if is_lynx else ("timeline",)
         # The servers write their records asynchronously: give them a moment.
@@ -321,9 +404,49 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
                              f"requests: {[r.stream_bytes for r in client]}")
     else:
         stream_bytes = {"kv": kv_shape.bytes_for(cfg.prompt_tokens)}
-    same_text = [b.text for b in bench] == [c.text for c in client]
-    return VariantResult(variant, bench + client, stream_bytes, is_lynx, same_text, str(run_dir),
-                         attempt, server_config)
+    progress.finish_variant()
+    return VariantResult(variant, bench + client, stream_bytes, is_lynx,
+                         _same_text(bench, client), str(run_dir), attempt, server_config)
+
+
+def external_variant(label: str, url: str) -> Variant:
+    return Variant(label, "unknown", description=f"an already running cluster at {url}")
+
+
+def run_external(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
+                 warmup_ids: list[int], metrics_url: str, run_dir: Path,
+                 progress: Progress) -> VariantResult:
+    """The same requests against an already running cluster (`cfg.url`, its router). Only what
+    HTTP gives is measured: the clients' times, and bytes per stream when `metrics_url`'s
+    /metrics counts Lynx's streams; the servers' trace records are files on their machines."""
+    url = cfg.url
+    run_dir.mkdir(parents=True, exist_ok=True)
+    progress.start_variant(variant.name, f"measuring the running cluster at {url}")
+    attempt = warm_up(url, warmup_ids, cfg, progress)
+    bench = (run_bench_serving(url, variant.name, cfg, run_dir, progress)
+             if cfg.use_bench_serving else [])
+    # Read with no request in flight: the counters grow by exactly the streamed requests' bytes.
+    before = settled_stream_byte_counters(metrics_url)
+    streamed, _ = stream_prompts(url, url, variant.name, prompts, cfg, progress)
+    after = settled_stream_byte_counters(metrics_url)
+    unavailable = [
+        "net TTFT (prefill forward done -> first token): needs the prefill's trace records",
+        "Lynx stream times (Anchor/Residual landed, applied) and the stage breakdown of the "
+        "net TTFT: need the decode's trace records",
+        "the decode's Lynx configuration: from its trace records",
+    ]
+    stream_bytes: dict[str, int] = {}
+    if before is not None and after is not None:
+        stream_bytes = {k: round((after[k] - before.get(k, 0.0)) / len(prompts)) for k in after}
+    else:
+        unavailable.append(f"bytes per stream: {metrics_url}/metrics has no lynx_stream_bytes_total "
+                           "(give the decode's URL with --metrics-url; it needs SGLang's "
+                           "--enable-metrics)")
+    client = [client_timing(i, g, cfg.token_marks, None, None) for i, g in enumerate(streamed)]
+    progress.finish_variant()
+    return VariantResult(variant, bench + client, stream_bytes, bool(stream_bytes),
+                         _same_text(bench, client), str(run_dir), attempt,
+                         unavailable=tuple(unavailable))
 
 
 def _mib(b: int) -> str:
@@ -333,18 +456,23 @@ def _mib(b: int) -> str:
 def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
                  ratio_table: dict[str, dict]) -> str:
     marks = cfg.token_marks
+    tokens_from = BENCH_SERVING if cfg.use_bench_serving else LYNX_CLIENT
     cols = [(f"{BENCH_SERVING}.ttft_s", "TTFT (bench_serving)"),
             (f"{LYNX_CLIENT}.ttft_s", "TTFT (client)"),
             (f"{LYNX_CLIENT}.net_ttft_s", "net TTFT (client)"),
-            *[(f"{BENCH_SERVING}.t{k}_s", f"token {k} (bench_serving)") for k in marks]]
+            *[(f"{tokens_from}.t{k}_s", f"token {k} ({tokens_from})") for k in marks]]
     head = ("variant", *[c[1] for c in cols], "bytes per stream")
     rows = []
     for r in results:
         med = medians(r.requests, marks)
         cells = [f"{med[k] * 1e3:.0f} ms" if k in med else "-" for k, _ in cols]
         b = r.stream_bytes
-        nbytes = (f"KV {_mib(b['kv'])} (computed)" if "kv" in b
-                  else f"Anchor {_mib(b['anchor'])} / Residual {_mib(b['residual'])}")
+        if not b:
+            nbytes = "unavailable"
+        elif "kv" in b:
+            nbytes = f"KV {_mib(b['kv'])} (computed)"
+        else:
+            nbytes = f"Anchor {_mib(b['anchor'])} / Residual {_mib(b['residual'])}"
         rows.append((r.variant.name, *cells, nbytes))
     widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
     fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))  # noqa: E731
@@ -356,11 +484,17 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
         shown = ", ".join(f"{k} {v:.2f}" for k, v in vals.items()
                           if k.endswith(("ttft_s", f"t{marks[-1]}_s")))
         lines.append(f"{pair} (> 1: faster than {cfg.baseline}): {shown}")
-    same = {r.variant.name: r.same_text_both_clients for r in results}
-    lines += [f"same output text from both clients (same prompts): {same}",
-              "TTFT: send -> first token at that client; net TTFT: prefill forward done (prefill "
-              "log) -> first token at lynx_sglang.tools.client (bench_serving keeps no wall-clock send "
-              "time); token k: send -> k-th streamed token."]
+    if cfg.use_bench_serving:
+        same = {r.variant.name: r.same_text_both_clients for r in results}
+        lines.append(f"same output text from both clients (same prompts): {same}")
+    lines.append("TTFT: send -> first token at that client; net TTFT: prefill forward done (prefill "
+                 "log) -> first token at lynx_sglang.tools.client (bench_serving keeps no wall-clock "
+                 "send time); token k: send -> k-th streamed token.")
+    for r in results:
+        if r.unavailable:
+            lines.append(f"{r.variant.name}: unavailable for an already running cluster "
+                         "(only HTTP reaches it):")
+            lines += [f"  - {why}" for why in r.unavailable]
     return "\n".join(lines)
 
 
@@ -404,6 +538,7 @@ def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
             "stream_bytes": r.stream_bytes, "bytes_measured": r.bytes_measured,
             "same_text_both_clients": r.same_text_both_clients, "run_dir": r.run_dir,
             "warmup_attempts": r.warmup_attempts, "server_config": r.server_config,
+            "unavailable": list(r.unavailable),
             "medians": medians(r.requests, cfg.token_marks),
             "requests": {c: [asdict(q) for q in r.requests if q.client == c] for c in CLIENTS},
         } for r in results},
@@ -412,14 +547,34 @@ def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    launch = parser.add_argument_group(
+        "clusters this tool starts, one per variant (not with --url)")
+    launch.add_argument("--variants", default=None,
                         help=f"comma-separated, from {[v.name for v in VARIANTS]} "
-                             f"(default {','.join(DEFAULT_VARIANTS)})")
-    parser.add_argument("--baseline", default="mooncake",
-                        help="variant the ratios divide by (default mooncake)")
-    parser.add_argument("--link", default="1gbit", metavar="RATE|none",
+                             f"(default {LAUNCH_DEFAULTS['variants']})")
+    launch.add_argument("--baseline", default=None,
+                        help=f"variant the ratios divide by (default {LAUNCH_DEFAULTS['baseline']})")
+    launch.add_argument("--link", default=None, metavar="RATE|none",
                         help="rate of the shaped link between prefill and decode (two network "
-                             "namespaces; root), e.g. 1gbit, 10mbit; none = loopback")
+                             "namespaces; root), e.g. 1gbit, 10mbit; none = loopback (default "
+                             f"{LAUNCH_DEFAULTS['link']})")
+    add_kv_dtype_argument(launch, default=None)
+    launch.add_argument("--startup-timeout-s", type=float, default=None,
+                        help="seconds each cluster may take to come up (default "
+                             f"{LAUNCH_DEFAULTS['startup_timeout_s']:.0f})")
+    external = parser.add_argument_group("an already running cluster")
+    external.add_argument("--url", default=None,
+                          help="measure the cluster behind this router URL (e.g. "
+                               "http://10.0.0.5:30000) instead of starting clusters: the same "
+                               "requests, the clients' TTFT and token times as one variant; the "
+                               "net TTFT and Lynx's stream times need the servers' trace files "
+                               "and are reported as unavailable")
+    external.add_argument("--label", default=None,
+                          help=f"name of that variant in the results (default {DEFAULT_LABEL})")
+    external.add_argument("--metrics-url", default=None, metavar="URL",
+                          help="a server whose /metrics counts Lynx's stream bytes (the decode, "
+                               "started with SGLang's --enable-metrics), for bytes per stream "
+                               "(default: the --url itself)")
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=3,
@@ -428,12 +583,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="report the time to these streamed tokens (default 16,64)")
     parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed (prompts)")
     parser.add_argument("--model", type=Path, default=None,
-                        help="HF model folder (default: the embedded SmolLM2-135M)")
+                        help="HF model folder (default: the embedded SmolLM2-135M); with --url "
+                             "only its tokenizer is read, so it must be the served model's")
+    parser.add_argument("--no-bench-serving", dest="use_bench_serving", action="store_false",
+                        help="send only lynx_sglang.tools.client's requests, no sglang.bench_serving "
+                             "pass (half the requests; its token times then come from the client)")
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="folder for bench_ttft.json, bench_ttft.png and bench_ttft_runs/")
-    add_kv_dtype_argument(parser)
-    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--url excludes the options of the clusters this tool starts, and they need it for theirs;
+    then fill in the launch defaults (see LAUNCH_DEFAULTS)."""
+    launch = [_flag(k) for k in LAUNCH_DEFAULTS if getattr(args, k) is not None]
+    external = [_flag(k) for k in EXTERNAL_OPTIONS if getattr(args, k) is not None]
+    if args.url is not None:
+        if launch:
+            parser.error(f"--url measures an already running cluster; {', '.join(launch)}: only "
+                         "for the clusters bench-ttft starts itself")
+        args.label = args.label or DEFAULT_LABEL
+        args.metrics_url = args.metrics_url or args.url
+        return
+    if external:
+        parser.error(f"{', '.join(external)}: only with --url (an already running cluster)")
+    for k, default in LAUNCH_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, default)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -441,26 +621,33 @@ def run(args: argparse.Namespace) -> int:
 
     from .model import embedded_model_dir
 
-    variants = select_variants(args.variants)
-    if args.baseline not in [v.name for v in variants]:
-        raise BenchError(f"--baseline {args.baseline} is not among --variants")
     if args.requests < 1 or args.max_new_tokens < 1:
         raise BenchError("--requests and --max-new-tokens must be at least 1")
-    link = None if args.link == "none" else args.link
-    link_desc = (f"{link} shaped veth between two network namespaces (prefill | decode)"
-                 if link else "loopback") + f", {args.kv_dtype} KV"
+    url = args.url.rstrip("/") if args.url else None
+    if url:
+        variants = [external_variant(args.label, url)]
+        link, baseline = None, args.label
+        link_desc = f"already running cluster at {url} (link and KV dtype as it was started)"
+    else:
+        variants = select_variants(args.variants)
+        if args.baseline not in [v.name for v in variants]:
+            raise BenchError(f"--baseline {args.baseline} is not among --variants")
+        link, baseline = (None if args.link == "none" else args.link), args.baseline
+        link_desc = (f"{link} shaped veth between two network namespaces (prefill | decode)"
+                     if link else "loopback") + f", {args.kv_dtype} KV"
     model_dir = Path(args.model or embedded_model_dir())
     cfg = BenchConfig(link, str(model_dir), args.prompt_tokens, args.max_new_tokens,
                       args.requests, args.seed,
                       tuple(int(k) for k in args.token_marks.split(",") if k.strip()),
-                      tuple(v.name for v in variants), args.baseline, args.startup_timeout_s,
-                      args.request_timeout_s, args.kv_dtype)
+                      tuple(v.name for v in variants), baseline, args.startup_timeout_s,
+                      args.request_timeout_s, args.kv_dtype, url, args.use_bench_serving)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = random_ids_prompts(tokenizer.vocab_size, cfg.prompt_tokens, cfg.max_new_tokens,
                                  cfg.requests, cfg.seed)
     # A full-length warm-up whose prefix no measured prompt shares.
     warmup_ids = passkey_prompt(tokenizer, cfg.prompt_tokens)
-    kv_shape = model_kv_shape(model_dir, args.kv_dtype)
+    # An external cluster's KV dtype is its own; --model may then hold only a tokenizer.
+    kv_shape = None if url else model_kv_shape(model_dir, args.kv_dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"[bench-ttft] model {model_dir}; link: {link_desc}; variants {list(cfg.variants)}",
           flush=True)
@@ -473,6 +660,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     load_start = os.getloadavg()
     results: list[VariantResult] = []
+    progress = Progress("bench-ttft", len(variants))
 
     def write(complete: bool) -> dict:
         """The JSON so far: written after every variant, so a run cut short keeps what it has."""
@@ -482,19 +670,26 @@ def run(args: argparse.Namespace) -> int:
                  "loadavg_end": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1),
                  "bench_serving": "sglang.bench_serving --backend sglang --dataset-name random-ids "
                                   "--tokenize-prompt --random-range-ratio 1 --max-concurrency 1 "
-                                  "--warmup-requests 0 (via lynx_sglang.tools.bench_serving_offline)"}
+                                  "--warmup-requests 0 (via lynx_sglang.tools.bench_serving_offline)"
+                                  if cfg.use_bench_serving else "not run (--no-bench-serving)"}
         (args.out / "bench_ttft.json").write_text(
             json.dumps(result_json(results, cfg, link_desc, ratio_table, extra), indent=1))
         return ratio_table
 
     try:
         for v in variants:
-            results.append(run_variant(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
-                                       kv_shape=kv_shape,
-                                       run_dir=(args.out / "bench_ttft_runs" / v.name).resolve()))
+            run_dir = (args.out / "bench_ttft_runs" / v.name).resolve()
+            if url:
+                results.append(run_external(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                                            metrics_url=args.metrics_url.rstrip("/"),
+                                            run_dir=run_dir, progress=progress))
+            else:
+                results.append(run_variant(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                                           kv_shape=kv_shape, run_dir=run_dir, progress=progress))
             write(complete=False)
     except KeyboardInterrupt:
-        print("[bench-ttft] interrupted; the running cluster was stopped", file=sys.stderr)
+        print("[bench-ttft] interrupted" + ("" if url else "; the running cluster was stopped"),
+              file=sys.stderr)
         return 130
     ratio_table = write(complete=True)
     print()

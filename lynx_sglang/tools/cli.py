@@ -1,8 +1,10 @@
 """`lynx-sglang` command line.
 
-Each subcommand lives in its own module, which defines `add_arguments(parser)` and `run(args) -> int`;
-it is imported only when that subcommand runs, so `lynx-sglang --help` stays fast and never pulls in
-SGLang or torch. To add a subcommand, add one `Subcommand` row to `SUBCOMMANDS`.
+Each subcommand lives in its own module, which defines `add_arguments(parser)` and `run(args) -> int`,
+and may define `check_arguments(parser, args)` for what argparse cannot express (options that
+exclude each other in groups; it calls `parser.error`); the module is imported only when that
+subcommand runs, so `lynx-sglang --help` stays fast and never pulls in SGLang or torch. To add a
+subcommand, add one `Subcommand` row to `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
         "bench-ttft",
         "lynx_sglang.tools.bench_ttft",
-        "TTFT/net TTFT/token times of PD variants (mooncake, lynx, lynx-int8) via sglang.bench_serving",
+        "TTFT/net TTFT/token times of PD variants (mooncake, lynx, lynx-int8) via sglang.bench_serving, "
+        "or of an already running cluster (--url)",
     ),
     Subcommand(
         "bench-transfer",
@@ -129,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     module = importlib.import_module(next(c.module for c in SUBCOMMANDS if c.name == args.command))
+    check = getattr(module, "check_arguments", None)
+    if check is not None:
+        check(subparsers[args.command], args)
     return int(module.run(args) or 0)
 
 

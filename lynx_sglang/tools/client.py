@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import urllib.error
-import urllib.request
+import time
 from dataclasses import dataclass
+
+import requests
 
 from ..errors import LynxError
 
@@ -42,17 +43,13 @@ def generate(url: str, *, text: str | None = None, input_ids: list[int] | None =
         body["text"] = text
     else:
         body["input_ids"] = input_ids
-    req = urllib.request.Request(
-        url.rstrip("/") + "/generate", data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            reply = json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        raise GenerateError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from exc
-    except (urllib.error.URLError, OSError) as exc:
+        r = requests.post(url.rstrip("/") + "/generate", json=body, timeout=timeout_s)
+    except requests.RequestException as exc:
         raise GenerateError(f"request to {url} failed: {exc}") from exc
+    if not r.ok:
+        raise GenerateError(f"HTTP {r.status_code}: {r.content[:2000]!r}")
+    reply = r.json()
     meta = reply.get("meta_info", {})
     finish = meta.get("finish_reason")
     if isinstance(finish, dict) and finish.get("type") == "abort":
@@ -81,10 +78,8 @@ def generate_stream(url: str, *, input_ids: list[int] | None = None, text: str |
                     max_new_tokens: int = 16, timeout_s: float = 300.0,
                     sampling: dict | None = None, rid: str | None = None) -> StreamedGeneration:
     """Greedy /generate with `"stream": true` (unless `sampling` overrides it), reading SGLang's
-    server-sent events. `timeout_s` bounds each socket read; `rid` names the request (for
-    /abort_request); raises GenerateError on HTTP errors, aborts or an empty stream."""
-    import time
-
+    server-sent events. `timeout_s` bounds the connect and each socket read; `rid` names the
+    request (for /abort_request); raises GenerateError on HTTP errors, aborts or an empty stream."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     params.update(sampling or {})
     if (text is None) == (input_ids is None):
@@ -93,10 +88,6 @@ def generate_stream(url: str, *, input_ids: list[int] | None = None, text: str |
     if rid is not None:
         body["rid"] = rid
     body.update({"text": text} if text is not None else {"input_ids": input_ids})
-    req = urllib.request.Request(
-        url.rstrip("/") + "/generate", data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
     chunks: list[list[int]] = []
     t_chunks: list[float] = []
     texts: list[str] = []
@@ -104,8 +95,13 @@ def generate_stream(url: str, *, input_ids: list[int] | None = None, text: str |
     meta: dict = {}
     t_send = time.time()
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            for raw in r:
+        with requests.post(url.rstrip("/") + "/generate", json=body, stream=True,
+                           timeout=timeout_s) as r:
+            if not r.ok:
+                raise GenerateError(f"HTTP {r.status_code}: {r.content[:2000]!r}")
+            # SGLang sends each event as one HTTP chunk, and chunked reads return at a chunk's
+            # end, so a token's time is when its chunk arrived, not when a read buffer filled.
+            for raw in r.iter_lines():
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
                     continue
@@ -127,9 +123,7 @@ def generate_stream(url: str, *, input_ids: list[int] | None = None, text: str |
                     chunks.append(ids)
                     t_chunks.append(now)
                     texts.append(event.get("text") or "")
-    except urllib.error.HTTPError as exc:
-        raise GenerateError(f"HTTP {exc.code}: {exc.read()[:2000]!r}") from exc
-    except (urllib.error.URLError, OSError) as exc:
+    except requests.RequestException as exc:
         raise GenerateError(f"request to {url} failed: {exc}") from exc
     if t_first is None:
         raise GenerateError("the stream carried no output token")

@@ -2,10 +2,12 @@
 plain server for reference outputs. Owns the processes it starts and their logs.
 
 Every server runs as `python -m lynx_sglang.serve` (SGLang's launch_server with Lynx's CPU
-compatibility active from interpreter start, see that module), each process tree in its own
-process group so `stop()` can end the whole tree: SIGTERM to the group, then SIGKILL after a
-deadline. `start()` waits for each server's /health (and the router's) with a deadline and fails
-with the tail of the log of a process that died or never came up. Logs: `<run_dir>/<name>.log`.
+compatibility active from interpreter start, see that module) in its own session, so a Ctrl-C at
+the terminal reaches only the tool, which stops the cluster itself. `stop()` ends each whole
+process tree (psutil: the process, its descendants and whatever is left in its process group):
+SIGTERM, then SIGKILL to what is still alive after a deadline. `start()` waits for each server's
+/health (and the router's) with a deadline and fails with the tail of the log of a process that
+died or never came up. Logs: `<run_dir>/<name>.log`.
 
 Used by `lynx-sglang up` (`run`), the tests (tests/sglang/conftest.py) and the benchmarks.
 """
@@ -25,11 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+
+import psutil
+import requests
 
 from ..errors import LynxError
 from .netns import RECEIVER_IP, SENDER_IP, Forwarder, ShapedLink
@@ -124,10 +128,14 @@ def server_command(spec: ClusterSpec, port: int, role: str | None,
 
 
 class Cluster:
-    """Context manager: `with Cluster(spec) as c: c.url` (router URL in PD mode)."""
+    """Context manager: `with Cluster(spec) as c: c.url` (router URL in PD mode). `on_wait`, if
+    given, is called about once a second during start-up with the names of the processes not yet
+    healthy and the seconds waited so far (progress reports)."""
 
-    def __init__(self, spec: ClusterSpec):
+    def __init__(self, spec: ClusterSpec,
+                 on_wait: Callable[[list[str], float], None] | None = None):
         self.spec = spec
+        self._on_wait = on_wait
         self.run_dir = Path(spec.run_dir or tempfile.mkdtemp(prefix="lynx-cluster-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._procs: list[_Proc] = []
@@ -247,7 +255,8 @@ class Cluster:
         return fwd.url
 
     def _wait_healthy(self, procs: list[_Proc]) -> None:
-        deadline = time.monotonic() + self.spec.startup_timeout_s
+        t_start = time.monotonic()
+        deadline = t_start + self.spec.startup_timeout_s
         pending = list(procs)
         while pending:
             for proc in list(pending):
@@ -269,6 +278,8 @@ class Cluster:
                 raise ClusterError(
                     f"{names} not healthy after {self.spec.startup_timeout_s:.0f} s\n{tails}"
                 )
+            if pending and self._on_wait is not None:
+                self._on_wait([p.name for p in pending], time.monotonic() - t_start)
             time.sleep(1.0)
 
     def proc(self, name: str) -> subprocess.Popen:
@@ -282,8 +293,9 @@ class Cluster:
 
     def decode_used_tokens(self) -> int:
         """KV slots the decode server holds right now (SGLang's /v1/loads), for leak checks."""
-        with urllib.request.urlopen(self.decode_url + "/v1/loads", timeout=10) as r:
-            loads = json.loads(r.read())["loads"]
+        r = requests.get(self.decode_url + "/v1/loads", timeout=10)
+        r.raise_for_status()
+        loads = r.json()["loads"]
         return sum(entry["num_used_tokens"] for entry in loads)
 
     def decode_tcp_address(self, port: int) -> str:
@@ -295,8 +307,9 @@ class Cluster:
     def kill(self, name: str) -> None:
         """SIGKILL one process tree (fault tests)."""
         popen = self.proc(name)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
+        for proc in process_tree(popen):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
         popen.wait(timeout=self.spec.stop_timeout_s)
 
     def restart(self, name: str) -> None:
@@ -308,20 +321,23 @@ class Cluster:
         self._wait_healthy([self._spawn(name, old.cmd, old.health_url, old.host_ip)])
 
     def stop(self) -> None:
-        for p in reversed(self._procs):
-            if p.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.spec.stop_timeout_s
-        for p in self._procs:
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                p.popen.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop after SIGTERM; killing", p.name)
-            # SGLang's scheduler can outlive its parent: end the rest of the group too.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.popen.pid, signal.SIGKILL)
+        # Every tree is listed before anything is signalled: SGLang's scheduler can outlive its
+        # parent, and once the parent is gone it is no longer its descendant.
+        trees = [(p, process_tree(p.popen)) for p in reversed(self._procs)]
+        owner = {proc.pid: p.name for p, tree in trees for proc in tree}
+        procs = [proc for _, tree in trees for proc in tree]
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        alive = _wait_exited(procs, self.spec.stop_timeout_s)
+        for proc in alive:
+            logger.warning("%s: pid %d still running %.0f s after SIGTERM; killing",
+                           owner[proc.pid], proc.pid, self.spec.stop_timeout_s)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        _wait_exited(alive, 5.0)
+        for p, _ in trees:
+            # psutil may have reaped the server already; this settles Popen's own record of it.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=5)
         self._procs.clear()
@@ -335,10 +351,48 @@ class Cluster:
 
 def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
+        return requests.get(url, timeout=timeout_s).status_code == 200
+    except requests.RequestException:
         return False
+
+
+def _exited(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """`psutil.wait_procs` until `timeout_s`, returning those still running, where a zombie counts
+    as exited: psutil waits for an orphan's zombie until init reaps it, and the init of many
+    containers never does."""
+    deadline = time.monotonic() + timeout_s
+    alive = procs
+    while alive:
+        _, alive = psutil.wait_procs(alive, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        alive = [p for p in alive if not _exited(p)]
+        if time.monotonic() >= deadline:
+            break
+    return alive
+
+
+def process_tree(popen: subprocess.Popen) -> list[psutil.Process]:
+    """A process started with its own session (`Cluster._spawn`) while it runs, its descendants,
+    and every process still in its process group: a child whose parent died is re-parented out of
+    the tree but stays in the group. Empty when nothing of it is left."""
+    found: dict[int, psutil.Process] = {}
+    # Once reaped, its pid may belong to someone else.
+    if popen.poll() is None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(popen.pid)
+            found[root.pid] = root
+            found.update((c.pid, c) for c in root.children(recursive=True))
+    for proc in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError):
+            if proc.pid not in found and os.getpgid(proc.pid) == popen.pid:
+                found[proc.pid] = proc
+    return list(found.values())
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -12,7 +12,8 @@ and the servers' trace records (`lynx_sglang.trace`, written to `<run dir>/trace
 forward done (any backend), and for Lynx every stage of the transfer, SGLang's first step and
 first token, and the verification. Each Lynx request also gets a stage breakdown of its
 network-exposed TTFT (`tools.trace_report`). Clusters run one after the other and each is stopped
-(whole process trees, link removed) before the next, also on error or Ctrl-C.
+(whole process trees, link removed) before the next, also on error or Ctrl-C. Progress (variant
+i/N, start-up waits, the request, an ETA) goes to stderr (`tools.progress`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .measure import (
     wait_for,
 )
 from .netns import netns_available
+from .progress import Progress
 from .prompts import passkey_prompt
 from .trace_report import Breakdown, breakdown, format_breakdown, parse_rate, records_by_request
 from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, VariantError
@@ -109,7 +111,8 @@ def select_variants(names: str) -> list[Variant]:
 
 def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
                 link: str | None, run_dir: Path, kv_shape: KVShape, kv_dtype: str,
-                startup_timeout_s: float, request_timeout_s: float) -> DemoResult:
+                startup_timeout_s: float, request_timeout_s: float,
+                progress: Progress) -> DemoResult:
     trace_dir = run_dir / "trace"
     spec = ClusterSpec(
         str(model_dir), ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
@@ -117,24 +120,26 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
         startup_timeout_s=startup_timeout_s,
         extra_env={TIMELINE_ENV: "1", TRACE_DIR_ENV: str(trace_dir)},
     )
-    log = lambda msg: print(f"[demo] {variant.name}: {msg}", flush=True)  # noqa: E731
-    log(f"{variant.description}; starting prefill + decode + router (logs {run_dir}) ...")
+    progress.start_variant(variant.name, f"starting cluster: prefill + decode + router "
+                                         f"({variant.description}; logs {run_dir})")
     is_lynx = variant.transfer_backend == "lynx"
     t0 = time.monotonic()
     rid = f"demo-{variant.name}-{time.time_ns()}"
-    with Cluster(spec) as cluster:
+    with Cluster(spec, on_wait=progress.waiting) as cluster:
         # The warm-up also opens the transport session (see variants.WARMUP_ATTEMPTS).
         for attempt in range(1, WARMUP_ATTEMPTS + 1):
-            log(f"up in {time.monotonic() - t0:.0f} s; warm-up request, attempt {attempt}")
+            progress.note(f"up in {time.monotonic() - t0:.0f} s; warm-up request, "
+                          f"attempt {attempt}")
             try:
                 generate(cluster.url, text=WARMUP_PROMPT, max_new_tokens=4,
                          timeout_s=request_timeout_s)
                 break
             except GenerateError as exc:
-                log(f"warm-up failed: {exc}")
+                progress.note(f"warm-up failed: {exc}")
                 if attempt == WARMUP_ATTEMPTS:
                     raise
-        log(f"long request ({len(prompt_ids)} prompt tokens, {max_new_tokens} new, streamed)")
+        progress.request(1, 1, f"({len(prompt_ids)} prompt tokens, {max_new_tokens} new, "
+                               "streamed)")
         # ignore_eos: every variant streams exactly max_new_tokens, so token 64 exists.
         got = generate_stream(cluster.url, input_ids=prompt_ids, max_new_tokens=max_new_tokens,
                               timeout_s=request_timeout_s, sampling={"ignore_eos": True},
@@ -165,6 +170,7 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
     else:
         stream_bytes, events = {"kv": kv_shape.bytes_for(got.prompt_tokens)}, {}
     parts = breakdown(records, rid, got.t_first_token, parse_rate(link))
+    progress.finish_variant()
     return DemoResult(
         variant.name, variant.exact, got.prompt_tokens, got.output_ids,
         rel(done), rel(got.t_first_token), rel(got.t_last_token), token_s, stream_bytes,
@@ -364,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.monotonic()
     results = []
+    progress = Progress("demo", len(variants))
     try:
         for variant in variants:
             results.append(run_variant(
@@ -372,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
                 run_dir=(args.out / "demo_runs" / variant.name).resolve(), kv_shape=kv_shape,
                 kv_dtype=args.kv_dtype,
                 startup_timeout_s=args.startup_timeout_s,
-                request_timeout_s=args.request_timeout_s))
+                request_timeout_s=args.request_timeout_s, progress=progress))
     except KeyboardInterrupt:
         print("[demo] interrupted; the running cluster was stopped", file=sys.stderr)
         return 130

@@ -32,8 +32,9 @@ def kv_dtype_server_args(kv_dtype: str) -> tuple[str, ...]:
     return () if kv_dtype == "float32" else ("--kv-cache-dtype", kv_dtype)
 
 
-def add_kv_dtype_argument(parser) -> None:
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
+def add_kv_dtype_argument(parser, default: str | None = DEFAULT_KV_DTYPE) -> None:
+    """`default` None: the caller fills it in after parsing (and can tell whether it was given)."""
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=default,
                         help="KV pool dtype of every server (SGLang --kv-cache-dtype; the model "
                              f"computes in fp32 either way; default {DEFAULT_KV_DTYPE}, what the "
                              "baseline then moves)")

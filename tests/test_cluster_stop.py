@@ -1,0 +1,94 @@
+"""How `Cluster.stop()` and `Cluster.kill()` end a server's whole process tree (psutil), on small
+stand-in trees (a Python parent with `sleep` children), no SGLang: SIGTERM first, SIGKILL for
+what outlives the deadline (logged), and a child whose parent died before the stop (re-parented,
+but still in the server's process group) is found too."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc
+
+# The stand-in server: starts a child that ignores SIGTERM (SGLang's scheduler outliving its
+# parent) and a plain one, writes their pids, then sleeps (or exits at once with "exit").
+SERVER = """
+import subprocess, sys, time
+from pathlib import Path
+ready = Path(sys.argv[1])
+stubborn = subprocess.Popen(["sh", "-c", f"trap '' TERM; touch {ready}.stubborn; exec sleep 600"])
+plain = subprocess.Popen(["sleep", "600"])
+Path(f"{ready}.tmp").write_text(f"{stubborn.pid} {plain.pid}")
+Path(f"{ready}.tmp").rename(ready)
+if sys.argv[2] == "exit":
+    sys.exit(1)
+time.sleep(600)
+"""
+
+
+def _wait_for(path: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    spec = ClusterSpec("unused", ClusterMode.SINGLE, run_dir=tmp_path, stop_timeout_s=1.0)
+    c = Cluster(spec)
+    yield c
+    c.stop()
+
+
+def _start(cluster: Cluster, tmp_path: Path, mode: str = "stay") -> tuple[int, int, int]:
+    ready = tmp_path / "pids"
+    popen = subprocess.Popen([sys.executable, "-c", SERVER, str(ready), mode],
+                             start_new_session=True)  # as Cluster._spawn starts a server
+    cluster._procs.append(_Proc("server", [], popen, tmp_path / "server.log", "", "127.0.0.1"))
+    _wait_for(ready)
+    _wait_for(Path(f"{ready}.stubborn"))
+    stubborn, plain = map(int, ready.read_text().split())
+    return popen.pid, stubborn, plain
+
+
+def test_stop_ends_the_tree_and_kills_what_ignores_sigterm(cluster, tmp_path, caplog):
+    pids = _start(cluster, tmp_path)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="lynx_sglang.tools.cluster"):
+        cluster.stop()
+    assert all(_gone(pid) for pid in pids)
+    assert time.monotonic() - t0 < 10
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [f"server: pid {pids[1]} still running 1 s after SIGTERM; killing"]
+
+
+def test_stop_finds_a_child_whose_parent_already_died(cluster, tmp_path):
+    _, stubborn, plain = _start(cluster, tmp_path, mode="exit")
+    cluster.proc("server").wait(timeout=30)
+    assert not _gone(stubborn) and not _gone(plain)  # orphans, out of the leader's tree
+    cluster.stop()
+    assert _gone(stubborn) and _gone(plain)
+
+
+def test_kill_ends_the_whole_tree(cluster, tmp_path):
+    pids = _start(cluster, tmp_path)
+    cluster.kill("server")
+    assert cluster.proc("server").returncode is not None
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a process of the killed tree survived"
+        time.sleep(0.05)
