@@ -68,6 +68,9 @@ class Trace:
     # Per-layer spans, e.g. "encode" -> [(layer, start, end), ...].
     spans: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
+    # SGLang's trace context of the request (`--enable-trace`), when it handed one: `emit` also
+    # exports this record's stages to it as OpenTelemetry spans (`export_to_sglang`).
+    sglang_ctx: Any = field(default=None, repr=False, compare=False)
 
     def mark(self, stage: str, at: float | None = None) -> float:
         """Record `stage` now, or at wall-clock time `at`; returns the time recorded."""
@@ -135,6 +138,33 @@ def emit(trace: Trace) -> None:
     if _sink is None:
         configure(None)
     _sink.emit(trace)
+    export_to_sglang(trace)
+
+
+def export_to_sglang(trace: Trace) -> None:
+    """Write the record as spans into SGLang's request trace (`trace.sglang_ctx`, a
+    `TraceReqContext`, used duck-typed): one `lynx_<kind>` span from the first mark to the last,
+    carrying the record's facts, with one child span per stage of `STAGES` it has both marks of.
+    Called once, after the fact, on the thread that emits (SGLang's context is per thread)."""
+    ctx = trace.sglang_ctx
+    if ctx is None or not getattr(ctx, "tracing_enable", False) or not trace.marks:
+        return
+    ns = lambda t: int(t * 1e9)  # noqa: E731 - SGLang's slices take wall-clock nanoseconds
+    root = f"lynx_{trace.kind}"
+    attrs = {k: v for k, v in trace.facts.items() if isinstance(v, (str, int, float, bool))}
+    try:
+        ctx.rebuild_thread_context(ns(min(trace.marks.values())))
+        ctx.trace_slice_start(root, 1, ns(min(trace.marks.values())))
+        for stage, (kind, start, end) in STAGES.items():
+            if kind == trace.kind and start in trace.marks and end in trace.marks:
+                ctx.trace_slice_start(f"lynx_{stage}", 2, ns(trace.marks[start]))
+                ctx.trace_slice_end(f"lynx_{stage}", 2, ns(trace.marks[end]))
+        ctx.trace_slice_end(root, 1, ns(max(trace.marks.values())), attrs=attrs,
+                            thread_finish_flag=True)
+    except Exception as exc:
+        # Tracing must never fail a request.
+        logger.warning("lynx trace: exporting room %s to SGLang's trace failed: %s",
+                       trace.room, exc)
 
 
 def read_records(directory: str | Path) -> list[dict]:

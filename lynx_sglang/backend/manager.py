@@ -78,7 +78,9 @@ def rdma_device(lynx_device: str | None, sglang_devices: str | None, gpu_id: int
 
 
 class LynxKVManager(MooncakeKVManager):
-    sender_trace_module = None
+    # With SGLang's --enable-trace each request's sender gets a trace context under this module
+    # name (`--trace-modules lynx` selects it); the prefill's stages become its spans.
+    sender_trace_module = "lynx"
     supports_role_switch = False
     supports_deferred_decode_kv_release = False
     # Both ends are Lynx: a prefill-side failure reason (e.g. a codec flag mismatch) travels to
@@ -191,7 +193,8 @@ class LynxKVManager(MooncakeKVManager):
             return
         if indices_event is not None:
             indices_event.synchronize()
-        self.sender.submit(bootstrap_room, kv_indices, is_last_chunk, aux_index, wait_event)
+        self.sender.submit(bootstrap_room, kv_indices, is_last_chunk, aux_index, wait_event,
+                           trace_ctx if is_last_chunk else None)
 
     def _room_live(self, room: int) -> bool:
         return room in self.request_status and self.check_status(room) != KVPoll.Failed

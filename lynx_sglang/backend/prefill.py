@@ -99,6 +99,7 @@ class _Chunk:
     aux_index: int | None
     wait_event: object | None
     submitted: float
+    trace_ctx: object | None = None  # SGLang's TraceReqContext of the request, if tracing
 
 
 @dataclass
@@ -190,12 +191,12 @@ class PrefillSender:
                          if config.encode_threads > 1 else None)
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
-               wait_event=None) -> None:
+               wait_event=None, trace_ctx=None) -> None:
         """Queue one chunk of a room's KV slots (SGLang's scheduler thread; never blocks)."""
         if isinstance(kv_indices, torch.Tensor):
             kv_indices = kv_indices.cpu().numpy()
         self._queue.put(_Chunk(room, np.array(kv_indices, dtype=np.int64), is_last, aux_index,
-                               wait_event, time.time()))
+                               wait_event, time.time(), trace_ctx))
 
     def take_sent_bytes(self, room: int) -> int | None:
         """The Anchor + Residual bytes sent for `room` (every destination), once; None if the
@@ -245,7 +246,7 @@ class PrefillSender:
         if not item.is_last:
             return
         slots = np.concatenate(self._pending.pop(room))
-        tr = trace.Trace("prefill", room)
+        tr = trace.Trace("prefill", room, sglang_ctx=item.trace_ctx)
         tr.mark("submitted", item.submitted)
         destinations = self.link.destinations(room)
         if not destinations:
