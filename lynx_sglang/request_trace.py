@@ -1,6 +1,7 @@
 """The decode scheduler's own steps on a transferred request, as `request` records of
 `lynx_sglang.trace`: SGLang committed it to its running batch (`committed`: the scheduler's first
-step on it) and streamed its first token (`first_token_out`).
+step on it) and streamed its first token (`first_token_out`); and the request id handed to the KV
+receiver SGLang makes for it (the decode's transfer record carries it).
 
 Hook adapters registered by `plugin` in every decode scheduler of a Lynx server (speculative or
 not); scheduler thread only. A request that is committed but never streams (aborted first) is
@@ -15,6 +16,15 @@ from .trace import Trace, emit
 
 MAX_PENDING = 4096
 _pending: OrderedDict[int, Trace] = OrderedDict()
+
+
+def create_receiver_after(result, queue, req, *args, **kwargs):
+    """SGLang made the request's KV receiver: tell it the request id (SGLang passes only the
+    bootstrap room), so the decode's transfer record names the request."""
+    receiver = getattr(result, "kv_receiver", None)
+    if receiver is not None:
+        receiver.lynx_rid = req.rid
+    return result
 
 
 def commit_transfer_after(result, queue, decode_req):
@@ -40,6 +50,8 @@ def process_batch_result_prebuilt_after(result, processor, batch):
 
 
 HOOKS = (
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue",
+     create_receiver_after, "AFTER"),
     ("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
      commit_transfer_after, "AFTER"),
     ("sglang.srt.managers.scheduler_components.batch_result_processor."

@@ -221,14 +221,17 @@ class DecodeApplier:
 
     # ---- SGLang's scheduler thread ------------------------------------------------------------
     def register(self, room_id: int, prefill: tuple[str, int], kv_indices,
-                 aux_index: int) -> None:
-        """A receiver is about to send the room's metadata to the prefill."""
+                 aux_index: int, rid: str | None = None) -> None:
+        """A receiver is about to send the room's metadata to the prefill (`rid`: SGLang's
+        request id, for the records)."""
         pool = self._pool()
         slots = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64), device=pool.device)
         plan = StreamPlan.build(self.spec, pool.shape, len(slots), self.config.chunk_tokens)
         # Never block the scheduler thread: a full staging buffer fails the request at once.
         staging = self.staging.allocate(plan.staging_bytes, timeout_s=0.0)
         room = DecodeRoom(room_id, prefill, slots, aux_index, plan, staging)
+        if rid is not None:
+            room.trace.facts["rid"] = rid
         room.residual_reader = ResidualReader(plan.num_layers, plan.num_tokens)
         with self._lock:
             self._rooms[room_id] = room
@@ -514,14 +517,28 @@ class DecodeApplier:
         residual_bytes = room.residual_reader.pos if self.config.residual else 0
         room.trace.facts["residual_bytes"] = residual_bytes
         marks = room.trace.marks
+
+        def ms(start: str, end: str) -> float | None:
+            if marks.get(start) is None or marks.get(end) is None:
+                return None
+            return round((marks[end] - marks[start]) * 1e3, 3)
+
         logger.info("%s", record_line(TRANSFER_RECORD, {
-            "room": room.room, "tokens": plan.num_tokens,
+            "room": room.room, "rid": room.trace.facts.get("rid"), "tokens": plan.num_tokens,
             "anchor_bytes": plan.anchor_bytes, "residual_bytes": residual_bytes,
             "announced": marks.get("announced"), "anchor_landed": marks.get("anchor_landed"),
             "anchor_applied": marks.get("anchor_applied"),
             "residual_landed": marks.get("residual_landed"),
             "residual_applied": marks.get("residual_applied"),
-            "speculate": room.trace.facts.get("speculate")}))
+            "speculate": room.trace.facts.get("speculate"),
+            # Durations: the Anchor's and the Residual's time on the wire (first byte to last),
+            # applying each after it landed, and the whole transfer from the announcement.
+            "anchor_wire_ms": ms("anchor_first_byte", "anchor_landed"),
+            "anchor_apply_ms": ms("anchor_landed", "anchor_applied"),
+            "residual_wire_ms": ms("residual_first_byte", "residual_landed"),
+            "residual_apply_ms": ms("residual_landed", "residual_applied"),
+            "total_ms": ms("announced", "residual_applied" if self.config.residual
+                           else "anchor_applied")}))
         anchor_applied = marks.get("anchor_applied")
         anchor_landed = marks.get("anchor_landed")
         metrics.record_transfer(

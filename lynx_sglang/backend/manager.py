@@ -257,7 +257,8 @@ class LynxKVManager(MooncakeKVManager):
             raise KVStreamError(f"lynx needs exactly one prefill rank per decode rank and "
                                 f"request (equal attention TP sizes); got {len(real)}")
         prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
-        self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index)
+        self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index,
+                              getattr(receiver, "lynx_rid", None))
 
     def record_own_failure(self, room: int, reason: str) -> None:
         """Record why this side failed a room; see `record_failure`."""

@@ -134,7 +134,12 @@ def test_spec_stream_reports_speculation_and_rollbacks(spec_cluster, reference_o
         assert sum(len(e["token_ids"]) for e in speculative) == rec["speculated"], events
         # Provisional means early: the first speculative token went out before the Residual
         # (held back RESIDUAL_DELAY_S by the prefill) had even landed.
-        assert speculative[0]["t"] < _transfer_line(spec_cluster, rec["room"])["residual_landed"]
+        transfer = _transfer_line(spec_cluster, rec["room"])
+        assert speculative[0]["t"] < transfer["residual_landed"]
+        # The transfer record names the request and says how long each stage took.
+        assert transfer["rid"] == rid
+        assert 0 < transfer["residual_wire_ms"] <= transfer["total_ms"], transfer
+        assert transfer["anchor_apply_ms"] >= 0 and transfer["residual_apply_ms"] >= 0, transfer
         assert view.tokens == got.output_ids[:view.verified_len]
         for pos, taken in view.rollbacks:
             assert taken and len(taken) == rec["rolled_back"]
