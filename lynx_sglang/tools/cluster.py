@@ -71,10 +71,16 @@ class ClusterSpec:
     # rate (e.g. "1gbit"), with this qdisc (see lynx_sglang.tools.netns); None = loopback.
     link: str | None = None
     link_qdisc: str = "prio"
+    # PD only: prefill servers behind the router (each its own bootstrap port), one decode.
+    prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.link and self.mode is not ClusterMode.PD:
             raise ClusterError("--link needs the PD mode (it separates prefill from decode)")
+        if self.prefills < 1 or (self.prefills > 1 and self.mode is not ClusterMode.PD):
+            raise ClusterError("prefills: at least 1, and more than 1 only in PD mode")
+        if self.prefills > 1 and self.link:
+            raise ClusterError("a shaped link joins one prefill to the decode; use prefills=1")
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ClusterError(
                 f"transfer backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
@@ -143,6 +149,7 @@ class Cluster:
         self._forwarders: list[Forwarder] = []
         self.url = ""
         self.prefill_url = ""
+        self.prefill_urls: list[str] = []
         self.decode_url = ""
 
     def __enter__(self) -> Cluster:
@@ -205,7 +212,10 @@ class Cluster:
             self._spawn("server", server_command(spec, port, None, None), self.url + "/health")
             self._wait_healthy(self._procs)
             return
-        p_port, d_port, r_port, b_port = free_port(), free_port(), free_port(), free_port()
+        d_port, r_port = free_port(), free_port()
+        p_ports = [free_port() for _ in range(spec.prefills)]
+        b_ports = [free_port() for _ in range(spec.prefills)]
+        b_port = b_ports[0]
         spec = self._with_secret(spec)
         p_host = d_host = HOST
         wrap_p = wrap_d = list
@@ -218,10 +228,13 @@ class Cluster:
                 return link.wrap(link.sender_ns, cmd)
             def wrap_d(cmd):
                 return link.wrap(link.receiver_ns, cmd)
-        self.prefill_url = self._reachable(p_host, p_port)
+        self.prefill_urls = [self._reachable(p_host, port) for port in p_ports]
+        self.prefill_url = self.prefill_urls[0]
         self.decode_url = self._reachable(d_host, d_port)
-        self._spawn("prefill", wrap_p(server_command(spec, p_port, "prefill", b_port, p_host)),
-                    self.prefill_url + "/health", p_host)
+        for i, (port, bootstrap) in enumerate(zip(p_ports, b_ports, strict=True)):
+            self._spawn("prefill" if i == 0 else f"prefill{i + 1}",
+                        wrap_p(server_command(spec, port, "prefill", bootstrap, p_host)),
+                        self.prefill_urls[i] + "/health", p_host)
         decode_cmd = server_command(spec, d_port, "decode", b_port, d_host)
         if spec.link:
             # `ip netns exec` remounts /sys, so SGLang cannot find its memory cgroup to size the
@@ -231,16 +244,17 @@ class Cluster:
                     self.decode_url + "/health", d_host)
         self._wait_healthy(self._procs)
         self.url = self._reachable(d_host, r_port)
-        router = [
-            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--mini-lb", "--prefill", f"http://{p_host}:{p_port}", str(b_port),
-            "--decode", f"http://{d_host}:{d_port}", "--host", d_host, "--port", str(r_port),
-        ]
+        router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                  "--mini-lb"]
+        for port, bootstrap in zip(p_ports, b_ports, strict=True):
+            router += ["--prefill", f"http://{p_host}:{port}", str(bootstrap)]
+        router += ["--decode", f"http://{d_host}:{d_port}", "--host", d_host, "--port", str(r_port)]
         self._spawn("router", wrap_d(router), self.url + "/health", d_host)
         self._wait_healthy(self._procs[-1:])
         (self.run_dir / "cluster.json").write_text(json.dumps(
-            {"router": self.url, "prefill": self.prefill_url, "decode": self.decode_url,
-             "bootstrap_port": b_port, "transfer_backend": spec.transfer_backend,
+            {"router": self.url, "prefill": self.prefill_url, "prefills": self.prefill_urls,
+             "decode": self.decode_url, "bootstrap_port": b_port,
+             "transfer_backend": spec.transfer_backend,
              "link": spec.link, "link_qdisc": spec.link_qdisc if spec.link else None,
              "namespaces": [self._link.sender_ns, self._link.receiver_ns] if self._link else None},
             indent=1))

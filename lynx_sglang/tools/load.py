@@ -1,0 +1,231 @@
+"""`lynx-sglang load`: many concurrent requests through a real PD cluster (several prefill servers,
+one decode, SGLang's router), some of them abandoned by their client mid-stream, and every greedy
+answer that completed checked token for token against a single server's.
+
+What one round checks (`LoadReport`): no request that was not abandoned failed; each completed
+output equals the single server's for its prompt (a request that got another request's KV or
+tokens would not); afterwards the decode holds no KV slots beyond its idle baseline and no server
+holds Lynx staging memory (`lynx_staging_used_bytes` on every /metrics page). `--duration-s`
+repeats rounds until the time is up (a soak). Exit status 1 if any round found a problem.
+
+The reference runs on a single server with the radix cache off, one request at a time; the PD
+cluster batches the same prompts together. On this CPU the model computes in fp32 and SGLang's
+torch-native attention works per request, so batching does not change greedy tokens here; a
+mismatch that also appears with `--transfer-backend mooncake_tcp` is batch numerics, not Lynx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from .client import GenerateError, generate, generate_stream
+from .cluster import TRANSFER_BACKENDS, Cluster, ClusterMode, ClusterSpec
+from .measure import add_kv_dtype_argument, kv_dtype_server_args
+from .model import embedded_model_dir
+from .prompts import passkey_prompt
+
+logger = logging.getLogger(__name__)
+
+# Prompt lengths of the mix (tokens): short chat turns to RAG-sized contexts.
+PROMPT_LENGTHS = (48, 96, 160, 256, 384, 512, 700, 900, 1100, 1300, 1500, 1800)
+NEW_TOKENS = (8, 16, 24)
+SETTLE_S = 60.0
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    index: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    abandon_after: int | None  # the client closes the stream after this many chunks; None: never
+
+
+@dataclass
+class LoadReport:
+    requests: int
+    abandoned: int
+    completed: int = 0
+    mismatches: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    leaked_decode_slots: int = 0
+    staging_used_bytes: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return (not self.mismatches and not self.errors and self.leaked_decode_slots == 0
+                and not any(self.staging_used_bytes.values()))
+
+
+def plan_requests(prompts: dict[int, list[int]], count: int, abandon_fraction: float,
+                  seed: int) -> list[LoadRequest]:
+    rng = random.Random(seed)
+    lengths = sorted(prompts)
+    out = []
+    for i in range(count):
+        length = lengths[i % len(lengths)]
+        abandon = rng.randint(0, 3) if rng.random() < abandon_fraction else None
+        out.append(LoadRequest(i, tuple(prompts[length]), NEW_TOKENS[i % len(NEW_TOKENS)],
+                               abandon))
+    return out
+
+
+def _abandon(url: str, req: LoadRequest, timeout_s: float) -> None:
+    """Stream the request and hang up after `abandon_after` chunks, as a client that gives up."""
+    body = {"input_ids": list(req.prompt), "stream": True,
+            "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0}}
+    with requests.post(url.rstrip("/") + "/generate", json=body, stream=True,
+                       timeout=timeout_s) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if seen >= req.abandon_after:
+                break
+            seen += line.startswith(b"data:")
+
+
+def staging_used(metrics_url: str) -> float:
+    """The server's `lynx_staging_used_bytes` (summed over its series)."""
+    text = requests.get(metrics_url.rstrip("/") + "/metrics", timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == "lynx_staging_used_bytes")
+
+
+def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple, list[int]],
+              baseline_slots: int, timeout_s: float) -> LoadReport:
+    report = LoadReport(len(reqs), sum(r.abandon_after is not None for r in reqs))
+    start = threading.Barrier(len(reqs))
+    lock = threading.Lock()
+
+    def one(req: LoadRequest) -> None:
+        start.wait()
+        try:
+            if req.abandon_after is not None:
+                _abandon(cluster.url, req, timeout_s)
+                return
+            got = generate_stream(cluster.url, input_ids=list(req.prompt),
+                                  max_new_tokens=req.max_new_tokens, timeout_s=timeout_s)
+        except (GenerateError, requests.RequestException) as exc:
+            with lock:
+                report.errors.append(f"request {req.index} ({len(req.prompt)} tokens): {exc}")
+            return
+        want = references[req.prompt][: req.max_new_tokens]
+        with lock:
+            report.completed += 1
+            if got.output_ids != want:
+                # Lengths may differ (an EOS on one side): compare the common prefix.
+                pairs = zip(got.output_ids, want, strict=False)
+                diverge = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                               min(len(got.output_ids), len(want)))
+                report.mismatches.append({"request": req.index, "prompt_tokens": len(req.prompt),
+                                          "first_difference": diverge,
+                                          "got": got.output_ids, "want": want})
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        list(pool.map(one, reqs))
+    report.seconds = round(time.monotonic() - t0, 3)
+    # Abandoned requests are aborted asynchronously: give the servers a moment to let go.
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        used = cluster.decode_used_tokens() - baseline_slots
+        staging = {url: staging_used(url) for url in [*cluster.prefill_urls, cluster.decode_url]}
+        if (used <= 0 and not any(staging.values())) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    report.leaked_decode_slots = max(used, 0)
+    report.staging_used_bytes = staging
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=64,
+                        help="concurrent requests per round (default 64)")
+    parser.add_argument("--prefills", type=int, default=2,
+                        help="prefill servers behind the router (default 2; one decode)")
+    parser.add_argument("--abandon", type=float, default=0.25,
+                        help="fraction of requests whose client hangs up after 0-3 streamed "
+                             "chunks (default 0.25)")
+    parser.add_argument("--duration-s", type=float, default=0.0,
+                        help="soak: repeat rounds until this many seconds have passed "
+                             "(default 0: one round)")
+    parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default="lynx")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=Path("out/load.json"),
+                        help="JSON report (default out/load.json)")
+    add_kv_dtype_argument(parser)
+    parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
+                        help="extra flags for every server (e.g. -- --lynx-target int8)")
+
+
+def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: float,
+             duration_s: float, transfer_backend: str, seed: int, timeout_s: float,
+             server_args: tuple[str, ...], run_dir: Path) -> list[LoadReport]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = {n: passkey_prompt(tokenizer, n) for n in PROMPT_LENGTHS}
+    common = ("--disable-radix-cache", "--enable-metrics", *server_args)
+    single = ClusterSpec(model, ClusterMode.SINGLE, run_dir=run_dir / "single",
+                         server_args=common)
+    with Cluster(single) as cluster:
+        logger.info("reference outputs of %d prompts from a single server", len(prompts))
+        references = {tuple(ids): generate(cluster.url, input_ids=ids,
+                                           max_new_tokens=max(NEW_TOKENS),
+                                           timeout_s=timeout_s).output_ids
+                      for ids in prompts.values()}
+    pd = ClusterSpec(model, ClusterMode.PD, transfer_backend=transfer_backend,
+                     run_dir=run_dir / "pd", server_args=common, prefills=prefills)
+    reports = []
+    with Cluster(pd) as cluster:
+        baseline = cluster.decode_used_tokens()
+        t_end = time.monotonic() + duration_s
+        round_no = 0
+        while True:
+            reqs = plan_requests(prompts, requests_per_round, abandon, seed + round_no)
+            report = run_round(cluster, reqs, references, baseline, timeout_s)
+            reports.append(report)
+            logger.info("round %d: %d requests (%d abandoned) in %.1f s: %d completed, "
+                        "%d mismatches, %d errors, %d leaked decode slots, staging %s",
+                        round_no + 1, report.requests, report.abandoned, report.seconds,
+                        report.completed, len(report.mismatches), len(report.errors),
+                        report.leaked_decode_slots, report.staging_used_bytes)
+            round_no += 1
+            if time.monotonic() >= t_end:
+                return reports
+
+
+def run(args: argparse.Namespace) -> int:
+    model = str(embedded_model_dir())
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reports = run_load(model, requests_per_round=args.requests, prefills=args.prefills,
+                       abandon=args.abandon, duration_s=args.duration_s,
+                       transfer_backend=args.transfer_backend, seed=args.seed,
+                       timeout_s=args.request_timeout_s,
+                       server_args=(*kv_dtype_server_args(args.kv_dtype), *args.server_args),
+                       run_dir=out.parent / (out.stem + "_runs"))
+    clean = all(r.clean for r in reports)
+    out.write_text(json.dumps({"transfer_backend": args.transfer_backend,
+                               "prefills": args.prefills, "clean": clean,
+                               "rounds": [dataclasses.asdict(r) for r in reports]}, indent=1))
+    total = sum(r.requests for r in reports)
+    print(f"{len(reports)} round(s), {total} requests, {sum(r.abandoned for r in reports)} "
+          f"abandoned, {sum(r.completed for r in reports)} completed and checked: "
+          f"{sum(len(r.mismatches) for r in reports)} mismatches, "
+          f"{sum(len(r.errors) for r in reports)} errors, "
+          f"{max(r.leaked_decode_slots for r in reports)} leaked decode slots at most; "
+          f"{'clean' if clean else 'NOT clean'} (report: {out})")
+    return 0 if clean else 1
