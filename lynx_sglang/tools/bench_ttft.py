@@ -46,7 +46,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from lynx_kernels import KVShape
 
@@ -60,6 +59,7 @@ from .measure import (
     LYNX_EVENTS,
     add_kv_dtype_argument,
     kv_dtype_server_args,
+    metric_samples,
     model_kv_shape,
     wait_for,
 )
@@ -253,18 +253,11 @@ def stream_byte_counters(metrics_url: str, timeout_s: float = 30.0) -> dict[str,
     """Lynx's `lynx_stream_bytes_total` per stream from a Prometheus `/metrics` page (a decode
     server with SGLang's --enable-metrics), summed over its series; None when the page cannot
     be read or has no such counter (metrics off, not Lynx, or a router's page)."""
-    try:
-        r = requests.get(f"{metrics_url}/metrics", timeout=timeout_s)
-    except requests.RequestException:
-        return None
-    if r.status_code != 200:
-        return None
+    samples = metric_samples(metrics_url, "lynx_stream_bytes_total", timeout_s)
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if sample.name == "lynx_stream_bytes_total":
-                stream = sample.labels.get("stream", "")
-                totals[stream] = totals.get(stream, 0.0) + sample.value
+    for sample in samples or ():
+        stream = sample.labels.get("stream", "")
+        totals[stream] = totals.get(stream, 0.0) + sample.value
     return totals or None
 
 

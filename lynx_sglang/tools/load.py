@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from .client import GenerateError, generate, generate_stream
 from .cluster import TRANSFER_BACKENDS, Cluster, ClusterMode, ClusterSpec
-from .measure import add_kv_dtype_argument, kv_dtype_server_args
+from .measure import add_kv_dtype_argument, kv_dtype_server_args, metric_samples
 from .model import embedded_model_dir
 from .prompts import passkey_prompt
 
@@ -97,9 +96,10 @@ def _abandon(url: str, req: LoadRequest, timeout_s: float) -> None:
 
 def staging_used(metrics_url: str) -> float:
     """The server's `lynx_staging_used_bytes` (summed over its series)."""
-    text = requests.get(metrics_url.rstrip("/") + "/metrics", timeout=30).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == "lynx_staging_used_bytes")
+    samples = metric_samples(metrics_url, "lynx_staging_used_bytes")
+    if samples is None:
+        raise requests.RequestException(f"cannot read {metrics_url}/metrics")
+    return sum(sample.value for sample in samples)
 
 
 def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple, list[int]],

@@ -11,6 +11,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
 from lynx_kernels import KVShape
 
 from ..names import SPEC_RECORD, TRANSFER_RECORD, parse_records
@@ -64,3 +67,16 @@ def wait_for(ready: Callable[[], bool], timeout_s: float = 10.0, poll_s: float =
             return False
         time.sleep(poll_s)
     return True
+
+
+def metric_samples(metrics_url: str, name: str, timeout_s: float = 30.0) -> list | None:
+    """The samples named `name` on a server's Prometheus `/metrics` page; None when the page
+    cannot be read (an empty list when it has no such sample)."""
+    try:
+        r = requests.get(f"{metrics_url.rstrip('/')}/metrics", timeout=timeout_s)
+    except requests.RequestException:
+        return None
+    if r.status_code != 200:
+        return None
+    return [sample for family in text_string_to_metric_families(r.text)
+            for sample in family.samples if sample.name == name]
