@@ -9,7 +9,8 @@ call is a no-op.
 Recorded by `lynx_sglang.backend.decode` (bytes and times of each request's two streams, failed
 requests), `lynx_sglang.backend.prefill` (failed sends), `lynx_sglang.backend.staging` (staging
 memory in use) and `lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back,
-verification time, how each speculating request ended). Every series carries SGLang's
+verification time, how each speculating request ended), and `lynx_sglang.idle` (the sizes of the
+per-request maps, about once a second). Every series carries SGLang's
 `model_name` plus the server's `role` (prefill/decode) and `tp_rank`, set once per scheduler
 process by the KV manager (`configure`).
 """
@@ -37,6 +38,7 @@ class _Instruments:
     spec_requests: Any
     verify_seconds: Any
     stage_seconds: Any
+    tracked: Any
 
 
 _instruments: _Instruments | None = None
@@ -108,6 +110,9 @@ def _get() -> _Instruments | None:
         stage_seconds=Histogram("lynx_stage_seconds",
                                 "Duration of each traced stage of a request (lynx_sglang.trace)",
                                 [*p, "stage"], buckets=_STAGE_BUCKETS),
+        tracked=Gauge("lynx_tracked_requests",
+                      "Entries of Lynx's per-request maps (0 on an idle server; see lynx_sglang.idle)",
+                      [*p, "map"], multiprocess_mode="livesum"),
     )
     return _instruments
 
@@ -154,6 +159,14 @@ def record_failure(reason: str) -> None:
     m = _get()
     if m is not None:
         _labels(m.failures, failure_kind(reason)).inc()
+
+
+def record_tracked(sizes: dict[str, int]) -> None:
+    """How many requests each per-request map of this process holds (leak checks)."""
+    m = _get()
+    if m is not None:
+        for name, size in sizes.items():
+            _labels(m.tracked, name).set(size)
 
 
 def record_staging_used(used_bytes: int) -> None:

@@ -32,6 +32,12 @@ REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
 SECRET_ENV = "LYNX_SGLANG_SECRET"
 # Tests only (prefill): seconds to hold a request's Residual back after its Anchor is finished.
 FAULT_RESIDUAL_DELAY_ENV = "LYNX_SGLANG_FAULT_RESIDUAL_DELAY_S"
+# Tests only (decode): seconds to hold the scheduler before each verification forward, so a fault
+# can be injected while a verification is due (`lynx-sglang faults`, phase during-verification).
+FAULT_VERIFY_DELAY_ENV = "LYNX_SGLANG_FAULT_VERIFY_DELAY_S"
+# The prefill's and the decode's log lines when a fault-injection hold starts.
+FAULT_RESIDUAL_HOLD_LOG = "Anchor finished; holding the Residual"
+FAULT_VERIFY_HOLD_LOG = "holding the verification"
 
 
 def record_line(prefix: str, fields: dict) -> str:

@@ -26,12 +26,13 @@ Every hook is listed with its target, kind and reason in patches/README.md.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from . import cpu_compat, idle, reference_kv, request_trace, timeline
 from .config import LynxConfig, add_lynx_arguments
 from .errors import LynxConfigError
-from .names import BACKEND_SELECTED, SECRET_ENV
+from .names import BACKEND_SELECTED, FAULT_VERIFY_DELAY_ENV, SECRET_ENV
 from .sglang_support import check_server_options, check_sglang_version
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def register() -> None:
             HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
-            HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_after, HookType.AFTER)
+            HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
             _register(request_trace.HOOKS)
             if config.speculate:
                 _register_speculation_hooks()
@@ -168,6 +169,7 @@ def _init_kv_manager_after(kv_manager, queue):
     if not isinstance(kv_manager, LynxKVManager):
         return kv_manager
     kv_manager.attach_kv_pool(queue.token_to_kv_pool)
+    idle.report_tracked(kv_manager.tracked)
     if kv_manager.disaggregation_mode == DisaggregationMode.DECODE and kv_manager.lynx.speculate:
         from .speculation import hooks
         from .speculation.controller import SpecController
@@ -176,7 +178,11 @@ def _init_kv_manager_after(kv_manager, queue):
         publisher = scheduler_publisher(kv_manager.lynx.spec_stream_port, kv_manager.bootstrap_host,
                                         getattr(kv_manager, "attn_tp_rank", 0),
                                         getattr(kv_manager, "system_dp_rank", 0) or 0)
-        hooks.bind(SpecController(kv_manager.applier, kv_manager.lynx, publisher))
+        controller = SpecController(
+            kv_manager.applier, kv_manager.lynx, publisher,
+            fault_verify_delay_s=float(os.environ.get(FAULT_VERIFY_DELAY_ENV, "0") or 0))
+        hooks.bind(controller)
+        idle.report_tracked(controller.tracked)
     return kv_manager
 
 

@@ -220,6 +220,10 @@ class DecodeApplier:
             self._wake.wait(0.1)
 
     # ---- SGLang's scheduler thread ------------------------------------------------------------
+    def tracked(self) -> dict[str, int]:
+        """Rooms this applier still holds (0 on an idle decode; `lynx_tracked_requests`)."""
+        return {"decode_rooms": len(self._rooms)}
+
     def register(self, room_id: int, prefill: tuple[str, int], kv_indices,
                  aux_index: int, rid: str | None = None) -> None:
         """A receiver is about to send the room's metadata to the prefill (`rid`: SGLang's
@@ -352,8 +356,12 @@ class DecodeApplier:
             progressed |= self._write_anchor_layers(room, pool)
         if room.state is RoomState.ANNOUNCED and anchor.ok:
             self._anchor_complete(room, anchor, residual, pool)
-        if room.final_layers == room.plan.num_layers and room.state in (
-                RoomState.SPECULATING, RoomState.AWAITING_RESIDUAL):
+        # Every layer may be in the pool before the stream's end reaches us (on tcp the bytes
+        # can overtake the completion message). Concluding releases the announcement, and a
+        # prefill whose finish of the Residual came after that found no live announcement and
+        # failed a request whose KV was complete (seen at 64 concurrent requests): wait for it.
+        if room.final_layers == room.plan.num_layers and (residual is None or residual.ok) \
+                and room.state in (RoomState.SPECULATING, RoomState.AWAITING_RESIDUAL):
             _sync(pool)
             if room.state is RoomState.SPECULATING:
                 room.refined()

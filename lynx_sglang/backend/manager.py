@@ -128,6 +128,12 @@ class LynxKVManager(MooncakeKVManager):
                              config=self.lynx.flat())
         trace.emit(started)
 
+    def tracked(self) -> dict[str, int]:
+        """Sizes of this manager's per-request maps, published by `lynx_sglang.idle`."""
+        own = self.sender.tracked() if self.disaggregation_mode == DisaggregationMode.PREFILL \
+            else self.applier.tracked()
+        return {**own, "own_failures": len(self._own_failures)}
+
     def _start_thread(self, target, name: str) -> None:
         t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
         t.start()

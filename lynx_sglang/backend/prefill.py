@@ -51,6 +51,7 @@ from lynx_transport.types import MAX_REQUEST_ID
 from .. import metrics, trace
 from ..config import LynxConfig
 from ..errors import KVStreamError
+from ..names import FAULT_RESIDUAL_HOLD_LOG
 from .plan import StreamPlan
 from .pool import KVPoolView
 from .staging import StagingPool, StagingRange
@@ -189,6 +190,13 @@ class PrefillSender:
         # Shared by every destination worker: a layer's V is encoded while its K is.
         self._encoder = (ThreadPoolExecutor(1, thread_name_prefix="lynx-encode")
                          if config.encode_threads > 1 else None)
+
+    def tracked(self) -> dict[str, int]:
+        """Rooms this sender still holds (0 on an idle prefill; `lynx_tracked_requests`)."""
+        with self._workers_lock:
+            workers = list(self._workers.values())
+        return {"prefill_pending_chunks": len(self._pending),
+                "prefill_rooms_in_flight": sum(len(w.inflight) + w.jobs.qsize() for w in workers)}
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None, trace_ctx=None) -> None:
@@ -373,8 +381,8 @@ class PrefillSender:
         session.finish(room, Stream.ANCHOR, aux=aux)
         tr.mark("anchor_posted")
         if self._fault_residual_delay_s:
-            logger.warning("lynx: room %s Anchor finished; holding the Residual %.1f s (test "
-                           "fault injection)", room, self._fault_residual_delay_s)
+            logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
+                           FAULT_RESIDUAL_HOLD_LOG, self._fault_residual_delay_s)
             time.sleep(self._fault_residual_delay_s)
         if not self.config.residual:
             tr.mark("encode_end")

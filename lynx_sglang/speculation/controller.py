@@ -34,7 +34,7 @@ from typing import Protocol
 from .. import metrics, trace
 from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
-from ..names import SPEC_RECORD, record_line
+from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_RECORD, record_line
 from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
 from .stream import SpecStreamPublisher
 from .verify import apply_acceptance, decide, recount_reasoning, rollback, verify_forward
@@ -58,7 +58,7 @@ class SpecController:
     """Per-decode-scheduler controller. `step` runs at the top of every scheduler iteration."""
 
     def __init__(self, transfers: Transfers, config: LynxConfig,
-                 publisher: SpecStreamPublisher | None = None):
+                 publisher: SpecStreamPublisher | None = None, fault_verify_delay_s: float = 0.0):
         self.transfers = transfers
         self.max_tokens = config.spec_max_tokens
         self.deadline_s = config.spec_deadline_s
@@ -68,6 +68,13 @@ class SpecController:
         # Speculating sampled requests by their req_to_token row, for the sampler hook (which
         # sees batch rows, not requests).
         self.sampled_by_pool_idx: dict[int, SpecState] = {}
+        self._fault_verify_delay_s = fault_verify_delay_s
+
+    def tracked(self) -> dict[str, int]:
+        """Requests speculation still holds (0 on an idle decode; `lynx_tracked_requests`)."""
+        return {"spec_parked": len(self.parked),
+                "spec_sampled_rows": len(self.sampled_by_pool_idx),
+                "spec_stream_topics": self.publisher.open_topics() if self.publisher else 0}
 
     # ---- hook entry points ------------------------------------------------------------------
     def on_commit(self, req) -> None:
@@ -235,6 +242,10 @@ class SpecController:
         t0, wall0 = time.monotonic(), time.time()
         # The forward also does the decode step that follows it (the bonus token), unless the
         # request's drafts end in a held-back finish or it has no room for another token.
+        if to_check and self._fault_verify_delay_s:
+            logger.warning("lynx: verifying %d request(s); %s %.1f s (test fault injection)",
+                           len(to_check), FAULT_VERIFY_HOLD_LOG, self._fault_verify_delay_s)
+            time.sleep(self._fault_verify_delay_s)
         bonus = [not r.lynx_spec.finish_pending
                  and len(r.output_ids) < r.sampling_params.max_new_tokens for r in to_check]
         logits = verify_forward(scheduler, to_check, bonus) if to_check else []

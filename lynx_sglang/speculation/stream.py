@@ -68,6 +68,10 @@ class SpecStreamPublisher:
         logger.info("lynx spec-stream: publishing speculative tokens and rollbacks on %s",
                     self.address)
 
+    def open_topics(self) -> int:
+        """Requests with speculative events sent and no final one yet."""
+        return len(self._seq)
+
     def speculative(self, rid: str, output_ids: Sequence[int], start: int) -> None:
         """output_ids[start:] are new provisional tokens (output_ids[:verified] are final)."""
         self._send("speculative", rid, output_ids, start,

@@ -60,6 +60,13 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "RDMA devices, transport secret, staging sizing for a model",
     ),
     Subcommand(
+        "faults",
+        "lynx_sglang.tools.faults",
+        "fault matrix through a real PD cluster: {prefill, decode} x {SIGKILL, SIGSTOP, "
+        "partition, RST, slow link} x transfer phase x {greedy, sampled, client abort}; each cell "
+        "checks the client's answer or error, leaks and the next request",
+    ),
+    Subcommand(
         "load",
         "lynx_sglang.tools.load",
         "concurrent requests (some abandoned mid-stream) through a PD cluster with several "

@@ -296,6 +296,11 @@ class Cluster:
                 self._on_wait([p.name for p in pending], time.monotonic() - t_start)
             time.sleep(1.0)
 
+    @property
+    def link(self) -> ShapedLink | None:
+        """The shaped link between prefill and decode (`spec.link`), for fault injection."""
+        return self._link
+
     def proc(self, name: str) -> subprocess.Popen:
         for p in self._procs:
             if p.name == name:

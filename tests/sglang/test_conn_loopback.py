@@ -45,6 +45,7 @@ from lynx_kernels import decode, encode
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV
+from lynx_transport import Stream
 
 pytestmark = pytest.mark.sglang
 
@@ -391,6 +392,31 @@ def test_one_request(sgl, make_pd, target):
     # Both staging ranges are given back once the room is done.
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
     assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+
+
+def test_a_late_end_of_residual_still_succeeds(sgl, make_pd, monkeypatch):
+    """Every Residual byte may land before the prefill marks the stream finished (its thread
+    descheduled under load). The decode must wait for that end before it lets the room go: it
+    used to release the announcement at once, and the prefill's finish a moment later found no
+    live announcement and failed a request whose KV was complete (2 of 64 concurrent requests in
+    `lynx-sglang load`)."""
+    from lynx_transport.session import Session
+
+    finish = Session.finish
+
+    def late_residual_end(self, request_id, stream, aux=b""):
+        if Stream(stream) is Stream.RESIDUAL:
+            time.sleep(0.5)
+        return finish(self, request_id, stream, aux)
+
+    monkeypatch.setattr(Session, "finish", late_residual_end)
+    pd = make_pd(_cfg(target="exact"))
+    req = _start_request(sgl, pd, room=1011, seed=11)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    for got, src in _expected(pd, req, "full"):
+        assert torch.equal(got, src)
 
 
 @pytest.mark.rdma_vm

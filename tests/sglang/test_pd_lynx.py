@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, FAULT_RESIDUAL_HOLD_LOG
 from lynx_sglang.tools.client import GenerateError, generate
 from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
 
@@ -55,7 +55,7 @@ def test_prefill_killed_between_anchor_and_residual(lynx_cluster, reference_outp
                                                     max_new_tokens):
     before = lynx_cluster.decode_used_tokens()
     prefill_log = lynx_cluster.log_path("prefill")
-    marks = prefill_log.read_text(errors="replace").count("Anchor finished; holding")
+    marks = prefill_log.read_text(errors="replace").count(FAULT_RESIDUAL_HOLD_LOG)
     result: dict = {}
 
     def client():
@@ -70,7 +70,7 @@ def test_prefill_killed_between_anchor_and_residual(lynx_cluster, reference_outp
     t = threading.Thread(target=client)
     t.start()
     deadline = time.monotonic() + 120
-    while prefill_log.read_text(errors="replace").count("Anchor finished; holding") <= marks:
+    while prefill_log.read_text(errors="replace").count(FAULT_RESIDUAL_HOLD_LOG) <= marks:
         assert time.monotonic() < deadline, "the prefill never finished the Anchor"
         time.sleep(0.1)
     lynx_cluster.kill("prefill")

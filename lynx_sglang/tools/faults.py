@@ -1,0 +1,473 @@
+"""`lynx-sglang faults`: the fault matrix. One request at a time goes through a real PD cluster
+(prefill + decode + router, Lynx exact target, speculation always on) while one fault hits one
+server at one point of the request's transfer; each cell then checks that nothing was lost.
+
+Axes (`Cell`):
+- target: the prefill or the decode server (its whole process tree);
+- fault: `sigkill` (then restarted), `sigstop` (held past the transfer timeout, then SIGCONT),
+  `partition` (the link between the two goes down, no FIN or RST, then comes back), `rst` (every
+  TCP connection of the target to its peer reset: `ss -K`), `slow` (the link drops to
+  `SLOW_RATE` for a while). The last three need the shaped link of two network namespaces (root);
+- phase: `before-anchor` (the prefill is still computing), `between` (the Anchor is out, the
+  Residual held back by the prefill's fault-injection hold), `mid-residual` (the Residual on a link
+  slowed to `RESIDUAL_RATE`; shaped link only), `during-verification` (the decode's scheduler held
+  before its verification forward by the decode's fault-injection hold);
+- mode: `greedy` (a completed answer must equal the single server's), `sampled` (temperature 0.7),
+  `client-abort` (the client hangs up as the fault is injected).
+
+What each cell checks (`CellResult.checks`): the client got its answer or an error within the
+deadline; a greedy answer equals the single server's; within `SETTLE_S` the decode's KV slots and
+every server's Lynx staging and per-request maps (`lynx_tracked_requests`) are back to their idle
+values; the threads and file descriptors of the servers that were not restarted are back to their
+baseline (+`THREAD_SLACK`/`FD_SLACK`: SGLang's own pools start threads lazily); every server is
+alive; and the next request equals the single server's.
+
+Phases are reached by observable events (the hold lines the two fault-injection knobs log) plus
+fixed offsets, so timing under heavy load can miss a phase; `CellResult.phase_hit` says whether the
+request was still in flight when the fault hit. Used by the `faults` CLI subcommand and by
+tests/sglang/test_fault_matrix.py (a sample of cells).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import http.client
+import itertools
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
+import requests
+
+from ..names import (
+    FAULT_RESIDUAL_DELAY_ENV,
+    FAULT_RESIDUAL_HOLD_LOG,
+    FAULT_VERIFY_DELAY_ENV,
+    FAULT_VERIFY_HOLD_LOG,
+)
+from .client import GenerateError, generate, generate_stream
+from .cluster import Cluster, ClusterMode, ClusterSpec, process_tree
+from .measure import add_kv_dtype_argument, kv_dtype_server_args, metric_samples
+from .model import embedded_model_dir
+from .netns import RECEIVER_IP, SENDER_IP, netns_available
+from .prompts import passkey_prompt
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("prefill", "decode")
+FAULTS = ("sigkill", "sigstop", "partition", "rst", "slow")
+PHASES = ("before-anchor", "between", "mid-residual", "during-verification")
+MODES = ("greedy", "sampled", "client-abort")
+LINK_FAULTS = ("partition", "rst", "slow")
+
+PROMPT_TOKENS = 1500
+NEXT_PROMPT_TOKENS = 256
+NEW_TOKENS = 24
+TRANSFER_TIMEOUT_S = 15.0
+RESIDUAL_HOLD_S = 4.0
+VERIFY_HOLD_S = 3.0
+# sigstop / partition last longer than the transfer timeout, so the peer must give up.
+OUTAGE_S = TRANSFER_TIMEOUT_S + 5.0
+SLOW_RATE, SLOW_S = "2mbit", 4.0
+BASE_RATE = "1gbit"
+RESIDUAL_RATE = "20mbit"  # the exact Residual of PROMPT_TOKENS (~14 MB) then takes ~6 s
+BEFORE_ANCHOR_S = 0.3
+SETTLE_S = 60.0
+THREAD_SLACK, FD_SLACK = 8, 16
+
+
+@dataclass(frozen=True)
+class Cell:
+    target: str
+    fault: str
+    phase: str
+    mode: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.target}/{self.fault}/{self.phase}/{self.mode}"
+
+    def unsupported(self, link: bool) -> str | None:
+        """Why this cell cannot run here, or None."""
+        if not link and (self.fault in LINK_FAULTS or self.phase == "mid-residual"):
+            return "needs the shaped link between two network namespaces (root, iproute2)"
+        return None
+
+
+@dataclass
+class CellResult:
+    cell: str
+    skipped: str | None = None
+    outcome: str = ""  # "answer", "error: ...", "abandoned", "hung"
+    phase_hit: bool = False
+    seconds: float = 0.0
+    checks: dict[str, bool] = field(default_factory=dict)
+    details: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.skipped is not None or all(self.checks.values())
+
+
+def all_cells() -> list[Cell]:
+    return [Cell(*c) for c in itertools.product(TARGETS, FAULTS, PHASES, MODES)]
+
+
+def select_cells(cells: list[Cell], *, targets=TARGETS, faults=FAULTS, phases=PHASES,
+                 modes=MODES, sample: int | None = None, seed: int = 0,
+                 link: bool = True) -> list[Cell]:
+    """The cells on the chosen axes; with `sample`, that many of those this machine can run,
+    drawn with `seed` so that each target and fault comes up before any repeats."""
+    chosen = [c for c in cells if c.target in targets and c.fault in faults
+              and c.phase in phases and c.mode in modes]
+    if sample is None:
+        return chosen
+    rng = random.Random(seed)
+    runnable = [c for c in chosen if c.unsupported(link) is None]
+    rng.shuffle(runnable)
+    picked: list[Cell] = []
+    seen: set[tuple[str, str]] = set()
+    for c in runnable:  # first one cell per (target, fault), then the rest in shuffled order
+        if (c.target, c.fault) not in seen:
+            seen.add((c.target, c.fault))
+            picked.append(c)
+    picked += [c for c in runnable if c not in picked]
+    return picked[:sample]
+
+
+def _tree_resources(cluster: Cluster, name: str) -> tuple[int, int]:
+    threads = fds = 0
+    for proc in process_tree(cluster.proc(name)):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            threads += proc.num_threads()
+            fds += proc.num_fds()
+    return threads, fds
+
+
+def _signal_tree(cluster: Cluster, name: str, sig: int) -> None:
+    for proc in process_tree(cluster.proc(name)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+
+
+def _shutdown(sock) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _metric_sum(url: str, name: str) -> float | None:
+    samples = metric_samples(url, name, timeout_s=10)
+    return None if samples is None else sum(s.value for s in samples)
+
+
+class Matrix:
+    """Runs cells on one cluster (restarting what a cell killed); owns the cluster."""
+
+    def __init__(self, model: str, run_dir: Path, link: bool, server_args: tuple[str, ...] = ()):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        self.prompt = passkey_prompt(tokenizer, PROMPT_TOKENS)
+        self.next_prompt = passkey_prompt(tokenizer, NEXT_PROMPT_TOKENS)
+        self.link = link
+        common = ("--disable-radix-cache", "--enable-metrics", *server_args)
+        with Cluster(ClusterSpec(model, ClusterMode.SINGLE, run_dir=run_dir / "single",
+                                 server_args=common)) as single:
+            self.reference = {
+                tuple(p): generate(single.url, input_ids=p, max_new_tokens=NEW_TOKENS,
+                                   timeout_s=300).output_ids
+                for p in (self.prompt, self.next_prompt)}
+        self.spec = ClusterSpec(
+            model, ClusterMode.PD, "lynx", run_dir=run_dir / "pd",
+            link=BASE_RATE if link else None,
+            server_args=(*common, "--lynx-target", "exact", "--lynx-spec-policy", "always",
+                         "--lynx-transfer-timeout-s", str(TRANSFER_TIMEOUT_S)),
+            extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_HOLD_S),
+                       FAULT_VERIFY_DELAY_ENV: str(VERIFY_HOLD_S),
+                       # Restarts are handled by Lynx (see tests/sglang/test_pd_lynx.py), not by
+                       # SGLang's heartbeat verdict on a dead prefill.
+                       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"})
+        self.cluster = Cluster(self.spec)
+
+    def __enter__(self) -> Matrix:
+        self.cluster.start()
+        self._warm_up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cluster.stop()
+
+    def _warm_up(self) -> None:
+        """One request through the pair, then the idle baselines."""
+        got = generate(self.cluster.url, input_ids=self.next_prompt, max_new_tokens=NEW_TOKENS,
+                       timeout_s=300)
+        if got.output_ids != self.reference[tuple(self.next_prompt)]:
+            raise RuntimeError("the PD pair does not match the single server before any fault")
+        self.slots = self.cluster.decode_used_tokens()
+        self.resources = {n: _tree_resources(self.cluster, n) for n in TARGETS}
+
+    # ---- one cell -----------------------------------------------------------------------------
+    def run_cell(self, cell: Cell) -> CellResult:
+        res = CellResult(cell.name)
+        why = cell.unsupported(self.link)
+        if why is not None:
+            res.skipped = why
+            return res
+        t0 = time.monotonic()
+        outcome: dict = {}
+        client_done = threading.Event()
+        hang_up = threading.Event()
+        client = threading.Thread(target=self._client, args=(cell, outcome, client_done, hang_up),
+                                  daemon=True)
+        marks = self._marks()
+        client.start()
+        restarted = False
+        try:
+            res.phase_hit = self._reach_phase(cell, marks, client_done)
+            if cell.mode == "client-abort":
+                hang_up.set()
+            restarted = self._inject(cell)
+        finally:
+            self._heal(cell)
+        deadline = OUTAGE_S + TRANSFER_TIMEOUT_S + 90
+        client.join(timeout=deadline)
+        res.outcome = ("hung" if client.is_alive() else outcome.get("result", "answer"))
+        res.checks["client answered or failed within the deadline"] = not client.is_alive()
+        if cell.mode == "greedy" and "ids" in outcome:
+            res.checks["greedy answer equals the single server's"] = (
+                outcome["ids"] == self.reference[tuple(self.prompt)])
+        if restarted:
+            self.cluster.restart(cell.target)
+        self._settle(cell, res, restarted)
+        res.seconds = round(time.monotonic() - t0, 1)
+        return res
+
+    def _client(self, cell: Cell, out: dict, done: threading.Event,
+                hang_up: threading.Event) -> None:
+        sampling = {"temperature": 0.7} if cell.mode == "sampled" else None
+        try:
+            if cell.mode == "client-abort":
+                self._stream_until_hang_up(out, hang_up)
+                return
+            got = generate_stream(self.cluster.url, input_ids=self.prompt,
+                                  max_new_tokens=NEW_TOKENS, sampling=sampling,
+                                  timeout_s=OUTAGE_S + 120)
+            out["ids"] = got.output_ids
+            out["result"] = "answer"
+        except (GenerateError, requests.RequestException) as exc:
+            out["result"] = f"error: {str(exc)[:200]}"
+        finally:
+            done.set()
+
+    def _stream_until_hang_up(self, out: dict, hang_up: threading.Event) -> None:
+        """A streaming client that closes its connection when `hang_up` is set, even while no
+        byte arrives (the server side may be stopped or cut off)."""
+        url = urlsplit(self.cluster.url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=OUTAGE_S + 120)
+        body = json.dumps({"input_ids": self.prompt, "stream": True,
+                           "sampling_params": {"max_new_tokens": NEW_TOKENS,
+                                               "temperature": 0.0}})
+        conn.connect()
+        closer = threading.Thread(
+            target=lambda: hang_up.wait() and _shutdown(conn.sock), daemon=True)
+        closer.start()
+        try:
+            conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            while resp.read1(4096) and not hang_up.is_set():
+                pass
+            out["result"] = "abandoned" if hang_up.is_set() else "answer (before the hang-up)"
+        except OSError as exc:
+            out["result"] = "abandoned" if hang_up.is_set() else f"error: {exc}"
+        finally:
+            hang_up.set()
+            conn.close()
+
+    def _marks(self) -> dict[str, int]:
+        return {"residual": self._log("prefill").count(FAULT_RESIDUAL_HOLD_LOG),
+                "verify": self._log("decode").count(FAULT_VERIFY_HOLD_LOG)}
+
+    def _log(self, name: str) -> str:
+        return self.cluster.log_path(name).read_text(errors="replace")
+
+    def _wait_mark(self, name: str, text: str, before: int, done: threading.Event,
+                   timeout_s: float = 120.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._log(name).count(text) <= before:
+            if done.is_set() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _reach_phase(self, cell: Cell, marks: dict[str, int], done: threading.Event) -> bool:
+        """Wait until the request is in the cell's phase; False if it never got there (the
+        fault is injected anyway)."""
+        if cell.phase == "before-anchor":
+            time.sleep(BEFORE_ANCHOR_S)
+            return (not done.is_set()
+                    and self._log("prefill").count(FAULT_RESIDUAL_HOLD_LOG) == marks["residual"])
+        if cell.phase == "during-verification":
+            return self._wait_mark("decode", FAULT_VERIFY_HOLD_LOG, marks["verify"], done)
+        hit = self._wait_mark("prefill", FAULT_RESIDUAL_HOLD_LOG, marks["residual"], done)
+        if cell.phase == "mid-residual" and hit:
+            time.sleep(1.0)  # the Anchor lands at the base rate
+            self.cluster.link.set_rate(RESIDUAL_RATE, self.spec.link_qdisc)
+            time.sleep(RESIDUAL_HOLD_S - 1.0 + 2.0)
+            hit = not done.is_set()
+        return hit
+
+    def _inject(self, cell: Cell) -> bool:
+        """Apply the fault; True if the target was killed (to be restarted)."""
+        logger.info("cell %s: injecting", cell.name)
+        if cell.fault == "sigkill":
+            self.cluster.kill(cell.target)
+            return True
+        if cell.fault == "sigstop":
+            _signal_tree(self.cluster, cell.target, signal.SIGSTOP)
+            try:
+                time.sleep(OUTAGE_S)
+            finally:
+                _signal_tree(self.cluster, cell.target, signal.SIGCONT)
+        elif cell.fault == "partition":
+            self.cluster.link.set_up(False)
+            try:
+                time.sleep(OUTAGE_S)
+            finally:
+                self.cluster.link.set_up(True)
+        elif cell.fault == "rst":
+            link = self.cluster.link
+            ns, peer = ((link.sender_ns, RECEIVER_IP) if cell.target == "prefill"
+                        else (link.receiver_ns, SENDER_IP))
+            subprocess.run(["ip", "netns", "exec", ns, "ss", "-K", "dst", peer],
+                           capture_output=True, timeout=10, check=False)
+        elif cell.fault == "slow":
+            self.cluster.link.set_rate(SLOW_RATE, self.spec.link_qdisc)
+            try:
+                time.sleep(SLOW_S)
+            finally:
+                self.cluster.link.set_rate(RESIDUAL_RATE if cell.phase == "mid-residual"
+                                           else BASE_RATE, self.spec.link_qdisc)
+        return False
+
+    def _heal(self, cell: Cell) -> None:
+        if self.cluster.link is not None and self.cluster.link.rate != BASE_RATE:
+            self.cluster.link.set_rate(BASE_RATE, self.spec.link_qdisc)
+
+    def _settle(self, cell: Cell, res: CellResult, restarted: bool) -> None:
+        urls = {"decode": self.cluster.decode_url, "prefill": self.cluster.prefill_url}
+        deadline = time.monotonic() + SETTLE_S
+        loads_error = ""
+        while True:
+            try:
+                slots = self.cluster.decode_used_tokens()
+            except requests.RequestException as exc:
+                slots, loads_error = -1, f"decode /v1/loads: {exc}"
+            staging = {n: _metric_sum(u, "lynx_staging_used_bytes") for n, u in urls.items()}
+            tracked = {n: _metric_sum(u, "lynx_tracked_requests") for n, u in urls.items()}
+            res_now = {n: _tree_resources(self.cluster, n) for n in TARGETS}
+            grown = {n: res_now[n] for n in TARGETS
+                     if not (restarted and n == cell.target)
+                     and (res_now[n][0] > self.resources[n][0] + THREAD_SLACK
+                          or res_now[n][1] > self.resources[n][1] + FD_SLACK)}
+            ok = (slots == self.slots and not any(staging.values())
+                  and not any(tracked.values()) and not grown)
+            if ok or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        res.checks["decode KV slots back to idle"] = slots == self.slots
+        res.checks["no staging held"] = not any(staging.values())
+        res.checks["no per-request map entries"] = not any(tracked.values())
+        res.checks["threads and fds back to baseline"] = not grown
+        if not ok:
+            res.details.append(f"{loads_error} slots {slots} (idle {self.slots}), staging {staging}, "
+                               f"tracked {tracked}, threads/fds {res_now} "
+                               f"(baseline {self.resources})")
+        if restarted:
+            self.resources[cell.target] = res_now[cell.target]
+        res.checks["servers alive"] = all(self.cluster.proc(n).poll() is None for n in TARGETS)
+        try:
+            got = generate(self.cluster.url, input_ids=self.next_prompt,
+                           max_new_tokens=NEW_TOKENS, timeout_s=OUTAGE_S + 120)
+            res.checks["next request equals the single server's"] = (
+                got.output_ids == self.reference[tuple(self.next_prompt)])
+        except GenerateError as exc:
+            res.checks["next request equals the single server's"] = False
+            res.details.append(f"next request: {exc}")
+
+
+def table(results: list[CellResult]) -> str:
+    lines = ["| cell | outcome | phase hit | s | verdict |", "|---|---|---|---|---|"]
+    for r in results:
+        if r.skipped:
+            lines.append(f"| {r.cell} | skipped: {r.skipped} | | | skip |")
+            continue
+        failed = [k for k, v in r.checks.items() if not v]
+        verdict = "clean" if not failed else "FAIL: " + "; ".join(failed)
+        lines.append(f"| {r.cell} | {r.outcome[:60]} | {'yes' if r.phase_hit else 'no'} | "
+                     f"{r.seconds:.0f} | {verdict} |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    def axis(name: str, values: tuple[str, ...]) -> None:
+        parser.add_argument(f"--{name}", nargs="+", choices=values, default=list(values),
+                            help=f"{name} to run (default: all of {', '.join(values)})")
+
+    axis("targets", TARGETS)
+    axis("faults", FAULTS)
+    axis("phases", PHASES)
+    axis("modes", MODES)
+    parser.add_argument("--sample", type=int, default=None,
+                        help="run only this many cells, drawn with --seed (each target and fault "
+                             "before any repeats; cells this machine cannot run are left out)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-link", action="store_true",
+                        help="loopback instead of the shaped link even as root (link faults and "
+                             "mid-residual are then skipped)")
+    parser.add_argument("--out", type=Path, default=Path("out/faults.json"),
+                        help="JSON report (default out/faults.json); the table goes to stdout")
+    add_kv_dtype_argument(parser)
+
+
+def run_matrix(cells: list[Cell], *, link: bool, run_dir: Path,
+               server_args: tuple[str, ...] = ()) -> list[CellResult]:
+    model = str(embedded_model_dir())
+    results = []
+    with Matrix(model, run_dir, link, server_args) as matrix:
+        for i, cell in enumerate(cells):
+            logger.info("cell %d/%d: %s", i + 1, len(cells), cell.name)
+            results.append(matrix.run_cell(cell))
+            logger.info("cell %s: %s", cell.name, results[-1])
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    link = not args.no_link and netns_available() is None and os.geteuid() == 0
+    cells = select_cells(all_cells(), targets=args.targets, faults=args.faults,
+                         phases=args.phases, modes=args.modes, sample=args.sample,
+                         seed=args.seed, link=link)
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{len(cells)} cells ({'shaped link' if link else 'loopback'})", flush=True)
+    results = run_matrix(cells, link=link, run_dir=out.parent / (out.stem + "_runs"),
+                         server_args=kv_dtype_server_args(args.kv_dtype))
+    clean = all(r.clean for r in results)
+    out.write_text(json.dumps({"link": link, "clean": clean,
+                               "cells": [dataclasses.asdict(r) for r in results]}, indent=1))
+    print(table(results))
+    ran = [r for r in results if r.skipped is None]
+    print(f"{sum(r.clean for r in ran)}/{len(ran)} cells clean, "
+          f"{len(results) - len(ran)} skipped (report: {out})")
+    return 0 if clean else 1
