@@ -59,7 +59,7 @@ from ..names import (
 )
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec, process_tree
-from .measure import add_kv_dtype_argument, kv_dtype_server_args, metric_samples
+from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
 from .model import embedded_model_dir
 from .netns import RECEIVER_IP, SENDER_IP, netns_available
 from .prompts import passkey_prompt
@@ -167,11 +167,6 @@ def _shutdown(sock) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-def _metric_sum(url: str, name: str) -> float | None:
-    samples = metric_samples(url, name, timeout_s=10)
-    return None if samples is None else sum(s.value for s in samples)
-
-
 class Matrix:
     """Runs cells on one cluster (restarting what a cell killed); owns the cluster."""
 
@@ -202,8 +197,12 @@ class Matrix:
         self.cluster = Cluster(self.spec)
 
     def __enter__(self) -> Matrix:
-        self.cluster.start()
-        self._warm_up()
+        try:
+            self.cluster.start()
+            self._warm_up()
+        except BaseException:
+            self.cluster.stop()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -374,21 +373,20 @@ class Matrix:
                 slots = self.cluster.decode_used_tokens()
             except requests.RequestException as exc:
                 slots, loads_error = -1, f"decode /v1/loads: {exc}"
-            staging = {n: _metric_sum(u, "lynx_staging_used_bytes") for n, u in urls.items()}
-            tracked = {n: _metric_sum(u, "lynx_tracked_requests") for n, u in urls.items()}
+            staging = {n: metric_sum(u, "lynx_staging_used_bytes") for n, u in urls.items()}
+            tracked = {n: metric_sum(u, "lynx_tracked_requests") for n, u in urls.items()}
             res_now = {n: _tree_resources(self.cluster, n) for n in TARGETS}
             grown = {n: res_now[n] for n in TARGETS
                      if not (restarted and n == cell.target)
                      and (res_now[n][0] > self.resources[n][0] + THREAD_SLACK
                           or res_now[n][1] > self.resources[n][1] + FD_SLACK)}
-            ok = (slots == self.slots and not any(staging.values())
-                  and not any(tracked.values()) and not grown)
+            ok = (slots == self.slots and all_zero(staging) and all_zero(tracked) and not grown)
             if ok or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
         res.checks["decode KV slots back to idle"] = slots == self.slots
-        res.checks["no staging held"] = not any(staging.values())
-        res.checks["no per-request map entries"] = not any(tracked.values())
+        res.checks["no staging held"] = all_zero(staging)
+        res.checks["no per-request map entries"] = all_zero(tracked)
         res.checks["threads and fds back to baseline"] = not grown
         if not ok:
             res.details.append(f"{loads_error} slots {slots} (idle {self.slots}), staging {staging}, "

@@ -5,7 +5,8 @@ answer that completed checked token for token against a single server's.
 What one round checks (`LoadReport`): no request that was not abandoned failed; each completed
 output equals the single server's for its prompt (a request that got another request's KV or
 tokens would not); afterwards the decode holds no KV slots beyond its idle baseline and no server
-holds Lynx staging memory (`lynx_staging_used_bytes` on every /metrics page). `--duration-s`
+holds Lynx staging memory or per-request map entries (`lynx_staging_used_bytes`,
+`lynx_tracked_requests` on every /metrics page). `--duration-s`
 repeats rounds until the time is up (a soak). Exit status 1 if any round found a problem.
 
 The reference runs on a single server with the radix cache off, one request at a time; the PD
@@ -31,7 +32,7 @@ import requests
 
 from .client import GenerateError, generate, generate_stream
 from .cluster import TRANSFER_BACKENDS, Cluster, ClusterMode, ClusterSpec
-from .measure import add_kv_dtype_argument, kv_dtype_server_args, metric_samples
+from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
 from .model import embedded_model_dir
 from .prompts import passkey_prompt
 
@@ -59,13 +60,15 @@ class LoadReport:
     mismatches: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     leaked_decode_slots: int = 0
-    staging_used_bytes: dict[str, float] = field(default_factory=dict)
+    # Per server: None when its /metrics could not be read or lacked the gauge (not clean).
+    staging_used_bytes: dict[str, float | None] = field(default_factory=dict)
+    tracked_requests: dict[str, float | None] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
     def clean(self) -> bool:
         return (not self.mismatches and not self.errors and self.leaked_decode_slots == 0
-                and not any(self.staging_used_bytes.values()))
+                and all_zero(self.staging_used_bytes) and all_zero(self.tracked_requests))
 
 
 def plan_requests(prompts: dict[int, list[int]], count: int, abandon_fraction: float,
@@ -92,14 +95,6 @@ def _abandon(url: str, req: LoadRequest, timeout_s: float) -> None:
             if seen >= req.abandon_after:
                 break
             seen += line.startswith(b"data:")
-
-
-def staging_used(metrics_url: str) -> float:
-    """The server's `lynx_staging_used_bytes` (summed over its series)."""
-    samples = metric_samples(metrics_url, "lynx_staging_used_bytes")
-    if samples is None:
-        raise requests.RequestException(f"cannot read {metrics_url}/metrics")
-    return sum(sample.value for sample in samples)
 
 
 def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple, list[int]],
@@ -140,12 +135,15 @@ def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple,
     deadline = time.monotonic() + SETTLE_S
     while True:
         used = cluster.decode_used_tokens() - baseline_slots
-        staging = {url: staging_used(url) for url in [*cluster.prefill_urls, cluster.decode_url]}
-        if (used <= 0 and not any(staging.values())) or time.monotonic() > deadline:
+        urls = [*cluster.prefill_urls, cluster.decode_url]
+        staging = {url: metric_sum(url, "lynx_staging_used_bytes") for url in urls}
+        tracked = {url: metric_sum(url, "lynx_tracked_requests") for url in urls}
+        if (used <= 0 and all_zero(staging) and all_zero(tracked)) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     report.leaked_decode_slots = max(used, 0)
     report.staging_used_bytes = staging
+    report.tracked_requests = tracked
     return report
 
 
@@ -198,10 +196,12 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
             report = run_round(cluster, reqs, references, baseline, timeout_s)
             reports.append(report)
             logger.info("round %d: %d requests (%d abandoned) in %.1f s: %d completed, "
-                        "%d mismatches, %d errors, %d leaked decode slots, staging %s",
+                        "%d mismatches, %d errors, %d leaked decode slots, staging %s, "
+                        "tracked %s",
                         round_no + 1, report.requests, report.abandoned, report.seconds,
                         report.completed, len(report.mismatches), len(report.errors),
-                        report.leaked_decode_slots, report.staging_used_bytes)
+                        report.leaked_decode_slots, report.staging_used_bytes,
+                        report.tracked_requests)
             round_no += 1
             if time.monotonic() >= t_end:
                 return reports

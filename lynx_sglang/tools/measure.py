@@ -80,3 +80,15 @@ def metric_samples(metrics_url: str, name: str, timeout_s: float = 30.0) -> list
         return None
     return [sample for family in text_string_to_metric_families(r.text)
             for sample in family.samples if sample.name == name]
+
+
+def metric_sum(metrics_url: str, name: str, timeout_s: float = 10.0) -> float | None:
+    """The sum of a server's samples of `name`; None if the page cannot be read or has none, so
+    that a leak check which read nothing cannot pass."""
+    samples = metric_samples(metrics_url, name, timeout_s)
+    return sum(sample.value for sample in samples) if samples else None
+
+
+def all_zero(values: dict[str, float | None]) -> bool:
+    """Every value read and 0 (`metric_sum` per server)."""
+    return all(v == 0 for v in values.values())
