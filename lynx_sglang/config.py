@@ -85,9 +85,11 @@ class LynxConfig:
                                  "encoded KV, in MiB")
     connect_timeout_s: float = _opt(30.0, "deadline for the prefill to connect to a decode's data "
                                           "endpoint, in s")
-    transfer_timeout_s: float = _opt(120.0, "deadline on decode from a request's transfer start "
-                                            "to its last Residual chunk; past it the request "
-                                            "fails, in s")
+    transfer_timeout_s: float = _opt(120.0, "deadline on decode from a request's first landed "
+                                            "byte to its last Residual chunk; past it the "
+                                            "request fails, in s (the wait before the prefill "
+                                            "starts sending has SGLang's "
+                                            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
     speculate: bool = _opt(
         True, "decode: start generating as soon as a request's Anchor has landed, then verify the "
               "speculative tokens with one forward once the Residual is in and roll back what "

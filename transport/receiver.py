@@ -101,6 +101,8 @@ class RxRequest:
     t_start: float
     deadline: float | None
     streams: dict[Stream, RxStream]
+    # Seconds from the request's first landed byte to the end of its streams (None: no limit).
+    transfer_s: float | None = None
 
     def state(self, stream: Stream) -> StreamState:
         rs = self.streams[stream]
@@ -108,9 +110,12 @@ class RxRequest:
                            self.t_start, rs.t_first, rs.t_done, rs.reason, rs.detail, rs.aux)
 
     def expired(self, t: float) -> bool:
-        return self.deadline is not None and t > self.deadline and any(
-            rs.status is Status.PENDING for rs in self.streams.values()
-        )
+        if not any(rs.status is Status.PENDING for rs in self.streams.values()):
+            return False
+        if self.deadline is not None and t > self.deadline:
+            return True
+        firsts = [rs.t_first for rs in self.streams.values() if rs.t_first is not None]
+        return self.transfer_s is not None and bool(firsts) and t > min(firsts) + self.transfer_s
 
 
 class IncomingChunk:
@@ -156,6 +161,7 @@ class ReceiverRole(SessionBase):
         bounds: Mapping[Stream, Sequence[Extent | tuple[int, int, int]]],
         *,
         deadline_s: float | None = None,
+        transfer_deadline_s: float | None = None,
         meta: bytes = b"",
     ) -> None:
         """Allow the peer to write request `request_id`'s streams into the given extents.
@@ -163,7 +169,10 @@ class ReceiverRole(SessionBase):
         `bounds[stream]` lists (region_id, offset, length) extents of *this* endpoint's writable
         regions; a stream may be omitted (nothing may be written for it and it never completes).
         `deadline_s`: seconds from now after which unfinished streams fail with TIMEOUT (both
-        sides). `meta`: small opaque bytes delivered to the sender with the announcement.
+        sides). `transfer_deadline_s`: the same, counted from the first byte that lands (a peer
+        may take long to start, e.g. behind a queue, and then must not stall); on a backend that
+        does not see bytes land (verbs) the clock starts at a stream's FIN. `meta`: small opaque
+        bytes delivered to the sender with the announcement.
         """
         self.check_open()
         _check_request_id(request_id)
@@ -199,7 +208,7 @@ class ReceiverRole(SessionBase):
             deadline = t + deadline_s if deadline_s is not None else None
             ann = Announcement(request_id, norm, deadline, bytes(meta), targets)
             streams = {s: RxStream(expected=ann.stream_nbytes(s)) for s in norm}
-            self._rx[request_id] = RxRequest(ann, t, deadline, streams)
+            self._rx[request_id] = RxRequest(ann, t, deadline, streams, transfer_deadline_s)
             self._host.region_refs(regions.keys(), +1)
         self._send(Announce.of(ann, deadline_s))
 

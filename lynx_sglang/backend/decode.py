@@ -98,8 +98,14 @@ class _Estimates:
 
 class DecodeApplier:
     def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
-                 staging_region: Region, endpoint: Endpoint, link: DecodeLink):
+                 staging_region: Region, endpoint: Endpoint, link: DecodeLink,
+                 waiting_timeout_s: float = 300.0):
         self.config = config
+        # How long a room may wait for its prefill to start sending: SGLang's own budget for a
+        # decode request (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), as with its other backends. A
+        # prefill works through a queue first; only the transfer itself has
+        # --lynx-transfer-timeout-s, from its first landed byte.
+        self.waiting_s = max(waiting_timeout_s, config.transfer_timeout_s)
         self.spec = config.codec
         self._pool = pool
         self.staging = staging
@@ -325,7 +331,7 @@ class DecodeApplier:
             Stream.ANCHOR: [(rid, room.staging.offset, plan.anchor_bytes)],
             Stream.RESIDUAL: [(rid, room.staging.offset + plan.anchor_bytes,
                                plan.residual_bytes)]},
-            deadline_s=self.config.transfer_timeout_s)
+            deadline_s=self.waiting_s, transfer_deadline_s=self.config.transfer_timeout_s)
         room.announced(s)
         return True
 
@@ -334,14 +340,14 @@ class DecodeApplier:
             with self._lock:
                 announced = self._try_announce(room)
             # The prefill opens its session at its first transfer, after that request's prefill
-            # forward: the whole transfer deadline applies, not the connect timeout.
+            # forward (behind its queue): the waiting budget applies, not the connect timeout.
             refused = self._refused_ranks.get(room.prefill)
             if not announced and refused is not None:
                 self._fail(room, refused)
-            elif not announced and time.monotonic() - room.created > self.config.transfer_timeout_s:
+            elif not announced and time.monotonic() - room.created > self.waiting_s:
                 self.link.forget_prefill_rank(room.prefill)
                 self._fail(room, f"no transport session from prefill rank {room.prefill} "
-                                 f"within {self.config.transfer_timeout_s:g} s")
+                                 f"within {self.waiting_s:g} s")
             return
         anchor = self._state(room, Stream.ANCHOR)
         if anchor is None:

@@ -160,7 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0: one round)")
     parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default="lynx")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--request-timeout-s", type=float, default=1800.0,
+                        help="each client's timeout, also SGLang's bootstrap and waiting "
+                             "timeouts on the PD servers (default 1800: 256 requests queue for "
+                             "about 10 min on 2 cores)")
     parser.add_argument("--out", type=Path, default=Path("out/load.json"),
                         help="JSON report (default out/load.json)")
     add_kv_dtype_argument(parser)
@@ -184,8 +187,14 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
                                            max_new_tokens=max(NEW_TOKENS),
                                            timeout_s=timeout_s).output_ids
                       for ids in prompts.values()}
+    # A round queues far more work than 2 CPU cores do in SGLang's default 300 s: its bootstrap
+    # and waiting timeouts (the same for every backend) would fail requests for capacity, which
+    # is not what a round checks. They get the client's timeout instead.
+    sglang_timeouts = {name: str(int(timeout_s)) for name in (
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")}
     pd = ClusterSpec(model, ClusterMode.PD, transfer_backend=transfer_backend,
-                     run_dir=run_dir / "pd", server_args=common, prefills=prefills)
+                     run_dir=run_dir / "pd", server_args=common, prefills=prefills,
+                     extra_env=sglang_timeouts)
     reports = []
     with Cluster(pd) as cluster:
         baseline = cluster.decode_used_tokens()

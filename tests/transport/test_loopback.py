@@ -343,6 +343,23 @@ def test_secret_and_deadline():
             ep.close()
 
 
+def test_transfer_deadline_counts_from_the_first_landed_byte(pair):
+    """A peer may start late (behind its queue) without failing the request; once bytes land, it
+    must finish within the transfer deadline."""
+    rx, tx, s_rx, s_tx = pair
+    dst = rx.register(np.zeros(MiB, np.uint8))
+    src = tx.register(pattern(MiB, 5))
+    s_rx.announce(1, {A: [(dst.id, 0, MiB)]}, transfer_deadline_s=0.3)
+    s_tx.wait_announcement(1, timeout=5)
+    time.sleep(0.8)  # well past 0.3 s, nothing sent yet: still pending
+    assert s_rx.recv_state(1, A).status is Status.PENDING
+    s_tx.write(1, A, src, 0, 4096, dst.id, 0)  # some bytes, never the rest nor the end
+    st = s_rx.wait(1, A, timeout=5)
+    assert st.status is Status.FAILED and st.reason is FailureReason.TIMEOUT
+    assert st.t_done - st.t_first_byte < 1.5  # from the first byte, not the announcement
+    s_rx.release(1)
+
+
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(PEER), *args], stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
