@@ -221,9 +221,23 @@ class DecodeApplier:
                     with self._lock:
                         room.busy = False
                         self._idle.notify_all()
+            self._forget_dead_prefills()
             # The transport wakes this thread when bytes land (`Endpoint.on_progress`), SGLang's
             # calls when a room changes; the timeout only bounds the unannounced-room deadline.
             self._wake.wait(0.1)
+
+    def _forget_dead_prefills(self) -> None:
+        """A prefill rank whose session ended (it died, or stalled past the heartbeat) is
+        forgotten even when none of its rooms was in flight here: a room failing is not the only
+        sign. Otherwise, with SGLang's heartbeat slower than a restart (or off), the next request
+        went to the dead rank's cached address and waited out every timeout (found by the fault
+        matrix: prefill killed after its client had hung up)."""
+        with self._lock:
+            dead = [key for key, s in self._prefill_sessions.items() if s.closed]
+            for key in dead:
+                del self._prefill_sessions[key]
+        for key in dead:
+            self.link.forget_prefill_rank(key)
 
     # ---- SGLang's scheduler thread ------------------------------------------------------------
     def tracked(self) -> dict[str, int]:

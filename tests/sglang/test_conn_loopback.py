@@ -517,6 +517,19 @@ def test_prefill_death_mid_transfer_fails_the_room(sgl, make_pd):
     assert not _holds(pd, req, "full")
 
 
+def test_an_idle_prefill_that_dies_is_forgotten(sgl, make_pd):
+    """A prefill rank that dies with none of its rooms in flight must be forgotten too: the
+    decode used to drop its cached bootstrap info only when a room failed, so after a restart
+    (SGLang's heartbeat slower, or off) the next request went to the dead rank and hung."""
+    pd = make_pd(_cfg(target="exact"))
+    req = _start_request(sgl, pd, room=5006, seed=7)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+    assert pd.decode.mgr.connection_pool, "SGLang cached no bootstrap info to drop"
+    pd.prefill.mgr.endpoint.close()  # the prefill's data plane dies while idle
+    _wait("the decode to drop the dead rank's bootstrap info",
+          lambda: not pd.decode.mgr.connection_pool)
+
+
 @pytest.mark.parametrize("then", ["applied", "prefill_dies", "cancelled"])
 def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     """Speculative mode (the default): the room is Success for SGLang once the Anchor and the aux
