@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -645,11 +644,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"[bench-ttft] model {model_dir}; link: {link_desc}; variants {list(cfg.variants)}",
           flush=True)
 
-    # SIGTERM ends the run like Ctrl-C, so the running cluster's context manager stops it.
-    def _on_sigterm(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.monotonic()
     load_start = os.getloadavg()
     results: list[VariantResult] = []

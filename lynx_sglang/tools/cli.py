@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.metadata
 import logging
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -149,7 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     check = getattr(module, "check_arguments", None)
     if check is not None:
         check(subparsers[args.command], args)
-    return int(module.run(args) or 0)
+    # SIGTERM ends a tool like Ctrl-C, so the clusters and links it started are stopped by their
+    # context managers instead of outliving it (`up` installs its own handler).
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"lynx-sglang {args.command}: interrupted; what it started was stopped",
+              file=sys.stderr)
+        return 130
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -363,11 +362,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"[demo] model {model_dir}; link: {link_desc}; variants {[v.name for v in variants]}",
           flush=True)
 
-    # SIGTERM ends the demo like Ctrl-C, so the running cluster's context manager stops it.
-    def _on_sigterm(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.monotonic()
     results = []
     progress = Progress("demo", len(variants))

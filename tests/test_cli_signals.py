@@ -1,0 +1,40 @@
+"""`lynx-sglang`: SIGTERM ends a tool like Ctrl-C, so what it started (clusters, shaped links) is
+stopped by its context managers instead of outliving it (a stand-in subcommand, no servers)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+SLEEPER = '''
+import pathlib, time
+def add_arguments(parser):
+    parser.add_argument("--mark")
+def run(args):
+    try:
+        print("started", flush=True)
+        time.sleep(60)
+    finally:
+        pathlib.Path(args.mark).write_text("cleaned up")
+'''
+
+
+def test_sigterm_unwinds_the_tool_and_exits_130(tmp_path):
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    mark = tmp_path / "mark"
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+            "from lynx_sglang.tools import cli; "
+            "cli.SUBCOMMANDS += (cli.Subcommand('sleeper', 'sleeper', 'test'),); "
+            f"sys.exit(cli.main(['sleeper', '--mark', {str(mark)!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "sleeper: interrupted" in err
+    assert mark.read_text() == "cleaned up"
