@@ -242,7 +242,7 @@ class Matrix:
             self._heal(cell)
         deadline = OUTAGE_S + TRANSFER_TIMEOUT_S + 90
         client.join(timeout=deadline)
-        res.outcome = ("hung" if client.is_alive() else outcome.get("result", "answer"))
+        res.outcome = ("hung" if client.is_alive() else outcome.get("result", "no result recorded"))
         res.checks["client answered or failed within the deadline"] = not client.is_alive()
         if cell.mode == "greedy" and "ids" in outcome:
             res.checks["greedy answer equals the single server's"] = (
@@ -267,6 +267,8 @@ class Matrix:
             out["result"] = "answer"
         except (GenerateError, requests.RequestException) as exc:
             out["result"] = f"error: {str(exc)[:200]}"
+        except Exception as exc:  # recorded, not lost with the thread
+            out["result"] = f"client failed: {type(exc).__name__}: {str(exc)[:200]}"
         finally:
             done.set()
 
@@ -288,8 +290,9 @@ class Matrix:
             while resp.read1(4096) and not hang_up.is_set():
                 pass
             out["result"] = "abandoned" if hang_up.is_set() else "answer (before the hang-up)"
-        except OSError as exc:
-            out["result"] = "abandoned" if hang_up.is_set() else f"error: {exc}"
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            # A shut-down socket surfaces as any of these, depending on where the read was.
+            out["result"] = "abandoned" if hang_up.is_set() else f"error: {exc!r}"
         finally:
             hang_up.set()
             conn.close()
