@@ -395,8 +395,6 @@ class Matrix:
             res.details.append(f"{loads_error} slots {slots} (idle {self.slots}), staging {staging}, "
                                f"tracked {tracked}, threads/fds {res_now} "
                                f"(baseline {self.resources})")
-        if restarted:
-            self.resources[cell.target] = res_now[cell.target]
         res.checks["servers alive"] = all(self.cluster.proc(n).poll() is None for n in TARGETS)
         try:
             got = generate(self.cluster.url, input_ids=self.next_prompt,
@@ -406,6 +404,10 @@ class Matrix:
         except GenerateError as exc:
             res.checks["next request equals the single server's"] = False
             res.details.append(f"next request: {exc}")
+        if restarted:
+            # A new process's baseline, taken once a request has gone through it: SGLang and
+            # Lynx open sockets and start threads lazily (measured: +4 threads, +14-20 fds).
+            self.resources[cell.target] = _tree_resources(self.cluster, cell.target)
 
 
 def table(results: list[CellResult]) -> str:
