@@ -239,7 +239,7 @@ class Matrix:
                 hang_up.set()
             restarted = self._inject(cell)
         finally:
-            self._heal(cell)
+            self._heal()
         deadline = OUTAGE_S + TRANSFER_TIMEOUT_S + 90
         client.join(timeout=deadline)
         res.outcome = ("hung" if client.is_alive() else outcome.get("result", "no result recorded"))
@@ -356,14 +356,11 @@ class Matrix:
                            capture_output=True, timeout=10, check=False)
         elif cell.fault == "slow":
             self.cluster.link.set_rate(SLOW_RATE, self.spec.link_qdisc)
-            try:
-                time.sleep(SLOW_S)
-            finally:
-                self.cluster.link.set_rate(RESIDUAL_RATE if cell.phase == "mid-residual"
-                                           else BASE_RATE, self.spec.link_qdisc)
+            time.sleep(SLOW_S)  # run_cell's _heal restores the base rate
         return False
 
-    def _heal(self, cell: Cell) -> None:
+    def _heal(self) -> None:
+        """The link back at its base rate (after a slow fault or a mid-Residual slow-down)."""
         if self.cluster.link is not None and self.cluster.link.rate != BASE_RATE:
             self.cluster.link.set_rate(BASE_RATE, self.spec.link_qdisc)
 
