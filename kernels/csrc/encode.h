@@ -107,9 +107,8 @@ static int encode_impl(const lynx_params *p, const uint8_t *pool, const int64_t 
     }
     ptrs[np++] = low_scratch;
     ptrs[np++] = W.S.zc = coding ? xalloc(chunk_values * G.vb * 2) : NULL;
-    ptrs[np++] = W.S.blk = coding ? xalloc(num_blocks(chunk_values) * 32) : NULL;
+    ptrs[np++] = W.S.blk = coding ? xalloc(num_blocks(chunk_values) * 2) : NULL;
     ptrs[np++] = W.S.records = coding ? xalloc(chunk_values * G.vb + 64) : NULL;
-    ptrs[np++] = W.S.area = coding ? xalloc(2 * BLOCK * 8 + 64) : NULL;
     for (int i = 0; i < np; i++)
         if (!ptrs[i] && (i < need || (i > need && coding))) {
             free_all(ptrs, np);

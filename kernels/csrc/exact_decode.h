@@ -12,11 +12,10 @@ static int corrupt(err_t *e, const char *what) {
  * value) into `out` (value i at out[i]: the chunk's unprotected values, row-major). */
 INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t *sec, int64_t sec_len,
                             int64_t nv, uint8_t *restrict out, err_t *e, const int wide) {
-    int kk[NCLS];
-    for (int i = 0; i < 8; i++) {
-        kk[2 * i] = (sec[i] & 15) + G->p->k_base;
-        kk[2 * i + 1] = (sec[i] >> 4) + G->p->k_base;
-    }
+    uint64_t knibs = 0;
+    for (int i = 0; i < 8; i++) knibs |= (uint64_t)sec[i] << (8 * i);
+    const uint32_t klo = (uint32_t)knibs, khi = (uint32_t)(knibs >> 32);
+    const uint32_t k_base = (uint32_t)G->p->k_base;
     const int64_t nb = num_blocks(nv), total = sec_len - 8 - 2 * nb;
     uint8_t *data = S->records;
     memcpy(data, sec + 8 + 2 * nb, (size_t)total);
@@ -27,22 +26,42 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
     /* magnitudes above nan_above are NaN */
     const uint32_t mag = wide ? 0x7FFFFFFFu : 0x7FFFu;
     const uint32_t nan_above = wide ? 0x7F800000u : (G->p->dtype == DT_F16 ? 0x7C00u : 0x7F80u);
+    /* L fields are read in groups (l_group: three for 16-bit dtypes, two for fp32): one 56-bit
+     * peek holds a whole group. */
+    const int lg = l_group(G);
     int64_t rs = 0, esc_idx[BLOCK];
     for (int64_t b = 0; b < nb; b++) {
         const int64_t re = rs + 8 * (int64_t)get16(sec + 8 + 2 * b);
         const int64_t i0 = b * BLOCK, i1 = i0 + BLOCK < nv ? i0 + BLOCK : nv;
         const int n = (int)(i1 - i0);
+        /* each value's k, from the nibble table by a shift (no chain: the compiler vectorizes) */
+        uint8_t kb[BLOCK];
+        for (int i = 0; i < n; i++) {
+            const uint32_t c = (uint32_t)(zc_at(zc, wide, i0 + i) & 15);
+            kb[i] = (uint8_t)(((c < 8 ? klo >> (4 * c) : khi >> (4 * (c - 8))) & 15) + k_base);
+        }
         /* the L area's low bits (reading past the record is harmless: data has slack) */
         uint32_t lows[BLOCK];
         int64_t pl = rs;
-        for (int i = 0; i < n; i++) {
-            const int k = kk[zc_at(zc, wide, i0 + i) & 15];
+        int i = 0;
+        for (; i + lg <= n; i += lg) {
+            uint64_t w = peek(data, pl);
+            for (int j = 0; j < lg; j++) {
+                const int k = kb[i + j];
+                lows[i + j] = (uint32_t)(w & (((uint64_t)1 << k) - 1));
+                w >>= k;
+                pl += k;
+            }
+        }
+        for (; i < n; i++) {
+            const int k = kb[i];
             lows[i] = (uint32_t)(peek(data, pl) & (((uint64_t)1 << k) - 1));
             pl += k;
         }
         if (pl > re) return corrupt(e, "a record is shorter than its low bits");
         /* then the U area, a word at a time: every zero bit ends a value's unary code, so the
-         * codes come out of a trailing-zero count per value with no chain through memory. */
+         * codes come out of a trailing-zero count per value with no chain through memory. A
+         * code's length is checked once for the block, after the loop (qs holds up to 16 + 56). */
         uint8_t qs[BLOCK];
         int64_t pu = pl;
         int cnt = 0, run = 0;
@@ -52,16 +71,22 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
             const int avail = left < 56 ? (int)left : 56;
             uint64_t z = ~peek(data, pu) & (((uint64_t)1 << avail) - 1); /* ones at the zeros */
             int base = 0;
-            while (z && cnt < n) {
-                const int t = __builtin_ctzll(z);
-                const int q = run + t - base;
-                if (q > ESCAPE_Q) return corrupt(e, "a unary code longer than 16");
-                qs[cnt++] = (uint8_t)q;
-                run = 0;
-                base = t + 1;
-                z &= z - 1;
-            }
-            if (cnt == n) {
+            if (cnt + __builtin_popcountll(z) < n) {
+                while (z) {
+                    const int t = __builtin_ctzll(z);
+                    qs[cnt++] = (uint8_t)(run + t - base);
+                    run = 0;
+                    base = t + 1;
+                    z &= z - 1;
+                }
+            } else {
+                while (cnt < n) {
+                    const int t = __builtin_ctzll(z);
+                    qs[cnt++] = (uint8_t)(run + t - base);
+                    run = 0;
+                    base = t + 1;
+                    z &= z - 1;
+                }
                 pu += base;
                 break;
             }
@@ -69,6 +94,9 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
             if (run > ESCAPE_Q) return corrupt(e, "a unary code longer than 16");
             pu += avail;
         }
+        uint8_t qmax = 0;
+        for (i = 0; i < n; i++) qmax = qs[i] > qmax ? qs[i] : qmax;
+        if (qmax > ESCAPE_Q) return corrupt(e, "a unary code longer than 16");
         /* then the values (a loop the compiler vectorizes; escapes are written over afterwards) */
         uint32_t bad = 0, nan = 0;
         int64_t ne = 0;
@@ -76,7 +104,7 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
             const uint64_t *restrict zc64 = (const uint64_t *)zc + i0;
             for (int i = 0; i < n; i++) {
                 const uint64_t v = zc64[i];
-                const int k = kk[v & 15], esc = qs[i] == ESCAPE_Q;
+                const int k = kb[i], esc = qs[i] == ESCAPE_Q;
                 const uint64_t zz = ((uint64_t)qs[i] << k) | lows[i];
                 const int64_t o = ord32((uint32_t)(v >> 4)) + (int64_t)((zz >> 1) ^ (0 - (zz & 1)));
                 const uint32_t bits = o >= 0 ? (uint32_t)o : 0x80000000u | (uint32_t)(-1 - o);
@@ -89,7 +117,7 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
             const uint32_t *restrict zc32 = (const uint32_t *)zc + i0;
             for (int i = 0; i < n; i++) {
                 const uint32_t v = zc32[i];
-                const int k = kk[v & 15], esc = qs[i] == ESCAPE_Q;
+                const int k = kb[i], esc = qs[i] == ESCAPE_Q;
                 const uint32_t zz = ((uint32_t)qs[i] << k) | lows[i];
                 const int32_t o = ord16(v >> 4) + (int32_t)((zz >> 1) ^ (0 - (zz & 1)));
                 const uint32_t bits = o >= 0 ? (uint32_t)o : 0x8000u | (uint32_t)(-1 - o);

@@ -2,38 +2,10 @@
  * Part of lynx_codec.c's single translation unit (included there, in order). */
 /* ---- exact Residual section: encoder ---- */
 
-/* A branch-free bit writer: each put stores 8 bytes at the current byte (the buffer needs 8 bytes of
- * slack) and keeps under 8 pending bits; fields are at most 32 bits. */
-typedef struct {
-    uint8_t *p;
-    uint64_t acc;
-    int nbits;
-} bitw_t;
-
-INLINE void bw_put(bitw_t *w, uint64_t val, int len) {
-    w->acc |= val << w->nbits;
-    w->nbits += len;
-    put64(w->p, w->acc);
-    const int adv = w->nbits >> 3;
-    w->p += adv;
-    w->acc >>= 8 * adv;
-    w->nbits &= 7;
-}
-
-/* ORs bits [0, nbits) of `src` into `dst` from bit `at` on: 7 bytes at a time, so a shift of up to
- * 7 fits a word. Bits of src past nbits must be zero up to 8 bytes on (bw_put leaves them so). */
-INLINE void or_bits(uint8_t *dst, int64_t at, const uint8_t *src, int64_t nbits) {
-    uint8_t *d = dst + (at >> 3);
-    const int sh = (int)(at & 7);
-    for (int64_t j = 0; j < (nbits + 7) / 8; j += 7)
-        put64(d + j, get64(d + j) | ((get64(src + j) & 0x00FFFFFFFFFFFFFFull) << sh));
-}
-
 typedef struct {
     void *zc;          /* per coded value of the chunk: exact_row's output */
-    int64_t *blk;      /* per block: L bits, U bits, record bytes, escapes */
+    uint16_t *blk;     /* encode: per block, its record's byte length */
     uint8_t *records;  /* the records (encode) / a padded copy of them (decode) */
-    uint8_t *area;     /* encode: one block's L then U area, before they are joined */
 } section_scratch_t;
 
 INLINE uint64_t zc_at(const void *zc, const int wide, int64_t i) {
@@ -75,87 +47,127 @@ INLINE void choose_k(const geo_t *G, const void *zc, const int wide, int64_t nv,
     }
 }
 
+/* A block's values split into their fields: the k low bits of zz (0 for an escape), k, and the
+ * unary length min(zz >> k, ESCAPE_Q). */
+typedef struct {
+    uint32_t lo[BLOCK];
+    uint8_t k[BLOCK], q[BLOCK];
+} fields_t;
+
+/* Fields of values [i0, i0 + n) (a loop without a chain, so the compiler vectorizes it: k comes
+ * out of the k table packed as nibbles by a shift, not a table load); returns the record's bits
+ * in L (*sl), U (*su) and the escapes' count (*ne). */
+INLINE void block_fields(const void *zc, const int wide, int64_t i0, int n, uint64_t knibs, int k_base,
+                         fields_t *restrict f, int64_t *sl, int64_t *su, int64_t *ne) {
+    const uint32_t klo = (uint32_t)knibs, khi = (uint32_t)(knibs >> 32);
+    int64_t l = 0, u = 0, e = 0;
+    if (wide) {
+        const uint64_t *restrict z = (const uint64_t *)zc + i0;
+        for (int i = 0; i < n; i++) {
+            const uint32_t c = (uint32_t)(z[i] & 15);
+            const uint32_t k = ((c < 8 ? klo >> (4 * c) : khi >> (4 * (c - 8))) & 15) + (uint32_t)k_base;
+            const uint64_t zz = z[i] >> 4, q = zz >> k;
+            const int esc = q >= ESCAPE_Q;
+            f->lo[i] = esc ? 0 : (uint32_t)(zz & (((uint64_t)1 << k) - 1));
+            f->k[i] = (uint8_t)k;
+            f->q[i] = (uint8_t)(esc ? ESCAPE_Q : q);
+            l += k;
+            u += (esc ? ESCAPE_Q : (int64_t)q) + 1;
+            e += esc;
+        }
+    } else {
+        const uint32_t *restrict z = (const uint32_t *)zc + i0;
+        for (int i = 0; i < n; i++) {
+            const uint32_t c = z[i] & 15;
+            const uint32_t k = ((c < 8 ? klo >> (4 * c) : khi >> (4 * (c - 8))) & 15) + (uint32_t)k_base;
+            const uint32_t zz = z[i] >> 4, q = zz >> k;
+            const int esc = q >= ESCAPE_Q;
+            f->lo[i] = esc ? 0 : zz & ((1u << k) - 1);
+            f->k[i] = (uint8_t)k;
+            f->q[i] = (uint8_t)(esc ? ESCAPE_Q : q);
+            l += k;
+            u += (esc ? ESCAPE_Q : q) + 1;
+            e += esc;
+        }
+    }
+    *sl = l;
+    *su = u;
+    *ne = e;
+}
+
+/* Appends `len` <= 56 bits to a writer that keeps under 8 pending bits (so nb + len < 64). */
+#define BITS_APPEND(p, acc, nb, w, len)   \
+    do {                                  \
+        (acc) |= (uint64_t)(w) << (nb);   \
+        (nb) += (len);                    \
+        put64((p), (acc));                \
+        (p) += (nb) >> 3;                 \
+        (acc) >>= (nb) & ~7;              \
+        (nb) &= 7;                        \
+    } while (0)
+
 INLINE int64_t section_encode_w(const geo_t *G, section_scratch_t *S, int64_t nv, const uint8_t *pool,
                                 const int64_t *slots, int64_t kept0, int64_t budget, uint8_t *out,
                                 const int wide) {
     const void *zc = S->zc;
     const int64_t hd = G->hd;
     const int wbits = G->wbits;
-    int knib[NCLS], kk[NCLS];
+    int knib[NCLS];
     choose_k(G, zc, wide, nv, knib);
-    for (int c = 0; c < NCLS; c++) kk[c] = knib[c] + G->p->k_base;
-    const int64_t nb = num_blocks(nv);
-    int64_t *restrict blk = S->blk;
-    int64_t total = 0;
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t i1 = (b + 1) * BLOCK < nv ? (b + 1) * BLOCK : nv;
-        int64_t sl = 0, su = 0, ne = 0;
-        for (int64_t i = b * BLOCK; i < i1; i++) {
-            const uint64_t v = zc_at(zc, wide, i);
-            const int k = kk[v & 15];
-            const uint64_t q = (v >> 4) >> k;
-            const int esc = q >= ESCAPE_Q;
-            sl += k;
-            su += (esc ? ESCAPE_Q : (int64_t)q) + 1;
-            ne += esc;
-        }
-        blk[4 * b] = sl;
-        blk[4 * b + 1] = su;
-        blk[4 * b + 2] = (sl + su + ne * wbits + 7) / 8;
-        blk[4 * b + 3] = ne;
-        total += blk[4 * b + 2];
-    }
-    const int64_t len = 8 + 2 * nb + total;
-    if (len > budget) return -1;
-    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(knib[2 * i] | (knib[2 * i + 1] << 4));
-    for (int64_t b = 0; b < nb; b++) put16(out + 8 + 2 * b, (uint16_t)blk[4 * b + 2]);
-    uint8_t *rec = S->records, *ua = S->area + BLOCK * 8; /* L area at S->area, U area at ua */
-    memset(rec, 0, (size_t)total + 16);
+    uint64_t knibs = 0;
+    for (int c = 0; c < NCLS; c++) knibs |= (uint64_t)knib[c] << (4 * c);
+    const int64_t nb = num_blocks(nv), head = 8 + 2 * nb;
+    /* L fields join in groups within BITS_APPEND's 56 bits (l_group: three for 16-bit dtypes,
+     * two for fp32); U codes (at most 17 bits) always in threes. Fewer appends
+     * means shorter chains through the writers, the loop's bound. */
+    const int lg = l_group(G);
+    fields_t f;
     int64_t start = 0;
     for (int64_t b = 0; b < nb; b++) {
-        const int64_t i1 = (b + 1) * BLOCK < nv ? (b + 1) * BLOCK : nv;
-        const int64_t sl = blk[4 * b], su = blk[4 * b + 1];
-        /* Two branch-free writers in registers (each put stores 8 bytes and keeps < 8 pending
-         * bits): the L area's low bits, and the U area's unary codes. */
-        uint8_t *lp = S->area, *up = ua;
-        uint64_t lacc = 0, uacc = 0;
-        int ln = 0, un = 0;
-        for (int64_t i = b * BLOCK; i < i1; i++) {
-            const uint64_t v = zc_at(zc, wide, i), zz = v >> 4;
-            const int k = kk[v & 15];
-            const uint64_t q = zz >> k;
-            const int esc = q >= ESCAPE_Q;
-            lacc |= (esc ? 0 : zz & (((uint64_t)1 << k) - 1)) << ln;
-            ln += k;
-            put64(lp, lacc);
-            lp += ln >> 3;
-            lacc >>= ln & ~7;
-            ln &= 7;
-            const int ulen = esc ? ESCAPE_Q + 1 : (int)q + 1;
-            uacc |= (((uint64_t)1 << (ulen - 1)) - 1) << un;
-            un += ulen;
-            put64(up, uacc);
-            up += un >> 3;
-            uacc >>= un & ~7;
-            un &= 7;
-        }
-        put64(lp, lacc);
-        put64(up, uacc);
-        uint8_t *r = rec + start;
-        memcpy(r, S->area, (size_t)((sl + 7) / 8));
-        or_bits(r, sl, ua, su);
-        if (blk[4 * b + 3]) { /* escapes: x's raw bits, after the U area */
-            bitw_t E = {r + (sl + su) / 8, r[(sl + su) / 8], (int)((sl + su) & 7)};
-            for (int64_t i = b * BLOCK; i < i1; i++) {
-                const uint64_t v = zc_at(zc, wide, i);
-                if (((v >> 4) >> kk[v & 15]) >= ESCAPE_Q)
-                    bw_put(&E, value_bits(G, pool_row(G, pool, slots[kept0 + i / hd]), i % hd), wbits);
+        const int64_t i0 = b * BLOCK;
+        const int n = (int)((i0 + BLOCK < nv ? i0 + BLOCK : nv) - i0);
+        int64_t sl, su, ne;
+        block_fields(zc, wide, i0, n, knibs, G->p->k_base, &f, &sl, &su, &ne);
+        const int64_t len = (sl + su + ne * wbits + 7) / 8;
+        if (head + start + len > budget) return -1;
+        S->blk[b] = (uint16_t)len;
+        /* One writer per record, L then U then E (running the L and U writers side by side,
+         * U into scratch, measured no faster: the loop is bound by its operations, not by the
+         * writer's chain). Every byte of the record is stored by a put64 while it is current or
+         * complete, and bits past the pending ones are zero, so the records need no clearing. */
+        uint8_t *p = S->records + start;
+        uint64_t acc = 0;
+        int bits = 0, i = 0;
+        for (; i + lg <= n; i += lg) {
+            uint64_t w = f.lo[i];
+            int wl = f.k[i];
+            for (int j = 1; j < lg; j++) {
+                w |= (uint64_t)f.lo[i + j] << wl;
+                wl += f.k[i + j];
             }
+            BITS_APPEND(p, acc, bits, w, wl);
         }
-        start += blk[4 * b + 2];
+        for (; i < n; i++) BITS_APPEND(p, acc, bits, f.lo[i], f.k[i]);
+        for (i = 0; i + 3 <= n; i += 3) {
+            const int q0 = f.q[i], q1 = f.q[i + 1], q2 = f.q[i + 2];
+            const uint64_t w = (((uint64_t)1 << q0) - 1) | ((((uint64_t)1 << q1) - 1) << (q0 + 1)) |
+                               ((((uint64_t)1 << q2) - 1) << (q0 + q1 + 2));
+            BITS_APPEND(p, acc, bits, w, q0 + q1 + q2 + 3);
+        }
+        for (; i < n; i++) BITS_APPEND(p, acc, bits, ((uint64_t)1 << f.q[i]) - 1, f.q[i] + 1);
+        if (ne) /* escapes: x's raw bits */
+            for (i = 0; i < n; i++)
+                if (f.q[i] == ESCAPE_Q)
+                    BITS_APPEND(p, acc, bits,
+                                value_bits(G, pool_row(G, pool, slots[kept0 + (i0 + i) / hd]), (i0 + i) % hd),
+                                wbits);
+        put64(p, acc);
+        start += len;
     }
-    memcpy(out + 8 + 2 * nb, rec, (size_t)total);
-    return len;
+    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(knib[2 * i] | (knib[2 * i + 1] << 4));
+    for (int64_t b = 0; b < nb; b++) put16(out + 8 + 2 * b, S->blk[b]);
+    memcpy(out + head, S->records, (size_t)start);
+    return head + start;
 }
 
 /* Codes the chunk's `nv` values into `out` (k table, record lengths, records) if that takes at

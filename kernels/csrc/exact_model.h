@@ -13,6 +13,13 @@ INLINE int is_nan_bits(const geo_t *G, uint32_t bits) {
 
 INLINE int bitlen(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
 
+/* How many L fields (k <= k_base + 15 bits each) fit in one 56-bit word: the coders move them
+ * in such groups. */
+INLINE int l_group(const geo_t *G) {
+    const int kmax = G->p->k_base + 15;
+    return 3 * kmax <= 56 ? 3 : (2 * kmax <= 56 ? 2 : 1);
+}
+
 INLINE int clamp_class(int c) { return c < 0 ? 0 : (c > NCLS - 1 ? NCLS - 1 : c); }
 
 /* Twice the estimated bits of a value of bit length b coded with k (exact._cost2_table). */
