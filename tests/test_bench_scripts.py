@@ -31,3 +31,13 @@ def test_bench_codec_runs(tmp_path):
     report = _run("bench_codec.py", "--tokens", "128", "--repeats", "1", "--torch-repeats", "1",
                   "--impls", "cpu", out=tmp_path / "codec.json")
     assert report
+
+
+def test_exact_format_study_runs_on_real_kv(tmp_path):
+    report = _run("exact_format_study.py", "--prompts", "1", "--prompt-tokens", "64",
+                  out=tmp_path / "study.json")
+    bits = report["bits_per_value"]
+    # the entropy bound is a lower bound for every coder measured under the same class model
+    assert bits["entropy"] <= bits["classrice"]
+    assert set(bits) >= {"classrice", "entropy", "pfor-8", "maxwidth-8", "classwidth-4"}
+    assert report["coded_values"] > 0
