@@ -22,9 +22,15 @@ class KVStreamError(LynxError):
     """A request's KV streams do not fit its plan (sizes, chunks, codec settings, aux data)."""
 
 
+class SettingsMismatchError(KVStreamError):
+    """The prefill and the decode cannot serve a request together: their `--lynx-*` flags, models,
+    TP sizes or SGLang options differ (or the decode refused the prefill's session)."""
+
+
 class StagingFullError(LynxError):
     """No staging memory for a request within its deadline."""
 
 
 class SpecStreamError(LynxError):
     """The opt-in speculative-token stream lost events or was given a wrong event."""
+

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the runtime import would pull torch into every tool that records nothing
+    from .failures import FailureKind
 
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Stages range from sub-millisecond (one layer's apply on a GPU) to the whole wire time.
@@ -55,20 +58,6 @@ def configure(model_name: str, role: str, tp_rank: int) -> None:
 
 def _labels(metric, *own: str):
     return metric.labels(*(_process[k] for k in _PROCESS_LABELS), *own)
-
-
-def failure_kind(reason: str) -> str:
-    """A bounded label for a failure reason (the reason itself is free text)."""
-    text = reason.lower()
-    for kind, words in (("settings_mismatch", ("settings", "differ", "refused")),
-                        ("timeout", ("timeout", "deadline", "within")),
-                        ("peer_died", ("peer_died", "closed", "unreachable", "dead")),
-                        ("bad_data", ("chunk", "checksum", "crc", "codec", "aux", "stream")),
-                        ("staging_full", ("staging",)),
-                        ("aborted", ("abort", "released"))):
-        if any(w in text for w in words):
-            return kind
-    return "other"
 
 
 def enabled() -> bool:
@@ -154,11 +143,11 @@ def record_stage(stage: str, seconds: float) -> None:
         _labels(m.stage_seconds, stage).observe(seconds)
 
 
-def record_failure(reason: str) -> None:
-    """One request whose transfer failed on this server (`failure_kind` of its reason)."""
+def record_failure(kind: FailureKind) -> None:
+    """One request whose transfer failed on this server, by kind (`failures.FailureKind`)."""
     m = _get()
     if m is not None:
-        _labels(m.failures, failure_kind(reason)).inc()
+        _labels(m.failures, kind.value).inc()
 
 
 def record_tracked(sizes: dict[str, int]) -> None:

@@ -22,6 +22,7 @@ from .types import (
     MAX_AUX_BYTES,
     STREAMS,
     Announcement,
+    AnnouncementTimeoutError,
     FailureReason,
     OutOfBoundsError,
     RegionError,
@@ -103,8 +104,8 @@ class SenderRole(SessionBase):
                     return ann
                 left = None if end is None else end - now()
                 if left is not None and left <= 0:
-                    raise UnknownRequestError(f"no announcement for request {request_id} "
-                                              f"within {timeout} s")
+                    raise AnnouncementTimeoutError(f"no announcement for request {request_id} "
+                                                   f"within {timeout} s")
                 self._cond.wait(0.05 if left is None else min(left, 0.05))
 
     def write(

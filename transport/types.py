@@ -182,6 +182,10 @@ class UnknownRequestError(TransportError):
     """The request id is not announced (receiver) / not known (sender) on this session."""
 
 
+class AnnouncementTimeoutError(UnknownRequestError):
+    """The receiver did not announce the request within the sender's wait."""
+
+
 class RegionError(TransportError):
     """Bad region registration or use (unknown id, read-only target, still referenced, …)."""
 

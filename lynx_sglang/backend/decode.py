@@ -49,6 +49,7 @@ from lynx_transport import Endpoint, FailureReason, Region, Session, Status, Str
 from .. import metrics, trace
 from ..config import LynxConfig, wire_mismatch
 from ..errors import KVStreamError
+from ..failures import FailureKind, failure_kind_of, stream_failure_kind
 from ..names import TRANSFER_RECORD, record_line
 from .aux import unpack_aux
 from .outcome import ResidualOutcome
@@ -216,7 +217,7 @@ class DecodeApplier:
                     self._step(room)
                 except Exception as exc:
                     logger.exception("lynx: applying room %s failed", room.room)
-                    self._fail_safely(room, f"lynx decode failed: {exc}")
+                    self._fail_safely(room, f"lynx decode failed: {exc}", failure_kind_of(exc))
                 finally:
                     with self._lock:
                         room.busy = False
@@ -357,11 +358,11 @@ class DecodeApplier:
             # forward (behind its queue): the waiting budget applies, not the connect timeout.
             refused = self._refused_ranks.get(room.prefill)
             if not announced and refused is not None:
-                self._fail(room, refused)
+                self._fail(room, refused, FailureKind.SETTINGS_MISMATCH)
             elif not announced and time.monotonic() - room.created > self.waiting_s:
                 self.link.forget_prefill_rank(room.prefill)
                 self._fail(room, f"no transport session from prefill rank {room.prefill} "
-                                 f"within {self.waiting_s:g} s")
+                                 f"within {self.waiting_s:g} s", FailureKind.TIMEOUT)
             return
         anchor = self._state(room, Stream.ANCHOR)
         if anchor is None:
@@ -398,7 +399,8 @@ class DecodeApplier:
             name = "Anchor" if stream is Stream.ANCHOR else "Residual"
             if st.reason is FailureReason.PEER_DIED:
                 self.link.forget_prefill_rank(room.prefill)
-            self._fail(room, f"{name} stream failed: {st.reason.value} {st.detail}")
+            self._fail(room, f"{name} stream failed: {st.reason.value} {st.detail}",
+                       stream_failure_kind(st.reason))
             return None
         return st
 
@@ -596,18 +598,18 @@ class DecodeApplier:
             trace.emit(room.trace)
         self._release(room)
 
-    def _fail_safely(self, room: DecodeRoom, reason: str) -> None:
+    def _fail_safely(self, room: DecodeRoom, reason: str, kind: FailureKind) -> None:
         """`_fail` from the applier's catch-all: whatever goes wrong there too is logged, and
         the thread that serves every other request goes on."""
         try:
             if room.live:
-                self._fail(room, reason)
+                self._fail(room, reason, kind)
         except Exception:
             logger.exception("lynx: failing room %s failed", room.room)
 
-    def _fail(self, room: DecodeRoom, reason: str) -> None:
-        logger.error("lynx: room %s failed: %s", room.room, reason)
-        metrics.record_failure(reason)
+    def _fail(self, room: DecodeRoom, reason: str, kind: FailureKind) -> None:
+        logger.error("lynx: room %s failed (%s): %s", room.room, kind.value, reason)
+        metrics.record_failure(kind)
         with self._lock:
             room.fail(reason)
             reported = room.reported_at_anchor

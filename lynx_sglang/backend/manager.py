@@ -44,7 +44,8 @@ from lynx_transport import Endpoint
 
 from .. import idle, metrics, trace
 from ..config import LynxConfig
-from ..errors import KVStreamError, LynxConfigError, UnsupportedSGLangError
+from ..errors import LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
+from ..failures import FailureKind, failure_kind_of
 from ..names import FAULT_RESIDUAL_DELAY_ENV
 from ..sglang_support import check_anchor_safety, check_sglang_version
 from .aux import check_aux_items, pack_aux
@@ -261,8 +262,8 @@ class LynxKVManager(MooncakeKVManager):
         """Called by the receiver before SGLang sends the request's metadata to the prefill."""
         real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
         if len(real) != 1:
-            raise KVStreamError(f"lynx needs exactly one prefill rank per decode rank and "
-                                f"request (equal attention TP sizes); got {len(real)}")
+            raise SettingsMismatchError(f"lynx needs exactly one prefill rank per decode rank "
+                                        f"and request (equal attention TP sizes); got {len(real)}")
         prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
         self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index,
                               getattr(receiver, "lynx_rid", None))
@@ -320,9 +321,10 @@ class LynxKVReceiver(CommonKVReceiver):
         if self.prefill_info.attn_tp_size != self.kv_mgr.attn_tp_size:
             self._fail(f"lynx needs equal attention TP sizes on prefill "
                        f"({self.prefill_info.attn_tp_size}) and decode "
-                       f"({self.kv_mgr.attn_tp_size})")
+                       f"({self.kv_mgr.attn_tp_size})", FailureKind.SETTINGS_MISMATCH)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, kind: FailureKind) -> None:
+        metrics.record_failure(kind)
         self.kv_mgr.report_status(self.bootstrap_room, reason)
         self.conclude_state = KVPoll.Failed
         # Tell the prefill now: it would otherwise wait for metadata that never comes (SGLang's
@@ -334,13 +336,14 @@ class LynxKVReceiver(CommonKVReceiver):
         if self.conclude_state == KVPoll.Failed or getattr(self, "bootstrap_infos", None) is None:
             return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
         if decode_prefix_len:
-            self._fail("lynx does not support a decode-side prefix cache")
+            self._fail("lynx does not support a decode-side prefix cache",
+                       FailureKind.SETTINGS_MISMATCH)
             return None
         try:
             self.kv_mgr.register_rx_room(self, kv_indices, aux_index)
         except Exception as exc:
             logger.error("lynx: room %s: %s", self.bootstrap_room, exc)
-            self._fail(f"lynx decode could not prepare the transfer: {exc}")
+            self._fail(f"lynx decode could not prepare the transfer: {exc}", failure_kind_of(exc))
             return None
         kwargs = {} if destination is None else {"destination": destination}
         return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len,

@@ -50,7 +50,8 @@ from lynx_transport.types import MAX_REQUEST_ID
 
 from .. import metrics, trace
 from ..config import LynxConfig
-from ..errors import KVStreamError
+from ..errors import KVStreamError, SettingsMismatchError
+from ..failures import failure_kind_of
 from ..names import FAULT_RESIDUAL_HOLD_LOG
 from .plan import StreamPlan
 from .pool import KVPoolView
@@ -277,7 +278,7 @@ class PrefillSender:
             logger.error("lynx: sending room %s failed: %s", job.room, exc,
                          exc_info=not isinstance(exc, TransportError))
             job.trace.facts["failure"] = str(exc)
-            metrics.record_failure(str(exc))
+            metrics.record_failure(failure_kind_of(exc))
             trace.emit(job.trace)
             self.link.report(job.room, f"lynx prefill send failed: {exc}", [])
 
@@ -303,7 +304,7 @@ class PrefillSender:
             raise
         if why is not None:
             s.close()
-            raise KVStreamError(f"decode {address} refused this prefill: {why}")
+            raise SettingsMismatchError(f"decode {address} refused this prefill: {why}")
         with self._sessions_lock:
             self._unreachable.pop(address, None)
             self._sessions[address] = s
@@ -322,14 +323,14 @@ class PrefillSender:
         sent = 0
         for dst in destinations:
             if dst.num_slots != num_tokens:
-                raise KVStreamError(f"decode allocated {dst.num_slots} KV slots for a request "
-                                    f"of {num_tokens} tokens")
+                raise SettingsMismatchError(f"decode allocated {dst.num_slots} KV slots for a "
+                                            f"request of {num_tokens} tokens")
             session = self._session_to(dst.session_address)
             ann = session.wait_announcement(room, timeout=self.config.connect_timeout_s)
             tr.mark("announcement")
             for ws, stream in _STREAMS.items():
                 if ann.stream_nbytes(stream) != plan.stream_bytes(ws):
-                    raise KVStreamError(
+                    raise SettingsMismatchError(
                         f"decode announced {ann.stream_nbytes(stream)} B for the {ws.name} "
                         f"stream, this prefill encodes {plan.stream_bytes(ws)} B: the --lynx-* "
                         "flags or the model differ between prefill and decode")

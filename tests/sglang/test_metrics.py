@@ -10,10 +10,11 @@ import sys
 
 RECORD_AND_EXPORT = """
 from lynx_sglang import metrics
+from lynx_sglang.failures import FailureKind
 metrics.configure("smollm2", "decode", 1)
 metrics.record_transfer(1000, 3000, 0.25, 1.5)
-metrics.record_failure("Anchor stream failed: timeout deadline passed")
-metrics.record_failure("prefill rank 1.2.3.4:5 runs other --lynx-* settings than this decode")
+metrics.record_failure(FailureKind.TIMEOUT)
+metrics.record_failure(FailureKind.SETTINGS_MISMATCH)
 metrics.record_staging_used(4096)
 metrics.record_verification(10, 7, "verified")
 metrics.record_verification(0, 0, "not_speculable")
