@@ -50,8 +50,10 @@ from ..names import FAULT_RESIDUAL_DELAY_ENV
 from ..sglang_support import check_anchor_safety, check_sglang_version
 from .aux import check_aux_items, pack_aux
 from .decode import DecodeApplier, DecodeLink
-from .pool import KVPoolView
+from .plan import StreamPlan, max_tokens_in_staging
+from .pool import KINDS, KVPoolView
 from .prefill import Destination, PrefillLink, PrefillSender
+from .staging import ALIGN as STAGING_ALIGN
 from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -175,6 +177,7 @@ class LynxKVManager(MooncakeKVManager):
         # operator comparing with Mooncake knows the encoded bytes leave from host memory.
         logger.info("lynx: staging: host memory, %d MiB registered with the %s transport; KV pool "
                     "on %s", self.lynx.staging_mib, self.lynx.transport, self.pool.device)
+        self._check_staging_size()
         head_dim = self.pool.shape.head_dim
         if self.lynx.codec.rotate and head_dim & (head_dim - 1):
             # Refuse at start-up rather than failing every request in the codec later.
@@ -182,6 +185,26 @@ class LynxKVManager(MooncakeKVManager):
                 f"--lynx-rotate needs a power-of-two head_dim, this model's is {head_dim}: "
                 "pass --no-lynx-rotate on prefill and decode"
             )
+
+    def _check_staging_size(self) -> None:
+        """Say at start-up how long a request the staging memory holds: a request holds its
+        whole range (no windowing yet), so one longer than that fails however idle the server."""
+        shape = self.pool.shape
+        rows = int(self.pool.layer(0, KINDS[0]).shape[0])
+        longest = min(rows, getattr(self.server_args, "context_length", None) or rows)
+        fit = max_tokens_in_staging(self.lynx.codec, shape, self.lynx.chunk_tokens,
+                                    self.staging.nbytes, STAGING_ALIGN, longest)
+        if fit >= longest:
+            logger.info("lynx: --lynx-staging-mib %d holds a request of up to %d tokens, the "
+                        "longest this server takes", self.lynx.staging_mib, longest)
+            return
+        need = StreamPlan.build(self.lynx.codec, shape, longest, self.lynx.chunk_tokens)
+        logger.warning(
+            "lynx: --lynx-staging-mib %d holds a request of up to %d tokens (target %s); this "
+            "server takes up to %d, and a longer request fails with StagingFullError: "
+            "--lynx-staging-mib %d would hold one (on prefill and decode)",
+            self.lynx.staging_mib, fit, self.lynx.codec.target.value, longest,
+            -(-need.staging_bytes // (1 << 20)))
 
     def _require_pool(self) -> KVPoolView:
         if self.pool is None:

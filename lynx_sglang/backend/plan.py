@@ -81,3 +81,22 @@ class StreamPlan:
         """Where layer `layer`'s Anchor chunks start in the Anchor stream (and in staging)."""
         return layer * self.anchor_layer_bytes
 
+
+
+def max_tokens_in_staging(spec: CodecSpec, shape: KVShape, chunk_tokens: int, staging_bytes: int,
+                          align: int, upper: int) -> int:
+    """The longest request (at most `upper` tokens) whose staging range, rounded up to `align`
+    bytes as the staging pool allocates it, fits in `staging_bytes` (0 if none does). A request
+    holds its range whole, so a longer one fails (`StagingFullError`) however idle the server."""
+    def fits(n: int) -> bool:
+        need = StreamPlan.build(spec, shape, n, chunk_tokens).staging_bytes
+        return -(-need // align) * align <= staging_bytes
+
+    lo, hi = 0, upper  # fits(lo) or lo == 0; the staging range grows with the token count
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
