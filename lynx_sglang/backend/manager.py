@@ -121,7 +121,7 @@ class LynxKVManager(MooncakeKVManager):
             self.applier = DecodeApplier(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
                 DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank),
-                getattr(self, "waiting_timeout", 300.0))
+                self.waiting_timeout)
             self._start_thread(self.applier.accept_loop, "lynx-accept")
             self._start_thread(self.applier.run, "lynx-apply")
         logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
