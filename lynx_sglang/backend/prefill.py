@@ -293,12 +293,17 @@ class PrefillSender:
                     f"decode {address} was unreachable {UNREACHABLE_COOLDOWN_S:g} s ago or less "
                     f"(next try in {retry_at - time.monotonic():.1f} s)")
         # Connect outside the lock: another destination's worker must not wait for this one.
+        s = None
         try:
             s = self.endpoint.connect(address, timeout=self.config.connect_timeout_s)
             s.announce(IDENTITY_REQUEST, {}, meta=json.dumps(self.identity).encode())
             why = refusal(s.wait_announcement(IDENTITY_REQUEST,
                                               timeout=self.config.connect_timeout_s))
         except TransportError:
+            if s is not None:
+                # Connected but never answered (a stalled decode): nobody else holds this
+                # session, so it would stay open, with its sockets, until the peer dies.
+                s.close()
             with self._sessions_lock:
                 self._unreachable[address] = time.monotonic() + UNREACHABLE_COOLDOWN_S
             raise

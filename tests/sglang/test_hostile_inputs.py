@@ -167,6 +167,24 @@ def test_unpack_aux_never_reads_past_the_blob():
     assert unpack_aux(np.zeros(0, np.uint8).tobytes()) == []
 
 
+def _start_sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
+    """A PrefillSender on `endpoint` whose room r goes to `where[r]`, reporting into `reports`
+    (room -> (when, failure)); returns the event that stops its thread."""
+    from lynx_sglang.backend.prefill import Destination, PrefillLink, PrefillSender
+
+    link = PrefillLink(
+        is_live=lambda room: True,
+        destinations=lambda room: [Destination(where[room], tokens, ("x", 0))],
+        read_aux=lambda index: b"",
+        report=lambda room, failure, targets: reports.setdefault(
+            room, (time.monotonic(), failure)))
+    sender = PrefillSender(cfg, lambda: pool, staging, region, endpoint,
+                           {"rank_ip": "127.0.0.1", "rank_port": 1}, link)
+    stop = threading.Event()
+    threading.Thread(target=sender.run, args=(stop,), daemon=True).start()
+    return sender, stop
+
+
 def test_a_dead_decode_does_not_stall_the_transfers_to_another():
     """Rooms bound for a decode that never answers wait (and fail) on their own worker; a room for
     a live decode, submitted after them, goes out at once; and once a connect has failed, the
@@ -175,7 +193,6 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
 
     from lynx_sglang.backend.plan import StreamPlan
     from lynx_sglang.backend.pool import KVPoolView
-    from lynx_sglang.backend.prefill import Destination, PrefillLink, PrefillSender
     from lynx_sglang.backend.staging import StagingPool
     from lynx_transport import Endpoint, Stream
 
@@ -196,16 +213,8 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
         pre_region = pre.register(pre_staging.buffer)
         plan = StreamPlan.build(cfg.codec, pool.shape, tokens, cfg.chunk_tokens)
         where = {1: dead_address, 2: dec.address, 3: dead_address}
-        link = PrefillLink(
-            is_live=lambda room: True,
-            destinations=lambda room: [Destination(where[room], tokens, ("x", 0))],
-            read_aux=lambda index: b"",
-            report=lambda room, failure, targets: reports.setdefault(
-                room, (time.monotonic(), failure)))
-        sender = PrefillSender(cfg, lambda: pool, pre_staging, pre_region, pre,
-                               {"rank_ip": "127.0.0.1", "rank_port": 1}, link)
-        stop = threading.Event()
-        threading.Thread(target=sender.run, args=(stop,), daemon=True).start()
+        sender, stop = _start_sender(cfg, pool, pre, pre_staging, pre_region, where, tokens,
+                                     reports)
         try:
             slots = torch.arange(tokens)
             t0 = time.monotonic()
@@ -232,3 +241,36 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
         finally:
             stop.set()
             dead.close()
+
+
+def test_a_decode_that_never_answers_the_identity_gets_its_session_closed():
+    """The prefill connected, but the decode never answered its identity (a stalled decode): the
+    room fails after the connect timeout and the prefill closes that session rather than leave
+    it, and its sockets, open until the peer dies (the fault matrix's stalled decode)."""
+    from lynx_sglang.backend.pool import KVPoolView
+    from lynx_sglang.backend.staging import StagingPool
+    from lynx_transport import Endpoint
+
+    tokens = 100
+    cfg = LynxConfig.build(connect_timeout_s=1.0, transfer_timeout_s=10.0, staging_mib=4,
+                           target="int8")
+    pool = KVPoolView([torch.randn(256, 2, 64)], [torch.randn(256, 2, 64)])
+    reports: dict[int, tuple[float, str | None]] = {}
+    with Endpoint(host="127.0.0.1") as dec, Endpoint(host="127.0.0.1") as pre:
+        staging = StagingPool(4 << 20)
+        sender, stop = _start_sender(cfg, pool, pre, staging, pre.register(staging.buffer),
+                                     {1: dec.address}, tokens, reports)
+        try:
+            sender.submit(1, torch.arange(tokens), True, 0)
+            session = dec.accept(timeout=5)  # accepted; its identity is never answered
+            assert session is not None
+            t0 = time.monotonic()
+            while 1 not in reports:
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
+            assert reports[1][1] and "announcement" in reports[1][1]
+            while not session.closed and time.monotonic() - t0 < 5:
+                time.sleep(0.05)
+            assert session.closed
+        finally:
+            stop.set()
