@@ -71,22 +71,16 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
             const int avail = left < 56 ? (int)left : 56;
             uint64_t z = ~peek(data, pu) & (((uint64_t)1 << avail) - 1); /* ones at the zeros */
             int base = 0;
-            if (cnt + __builtin_popcountll(z) < n) {
-                while (z) {
-                    const int t = __builtin_ctzll(z);
-                    qs[cnt++] = (uint8_t)(run + t - base);
-                    run = 0;
-                    base = t + 1;
-                    z &= z - 1;
-                }
-            } else {
-                while (cnt < n) {
-                    const int t = __builtin_ctzll(z);
-                    qs[cnt++] = (uint8_t)(run + t - base);
-                    run = 0;
-                    base = t + 1;
-                    z &= z - 1;
-                }
+            /* the codes this word ends, known up front: the loop needs no second bound */
+            const int pc = __builtin_popcountll(z), end = cnt + pc < n ? cnt + pc : n;
+            while (cnt < end) {
+                const int t = __builtin_ctzll(z);
+                qs[cnt++] = (uint8_t)(run + t - base);
+                run = 0;
+                base = t + 1;
+                z &= z - 1;
+            }
+            if (cnt == n) {
                 pu += base;
                 break;
             }

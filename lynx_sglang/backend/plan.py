@@ -82,7 +82,6 @@ class StreamPlan:
         return layer * self.anchor_layer_bytes
 
 
-
 def max_tokens_in_staging(spec: CodecSpec, shape: KVShape, chunk_tokens: int, staging_bytes: int,
                           align: int, upper: int) -> int:
     """The longest request (at most `upper` tokens) whose staging range, rounded up to `align`
