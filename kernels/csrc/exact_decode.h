@@ -34,11 +34,11 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
         const int64_t re = rs + 8 * (int64_t)get16(sec + 8 + 2 * b);
         const int64_t i0 = b * BLOCK, i1 = i0 + BLOCK < nv ? i0 + BLOCK : nv;
         const int n = (int)(i1 - i0);
-        /* each value's k, from the nibble table by a shift (no chain: the compiler vectorizes) */
+        /* each value's k (k_of_class: no chain, the compiler vectorizes) */
         uint8_t kb[BLOCK];
         for (int i = 0; i < n; i++) {
             const uint32_t c = (uint32_t)(zc_at(zc, wide, i0 + i) & 15);
-            kb[i] = (uint8_t)(((c < 8 ? klo >> (4 * c) : khi >> (4 * (c - 8))) & 15) + k_base);
+            kb[i] = (uint8_t)k_of_class(c, klo, khi, k_base);
         }
         /* the L area's low bits (reading past the record is harmless: data has slack) */
         uint32_t lows[BLOCK];

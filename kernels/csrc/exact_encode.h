@@ -55,7 +55,7 @@ typedef struct {
 } fields_t;
 
 /* Fields of values [i0, i0 + n) (a loop without a chain, so the compiler vectorizes it: k comes
- * out of the k table packed as nibbles by a shift, not a table load); returns the record's bits
+ * out of the packed k table by k_of_class, not a table load); returns the record's bits
  * in L (*sl), U (*su) and the escapes' count (*ne). */
 INLINE void block_fields(const void *zc, const int wide, int64_t i0, int n, uint64_t knibs, int k_base,
                          fields_t *restrict f, int64_t *sl, int64_t *su, int64_t *ne) {
@@ -65,7 +65,7 @@ INLINE void block_fields(const void *zc, const int wide, int64_t i0, int n, uint
         const uint64_t *restrict z = (const uint64_t *)zc + i0;
         for (int i = 0; i < n; i++) {
             const uint32_t c = (uint32_t)(z[i] & 15);
-            const uint32_t k = ((c < 8 ? klo >> (4 * c) : khi >> (4 * (c - 8))) & 15) + (uint32_t)k_base;
+            const uint32_t k = k_of_class(c, klo, khi, (uint32_t)k_base);
             const uint64_t zz = z[i] >> 4, q = zz >> k;
             const int esc = q >= ESCAPE_Q;
             f->lo[i] = esc ? 0 : (uint32_t)(zz & (((uint64_t)1 << k) - 1));
@@ -79,7 +79,7 @@ INLINE void block_fields(const void *zc, const int wide, int64_t i0, int n, uint
         const uint32_t *restrict z = (const uint32_t *)zc + i0;
         for (int i = 0; i < n; i++) {
             const uint32_t c = z[i] & 15;
-            const uint32_t k = ((c < 8 ? klo >> (4 * c) : khi >> (4 * (c - 8))) & 15) + (uint32_t)k_base;
+            const uint32_t k = k_of_class(c, klo, khi, (uint32_t)k_base);
             const uint32_t zz = z[i] >> 4, q = zz >> k;
             const int esc = q >= ESCAPE_Q;
             f->lo[i] = esc ? 0 : zz & ((1u << k) - 1);

@@ -20,6 +20,12 @@ INLINE int l_group(const geo_t *G) {
     return 3 * kmax <= 56 ? 3 : (2 * kmax <= 56 ? 2 : 1);
 }
 
+/* The k of class c from the k table packed as 16 nibbles (klo: classes 0-7, khi: 8-15): a shift,
+ * not a table load, so the loops that call it vectorize. */
+INLINE uint32_t k_of_class(uint32_t c, uint32_t klo, uint32_t khi, uint32_t k_base) {
+    return ((c < 8 ? klo >> (4 * c) : khi >> (4 * (c - 8))) & 15) + k_base;
+}
+
 INLINE int clamp_class(int c) { return c < 0 ? 0 : (c > NCLS - 1 ? NCLS - 1 : c); }
 
 /* Twice the estimated bits of a value of bit length b coded with k (exact._cost2_table). */
