@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 
+import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
@@ -78,6 +79,17 @@ def rdma_device(lynx_device: str | None, sglang_devices: str | None, gpu_id: int
         raise LynxConfigError(f"--disaggregation-ib-device: {exc}") from None
     devices = [d.strip() for d in resolved.split(",") if d.strip()]
     return devices[gpu_id % len(devices)] if devices else None
+
+
+def _disconnected(monitor) -> bool:
+    """Whether a socket's monitor (SGLang subscribes it to disconnects only) has reported one."""
+    try:
+        monitor.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError:
+        pass
+    return True
 
 
 class LynxKVManager(MooncakeKVManager):
@@ -205,6 +217,36 @@ class LynxKVManager(MooncakeKVManager):
             "--lynx-staging-mib %d would hold one (on prefill and decode)",
             self.lynx.staging_mib, fit, self.lynx.codec.target.value, longest,
             -(-need.staging_bytes // (1 << 20)))
+
+    # ---- SGLang's control-plane sockets ------------------------------------------------------
+    def _connect(self, endpoint: str, is_ipv6: bool = False):
+        """SGLang's cached PUSH socket to `endpoint`, after closing the cached sockets of peers
+        that have gone. SGLang replaces a disconnected peer's socket only when that endpoint is
+        dialled again; a peer that comes back on a new port (every decode restart) left its
+        socket and monitor behind for the life of this process, 3 fds each (measured: +3 fds on
+        the prefill per decode restart, with mooncake_tcp as with lynx)."""
+        self._close_departed_peers(keep=endpoint)
+        return super()._connect(endpoint, is_ipv6)
+
+    def _close_departed_peers(self, keep: str) -> None:
+        with self._socket_lock:
+            for endpoint, monitor in list(self._monitor_cache.items()):
+                if endpoint == keep:
+                    continue  # SGLang's own check replaces it
+                send_lock = self._socket_send_locks.get(endpoint)
+                # Checked before the monitor is read, since reading consumes the event: a socket
+                # that is sending now is left for the next call.
+                if send_lock is None or not send_lock.acquire(blocking=False):
+                    continue
+                try:
+                    if not _disconnected(monitor):
+                        continue
+                    self._socket_cache.pop(endpoint).close(linger=0)
+                    self._monitor_cache.pop(endpoint).close()
+                    logger.info("lynx: closed SGLang's socket to %s (the peer disconnected)",
+                                endpoint)
+                finally:
+                    send_lock.release()
 
     def _require_pool(self) -> KVPoolView:
         if self.pool is None:

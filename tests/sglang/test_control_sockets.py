@@ -1,0 +1,114 @@
+"""SGLang's cached control-plane sockets (the status/registration PUSH sockets of
+`CommonKVManager._connect`) as LynxKVManager keeps them: a peer that has gone away leaves no
+socket behind once another peer is dialled. Real zmq sockets over loopback TCP; the manager is
+built without its SGLang start-up (only the socket cache is exercised)."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+
+import psutil
+import pytest
+import zmq
+
+
+@pytest.fixture(scope="module")
+def manager_class():
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (scripts/install.sh installs it)")
+    with pytest.MonkeyPatch.context() as mp:
+        from lynx_sglang import cpu_compat
+
+        if not cpu_compat.cuda_device_present():
+            mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")  # as lynx_sglang.serve does
+        cpu_compat.activate()
+        from lynx_sglang.backend.manager import LynxKVManager
+
+        yield LynxKVManager
+
+
+@pytest.fixture
+def manager(manager_class):
+    mgr = manager_class.__new__(manager_class)
+    mgr._zmq_ctx = zmq.Context()
+    mgr._socket_lock = threading.Lock()
+    mgr._socket_cache, mgr._monitor_cache, mgr._socket_send_locks = {}, {}, {}
+    mgr.defer_decode_allocation = False
+    yield mgr
+    for sock in [*mgr._socket_cache.values(), *mgr._monitor_cache.values()]:
+        sock.close(linger=0)
+    mgr._zmq_ctx.term()
+
+
+def _peer(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    return pull, f"tcp://127.0.0.1:{port}"
+
+
+def _send(mgr, endpoint: str, peer: zmq.Socket) -> None:
+    mgr._send_multipart_locked(endpoint, [b"status"])
+    assert peer.poll(5000), "the peer never got the message"
+    assert peer.recv_multipart() == [b"status"]
+
+
+def _fds() -> int:
+    return psutil.Process().num_fds()
+
+
+def test_a_departed_peer_socket_is_closed_when_another_peer_is_dialled(manager):
+    ctx = zmq.Context()
+    try:
+        first, first_ep = _peer(ctx)
+        _send(manager, first_ep, first)
+        first.close(linger=0)  # the peer process dies: its connection drops
+        deadline = time.monotonic() + 10
+        while manager._monitor_cache[first_ep].poll(0) == 0:
+            assert time.monotonic() < deadline, "no disconnect event within 10 s"
+            time.sleep(0.05)
+        baseline = _fds()
+        # Restarts on new ports, each time the old peer's socket is left unanswered.
+        for _ in range(5):
+            peer, endpoint = _peer(ctx)
+            _send(manager, endpoint, peer)
+            assert first_ep not in manager._socket_cache
+            peer.close(linger=0)
+            time.sleep(0.3)
+            first_ep = endpoint
+        assert list(manager._socket_cache) in ([first_ep], [])
+        assert _fds() <= baseline + 4  # one peer's socket and monitor, at most
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_live_peer_socket_is_kept(manager):
+    ctx = zmq.Context()
+    try:
+        a, a_ep = _peer(ctx)
+        b, b_ep = _peer(ctx)
+        _send(manager, a_ep, a)
+        sock = manager._socket_cache[a_ep]
+        _send(manager, b_ep, b)
+        _send(manager, a_ep, a)
+        assert manager._socket_cache[a_ep] is sock
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_socket_busy_sending_is_left_for_a_later_call(manager):
+    ctx = zmq.Context()
+    try:
+        a, a_ep = _peer(ctx)
+        b, b_ep = _peer(ctx)
+        _send(manager, a_ep, a)
+        a.close(linger=0)
+        time.sleep(0.5)
+        with manager._socket_send_locks[a_ep]:
+            _send(manager, b_ep, b)
+            assert a_ep in manager._socket_cache
+        _send(manager, b_ep, b)
+        assert a_ep not in manager._socket_cache
+    finally:
+        ctx.destroy(linger=0)
