@@ -11,7 +11,8 @@ Per request ("room", a `backend.room.DecodeRoom`):
   right away. Each Residual layer is validated and written at full precision as soon as its
   chunks are in. When the whole Anchor is in, SGLang's aux data (the first token) is written and
   the applier decides whether speculating pays (`_speculation_pays`: the Residual's expected
-  arrival against what the rest of the Anchor and a verification cost). Speculative: Success is
+  arrival, at the rate recent Residuals came in (`Estimates`), against what the rest of the
+  Anchor and a verification cost). Speculative: Success is
   reported now, SGLang decodes on the Anchor, and the room stays here until the speculation
   controller has read its Residual outcome (`residual_outcome`, `forget`). Otherwise SGLang hears
   Success only once every layer is final (and the prefill's own Success arrived), so nothing in
@@ -71,6 +72,8 @@ REFUSED_CLOSE_DELAY_S = 2.0
 # What one verification is assumed to cost before the first one was measured (a GPU's order of
 # magnitude; on a CPU the first measurement replaces it).
 INITIAL_VERIFY_ESTIMATE_S = 0.05
+# Residuals shorter than this say little about the rate of long ones (see `learn_residual_rate`).
+LEARN_RESIDUAL_RATE_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -85,16 +88,35 @@ class DecodeLink:
     forget_prefill_rank: Callable[[tuple[str, int]], None]
 
 
-class _Estimates:
+class Estimates:
     """Running costs the speculation decision weighs (exponential moving averages)."""
 
     def __init__(self, verify_s: float):
         self.verify_s = verify_s
         self.anchor_layer_s: float | None = None
+        # Bytes/s at which earlier Residuals came in after their Anchor was complete. The Anchor's
+        # own rate underestimates the Residual's arrival when the prefill codes the Residual
+        # slower than it sends (the exact target: measured 610 ms to land where the Anchor's rate
+        # predicted 181 ms).
+        self.residual_rate: float | None = None
 
     @staticmethod
     def _ema(old: float | None, new: float) -> float:
         return new if old is None else 0.7 * old + 0.3 * new
+
+    def learn_residual_rate(self, nbytes: int, seconds: float) -> None:
+        """A Residual's `nbytes` landed `seconds` after its Anchor was complete. Small ones are
+        not learned from: their time is the fixed cost of a request (a 5-token warm-up's
+        Residual would set the rate of the long prompt after it)."""
+        if nbytes >= LEARN_RESIDUAL_RATE_MIN_BYTES and seconds > 0:
+            self.residual_rate = self._ema(self.residual_rate, nbytes / seconds)
+
+    def residual_eta(self, remaining: int, anchor_rate: float) -> tuple[float, str]:
+        """Seconds until `remaining` Residual bytes are in, and what rate said so: that of recent
+        Residuals, else (the first request) this request's Anchor's."""
+        if self.residual_rate is not None:
+            return remaining / self.residual_rate, "at recent Residuals' rate"
+        return remaining / anchor_rate, "at this Anchor's rate"
 
 
 class DecodeApplier:
@@ -123,7 +145,7 @@ class DecodeApplier:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._wake = threading.Event()
-        self.estimates = _Estimates(verify_s=INITIAL_VERIFY_ESTIMATE_S)
+        self.estimates = Estimates(verify_s=INITIAL_VERIFY_ESTIMATE_S)
         endpoint.on_progress(self._wake.set)
 
     # ---- threads ------------------------------------------------------------------------------
@@ -464,7 +486,11 @@ class DecodeApplier:
         if reader.done and "residual_landed" not in room.trace.marks:
             # Every layer's bytes are in; on tcp that can be seen before the stream's completion
             # message, and the room may conclude before it: mark the landing now.
-            room.trace.mark_mono("residual_landed", st.t_done if st.ok else time.monotonic())
+            landed_at = st.t_done if st.ok else time.monotonic()
+            room.trace.mark_mono("residual_landed", landed_at)
+            if room.t_anchor_landed is not None and room.residual_at_anchor is not None:
+                self.estimates.learn_residual_rate(reader.pos - room.residual_at_anchor,
+                                                   landed_at - room.t_anchor_landed)
         if st.ok and reader.done and reader.pos != landed:
             raise KVStreamError(f"the Residual stream has {landed - reader.pos} B after its "
                                 "last layer")
@@ -486,6 +512,7 @@ class DecodeApplier:
             room.final_kv(anchor_only=True)
             self._conclude(room)
             return
+        room.residual_at_anchor = residual.nbytes
         pays, why = self._speculation_pays(room, st, residual)
         room.speculating = pays
         room.trace.facts.update(speculate=pays, why=why)
@@ -512,18 +539,17 @@ class DecodeApplier:
         if anchor.t_first_byte is None or anchor.t_done is None:
             return True, "no rate measured"
         seconds = max(anchor.t_done - anchor.t_first_byte, 1e-6)
-        rate = room.plan.anchor_bytes / seconds
         remaining = max(room.plan.residual_bytes_expected - residual.nbytes, 0)
-        eta = remaining / rate
         est = self.estimates
+        eta, basis = est.residual_eta(remaining, room.plan.anchor_bytes / seconds)
         layers_left = room.plan.num_layers - max(room.anchor_written, room.final_layers)
         cost = layers_left * (est.anchor_layer_s or 0.0) + est.verify_s
         facts = room.trace.facts
         facts.update(residual_eta_s=round(eta, 6), speculation_cost_s=round(cost, 6))
         if eta <= cost:
-            return False, (f"the Residual is due in {eta * 1e3:.0f} ms, sooner than speculating "
-                           f"would pay back ({cost * 1e3:.0f} ms)")
-        return True, f"the Residual is due in {eta * 1e3:.0f} ms"
+            return False, (f"the Residual is due in {eta * 1e3:.0f} ms ({basis}), sooner than "
+                           f"speculating would pay back ({cost * 1e3:.0f} ms)")
+        return True, f"the Residual is due in {eta * 1e3:.0f} ms ({basis})"
 
     def _conclude(self, room: DecodeRoom) -> None:
         """The room's KV is final in the pool: record it, give back the transfer resources, and

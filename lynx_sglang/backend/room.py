@@ -85,6 +85,7 @@ class DecodeRoom:
     residual_reader: ResidualReader | None = None
     residual_ready: list[tuple[int, LayerRuns]] = field(default_factory=list)
     t_anchor_landed: float | None = None
+    residual_at_anchor: int | None = None  # Residual bytes landed when the Anchor was complete
     t_residual_applied: float | None = None
     trace: tracing.Trace | None = None
 
