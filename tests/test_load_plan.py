@@ -1,7 +1,9 @@
-"""`lynx_sglang.tools.load.plan_requests`: the request mix of a load round (no servers)."""
+"""`lynx_sglang.tools.load`: the request mix of a load round and what makes a round clean (no
+servers)."""
 
 from __future__ import annotations
 
+from lynx_sglang.tools.cluster import FD_SLACK, THREAD_SLACK, Resources
 from lynx_sglang.tools.load import NEW_TOKENS, LoadReport, plan_requests
 
 
@@ -25,3 +27,11 @@ def test_a_round_is_clean_only_without_any_finding():
     assert not LoadReport(4, 1, staging_used_bytes={"http://d": 4096.0}).clean
     assert not LoadReport(4, 1, errors=["request 2: HTTP 500"]).clean
     assert not LoadReport(4, 1, mismatches=[{"request": 0}]).clean
+    assert not LoadReport(4, 1, grown=["decode"]).clean
+
+
+def test_resources_grow_only_past_the_slack():
+    base = Resources(threads=100, fds=200, rss_mib=900.0)
+    assert not Resources(100 + THREAD_SLACK, 200 + FD_SLACK, 5000.0).grown_past(base)
+    assert Resources(101 + THREAD_SLACK, 200, 900.0).grown_past(base)
+    assert Resources(100, 201 + FD_SLACK, 900.0).grown_past(base)

@@ -87,6 +87,24 @@ class ClusterSpec:
             )
 
 
+# How far a server's threads and fds may rise above an idle baseline before a leak check flags
+# it: SGLang's own pools start threads and open sockets lazily.
+THREAD_SLACK, FD_SLACK = 8, 16
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one server's process tree holds: threads, open fds, resident memory."""
+
+    threads: int
+    fds: int
+    rss_mib: float
+
+    def grown_past(self, baseline: Resources) -> bool:
+        return (self.threads > baseline.threads + THREAD_SLACK
+                or self.fds > baseline.fds + FD_SLACK)
+
+
 @dataclass
 class _Proc:
     name: str
@@ -306,6 +324,22 @@ class Cluster:
             if p.name == name:
                 return p.popen
         raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        """The cluster's processes by name ("server"; or "prefill", "prefill2", ..., "decode",
+        "router")."""
+        return [p.name for p in self._procs]
+
+    def resources(self, name: str) -> Resources:
+        """Threads, fds and RSS of one process tree now (leak checks)."""
+        threads = fds = rss = 0
+        for proc in process_tree(self.proc(name)):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                threads += proc.num_threads()
+                fds += proc.num_fds()
+                rss += proc.memory_info().rss
+        return Resources(threads, fds, round(rss / (1 << 20), 1))
 
     def log_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.log"

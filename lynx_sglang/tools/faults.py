@@ -19,7 +19,7 @@ What each cell checks (`CellResult.checks`): the client got its answer or an err
 deadline; a greedy answer equals the single server's; within `SETTLE_S` the decode's KV slots and
 every server's Lynx staging and per-request maps (`lynx_tracked_requests`) are back to their idle
 values; the threads and file descriptors of the servers that were not restarted are back to their
-baseline (+`THREAD_SLACK`/`FD_SLACK`: SGLang's own pools start threads lazily); every server is
+baseline (+`cluster.THREAD_SLACK`/`FD_SLACK`: SGLang's own pools start threads lazily); every server is
 alive; and the next request equals the single server's.
 
 Phases are reached by observable events (the hold lines the two fault-injection knobs log) plus
@@ -85,7 +85,6 @@ BASE_RATE = "1gbit"
 RESIDUAL_RATE = "20mbit"  # the exact Residual of PROMPT_TOKENS (~14 MB) then takes ~6 s
 BEFORE_ANCHOR_S = 0.3
 SETTLE_S = 60.0
-THREAD_SLACK, FD_SLACK = 8, 16
 
 
 @dataclass(frozen=True)
@@ -147,15 +146,6 @@ def select_cells(cells: list[Cell], *, targets=TARGETS, faults=FAULTS, phases=PH
     return picked[:sample]
 
 
-def _tree_resources(cluster: Cluster, name: str) -> tuple[int, int]:
-    threads = fds = 0
-    for proc in process_tree(cluster.proc(name)):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            threads += proc.num_threads()
-            fds += proc.num_fds()
-    return threads, fds
-
-
 def _signal_tree(cluster: Cluster, name: str, sig: int) -> None:
     for proc in process_tree(cluster.proc(name)):
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -215,7 +205,7 @@ class Matrix:
         if got.output_ids != self.reference[tuple(self.next_prompt)]:
             raise RuntimeError("the PD pair does not match the single server before any fault")
         self.slots = self.cluster.decode_used_tokens()
-        self.resources = {n: _tree_resources(self.cluster, n) for n in TARGETS}
+        self.resources = {n: self.cluster.resources(n) for n in TARGETS}
 
     # ---- one cell -----------------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:
@@ -375,11 +365,10 @@ class Matrix:
                 slots, loads_error = -1, f"decode /v1/loads: {exc}"
             staging = {n: metric_sum(u, "lynx_staging_used_bytes") for n, u in urls.items()}
             tracked = {n: metric_sum(u, "lynx_tracked_requests") for n, u in urls.items()}
-            res_now = {n: _tree_resources(self.cluster, n) for n in TARGETS}
+            res_now = {n: self.cluster.resources(n) for n in TARGETS}
             grown = {n: res_now[n] for n in TARGETS
                      if not (restarted and n == cell.target)
-                     and (res_now[n][0] > self.resources[n][0] + THREAD_SLACK
-                          or res_now[n][1] > self.resources[n][1] + FD_SLACK)}
+                     and res_now[n].grown_past(self.resources[n])}
             ok = (slots == self.slots and all_zero(staging) and all_zero(tracked) and not grown)
             if ok or time.monotonic() > deadline:
                 break
@@ -404,7 +393,7 @@ class Matrix:
         if restarted:
             # A new process's baseline, taken once a request has gone through it: SGLang and
             # Lynx open sockets and start threads lazily (measured: +4 threads, +14-20 fds).
-            self.resources[cell.target] = _tree_resources(self.cluster, cell.target)
+            self.resources[cell.target] = self.cluster.resources(cell.target)
 
 
 def table(results: list[CellResult]) -> str:

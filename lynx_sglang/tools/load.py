@@ -31,7 +31,7 @@ from pathlib import Path
 import requests
 
 from .client import GenerateError, generate, generate_stream
-from .cluster import TRANSFER_BACKENDS, Cluster, ClusterMode, ClusterSpec
+from .cluster import TRANSFER_BACKENDS, Cluster, ClusterMode, ClusterSpec, Resources
 from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
 from .model import embedded_model_dir
 from .prompts import passkey_prompt
@@ -63,12 +63,17 @@ class LoadReport:
     # Per server: None when its /metrics could not be read or lacked the gauge (not clean).
     staging_used_bytes: dict[str, float | None] = field(default_factory=dict)
     tracked_requests: dict[str, float | None] = field(default_factory=dict)
+    # Per server after the round settled, and the servers whose threads or fds grew past their
+    # values after the first round.
+    resources: dict[str, Resources] = field(default_factory=dict)
+    grown: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def clean(self) -> bool:
         return (not self.mismatches and not self.errors and self.leaked_decode_slots == 0
-                and all_zero(self.staging_used_bytes) and all_zero(self.tracked_requests))
+                and all_zero(self.staging_used_bytes) and all_zero(self.tracked_requests)
+                and not self.grown)
 
 
 def plan_requests(prompts: dict[int, list[int]], count: int, abandon_fraction: float,
@@ -203,14 +208,21 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
         while True:
             reqs = plan_requests(prompts, requests_per_round, abandon, seed + round_no)
             report = run_round(cluster, reqs, references, baseline, timeout_s)
+            report.resources = {name: cluster.resources(name) for name in cluster.names}
+            # The first round's values are the baseline: servers open their pools lazily.
+            first = reports[0].resources if reports else report.resources
+            report.grown = [name for name, now in report.resources.items()
+                            if now.grown_past(first[name])]
             reports.append(report)
             logger.info("round %d: %d requests (%d abandoned) in %.1f s: %d completed, "
                         "%d mismatches, %d errors, %d leaked decode slots, staging %s, "
-                        "tracked %s",
+                        "tracked %s, threads/fds/RSS %s%s",
                         round_no + 1, report.requests, report.abandoned, report.seconds,
                         report.completed, len(report.mismatches), len(report.errors),
                         report.leaked_decode_slots, report.staging_used_bytes,
-                        report.tracked_requests)
+                        report.tracked_requests,
+                        {n: (r.threads, r.fds, r.rss_mib) for n, r in report.resources.items()},
+                        f", GROWN: {report.grown}" if report.grown else "")
             round_no += 1
             if time.monotonic() >= t_end:
                 return reports
@@ -235,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
           f"abandoned, {sum(r.completed for r in reports)} completed and checked: "
           f"{sum(len(r.mismatches) for r in reports)} mismatches, "
           f"{sum(len(r.errors) for r in reports)} errors, "
-          f"{max(r.leaked_decode_slots for r in reports)} leaked decode slots at most; "
+          f"{max(r.leaked_decode_slots for r in reports)} leaked decode slots at most, "
+          f"threads/fds grown past round 1 in {sum(bool(r.grown) for r in reports)} round(s); "
           f"{'clean' if clean else 'NOT clean'} (report: {out})")
     return 0 if clean else 1
