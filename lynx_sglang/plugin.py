@@ -52,6 +52,8 @@ DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._
 SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
 
 
 def hook_targets() -> tuple[str, ...]:
@@ -60,6 +62,7 @@ def hook_targets() -> tuple[str, ...]:
 
     return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
             DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST, SCHEDULER_ON_IDLE,
+            RUN_BATCH, SET_KV_BUFFER,
             *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
 
 
@@ -87,6 +90,12 @@ def register() -> None:
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
             HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
             _register(request_trace.HOOKS)
+            if config.layer_stream:
+                from .backend import layer_stream
+
+                HookRegistry.register(RUN_BATCH, layer_stream.run_batch_around, HookType.AROUND)
+                HookRegistry.register(SET_KV_BUFFER, layer_stream.set_kv_buffer_after,
+                                      HookType.AFTER)
             if config.speculate:
                 _register_speculation_hooks()
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
@@ -170,6 +179,13 @@ def _init_kv_manager_after(kv_manager, queue):
         return kv_manager
     kv_manager.attach_kv_pool(queue.token_to_kv_pool)
     idle.report_tracked(kv_manager.tracked)
+    if kv_manager.disaggregation_mode == DisaggregationMode.PREFILL and kv_manager.lynx.layer_stream:
+        from .backend import layer_stream
+
+        pool = kv_manager.pool
+        if layer_stream.bind(kv_manager.sender, pool.shape.num_layers, pool.device.type):
+            logger.info("lynx: layer streaming on: each layer's Anchor is sent while the prefill "
+                        "forward computes the later layers (--no-lynx-layer-stream: after it)")
     if kv_manager.disaggregation_mode == DisaggregationMode.DECODE and kv_manager.lynx.speculate:
         from .speculation import hooks
         from .speculation.controller import SpecController

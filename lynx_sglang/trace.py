@@ -2,7 +2,8 @@
 
 Each producer records one `Trace` per request (room) in its own process and emits it once:
 - `prefill` (`backend.prefill.PrefillSender`): submitted by SGLang, dequeued, announcement seen,
-  per-layer encode spans, each stream posted / first byte sent / acknowledged, Success reported;
+  per-layer encode spans, (layer-streamed) every Anchor layer posted before SGLang's hand-over,
+  each stream posted / first byte sent / acknowledged, Success reported;
 - `decode` (`backend.decode.DecodeApplier`): registered, announced, each stream's first byte and
   landing, per-layer apply spans, Success reported, the speculation decision and its reason;
 - `request` (decode scheduler hooks): SGLang's first step on the request and its first token out;
@@ -39,6 +40,7 @@ STAGES: dict[str, tuple[str, str, str]] = {
     "prefill_queue": ("prefill", "submitted", "dequeued"),
     "announcement_wait": ("prefill", "dequeued", "announcement"),
     "encode": ("prefill", "encode_start", "encode_end"),
+    "handover_wait": ("prefill", "anchor_layers_posted", "anchor_posted"),
     "anchor_send": ("prefill", "anchor_posted", "anchor_acked"),
     "residual_send": ("prefill", "residual_posted", "residual_acked"),
     "anchor_wire": ("decode", "anchor_first_byte", "anchor_landed"),

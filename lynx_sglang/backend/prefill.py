@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ from ..config import LynxConfig
 from ..errors import KVStreamError, SettingsMismatchError
 from ..failures import failure_kind_of
 from ..names import FAULT_RESIDUAL_HOLD_LOG
+from .layer_stream import LayerGate, LayerGateError
 from .plan import StreamPlan
 from .pool import KVPoolView
 from .staging import StagingPool, StagingRange
@@ -66,6 +67,8 @@ IDENTITY_REQUEST = MAX_REQUEST_ID
 UNREACHABLE_COOLDOWN_S = 5.0
 # Rooms whose sent-byte count waits for SGLang to read it (it reads right after Success).
 SENT_BYTES_KEPT = 4096
+# How often a layer-streamed room waiting for SGLang's hand-over checks that SGLang still has it.
+HANDOVER_POLL_S = 0.05
 _STREAMS = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
 
 
@@ -116,13 +119,19 @@ class _InFlight:
 
 @dataclass
 class _Job:
-    """A room whose last chunk arrived: everything a destination worker needs to send it."""
+    """A room whose last chunk arrived (or, layer-streamed, whose forward started): everything a
+    destination worker needs to send it."""
 
     room: int
     slots: np.ndarray
     aux_index: int | None
     destinations: list[Destination]
     trace: trace.Trace
+    # Layer-streamed (`start_early`): the forward's layers written so far, and SGLang's hand-over
+    # of the room after the forward (`handed_over`; `refused` says why the room cannot be sent).
+    gate: LayerGate | None = None
+    handed_over: threading.Event = field(default_factory=threading.Event)
+    refused: str | None = None
 
 
 class _DestinationWorker:
@@ -176,6 +185,9 @@ class PrefillSender:
         self._fault_residual_delay_s = fault_residual_delay_s
         self._queue: queue.Queue[_Chunk] = queue.Queue()
         self._pending: dict[int, list[np.ndarray]] = {}
+        # Layer-streamed rooms whose forward runs or has not been handed over yet.
+        self._early: dict[int, _Job] = {}
+        self._early_lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
         self._workers: dict[str, _DestinationWorker] = {}
@@ -197,7 +209,26 @@ class PrefillSender:
         with self._workers_lock:
             workers = list(self._workers.values())
         return {"prefill_pending_chunks": len(self._pending),
+                "prefill_rooms_streaming": len(self._early),
                 "prefill_rooms_in_flight": sum(len(w.inflight) + w.jobs.qsize() for w in workers)}
+
+    def start_early(self, room: int, slots: np.ndarray, gate: LayerGate) -> bool:
+        """SGLang's scheduler thread, as a forward that computes `room`'s whole prompt starts:
+        queue the room now, each Anchor layer to be sent once `gate` has it. False (nothing
+        queued; the room goes the usual way after the forward) unless the room goes to exactly
+        one decode, known now, that allocated as many slots."""
+        destinations = self.link.destinations(room) if self.link.is_live(room) else []
+        if len(destinations) != 1 or destinations[0].num_slots != len(slots):
+            return False
+        tr = trace.Trace("prefill", room)
+        tr.facts["layer_streamed"] = True
+        job = _Job(room, slots, None, destinations, tr, gate=gate)
+        with self._early_lock:
+            if room in self._early:
+                return False
+            self._early[room] = job
+        self._dispatch(job)
+        return True
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None, trace_ctx=None) -> None:
@@ -248,6 +279,7 @@ class PrefillSender:
         room = item.room
         if not self.link.is_live(room):
             self._pending.pop(room, None)
+            self._hand_over(room, None, None, "SGLang dropped the room")
             return
         if item.wait_event is not None:
             item.wait_event.synchronize()
@@ -255,14 +287,36 @@ class PrefillSender:
         if not item.is_last:
             return
         slots = np.concatenate(self._pending.pop(room))
+        if self._hand_over(room, item, slots, None):
+            return
         tr = trace.Trace("prefill", room, sglang_ctx=item.trace_ctx)
         tr.mark("submitted", item.submitted)
         destinations = self.link.destinations(room)
         if not destinations:
             self.link.report(room, None, [])
             return
-        job = _Job(room, slots, item.aux_index, destinations, tr)
-        address = destinations[0].session_address
+        self._dispatch(_Job(room, slots, item.aux_index, destinations, tr))
+
+    def _hand_over(self, room: int, item: _Chunk | None, slots: np.ndarray | None,
+                   refused: str | None) -> bool:
+        """SGLang hands over (or drops) a room whose forward streamed its layers: give its job
+        the aux index, or the reason it cannot be sent. False if the room was not streamed."""
+        with self._early_lock:
+            job = self._early.pop(room, None)
+        if job is None:
+            return False
+        if item is not None:
+            job.trace.mark("submitted", item.submitted)
+            job.aux_index = item.aux_index
+            if not np.array_equal(slots, job.slots):
+                refused = (f"SGLang handed over {len(slots)} KV slots that differ from the "
+                           f"{len(job.slots)} its forward wrote")
+        job.refused = refused
+        job.handed_over.set()
+        return True
+
+    def _dispatch(self, job: _Job) -> None:
+        address = job.destinations[0].session_address
         with self._workers_lock:
             worker = self._workers.get(address)
             if worker is None:
@@ -276,11 +330,28 @@ class PrefillSender:
             self._send(job, inflight)
         except Exception as exc:
             logger.error("lynx: sending room %s failed: %s", job.room, exc,
-                         exc_info=not isinstance(exc, TransportError))
+                         exc_info=not isinstance(exc, (TransportError, LayerGateError)))
             job.trace.facts["failure"] = str(exc)
             metrics.record_failure(failure_kind_of(exc))
             trace.emit(job.trace)
             self.link.report(job.room, f"lynx prefill send failed: {exc}", [])
+        finally:
+            with self._early_lock:
+                if self._early.get(job.room) is job:
+                    del self._early[job.room]
+
+    def _await_handover(self, job: _Job) -> None:
+        """Layer-streamed: wait until SGLang hands the room over after its forward (the aux data,
+        the first token, exists only then), or drops it."""
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while not job.handed_over.wait(HANDOVER_POLL_S):
+            if not self.link.is_live(job.room):
+                raise KVStreamError("SGLang dropped the room during its forward")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SGLang did not hand the room over within "
+                                   f"{self.config.transfer_timeout_s:g} s of its forward")
+        if job.refused is not None:
+            raise KVStreamError(job.refused)
 
     def _session_to(self, address: str) -> Session:
         with self._sessions_lock:
@@ -316,12 +387,11 @@ class PrefillSender:
         return s
 
     def _send(self, job: _Job, inflight_list: list[_InFlight]) -> None:
-        room, prefill_slots, aux_index, tr = job.room, job.slots, job.aux_index, job.trace
+        room, prefill_slots, tr = job.room, job.slots, job.trace
         destinations = job.destinations
         pool = self._pool()
         num_tokens = len(prefill_slots)
         plan = StreamPlan.build(self.spec, pool.shape, num_tokens, self.config.chunk_tokens)
-        aux = self.link.read_aux(aux_index)
         slots = torch.as_tensor(prefill_slots, dtype=torch.int64, device=pool.device)
         tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
                         residual_bytes=plan.residual_bytes if self.config.residual else 0)
@@ -344,7 +414,7 @@ class PrefillSender:
             inflight = _InFlight(room, session, staging, tr)
             inflight_list.append(inflight)
             try:
-                sent += self._write_streams(session, room, pool, slots, staging, plan, aux, tr)
+                sent += self._write_streams(session, job, pool, slots, staging, plan)
             except Exception:
                 # A stream never written stays pending for the transport, so the reaper would
                 # never free this range: give it back now.
@@ -356,14 +426,15 @@ class PrefillSender:
         self.link.report(room, None, [d.notify for d in destinations])
         tr.mark("reported")
 
-    def _write_streams(self, session: Session, room: int, pool: KVPoolView, slots: torch.Tensor,
-                       staging: StagingRange, plan: StreamPlan, aux: bytes,
-                       tr: trace.Trace) -> int:
+    def _write_streams(self, session: Session, job: _Job, pool: KVPoolView, slots: torch.Tensor,
+                       staging: StagingRange, plan: StreamPlan) -> int:
         """Encode layer by layer straight into staging; each layer's Anchor goes out as soon as it
-        is encoded, every layer's Anchor (and the aux) before any Residual byte. An int8 Residual
-        is cheap and of fixed size, so it is encoded in the same pass, at its place; an exact
-        Residual costs ~10x its Anchor, so it is encoded in a second pass, after the whole Anchor
-        is out, each layer written as soon as it is placed. Returns the bytes posted."""
+        is encoded (layer-streamed: as soon as the forward has written the layer), every layer's
+        Anchor (and the aux) before any Residual byte. An int8 Residual is cheap and of fixed
+        size, so it is encoded in the same pass, at its place; an exact Residual costs ~10x its
+        Anchor, so it is encoded in a second pass, after the whole Anchor is out, each layer
+        written as soon as it is placed. Returns the bytes posted."""
+        room, tr = job.room, job.trace
         buf = self.staging.buffer
         chunk_tokens = self.config.chunk_tokens
         residual_base = staging.offset + plan.anchor_bytes
@@ -371,6 +442,8 @@ class PrefillSender:
         tr.facts["one_pass"] = one_pass
         tr.mark("encode_start")
         for layer in range(plan.num_layers):
+            if job.gate is not None:
+                job.gate.wait(layer, self.config.transfer_timeout_s)
             t0 = time.time()
             at = staging.offset + plan.anchor_offset(layer)
             r_at = residual_base + layer * plan.residual_layer_bytes
@@ -384,7 +457,10 @@ class PrefillSender:
             session.write_stream(room, Stream.ANCHOR, self.staging_region, at,
                                  plan.anchor_layer_bytes, stream_offset=plan.anchor_offset(layer))
             tr.span("encode_anchor", layer, t0, time.time())
-        session.finish(room, Stream.ANCHOR, aux=aux)
+        if job.gate is not None:
+            tr.mark("anchor_layers_posted")
+            self._await_handover(job)
+        session.finish(room, Stream.ANCHOR, aux=self.link.read_aux(job.aux_index))
         tr.mark("anchor_posted")
         if self._fault_residual_delay_s:
             logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,

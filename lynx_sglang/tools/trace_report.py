@@ -35,6 +35,8 @@ _PATH_WAITING = (
     *_PATH_SPECULATIVE[8:],
 )
 CLIENT_STAGE = "first token out -> at the client (detokenizer, HTTP, router)"
+# Layer streaming (`backend.layer_stream`): most of the Anchor went out during the forward.
+LAYER_STREAMED_ANCHOR_STAGE = "the Anchor's last layers and aux (the rest went during the forward)"
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,14 @@ def breakdown(records: dict[str, dict], rid: str, client_first_token: float,
                                    1.0))
         return result
     path = _PATH_SPECULATIVE if speculated else _PATH_WAITING
+    layer_streamed = bool(records.get("prefill", {}).get("facts", {}).get("layer_streamed"))
     last = start
     for kind, mark, what in path[1:]:
         t = records.get(kind, {}).get("marks", {}).get(mark)
         if t is None or t < last:
             continue  # not on this request's path (or overlapped by an earlier stage)
+        if mark == "anchor_posted" and layer_streamed:
+            what = LAYER_STREAMED_ANCHOR_STAGE
         result.stages.append(Stage(what, t - last, (t - last) / total if total > 0 else 0.0))
         last = t
     result.stages.append(Stage(CLIENT_STAGE, client_first_token - last,

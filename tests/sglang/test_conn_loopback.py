@@ -595,3 +595,104 @@ def test_a_decode_setup_failure_reaches_the_prefill_at_once(sgl, make_pd):
     t0 = time.monotonic()
     assert _poll_until_done(sgl, sender) == sgl.KVPoll.Failed
     assert time.monotonic() - t0 < 10.0
+
+
+# ---- layer streaming (backend.layer_stream): the Anchor goes out while the forward runs -------
+
+
+def _start_streamed_request(sgl: _SGLang, pd: PD, room: int, seed: int):
+    """`_start_request` as a layer-streamed prefill drives it: the room is handed to the sender
+    with a gate before its "forward" has written any KV; the caller writes the layers, opens the
+    gate and hands the room over (`sender.send`)."""
+    from lynx_sglang.backend.layer_stream import LayerGate
+
+    g = torch.Generator().manual_seed(seed)
+    prefill_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
+    decode_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
+    prefill_aux, decode_aux = seed % AUX_ROWS, (seed + 1) % AUX_ROWS
+    pd.prefill.meta.output_ids[prefill_aux].copy_(torch.randint(1, 50000, (16,), generator=g))
+    pd.prefill.meta.bootstrap_room[prefill_aux, 0] = room
+    sender = sgl.Sender(mgr=pd.prefill.mgr, bootstrap_addr=pd.bootstrap_addr, bootstrap_room=room)
+    receiver = sgl.Receiver(mgr=pd.decode.mgr, bootstrap_addr=pd.bootstrap_addr,
+                            bootstrap_room=room)
+    assert pd.decode.mgr.try_ensure_parallel_info(pd.bootstrap_addr)
+    receiver.init(0)
+    receiver.send_metadata(decode_slots.to(torch.int32).numpy(), decode_aux)
+    _wait("the prefill to get the decode's KV indices",
+          lambda: sender.poll() == sgl.KVPoll.WaitingForInput)
+    sender.init(NUM_TOKENS, prefill_aux)
+    gate = LayerGate(LAYERS)
+    assert pd.prefill.mgr.sender.start_early(room, prefill_slots.numpy().astype("int64"), gate)
+    req = Request(room, sender, receiver, prefill_slots, decode_slots, prefill_aux, decode_aux)
+    return req, gate, g
+
+
+def _forward_layer(pd: PD, req: Request, layer: int, g: torch.Generator) -> None:
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        x = torch.randn(NUM_TOKENS, HEADS, HEAD_DIM, generator=g) * (layer + 1)
+        buffers[layer][req.prefill_slots] = x.to(torch.bfloat16)
+
+
+def _anchor_layers_landed(pd: PD, room: int) -> int:
+    r = pd.decode.mgr.applier._rooms.get(room)
+    return 0 if r is None else r.anchor_layers_landed
+
+
+def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd):
+    """Layers written so far are sent at once: the decode holds the first layers' Anchor while
+    the last layer is still being computed, and the room ends bit-exact once handed over."""
+    pd = make_pd(_cfg(target="exact"))
+    req, gate, g = _start_streamed_request(sgl, pd, room=1101, seed=21)
+    for layer in range(LAYERS - 1):
+        _forward_layer(pd, req, layer, g)
+        gate.written(layer)
+    _wait("the first layers' Anchor at the decode",
+          lambda: _anchor_layers_landed(pd, req.room) == LAYERS - 1)
+    # Not a layer more than the forward wrote, and no Success before the hand-over.
+    time.sleep(0.2)
+    assert _anchor_layers_landed(pd, req.room) == LAYERS - 1
+    assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
+    _forward_layer(pd, req, LAYERS - 1, g)
+    gate.finish()
+    req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    for kind in ("k_buffer", "v_buffer"):
+        for layer in range(LAYERS):
+            assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
+                               getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+    assert int(pd.decode.meta.bootstrap_room[req.decode_aux, 0]) == req.room
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
+
+
+def test_a_failed_forward_fails_the_layer_streamed_room(sgl, make_pd):
+    pd = make_pd(_cfg(target="exact"))
+    req, gate, g = _start_streamed_request(sgl, pd, room=1102, seed=22)
+    _forward_layer(pd, req, 0, g)
+    gate.written(0)
+    gate.fail("RuntimeError: out of memory")
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    assert "forward failed before layer 1" in _failure_message(sgl, req.sender)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    _failure_message(sgl, req.receiver)  # SGLang's decode clears the room with it
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+    assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
+
+
+def test_a_hand_over_with_other_slots_is_refused(sgl, make_pd):
+    """SGLang hands over the slots it will free after Success: if they are not the ones the
+    forward wrote (and the Anchor was read from), the room fails instead of sending them."""
+    pd = make_pd(_cfg(target="exact"))
+    req, gate, g = _start_streamed_request(sgl, pd, room=1103, seed=23)
+    for layer in range(LAYERS):
+        _forward_layer(pd, req, layer, g)
+    gate.finish()
+    other = req.prefill_slots.flip(0)
+    req.sender.send(other.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    assert "differ from the" in _failure_message(sgl, req.sender)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))

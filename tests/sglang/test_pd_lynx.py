@@ -11,6 +11,7 @@ the next request once a prefill is back.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -49,6 +50,11 @@ def test_lynx_exact_matches_single_server(lynx_cluster, reference_outputs, promp
     log = lynx_cluster.log_path("decode").read_text(errors="replace")
     assert "lynx KV manager (decode)" in log
     assert "transport session from prefill rank" in log
+    # Layer streaming (on by default): the Anchor went out layer by layer during the forward,
+    # every layer opened by SGLang's own KV writes before the forward ended.
+    prefill_log = lynx_cluster.log_path("prefill").read_text(errors="replace")
+    opened = re.search(r"first streamed forward opened (\d+) of (\d+) layers", prefill_log)
+    assert opened is not None and opened[1] == opened[2], prefill_log[-2000:]
 
 
 def test_prefill_killed_between_anchor_and_residual(lynx_cluster, reference_outputs, prompts,

@@ -1,0 +1,162 @@
+"""Layer streaming on the prefill: each layer's Anchor is encoded and sent while SGLang's prefill
+forward computes the later layers, so that when the forward ends only its last layers are still
+to send (without it, the whole Anchor's encode and wire time came after the forward).
+
+Two SGLang hooks drive it (registered by `lynx_sglang.plugin` in scheduler processes; they act
+only once a prefill manager is bound here by `bind`):
+- `run_batch_around` (`Scheduler.run_batch`, the scheduler thread): before an extend forward, each
+  request of the batch whose whole prompt is in this forward (no cached prefix, not split by
+  chunked prefill, nothing sent yet) is handed to the sender at once (`PrefillSender.start_early`)
+  with the forward's `LayerGate`; after the forward, every layer is open.
+- `set_kv_buffer_after` (`MHATokenToKVPool.set_kv_buffer`, inside the forward): layer l's KV of
+  every request in the batch is in the pool: open layer l.
+
+A forward that raises fails the gate, and the rooms waiting on it fail with the reason. Only CPU
+pools are bound: there `set_kv_buffer` has written the rows when it returns; on CUDA it has only
+queued the kernel (per-layer events would be needed: not implemented, see `bind`).
+
+The gate belongs to one forward; the sender's destination worker (`backend.prefill`) waits on it
+before reading a layer's pool rows, which the forward never writes again for these requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class LayerGateError(RuntimeError):
+    """The forward ended without writing the layer waited for (it raised)."""
+
+
+class LayerGate:
+    """Which layers of one prefill forward are in the KV pool. Opened in order by the scheduler
+    thread (`written`, `finish`, `fail`); waited on by destination workers (`wait`)."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._written = 0
+        self._failure: str | None = None
+        self._cond = threading.Condition()
+
+    def written(self, layer: int) -> None:
+        """Layer `layer` (and, the forward going in order, every layer before it) is written."""
+        with self._cond:
+            if layer + 1 > self._written:
+                self._written = layer + 1
+                self._cond.notify_all()
+
+    @property
+    def opened(self) -> int:
+        """Layers written so far."""
+        with self._cond:
+            return self._written
+
+    def finish(self) -> None:
+        """The forward returned: every layer is written."""
+        self.written(self.num_layers - 1)
+
+    def fail(self, why: str) -> None:
+        with self._cond:
+            self._failure = why
+            self._cond.notify_all()
+
+    def wait(self, layer: int, timeout_s: float) -> None:
+        """Return once `layer` is written; LayerGateError if the forward failed first, TimeoutError
+        after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._written <= layer:
+                if self._failure is not None:
+                    raise LayerGateError(f"the prefill forward failed before layer {layer} was "
+                                         f"written: {self._failure}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"layer {layer} of the prefill forward not written within "
+                                       f"{timeout_s:g} s")
+                self._cond.wait(left)
+
+
+# The bound prefill sender (`bind`) and the gate of the forward now running (scheduler thread).
+_sender = None
+_num_layers = 0
+_gate: LayerGate | None = None
+_said_how_layers_open = False
+
+
+def bind(sender, num_layers: int, device_type: str) -> bool:
+    """Stream layers for this prefill's `sender` (a `PrefillSender`); False where the pool
+    cannot be read during the forward (not a CPU pool)."""
+    global _sender, _num_layers
+    if device_type != "cpu":
+        logger.info("lynx: layer streaming off: the KV pool is on %s, where a layer's rows are "
+                    "written only when its queued kernels run (per-layer events: not "
+                    "implemented); each request's Anchor is sent after its forward", device_type)
+        return False
+    _sender, _num_layers = sender, num_layers
+    return True
+
+
+def _whole_prompt_slots(scheduler, req) -> np.ndarray | None:
+    """The KV slots of `req`'s whole prompt if this forward computes all of it, else None."""
+    n = len(req.origin_input_ids)
+    if (getattr(req, "bootstrap_room", None) is None or req.prefix_len != 0
+            or req.extend_end != n or req.start_send_idx != 0 or req.kv.req_pool_idx is None):
+        return None
+    row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
+    return row.to("cpu", copy=True).numpy().astype(np.int64, copy=False)
+
+
+def run_batch_around(original, scheduler, batch, *args, **kwargs):
+    global _gate
+    sender = _sender
+    if (sender is None or _gate is not None or not batch.forward_mode.is_extend()
+            or getattr(scheduler, "enable_overlap", False)):
+        return original(scheduler, batch, *args, **kwargs)
+    gate = LayerGate(_num_layers)
+    started = 0
+    for req in batch.reqs:
+        slots = _whole_prompt_slots(scheduler, req)
+        if slots is not None and sender.start_early(req.bootstrap_room, slots, gate):
+            started += 1
+    if not started:
+        return original(scheduler, batch, *args, **kwargs)
+    _gate = gate
+    try:
+        result = original(scheduler, batch, *args, **kwargs)
+    except BaseException as exc:
+        gate.fail(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        _gate = None
+    _say_how_layers_opened(gate.opened, gate.num_layers)
+    gate.finish()
+    return result
+
+
+def _say_how_layers_opened(opened: int, num_layers: int) -> None:
+    """Once per process: whether the first streamed forward opened its layers one by one."""
+    global _said_how_layers_open
+    if _said_how_layers_open:
+        return
+    _said_how_layers_open = True
+    if opened:
+        logger.info("lynx: layer streaming: the first streamed forward opened %d of %d layers "
+                    "before it ended", opened, num_layers)
+    else:
+        logger.warning("lynx: layer streaming: the forward wrote no layer through "
+                       "MHATokenToKVPool.set_kv_buffer (a KV pool class that overrides it?): "
+                       "each Anchor is sent after its forward")
+
+
+def set_kv_buffer_after(result, pool, layer, *args, layer_id_override=None, **kwargs):
+    gate = _gate
+    if gate is not None:
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        gate.written(layer_id - getattr(pool, "start_layer", 0))
+    return result
