@@ -444,6 +444,10 @@ class PrefillSender:
         for layer in range(plan.num_layers):
             if job.gate is not None:
                 job.gate.wait(layer, self.config.transfer_timeout_s)
+                # An aborted request's slots are freed right after its forward, and may be
+                # written by the next one: stop reading them.
+                if not self.link.is_live(room):
+                    raise KVStreamError("SGLang dropped the room during its forward")
             t0 = time.time()
             at = staging.offset + plan.anchor_offset(layer)
             r_at = residual_base + layer * plan.residual_layer_bytes

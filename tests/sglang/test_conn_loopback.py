@@ -696,3 +696,21 @@ def test_a_hand_over_with_other_slots_is_refused(sgl, make_pd):
     assert "differ from the" in _failure_message(sgl, req.sender)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+
+
+def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd):
+    """SGLang aborts a request whose client left while its forward ran, and frees its KV slots
+    right after the forward: the streamed room stops reading them and fails, nothing is held."""
+    pd = make_pd(_cfg(target="exact"))
+    req, gate, g = _start_streamed_request(sgl, pd, room=1104, seed=24)
+    _forward_layer(pd, req, 0, g)
+    gate.written(0)
+    _wait("layer 0's Anchor at the decode", lambda: _anchor_layers_landed(pd, req.room) == 1)
+    req.sender.abort()
+    for layer in range(1, LAYERS):
+        _forward_layer(pd, req, layer, g)
+    gate.finish()
+    _wait("the streamed room to be given up",
+          lambda: pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0, timeout=5.0)
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd), timeout=5.0)
+    assert _anchor_layers_landed(pd, req.room) < LAYERS
