@@ -5,9 +5,10 @@ to send (without it, the whole Anchor's encode and wire time came after the forw
 Two SGLang hooks drive it (registered by `lynx_sglang.plugin` in scheduler processes; they act
 only once a prefill manager is bound here by `bind`):
 - `run_batch_around` (`Scheduler.run_batch`, the scheduler thread): before an extend forward, each
-  request of the batch whose whole prompt is in this forward (no cached prefix, not split by
-  chunked prefill, nothing sent yet) is handed to the sender at once (`PrefillSender.start_early`)
-  with the forward's `LayerGate`; after the forward, every layer is open.
+  request of the batch whose prompt this forward completes (its only or last chunk; earlier
+  chunks and a cached prefix are in the pool already) is handed to the sender at once
+  (`PrefillSender.start_early`) with the forward's `LayerGate`; after the forward, every layer
+  is open.
 - `set_kv_buffer_after` (`MHATokenToKVPool.set_kv_buffer`, inside the forward): layer l's KV of
   every request in the batch is in the pool: open layer l.
 
@@ -102,11 +103,15 @@ def bind(sender, num_layers: int, device_type: str) -> bool:
     return True
 
 
-def _whole_prompt_slots(scheduler, req) -> np.ndarray | None:
-    """The KV slots of `req`'s whole prompt if this forward computes all of it, else None."""
+def _prompt_slots(scheduler, req) -> np.ndarray | None:
+    """The KV slots of `req`'s whole prompt if this forward completes it (its last or only
+    chunk), else None. Whatever came before this forward (earlier chunks, a cached prefix) is in
+    the pool for every layer already, so once this forward writes layer l, layer l is complete."""
     n = len(req.origin_input_ids)
-    if (getattr(req, "bootstrap_room", None) is None or req.prefix_len != 0
-            or req.extend_end != n or req.start_send_idx != 0 or req.kv.req_pool_idx is None):
+    # A fully cached prompt computes only its last token again, and the prefix cache then swaps
+    # that slot for its own copy, whose bits may differ: nothing to gain, and not streamable.
+    if (getattr(req, "bootstrap_room", None) is None or req.extend_end != n
+            or req.prefix_len >= n - 1 or req.kv.req_pool_idx is None):
         return None
     row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
     return row.to("cpu", copy=True).numpy().astype(np.int64, copy=False)
@@ -121,7 +126,7 @@ def run_batch_around(original, scheduler, batch, *args, **kwargs):
     gate = LayerGate(_num_layers)
     started = 0
     for req in batch.reqs:
-        slots = _whole_prompt_slots(scheduler, req)
+        slots = _prompt_slots(scheduler, req)
         if slots is not None and sender.start_early(req.bootstrap_room, slots, gate):
             started += 1
     if not started:

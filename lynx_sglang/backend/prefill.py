@@ -55,7 +55,7 @@ from ..failures import failure_kind_of
 from ..names import FAULT_RESIDUAL_HOLD_LOG
 from .layer_stream import LayerGate, LayerGateError
 from .plan import StreamPlan
-from .pool import KVPoolView
+from .pool import KINDS, KVPoolView
 from .staging import StagingPool, StagingRange
 from .streams import encode_layer_into
 
@@ -132,6 +132,9 @@ class _Job:
     gate: LayerGate | None = None
     handed_over: threading.Event = field(default_factory=threading.Event)
     refused: str | None = None
+    # Held by the worker while it reads pool rows of `slots`, and by `_reconcile_streamed` while
+    # it replaces slots SGLang's prefix cache swapped after the forward.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _DestinationWorker:
@@ -232,11 +235,50 @@ class PrefillSender:
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None, trace_ctx=None) -> None:
-        """Queue one chunk of a room's KV slots (SGLang's scheduler thread; never blocks)."""
+        """Queue one chunk of a room's KV slots (SGLang's scheduler thread; waits at most for
+        one layer's encode of a layer-streamed room, see `_reconcile_streamed`)."""
         if isinstance(kv_indices, torch.Tensor):
             kv_indices = kv_indices.cpu().numpy()
-        self._queue.put(_Chunk(room, np.array(kv_indices, dtype=np.int64), is_last, aux_index,
-                               wait_event, time.time(), trace_ctx))
+        kv_indices = np.array(kv_indices, dtype=np.int64)
+        if is_last:
+            self._reconcile_streamed(room, kv_indices)
+        self._queue.put(_Chunk(room, kv_indices, is_last, aux_index, wait_event, time.time(),
+                               trace_ctx))
+
+    def _reconcile_streamed(self, room: int, tail: np.ndarray) -> None:
+        """A layer-streamed room's last chunk, on the scheduler thread, before any slot SGLang
+        freed since the forward can be written again. SGLang's prefix cache may have replaced
+        slots the forward wrote by cached ones holding the same tokens (seen: a fully cached
+        prompt whose last token is computed again) and freed the forward's. The room goes on
+        with the cached slots if they hold the same bits in every layer (the Anchor already sent
+        stays right); otherwise it is refused."""
+        with self._early_lock:
+            job = self._early.get(room)
+        if job is None or len(tail) > len(job.slots):
+            return
+        start = len(job.slots) - len(tail)
+        old = job.slots[start:]
+        differ = np.nonzero(old != tail)[0]
+        if not len(differ):
+            return
+        pool = self._pool()
+        was = torch.as_tensor(old[differ], device=pool.device)
+        now = torch.as_tensor(tail[differ], device=pool.device)
+        with job.lock:
+            for layer in range(pool.shape.num_layers):
+                for kind in KINDS:
+                    rows = pool.layer(layer, kind)
+                    if not torch.equal(rows[was], rows[now]):
+                        job.refused = (
+                            f"SGLang's prefix cache replaced {len(differ)} of the KV slots the "
+                            f"forward wrote by cached ones whose KV differs (layer {layer} "
+                            f"{kind.value.upper()}); the streamed Anchor no longer matches")
+                        return
+            slots = job.slots.copy()
+            slots[start:] = tail
+            job.slots = slots
+        logger.debug("lynx: room %s: %d slots replaced by the prefix cache's (same KV)", room,
+                     len(differ))
 
     def take_sent_bytes(self, room: int) -> int | None:
         """The Anchor + Residual bytes sent for `room` (every destination), once; None if the
@@ -308,10 +350,10 @@ class PrefillSender:
         if item is not None:
             job.trace.mark("submitted", item.submitted)
             job.aux_index = item.aux_index
-            if not np.array_equal(slots, job.slots):
+            if job.refused is None and not np.array_equal(slots, job.slots):
                 refused = (f"SGLang handed over {len(slots)} KV slots that differ from the "
                            f"{len(job.slots)} its forward wrote")
-        job.refused = refused
+        job.refused = job.refused or refused
         job.handed_over.set()
         return True
 
@@ -387,12 +429,11 @@ class PrefillSender:
         return s
 
     def _send(self, job: _Job, inflight_list: list[_InFlight]) -> None:
-        room, prefill_slots, tr = job.room, job.slots, job.trace
+        room, tr = job.room, job.trace
         destinations = job.destinations
         pool = self._pool()
-        num_tokens = len(prefill_slots)
+        num_tokens = len(job.slots)
         plan = StreamPlan.build(self.spec, pool.shape, num_tokens, self.config.chunk_tokens)
-        slots = torch.as_tensor(prefill_slots, dtype=torch.int64, device=pool.device)
         tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
                         residual_bytes=plan.residual_bytes if self.config.residual else 0)
         sent = 0
@@ -414,7 +455,7 @@ class PrefillSender:
             inflight = _InFlight(room, session, staging, tr)
             inflight_list.append(inflight)
             try:
-                sent += self._write_streams(session, job, pool, slots, staging, plan)
+                sent += self._write_streams(session, job, pool, staging, plan)
             except Exception:
                 # A stream never written stays pending for the transport, so the reaper would
                 # never free this range: give it back now.
@@ -426,7 +467,7 @@ class PrefillSender:
         self.link.report(room, None, [d.notify for d in destinations])
         tr.mark("reported")
 
-    def _write_streams(self, session: Session, job: _Job, pool: KVPoolView, slots: torch.Tensor,
+    def _write_streams(self, session: Session, job: _Job, pool: KVPoolView,
                        staging: StagingRange, plan: StreamPlan) -> int:
         """Encode layer by layer straight into staging; each layer's Anchor goes out as soon as it
         is encoded (layer-streamed: as soon as the forward has written the layer), every layer's
@@ -440,6 +481,18 @@ class PrefillSender:
         residual_base = staging.offset + plan.anchor_bytes
         one_pass = self.config.residual and self.spec.target is Target.INT8
         tr.facts["one_pass"] = one_pass
+
+        on_device: list = [None, None]  # job.slots as last seen, and as a tensor on the pool's
+
+        def encode(layer: int, anchor_out, residual_out) -> tuple[int, int]:
+            # Under the job's lock: the slots may be swapped for the prefix cache's between
+            # layers (`_reconcile_streamed`), never during one.
+            with job.lock:
+                if on_device[0] is not job.slots:
+                    on_device[:] = [job.slots, torch.as_tensor(job.slots, device=pool.device)]
+                return encode_layer_into(pool, layer, on_device[1], self.spec, chunk_tokens,
+                                         room, anchor_out, residual_out, self._encoder)
+
         tr.mark("encode_start")
         for layer in range(plan.num_layers):
             if job.gate is not None:
@@ -451,10 +504,8 @@ class PrefillSender:
             t0 = time.time()
             at = staging.offset + plan.anchor_offset(layer)
             r_at = residual_base + layer * plan.residual_layer_bytes
-            written, _ = encode_layer_into(
-                pool, layer, slots, self.spec, chunk_tokens, room,
-                buf[at: at + plan.anchor_layer_bytes],
-                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None, self._encoder)
+            written, _ = encode(layer, buf[at: at + plan.anchor_layer_bytes],
+                                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None)
             if written != plan.anchor_layer_bytes:
                 raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
                                     f"expected {plan.anchor_layer_bytes} B")
@@ -485,9 +536,7 @@ class PrefillSender:
             for layer in range(plan.num_layers):
                 t0 = time.time()
                 at = residual_base + stream_at
-                _, written = encode_layer_into(pool, layer, slots, self.spec, chunk_tokens, room,
-                                               scratch, buf[at: at + plan.residual_layer_bytes],
-                                               self._encoder)
+                _, written = encode(layer, scratch, buf[at: at + plan.residual_layer_bytes])
                 session.write_stream(room, Stream.RESIDUAL, self.staging_region, at, written,
                                      stream_offset=stream_at)
                 stream_at += written

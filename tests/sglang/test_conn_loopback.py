@@ -336,10 +336,13 @@ def _holds(pd: PD, req: Request, stage: str) -> bool:
 
 
 def _anchor_in(pd: PD, req: Request) -> bool:
-    """The decode has validated the room's whole Anchor. Non-speculative rooms never write it
-    into the pool (nothing would read it before the Residual), so the pool cannot tell."""
+    """The decode has validated the room's whole Anchor and seen its stream end (every layer's
+    bytes can land before the end does: a fault injected between the two is not "after the
+    Anchor"). Non-speculative rooms never write the Anchor into the pool (nothing would read it
+    before the Residual), so the pool cannot tell."""
     room = pd.decode.mgr.applier._rooms.get(req.room)
-    return room is not None and room.anchor_layers_landed == LAYERS
+    return (room is not None and room.anchor_layers_landed == LAYERS
+            and room.t_anchor_landed is not None)
 
 
 # ---- tests ----------------------------------------------------------------------------------
@@ -682,18 +685,57 @@ def test_a_failed_forward_fails_the_layer_streamed_room(sgl, make_pd):
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
-def test_a_hand_over_with_other_slots_is_refused(sgl, make_pd):
-    """SGLang hands over the slots it will free after Success: if they are not the ones the
-    forward wrote (and the Anchor was read from), the room fails instead of sending them."""
+def _free_slots(req: Request, count: int) -> torch.Tensor:
+    used = set(req.prefill_slots.tolist())
+    return torch.tensor([s for s in range(1, POOL_TOKENS + 1) if s not in used][:count])
+
+
+def test_slots_the_prefix_cache_swapped_for_the_same_kv_are_taken(sgl, make_pd):
+    """After the forward SGLang's prefix cache may replace slots the forward wrote by cached ones
+    holding the same tokens (and free the forward's). With the same bits in every layer the
+    room goes on from the cached slots and ends bit-exact."""
     pd = make_pd(_cfg(target="exact"))
     req, gate, g = _start_streamed_request(sgl, pd, room=1103, seed=23)
     for layer in range(LAYERS):
         _forward_layer(pd, req, layer, g)
+    swapped = req.prefill_slots.clone()
+    swapped[-3:] = _free_slots(req, 3)
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        for layer in range(LAYERS):
+            buffers[layer][swapped[-3:]] = buffers[layer][req.prefill_slots[-3:]]
     gate.finish()
-    other = req.prefill_slots.flip(0)
-    req.sender.send(other.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    req.sender.send(swapped.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    # SGLang frees the forward's own slots, which the next forward may write.
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        for layer in range(LAYERS):
+            buffers[layer][req.prefill_slots[-3:]] = 0
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    for kind in ("k_buffer", "v_buffer"):
+        for layer in range(LAYERS):
+            assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
+                               getattr(pd.prefill.pool, kind)[layer][swapped])
+
+
+def test_slots_swapped_for_different_kv_are_refused(sgl, make_pd):
+    """The same swap with other bits in the cached slots: the Anchor already sent no longer
+    matches the KV SGLang keeps, so the room fails, saying why, instead of mixing the two."""
+    pd = make_pd(_cfg(target="exact"))
+    req, gate, g = _start_streamed_request(sgl, pd, room=1105, seed=25)
+    for layer in range(LAYERS):
+        _forward_layer(pd, req, layer, g)
+    swapped = req.prefill_slots.clone()
+    swapped[-1:] = _free_slots(req, 1)
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        for layer in range(LAYERS):
+            buffers[layer][swapped[-1:]] = buffers[layer][req.prefill_slots[-1:]]
+    pd.prefill.pool.v_buffer[LAYERS - 1][swapped[-1:]] += 1.0
+    gate.finish()
+    req.sender.send(swapped.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
     assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
-    assert "differ from the" in _failure_message(sgl, req.sender)
+    msg = _failure_message(sgl, req.sender)
+    assert "prefix cache replaced 1 of the KV slots" in msg and f"layer {LAYERS - 1} V" in msg
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
 
