@@ -470,17 +470,25 @@ class PrefillSender:
     def _write_streams(self, session: Session, job: _Job, pool: KVPoolView,
                        staging: StagingRange, plan: StreamPlan) -> int:
         """Encode layer by layer straight into staging; each layer's Anchor goes out as soon as it
-        is encoded (layer-streamed: as soon as the forward has written the layer), every layer's
-        Anchor (and the aux) before any Residual byte. An int8 Residual is cheap and of fixed
-        size, so it is encoded in the same pass, at its place; an exact Residual costs ~10x its
-        Anchor, so it is encoded in a second pass, after the whole Anchor is out, each layer
-        written as soon as it is placed. Returns the bytes posted."""
+        is encoded. After the forward, every layer's Anchor (and the aux) goes before any
+        Residual byte: an int8 Residual is cheap and of fixed size, so it is encoded in the same
+        pass, at its place; an exact Residual costs ~10x its Anchor, so it is encoded in a
+        second pass, after the whole Anchor is out, each layer written as soon as it is placed.
+        Layer-streamed (during the forward, as soon as the forward has written the layer), each
+        layer's Residual is encoded in the Anchor's pass and written with it. Returns the bytes
+        posted."""
         room, tr = job.room, job.trace
         buf = self.staging.buffer
         chunk_tokens = self.config.chunk_tokens
         residual_base = staging.offset + plan.anchor_bytes
-        one_pass = self.config.residual and self.spec.target is Target.INT8
-        tr.facts["one_pass"] = one_pass
+        # Layer-streamed, the Residual goes out with its layer too: the forward of the later
+        # layers leaves the time (and the link idle between Anchor layers), and the transport
+        # still sends the Anchor first. Not with the test knob that holds the Residual back.
+        stream_residual = (self.config.residual and job.gate is not None
+                           and not self._fault_residual_delay_s)
+        one_pass = self.config.residual and (self.spec.target is Target.INT8 or stream_residual)
+        tr.facts.update(one_pass=one_pass, residual_streamed=stream_residual)
+        residual_at = 0  # stream offset of the next streamed Residual layer
 
         on_device: list = [None, None]  # job.slots as last seen, and as a tensor on the pool's
 
@@ -504,13 +512,20 @@ class PrefillSender:
             t0 = time.time()
             at = staging.offset + plan.anchor_offset(layer)
             r_at = residual_base + layer * plan.residual_layer_bytes
-            written, _ = encode(layer, buf[at: at + plan.anchor_layer_bytes],
-                                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None)
+            written, r_written = encode(
+                layer, buf[at: at + plan.anchor_layer_bytes],
+                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None)
             if written != plan.anchor_layer_bytes:
                 raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
                                     f"expected {plan.anchor_layer_bytes} B")
             session.write_stream(room, Stream.ANCHOR, self.staging_region, at,
                                  plan.anchor_layer_bytes, stream_offset=plan.anchor_offset(layer))
+            if stream_residual:
+                # An exact layer is as long as its values need: the layers go back to back on
+                # the stream, each from its own (bound-sized) place in staging.
+                session.write_stream(room, Stream.RESIDUAL, self.staging_region, r_at,
+                                     r_written, stream_offset=residual_at)
+                residual_at += r_written
             tr.span("encode_anchor", layer, t0, time.time())
         if job.gate is not None:
             tr.mark("anchor_layers_posted")
@@ -524,7 +539,9 @@ class PrefillSender:
         if not self.config.residual:
             tr.mark("encode_end")
             return plan.anchor_bytes
-        if one_pass:
+        if stream_residual:
+            stream_at = residual_at
+        elif one_pass:
             session.write_stream(room, Stream.RESIDUAL, self.staging_region, residual_base,
                                  plan.residual_bytes, stream_offset=0)
             stream_at = plan.residual_bytes

@@ -641,19 +641,25 @@ def _anchor_layers_landed(pd: PD, room: int) -> int:
     return 0 if r is None else r.anchor_layers_landed
 
 
-def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd):
-    """Layers written so far are sent at once: the decode holds the first layers' Anchor while
-    the last layer is still being computed, and the room ends bit-exact once handed over."""
-    pd = make_pd(_cfg(target="exact"))
+@pytest.mark.parametrize("target", ["exact", "int8"])
+def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd, target):
+    """Layers written so far are sent at once, Anchor and Residual: the decode holds the first
+    layers at full precision while the last layer is still being computed, and the room ends
+    bit-exact (int8: the INT8 reconstruction) once handed over."""
+    pd = make_pd(_cfg(target=target))
     req, gate, g = _start_streamed_request(sgl, pd, room=1101, seed=21)
     for layer in range(LAYERS - 1):
         _forward_layer(pd, req, layer, g)
         gate.written(layer)
     _wait("the first layers' Anchor at the decode",
           lambda: _anchor_layers_landed(pd, req.room) == LAYERS - 1)
+    # Their Residual went with them: those layers are at full precision in the pool already.
+    _wait("the first layers' Residual applied at the decode",
+          lambda: pd.decode.mgr.applier._rooms[req.room].final_layers == LAYERS - 1)
     # Not a layer more than the forward wrote, and no Success before the hand-over.
     time.sleep(0.2)
     assert _anchor_layers_landed(pd, req.room) == LAYERS - 1
+    assert pd.decode.mgr.applier._rooms[req.room].final_layers == LAYERS - 1
     assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
     _forward_layer(pd, req, LAYERS - 1, g)
     gate.finish()
@@ -661,10 +667,12 @@ def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd):
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
         _failure_message(sgl, req.receiver)
     assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
-    for kind in ("k_buffer", "v_buffer"):
-        for layer in range(LAYERS):
-            assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
-                               getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+    assert _holds(pd, req, "full")
+    if target == "exact":
+        for kind in ("k_buffer", "v_buffer"):
+            for layer in range(LAYERS):
+                assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
+                                   getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
     assert int(pd.decode.meta.bootstrap_room[req.decode_aux, 0]) == req.room
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
