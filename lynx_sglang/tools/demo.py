@@ -266,6 +266,26 @@ def format_table(results: list[DemoResult], link_desc: str) -> str:
     return "\n".join(lines)
 
 
+def regime_note(results: list[DemoResult], link_bps: float | None) -> str | None:
+    """Where Lynx paid in this run, and where it would not, from its measured times: whether the
+    prefill forward was long enough to hide Lynx's streams (layer streaming), or the link was
+    the slow part (the Anchor first and speculation carry the first token)."""
+    lynx = next((r for r in results if r.exact and "anchor" in r.stream_bytes), None)
+    if lynx is None or not link_bps:
+        return None
+    wire_s = (lynx.stream_bytes["anchor"] + lynx.stream_bytes["residual"]) * 8 / link_bps
+    head = (f"where Lynx pays in this run: its forward took {lynx.prefill_done_s:.1f} s and its "
+            f"streams need {wire_s * 1e3:.0f} ms of wire; ")
+    if wire_s < lynx.prefill_done_s:
+        return head + ("layer streaming sent them while the forward ran, so after it only the "
+                       "last layer was left; mooncake_tcp starts its whole transfer after the "
+                       "forward. A link slower than the forward leaves the rest to the "
+                       "Anchor-first stream and speculation; on a GPU pool layer streaming is "
+                       "not implemented (Lynx then sends after the forward).")
+    return head + ("the link is the slow part: the Anchor goes first, the decode speculates on "
+                   "it, and the Residual's bytes are what is left after the forward.")
+
+
 def plot_timeline(results: list[DemoResult], path: Path, title: str) -> None:
     import matplotlib
 
@@ -380,6 +400,9 @@ def run(args: argparse.Namespace) -> int:
     table = format_table(results, link_desc)
     print()
     print(table)
+    note = regime_note(results, parse_rate(link))
+    if note:
+        print(note)
     identical = outputs_identical(results)
     (args.out / "demo.json").write_text(json.dumps({
         "link": link, "link_desc": link_desc, "model": str(model_dir),

@@ -16,6 +16,7 @@ from lynx_sglang.tools.demo import (
     format_table,
     network_ttft_ratios,
     plot_timeline,
+    regime_note,
     select_variants,
     token_match,
 )
@@ -134,3 +135,16 @@ def test_prompt_has_exact_length():
     assert len(ids) == 700
     assert "".join(map(chr, ids)).endswith("Answer:")
     assert passkey_prompt(Chars(), 700) == ids
+
+
+def test_the_regime_note_says_which_part_was_slow():
+    """8 MiB of Lynx streams: 67 ms at 1 Gbit/s, hidden by a 0.8 s forward; 6.7 s at 10 Mbit/s,
+    longer than the forward."""
+    results = [_result("mooncake", [1]), _result("lynx", [1], **LYNX)]
+    fast = regime_note(results, 1e9)
+    assert "forward took 0.8 s" in fast and "67 ms of wire" in fast
+    assert "layer streaming sent them while the forward ran" in fast
+    slow = regime_note(results, 1e7)
+    assert "6711 ms of wire" in slow and "the link is the slow part" in slow
+    assert regime_note(results, None) is None  # loopback: no rate to weigh
+    assert regime_note([_result("mooncake", [1])], 1e9) is None
