@@ -349,6 +349,7 @@ class PrefillSender:
             return False
         if item is not None:
             job.trace.mark("submitted", item.submitted)
+            job.trace.sglang_ctx = item.trace_ctx
             job.aux_index = item.aux_index
             if job.refused is None and not np.array_equal(slots, job.slots):
                 refused = (f"SGLang handed over {len(slots)} KV slots that differ from the "
