@@ -270,22 +270,19 @@ class Request:
     decode_aux: int
 
 
-def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int) -> Request:
-    """Fill random prefill KV, then run one request through the conn classes in the order SGLang's
-    prefill bootstrap queue and decode prealloc queue drive them."""
+def _open_request(sgl: _SGLang, pd: PD, room: int,
+                  seed: int) -> tuple[Request, torch.Generator]:
+    """A request through the conn classes up to the prefill's `send`, in the order SGLang's
+    prefill bootstrap queue and decode prealloc queue drive them: its slots on both sides (slot 0
+    is SGLang's padding slot), SGLang's metadata row on the prefill, the decode's KV indices at
+    the prefill. Returns the request and the generator of its random data."""
     g = torch.Generator().manual_seed(seed)
-    # Slot 0 is SGLang's padding slot.
     prefill_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
     decode_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
-    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
-        for layer in range(LAYERS):
-            x = torch.randn(NUM_TOKENS, HEADS, HEAD_DIM, generator=g) * (layer + 1)
-            buffers[layer][prefill_slots] = x.to(torch.bfloat16)
     prefill_aux, decode_aux = seed % AUX_ROWS, (seed + 1) % AUX_ROWS
     meta = pd.prefill.meta
     meta.output_ids[prefill_aux].copy_(torch.randint(1, 50000, (16,), generator=g))
     meta.bootstrap_room[prefill_aux, 0] = room
-
     sender = sgl.Sender(mgr=pd.prefill.mgr, bootstrap_addr=pd.bootstrap_addr, bootstrap_room=room)
     receiver = sgl.Receiver(mgr=pd.decode.mgr, bootstrap_addr=pd.bootstrap_addr,
                             bootstrap_room=room)
@@ -296,8 +293,24 @@ def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int) -> Request:
     _wait("the prefill to get the decode's KV indices",
           lambda: sender.poll() == sgl.KVPoll.WaitingForInput)
     sender.init(NUM_TOKENS, prefill_aux)
-    sender.send(prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
-    return Request(room, sender, receiver, prefill_slots, decode_slots, prefill_aux, decode_aux)
+    return (Request(room, sender, receiver, prefill_slots, decode_slots, prefill_aux, decode_aux),
+            g)
+
+
+def _forward_layer(pd: PD, req: Request, layer: int, g: torch.Generator) -> None:
+    """What the prefill forward writes of one layer: random K and V in the request's slots."""
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        x = torch.randn(NUM_TOKENS, HEADS, HEAD_DIM, generator=g) * (layer + 1)
+        buffers[layer][req.prefill_slots] = x.to(torch.bfloat16)
+
+
+def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int) -> Request:
+    """A request whose prefill KV is all there when SGLang sends it (after its forward)."""
+    req, g = _open_request(sgl, pd, room, seed)
+    for layer in range(LAYERS):
+        _forward_layer(pd, req, layer, g)
+    req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    return req
 
 
 def _poll_until_done(sgl: _SGLang, party) -> int:
@@ -605,35 +618,15 @@ def test_a_decode_setup_failure_reaches_the_prefill_at_once(sgl, make_pd):
 
 def _start_streamed_request(sgl: _SGLang, pd: PD, room: int, seed: int):
     """`_start_request` as a layer-streamed prefill drives it: the room is handed to the sender
-    with a gate before its "forward" has written any KV; the caller writes the layers, opens the
-    gate and hands the room over (`sender.send`)."""
+    with a gate before its "forward" has written any KV; the caller writes the layers
+    (`_forward_layer`), opens the gate and hands the room over (`sender.send`)."""
     from lynx_sglang.backend.layer_stream import LayerGate
 
-    g = torch.Generator().manual_seed(seed)
-    prefill_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
-    decode_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
-    prefill_aux, decode_aux = seed % AUX_ROWS, (seed + 1) % AUX_ROWS
-    pd.prefill.meta.output_ids[prefill_aux].copy_(torch.randint(1, 50000, (16,), generator=g))
-    pd.prefill.meta.bootstrap_room[prefill_aux, 0] = room
-    sender = sgl.Sender(mgr=pd.prefill.mgr, bootstrap_addr=pd.bootstrap_addr, bootstrap_room=room)
-    receiver = sgl.Receiver(mgr=pd.decode.mgr, bootstrap_addr=pd.bootstrap_addr,
-                            bootstrap_room=room)
-    assert pd.decode.mgr.try_ensure_parallel_info(pd.bootstrap_addr)
-    receiver.init(0)
-    receiver.send_metadata(decode_slots.to(torch.int32).numpy(), decode_aux)
-    _wait("the prefill to get the decode's KV indices",
-          lambda: sender.poll() == sgl.KVPoll.WaitingForInput)
-    sender.init(NUM_TOKENS, prefill_aux)
+    req, g = _open_request(sgl, pd, room, seed)
     gate = LayerGate(LAYERS)
-    assert pd.prefill.mgr.sender.start_early(room, prefill_slots.numpy().astype("int64"), gate)
-    req = Request(room, sender, receiver, prefill_slots, decode_slots, prefill_aux, decode_aux)
+    assert pd.prefill.mgr.sender.start_early(room, req.prefill_slots.numpy().astype("int64"),
+                                             gate)
     return req, gate, g
-
-
-def _forward_layer(pd: PD, req: Request, layer: int, g: torch.Generator) -> None:
-    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
-        x = torch.randn(NUM_TOKENS, HEADS, HEAD_DIM, generator=g) * (layer + 1)
-        buffers[layer][req.prefill_slots] = x.to(torch.bfloat16)
 
 
 def _anchor_layers_landed(pd: PD, room: int) -> int:

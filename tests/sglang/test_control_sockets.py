@@ -42,10 +42,19 @@ def manager(manager_class):
     mgr._zmq_ctx.term()
 
 
-def _peer(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    return pull, f"tcp://127.0.0.1:{port}"
+@pytest.fixture
+def new_peer():
+    """new_peer() -> (PULL socket, its endpoint): a peer process's receiving socket, on a fresh
+    port each time (as a restarted decode's)."""
+    ctx = zmq.Context()
+
+    def make() -> tuple[zmq.Socket, str]:
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        return pull, f"tcp://127.0.0.1:{port}"
+
+    yield make
+    ctx.destroy(linger=0)
 
 
 def _send(mgr, endpoint: str, peer: zmq.Socket) -> None:
@@ -58,57 +67,45 @@ def _fds() -> int:
     return psutil.Process().num_fds()
 
 
-def test_a_departed_peer_socket_is_closed_when_another_peer_is_dialled(manager):
-    ctx = zmq.Context()
-    try:
-        first, first_ep = _peer(ctx)
-        _send(manager, first_ep, first)
-        first.close(linger=0)  # the peer process dies: its connection drops
-        deadline = time.monotonic() + 10
-        while manager._monitor_cache[first_ep].poll(0) == 0:
-            assert time.monotonic() < deadline, "no disconnect event within 10 s"
-            time.sleep(0.05)
-        baseline = _fds()
-        # Restarts on new ports, each time the old peer's socket is left unanswered.
-        for _ in range(5):
-            peer, endpoint = _peer(ctx)
-            _send(manager, endpoint, peer)
-            assert first_ep not in manager._socket_cache
-            peer.close(linger=0)
-            time.sleep(0.3)
-            first_ep = endpoint
-        assert list(manager._socket_cache) in ([first_ep], [])
-        assert _fds() <= baseline + 4  # one peer's socket and monitor, at most
-    finally:
-        ctx.destroy(linger=0)
+def test_a_departed_peer_socket_is_closed_when_another_peer_is_dialled(manager, new_peer):
+    first, first_ep = new_peer()
+    _send(manager, first_ep, first)
+    first.close(linger=0)  # the peer process dies: its connection drops
+    deadline = time.monotonic() + 10
+    while manager._monitor_cache[first_ep].poll(0) == 0:
+        assert time.monotonic() < deadline, "no disconnect event within 10 s"
+        time.sleep(0.05)
+    baseline = _fds()
+    # Restarts on new ports, each time the old peer's socket is left unanswered.
+    for _ in range(5):
+        peer, endpoint = new_peer()
+        _send(manager, endpoint, peer)
+        assert first_ep not in manager._socket_cache
+        peer.close(linger=0)
+        time.sleep(0.3)
+        first_ep = endpoint
+    assert list(manager._socket_cache) in ([first_ep], [])
+    assert _fds() <= baseline + 4  # one peer's socket and monitor, at most
 
 
-def test_a_live_peer_socket_is_kept(manager):
-    ctx = zmq.Context()
-    try:
-        a, a_ep = _peer(ctx)
-        b, b_ep = _peer(ctx)
-        _send(manager, a_ep, a)
-        sock = manager._socket_cache[a_ep]
+def test_a_live_peer_socket_is_kept(manager, new_peer):
+    a, a_ep = new_peer()
+    b, b_ep = new_peer()
+    _send(manager, a_ep, a)
+    sock = manager._socket_cache[a_ep]
+    _send(manager, b_ep, b)
+    _send(manager, a_ep, a)
+    assert manager._socket_cache[a_ep] is sock
+
+
+def test_a_socket_busy_sending_is_left_for_a_later_call(manager, new_peer):
+    a, a_ep = new_peer()
+    b, b_ep = new_peer()
+    _send(manager, a_ep, a)
+    a.close(linger=0)
+    time.sleep(0.5)
+    with manager._socket_send_locks[a_ep]:
         _send(manager, b_ep, b)
-        _send(manager, a_ep, a)
-        assert manager._socket_cache[a_ep] is sock
-    finally:
-        ctx.destroy(linger=0)
-
-
-def test_a_socket_busy_sending_is_left_for_a_later_call(manager):
-    ctx = zmq.Context()
-    try:
-        a, a_ep = _peer(ctx)
-        b, b_ep = _peer(ctx)
-        _send(manager, a_ep, a)
-        a.close(linger=0)
-        time.sleep(0.5)
-        with manager._socket_send_locks[a_ep]:
-            _send(manager, b_ep, b)
-            assert a_ep in manager._socket_cache
-        _send(manager, b_ep, b)
-        assert a_ep not in manager._socket_cache
-    finally:
-        ctx.destroy(linger=0)
+        assert a_ep in manager._socket_cache
+    _send(manager, b_ep, b)
+    assert a_ep not in manager._socket_cache
