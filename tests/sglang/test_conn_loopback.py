@@ -691,19 +691,26 @@ def _free_slots(req: Request, count: int) -> torch.Tensor:
     return torch.tensor([s for s in range(1, POOL_TOKENS + 1) if s not in used][:count])
 
 
+def _forward_then_swap_tail(pd: PD, req: Request, g: torch.Generator, count: int) -> torch.Tensor:
+    """The whole forward, then what SGLang's prefix cache does to its last `count` slots: the
+    slots SGLang hands over, whose last `count` are other slots holding a copy of the same KV."""
+    for layer in range(LAYERS):
+        _forward_layer(pd, req, layer, g)
+    swapped = req.prefill_slots.clone()
+    swapped[-count:] = _free_slots(req, count)
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        for layer in range(LAYERS):
+            buffers[layer][swapped[-count:]] = buffers[layer][req.prefill_slots[-count:]]
+    return swapped
+
+
 def test_slots_the_prefix_cache_swapped_for_the_same_kv_are_taken(sgl, make_pd):
     """After the forward SGLang's prefix cache may replace slots the forward wrote by cached ones
     holding the same tokens (and free the forward's). With the same bits in every layer the
     room goes on from the cached slots and ends bit-exact."""
     pd = make_pd(_cfg(target="exact"))
     req, gate, g = _start_streamed_request(sgl, pd, room=1103, seed=23)
-    for layer in range(LAYERS):
-        _forward_layer(pd, req, layer, g)
-    swapped = req.prefill_slots.clone()
-    swapped[-3:] = _free_slots(req, 3)
-    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
-        for layer in range(LAYERS):
-            buffers[layer][swapped[-3:]] = buffers[layer][req.prefill_slots[-3:]]
+    swapped = _forward_then_swap_tail(pd, req, g, 3)
     gate.finish()
     req.sender.send(swapped.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
     # SGLang frees the forward's own slots, which the next forward may write.
@@ -724,13 +731,7 @@ def test_slots_swapped_for_different_kv_are_refused(sgl, make_pd):
     matches the KV SGLang keeps, so the room fails, saying why, instead of mixing the two."""
     pd = make_pd(_cfg(target="exact"))
     req, gate, g = _start_streamed_request(sgl, pd, room=1105, seed=25)
-    for layer in range(LAYERS):
-        _forward_layer(pd, req, layer, g)
-    swapped = req.prefill_slots.clone()
-    swapped[-1:] = _free_slots(req, 1)
-    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
-        for layer in range(LAYERS):
-            buffers[layer][swapped[-1:]] = buffers[layer][req.prefill_slots[-1:]]
+    swapped = _forward_then_swap_tail(pd, req, g, 1)
     pd.prefill.pool.v_buffer[LAYERS - 1][swapped[-1:]] += 1.0
     gate.finish()
     req.sender.send(swapped.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
