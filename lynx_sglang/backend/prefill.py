@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lynx_kernels import CodecSpec, Target, WireStream
+from lynx_kernels import CodecSpec, StreamKind, Target, WireStream
 from lynx_transport import (
     Endpoint,
     Region,
@@ -135,6 +135,54 @@ class _Job:
     # Held by the worker while it reads pool rows of `slots`, and by `_reconcile_streamed` while
     # it replaces slots SGLang's prefix cache swapped after the forward.
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set by `_reconcile_streamed` when the swapped-in slots hold other bits: the forward's own.
+    kept: _KeptRows | None = None
+
+    def rows_of(self, pool: KVPoolView, layer: int):
+        """What `encode_layer_into` reads this layer from (under `lock`): the pool and the room's
+        slots there, or, with `kept` rows, a gathered copy of the layer and its row numbers."""
+        if self.kept is None:
+            return pool, torch.as_tensor(self.slots, device=pool.device)
+        return self.kept.layer_view(pool, layer, self.slots), self.kept.order
+
+
+@dataclass
+class _KeptRows:
+    """Copies of the KV a layer-streamed forward wrote at the positions of its room whose slots
+    SGLang's prefix cache swapped for cached slots holding other bits (two requests computed the
+    same tokens in different batches). Made on the scheduler thread before the forward's slots
+    can be written again, so the whole room is sent as its forward computed it: the KV its first
+    token came from, and the Anchor layers already sent. Owned by the job, freed with it; at most
+    the room's own KV at those positions."""
+
+    positions: torch.Tensor  # into the room's slots
+    k: list[torch.Tensor]  # per layer: [len(positions), kv_heads, head_dim]
+    v: list[torch.Tensor]
+    order: torch.Tensor  # 0..len(slots)-1: the rows of a `layer_view`, in slot order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def layer_view(self, pool: KVPoolView, layer: int, slots: np.ndarray) -> _LayerRows:
+        index = torch.as_tensor(slots, device=pool.device)
+        k, v = (pool.read(layer, kind, index) for kind in KINDS)
+        k[self.positions] = self.k[layer]
+        v[self.positions] = self.v[layer]
+        return _LayerRows(layer, k, v)
+
+
+@dataclass
+class _LayerRows:
+    """One layer of one room in slot order (`KVPoolView.layer`'s interface, that layer only)."""
+
+    index: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def layer(self, layer: int, kind: StreamKind) -> torch.Tensor:
+        assert layer == self.index, (layer, self.index)
+        return self.k if kind is StreamKind.K else self.v
 
 
 class _DestinationWorker:
@@ -249,9 +297,10 @@ class PrefillSender:
         """A layer-streamed room's last chunk, on the scheduler thread, before any slot SGLang
         freed since the forward can be written again. SGLang's prefix cache may have replaced
         slots the forward wrote by cached ones holding the same tokens (seen: a fully cached
-        prompt whose last token is computed again) and freed the forward's. The room goes on
-        with the cached slots if they hold the same bits in every layer (the Anchor already sent
-        stays right); otherwise it is refused."""
+        prompt whose last token is computed again; two requests computing the same tokens at
+        once) and freed the forward's. The room goes on with the cached slots; where they hold
+        other bits in any layer, the forward's rows there are copied first (`_KeptRows`), so the
+        room is sent as its forward computed it and the Anchor already sent stays right."""
         with self._early_lock:
             job = self._early.get(room)
         if job is None or len(tail) > len(job.slots):
@@ -264,21 +313,27 @@ class PrefillSender:
         pool = self._pool()
         was = torch.as_tensor(old[differ], device=pool.device)
         now = torch.as_tensor(tail[differ], device=pool.device)
+        layers = range(pool.shape.num_layers)
         with job.lock:
-            for layer in range(pool.shape.num_layers):
-                for kind in KINDS:
-                    rows = pool.layer(layer, kind)
-                    if not torch.equal(rows[was], rows[now]):
-                        job.refused = (
-                            f"SGLang's prefix cache replaced {len(differ)} of the KV slots the "
-                            f"forward wrote by cached ones whose KV differs (layer {layer} "
-                            f"{kind.value.upper()}); the streamed Anchor no longer matches")
-                        return
+            same = all(torch.equal(pool.read(layer, kind, was), pool.read(layer, kind, now))
+                       for layer in layers for kind in KINDS)
+            if not same:
+                job.kept = _KeptRows(
+                    torch.as_tensor(start + differ, device=pool.device),
+                    [pool.read(layer, StreamKind.K, was) for layer in layers],
+                    [pool.read(layer, StreamKind.V, was) for layer in layers],
+                    torch.arange(len(job.slots), device=pool.device))
             slots = job.slots.copy()
             slots[start:] = tail
             job.slots = slots
-        logger.debug("lynx: room %s: %d slots replaced by the prefix cache's (same KV)", room,
-                     len(differ))
+        if same:
+            logger.debug("lynx: room %s: %d slots replaced by the prefix cache's (same KV)",
+                         room, len(differ))
+        else:
+            logger.info("lynx: room %s: SGLang's prefix cache replaced %d of the slots its "
+                        "forward wrote by cached ones holding other bits; sending the "
+                        "forward's own KV there (%.1f MiB kept)", room, len(differ),
+                        job.kept.nbytes / 2**20)
 
     def take_sent_bytes(self, room: int) -> int | None:
         """The Anchor + Residual bytes sent for `room` (every destination), once; None if the
@@ -491,16 +546,13 @@ class PrefillSender:
         tr.facts.update(one_pass=one_pass, residual_streamed=stream_residual)
         residual_at = 0  # stream offset of the next streamed Residual layer
 
-        on_device: list = [None, None]  # job.slots as last seen, and as a tensor on the pool's
-
         def encode(layer: int, anchor_out, residual_out) -> tuple[int, int]:
             # Under the job's lock: the slots may be swapped for the prefix cache's between
             # layers (`_reconcile_streamed`), never during one.
             with job.lock:
-                if on_device[0] is not job.slots:
-                    on_device[:] = [job.slots, torch.as_tensor(job.slots, device=pool.device)]
-                return encode_layer_into(pool, layer, on_device[1], self.spec, chunk_tokens,
-                                         room, anchor_out, residual_out, self._encoder)
+                rows, index = job.rows_of(pool, layer)
+                return encode_layer_into(rows, layer, index, self.spec, chunk_tokens, room,
+                                         anchor_out, residual_out, self._encoder)
 
         tr.mark("encode_start")
         for layer in range(plan.num_layers):

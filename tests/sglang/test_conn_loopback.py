@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -691,10 +692,12 @@ def _free_slots(req: Request, count: int) -> torch.Tensor:
     return torch.tensor([s for s in range(1, POOL_TOKENS + 1) if s not in used][:count])
 
 
-def _forward_then_swap_tail(pd: PD, req: Request, g: torch.Generator, count: int) -> torch.Tensor:
-    """The whole forward, then what SGLang's prefix cache does to its last `count` slots: the
-    slots SGLang hands over, whose last `count` are other slots holding a copy of the same KV."""
-    for layer in range(LAYERS):
+def _forward_then_swap_tail(pd: PD, req: Request, g: torch.Generator, count: int,
+                            first_layer: int = 0) -> torch.Tensor:
+    """The forward (its layers from `first_layer` on), then what SGLang's prefix cache does to its
+    last `count` slots: the slots SGLang hands over, whose last `count` are other slots holding a
+    copy of the same KV."""
+    for layer in range(first_layer, LAYERS):
         _forward_layer(pd, req, layer, g)
     swapped = req.prefill_slots.clone()
     swapped[-count:] = _free_slots(req, count)
@@ -726,20 +729,53 @@ def test_slots_the_prefix_cache_swapped_for_the_same_kv_are_taken(sgl, make_pd):
                                getattr(pd.prefill.pool, kind)[layer][swapped])
 
 
-def test_slots_swapped_for_different_kv_are_refused(sgl, make_pd):
-    """The same swap with other bits in the cached slots: the Anchor already sent no longer
-    matches the KV SGLang keeps, so the room fails, saying why, instead of mixing the two."""
-    pd = make_pd(_cfg(target="exact"))
+@pytest.mark.parametrize("target", ["exact", "int8"])
+def test_slots_swapped_for_different_kv_are_sent_as_the_forward_wrote_them(sgl, make_pd, target,
+                                                                             caplog):
+    """The same swap with other bits in the cached slots (two requests computed the same tokens
+    in different batches): the room is sent from copies of the forward's own rows, made before
+    SGLang can write the freed slots again, so every layer at the decode is what the forward
+    computed (the KV its first token came from, and the Anchor layers already sent)."""
+    pd = make_pd(_cfg(target=target))
     req, gate, g = _start_streamed_request(sgl, pd, room=1105, seed=25)
-    swapped = _forward_then_swap_tail(pd, req, g, 1)
-    pd.prefill.pool.v_buffer[LAYERS - 1][swapped[-1:]] += 1.0
+    # The first layer goes out before the swap, the others after it.
+    _forward_layer(pd, req, 0, g)
+    gate.written(0)
+    _wait("layer 0's Anchor at the decode", lambda: _anchor_layers_landed(pd, req.room) == 1)
+    swapped = _forward_then_swap_tail(pd, req, g, 2, first_layer=1)
+    forward = {kind: [getattr(pd.prefill.pool, kind)[layer][req.prefill_slots].clone()
+                      for layer in range(LAYERS)] for kind in ("k_buffer", "v_buffer")}
+    for layer in (0, LAYERS - 1):
+        pd.prefill.pool.v_buffer[layer][swapped[-1:]] += 1.0
+    # Handed over while the sender still waits on layer 1 (a worker behind the forward).
+    with caplog.at_level(logging.INFO, logger="lynx_sglang"):
+        req.sender.send(swapped.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    assert "replaced 2 of the slots its forward wrote by cached ones holding other bits" \
+        in caplog.text
+    # SGLang frees the forward's own slots, and the next forward writes them.
+    for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
+        for layer in range(LAYERS):
+            buffers[layer][req.prefill_slots[-2:]] = 7.0
     gate.finish()
-    req.sender.send(swapped.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
-    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
-    msg = _failure_message(sgl, req.sender)
-    assert "prefix cache replaced 1 of the KV slots" in msg and f"layer {LAYERS - 1} V" in msg
-    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    for kind in ("k_buffer", "v_buffer"):
+        for layer in range(LAYERS):
+            landed = getattr(pd.decode.pool, kind)[layer][req.decode_slots]
+            if target == "exact":
+                assert torch.equal(landed, forward[kind][layer])
+            else:
+                assert not torch.equal(landed[-2:], torch.full_like(landed[-2:], 7.0))
+    if target == "int8":
+        # int8 lands the INT8 reconstruction: it is the forward's, not the cached rows'.
+        cached = pd.prefill.pool.v_buffer[LAYERS - 1][swapped[-1:]]
+        landed = pd.decode.pool.v_buffer[LAYERS - 1][req.decode_slots[-1:]]
+        want = forward["v_buffer"][LAYERS - 1][-1:]
+        assert (landed.float() - want.float()).abs().max() < \
+            (landed.float() - cached.float()).abs().max()
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
 def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd):
