@@ -50,6 +50,22 @@ def _skip_reason() -> str | None:
 
 
 @pytest.fixture(scope="module")
+def sglang_in_process():
+    """SGLang importable in this test process as `lynx_sglang.serve` sets it up (its CPU engine and
+    import fallbacks where there is no CUDA device), for the module's tests; skips without
+    SGLang."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (scripts/install.sh installs it)")
+    from lynx_sglang import cpu_compat
+
+    with pytest.MonkeyPatch.context() as mp:
+        if not cpu_compat.cuda_device_present():
+            mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")
+        cpu_compat.activate()
+        yield
+
+
+@pytest.fixture(scope="module")
 def sglang_model() -> str:
     reason = _skip_reason()
     if reason:

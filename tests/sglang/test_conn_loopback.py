@@ -30,7 +30,6 @@ time, the Residual's outcome reported through `residual_outcome`).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -97,16 +96,8 @@ class _SGLang:
 
 
 @pytest.fixture(scope="module")
-def sgl():
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("SGLang is not installed (scripts/install.sh installs it)")
-    with pytest.MonkeyPatch.context() as mp, contextlib.ExitStack() as stack:
-        from lynx_sglang import cpu_compat
-
-        if not cpu_compat.cuda_device_present():
-            # As lynx_sglang.serve does: SGLang's CPU engine, with the import fallbacks.
-            mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")
-        cpu_compat.activate()
+def sgl(sglang_in_process):
+    with contextlib.ExitStack() as stack:
         from lynx_sglang import plugin
 
         # Before importing get_kv_class: the hook patches module attributes, not this frame's.

@@ -5,7 +5,6 @@ built without its SGLang start-up (only the socket cache is exercised)."""
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 
@@ -15,18 +14,10 @@ import zmq
 
 
 @pytest.fixture(scope="module")
-def manager_class():
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("SGLang is not installed (scripts/install.sh installs it)")
-    with pytest.MonkeyPatch.context() as mp:
-        from lynx_sglang import cpu_compat
+def manager_class(sglang_in_process):
+    from lynx_sglang.backend.manager import LynxKVManager
 
-        if not cpu_compat.cuda_device_present():
-            mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")  # as lynx_sglang.serve does
-        cpu_compat.activate()
-        from lynx_sglang.backend.manager import LynxKVManager
-
-        yield LynxKVManager
+    return LynxKVManager
 
 
 @pytest.fixture

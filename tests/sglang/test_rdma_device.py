@@ -15,16 +15,10 @@ if importlib.util.find_spec("sglang") is None:
 
 
 @pytest.fixture(scope="module")
-def rdma_device():
-    from lynx_sglang import cpu_compat
+def rdma_device(sglang_in_process):
+    from lynx_sglang.backend.manager import rdma_device
 
-    with pytest.MonkeyPatch.context() as mp:
-        if not cpu_compat.cuda_device_present():  # as lynx_sglang.serve does on a CPU box
-            mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")
-        cpu_compat.activate()
-        from lynx_sglang.backend.manager import rdma_device
-
-        yield rdma_device
+    return rdma_device
 
 
 def test_lynx_flag_wins_and_nothing_given_means_the_first_device(rdma_device):

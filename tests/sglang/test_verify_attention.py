@@ -4,8 +4,6 @@ without its O((P+n)^2) padded causal pass, and SGLang's code untouched outside a
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -13,18 +11,10 @@ from lynx_sglang.speculation import verify
 
 
 @pytest.fixture(scope="module")
-def native_extend():
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("SGLang is not installed (scripts/install.sh installs it)")
-    with pytest.MonkeyPatch.context() as mp:
-        from lynx_sglang import cpu_compat
+def native_extend(sglang_in_process):
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-        if not cpu_compat.cuda_device_present():
-            mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")
-        cpu_compat.activate()
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-        return TorchNativeAttnBackend._run_sdpa_forward_extend
+    return TorchNativeAttnBackend._run_sdpa_forward_extend
 
 
 def _batch(prefixes: list[int], extends: list[int], heads=9, kv_heads=3, dim=64, seed=0):
