@@ -390,15 +390,25 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
                                     records["timeline"]["marks"]["prefill_done"], transfer,
                                     breakdown(records, rid, g.t_first_token, rate)))
     if is_lynx:
-        stream_bytes = client[-1].stream_bytes
-        if any(r.stream_bytes != stream_bytes for r in client):
-            raise BenchError(f"{variant.name}: bytes per stream differ between same-length "
-                             f"requests: {[r.stream_bytes for r in client]}")
+        stream_bytes = lynx_stream_bytes(variant.name, [r.stream_bytes for r in client])
     else:
         stream_bytes = {"kv": kv_shape.bytes_for(cfg.prompt_tokens)}
     progress.finish_variant()
     return VariantResult(variant, bench + client, stream_bytes, is_lynx,
                          _same_text(bench, client), str(run_dir), attempt, server_config)
+
+
+def lynx_stream_bytes(name: str, per_request: list[dict[str, int]]) -> dict[str, int]:
+    """One variant's bytes per stream from its same-length requests: the Anchor's size is fixed by
+    the prompt length, so requests that differ there mean a bug or mixed settings; an exact
+    Residual is as long as each prompt's KV needs (an int8 one is fixed), reported as the
+    median."""
+    anchors = {b["anchor"] for b in per_request}
+    if len(anchors) != 1:
+        raise BenchError(f"{name}: Anchor bytes differ between same-length requests: "
+                         f"{sorted(anchors)}")
+    return {"anchor": anchors.pop(),
+            "residual": round(statistics.median(b["residual"] for b in per_request))}
 
 
 def external_variant(label: str, url: str) -> Variant:

@@ -38,6 +38,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "or of an already running cluster (--url)",
     ),
     Subcommand(
+        "bench-verify",
+        "lynx_sglang.tools.bench_verify",
+        "cost of one verification forward in decode steps of the same request, per speculation "
+        "depth, through a real PD cluster",
+    ),
+    Subcommand(
         "bench-transfer",
         "lynx_sglang.tools.bench_transfer",
         "time-to-Anchor/Residual vs BF16/INT8/INT4 single-stream KV transfers on a shaped link",

@@ -19,6 +19,7 @@ from lynx_sglang.tools.bench_ttft import (
     bench_serving_command,
     client_timing,
     format_table,
+    lynx_stream_bytes,
     medians,
     parse_bench_serving,
     plot,
@@ -179,3 +180,10 @@ def test_random_ids_prompts():
     assert all(b == (a + 1) % 1000 for p in prompts for a, b in itertools.pairwise(p))
     assert random_ids_prompts(1000, 50, 4, 3, seed=42) == prompts
     assert random_ids_prompts(1000, 50, 4, 3, seed=43) != prompts
+
+
+def test_stream_bytes_take_the_median_residual_and_refuse_differing_anchors():
+    exact = [{"anchor": 100, "residual": r} for r in (150, 151, 149, 170)]
+    assert lynx_stream_bytes("lynx", exact) == {"anchor": 100, "residual": 150}
+    with pytest.raises(BenchError, match="Anchor bytes differ"):
+        lynx_stream_bytes("lynx", [{"anchor": 100, "residual": 1}, {"anchor": 101, "residual": 1}])
