@@ -507,10 +507,12 @@ def plot(results: list[VariantResult], cfg: BenchConfig, path: Path, title: str)
     import matplotlib.pyplot as plt
 
     # The network-exposed TTFT gets its own panel: it is far smaller than the end-to-end times.
-    panels = [[f"{LYNX_CLIENT}.net_ttft_s"],
-              [f"{BENCH_SERVING}.ttft_s", f"{LYNX_CLIENT}.ttft_s",
-               *[f"{c}.t{k}_s" for k in cfg.token_marks for c in CLIENTS]]]
     values = [metric_values(r.requests, cfg.token_marks) for r in results]
+    # A client that sent nothing (`--no-bench-serving`) gets no empty groups.
+    panels = [[f"{LYNX_CLIENT}.net_ttft_s"],
+              [k for k in (f"{BENCH_SERVING}.ttft_s", f"{LYNX_CLIENT}.ttft_s",
+                           *[f"{c}.t{m}_s" for m in cfg.token_marks for c in CLIENTS])
+               if any(vals.get(k) for vals in values)]]
     fig, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(panels[1]), 4.5),
                              gridspec_kw={"width_ratios": [1.6, 1.6 * len(panels[1])]})
     width = 0.8 / len(results)
