@@ -137,13 +137,18 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Set by `_reconcile_streamed` when the swapped-in slots hold other bits: the forward's own.
     kept: _KeptRows | None = None
+    # `slots` as last seen by `rows_of`, and as a tensor on the pool's device (one copy per
+    # room, not per layer, on a CUDA pool).
+    _on_device: tuple = (None, None)
 
     def rows_of(self, pool: KVPoolView, layer: int):
         """What `encode_layer_into` reads this layer from (under `lock`): the pool and the room's
         slots there, or, with `kept` rows, a gathered copy of the layer and its row numbers."""
+        if self._on_device[0] is not self.slots:
+            self._on_device = (self.slots, torch.as_tensor(self.slots, device=pool.device))
         if self.kept is None:
-            return pool, torch.as_tensor(self.slots, device=pool.device)
-        return self.kept.layer_view(pool, layer, self.slots), self.kept.order
+            return pool, self._on_device[1]
+        return self.kept.layer_view(pool, layer, self._on_device[1]), self.kept.order
 
 
 @dataclass
@@ -164,9 +169,8 @@ class _KeptRows:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def layer_view(self, pool: KVPoolView, layer: int, slots: np.ndarray) -> _LayerRows:
-        index = torch.as_tensor(slots, device=pool.device)
-        k, v = (pool.read(layer, kind, index) for kind in KINDS)
+    def layer_view(self, pool: KVPoolView, layer: int, slots: torch.Tensor) -> _LayerRows:
+        k, v = (pool.read(layer, kind, slots) for kind in KINDS)
         k[self.positions] = self.k[layer]
         v[self.positions] = self.v[layer]
         return _LayerRows(layer, k, v)
