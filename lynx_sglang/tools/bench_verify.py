@@ -32,9 +32,7 @@ from .client import generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .measure import add_kv_dtype_argument, kv_dtype_server_args, spec_lines, wait_for
 from .progress import Progress
-from .prompts import passkey_prompt
-
-WARMUP_PROMPT = "The capital of France is"
+from .prompts import WARMUP_PROMPT, passkey_prompt
 
 
 class BenchVerifyError(LynxError):

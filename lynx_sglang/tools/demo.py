@@ -40,7 +40,7 @@ from .measure import (
 )
 from .netns import netns_available
 from .progress import Progress
-from .prompts import passkey_prompt
+from .prompts import WARMUP_PROMPT, passkey_prompt
 from .trace_report import Breakdown, breakdown, format_breakdown, parse_rate, records_by_request
 from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, VariantError
 from .variants import select_variants as _select
@@ -49,7 +49,6 @@ DEFAULT_VARIANTS = ("mooncake", "lynx-nospec", "lynx", "int4-anchor")
 # (numerator, denominator) of the network-exposed TTFT ratios, shown when both ran.
 RATIO_PAIRS = (("mooncake", "lynx"), ("lynx-nospec", "lynx"), ("lynx", "int4-anchor"))
 TOKEN_MARKS = (16, 64)
-WARMUP_PROMPT = "The capital of France is"
 
 
 class DemoError(LynxError):

@@ -1,11 +1,15 @@
 """The prompts the demo and the TTFT benchmark send: a deterministic passkey document of an exact
 token length (`passkey_prompt`), and the token-id prompts `sglang.bench_serving` draws itself
-(`random_ids_prompts`), so both clients of a benchmark send the same ids.
+(`random_ids_prompts`), so both clients of a benchmark send the same ids; and the warm-up request
+of the demo and bench-verify (`WARMUP_PROMPT`).
 """
 
 from __future__ import annotations
 
 from ..errors import LynxError
+
+# A short request that warms a fresh cluster up (and opens Lynx's transport session).
+WARMUP_PROMPT = "The capital of France is"
 
 
 class PromptError(LynxError):
