@@ -164,8 +164,11 @@ def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
 
 
 def metric_values(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, list[float]]:
-    """`<client>.<metric>` -> the requests' values (None left out): ttft_s, net_ttft_s (lynx
-    client only) and t<k>_s for each token mark k."""
+    """`<client>.<metric>` -> the requests' values (None left out): ttft_s, t<k>_s for each
+    token mark k, and for the lynx client (which knows when the prefill's forward ended)
+    net_ttft_s, t<k>_from_done_s (token k counted from prefill done: what the issue's goals
+    compare, without the prefill's own time) and tpot_s (time per output token between the
+    first and the last mark: the decode's pace once the first tokens are out)."""
     out: dict[str, list[float]] = {}
 
     def add(key: str, value: float | None) -> None:
@@ -178,11 +181,43 @@ def metric_values(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict
             add(f"{r.client}.net_ttft_s", r.network_ttft_s)
         for k in marks:
             add(f"{r.client}.t{k}_s", r.token_s.get(k))
+        if r.client != LYNX_CLIENT:
+            continue
+        if r.prefill_done_s is not None:
+            for k in marks:
+                t = r.token_s.get(k)
+                add(f"{r.client}.t{k}_from_done_s", None if t is None else t - r.prefill_done_s)
+        first, last = min(marks, default=0), max(marks, default=0)
+        t_first, t_last = r.token_s.get(first), r.token_s.get(last)
+        if last > first and t_first is not None and t_last is not None:
+            add(f"{r.client}.tpot_s", (t_last - t_first) / (last - first))
     return out
 
 
 def medians(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, float]:
     return {k: round(statistics.median(v), 6) for k, v in metric_values(requests, marks).items()}
+
+
+def spreads(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, list[float]]:
+    """`<client>.<metric>` -> [min, max] over the requests (the medians' spread)."""
+    return {k: [round(min(v), 6), round(max(v), 6)]
+            for k, v in metric_values(requests, marks).items()}
+
+
+def same_text_as_baseline(results: list[VariantResult], baseline: str) -> dict[str, bool | None]:
+    """Per variant: whether the lynx client got the baseline's text for every prompt (same
+    prompts, greedy; a bit-exact variant must). None where either side has no requests."""
+    def texts(r: VariantResult) -> list[str]:
+        return [q.text for q in sorted(r.requests, key=lambda q: q.index)
+                if q.client == LYNX_CLIENT]
+
+    base = next((texts(r) for r in results if r.variant.name == baseline), [])
+    out: dict[str, bool | None] = {}
+    for r in results:
+        if r.variant.name != baseline:
+            mine = texts(r)
+            out[r.variant.name] = mine == base if mine and base else None
+    return out
 
 
 def ratios(medians_by_variant: dict[str, dict[str, float]], baseline: str) -> dict[str, dict]:
@@ -462,12 +497,24 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
     cols = [(f"{BENCH_SERVING}.ttft_s", "TTFT (bench_serving)"),
             (f"{LYNX_CLIENT}.ttft_s", "TTFT (client)"),
             (f"{LYNX_CLIENT}.net_ttft_s", "net TTFT (client)"),
-            *[(f"{tokens_from}.t{k}_s", f"token {k} ({tokens_from})") for k in marks]]
+            *[(f"{tokens_from}.t{k}_s", f"token {k} ({tokens_from})") for k in marks],
+            *[(f"{LYNX_CLIENT}.t{k}_from_done_s", f"token {k} from prefill done") for k in marks],
+            (f"{LYNX_CLIENT}.tpot_s", f"per token, {marks[0]}th to {marks[-1]}th"
+             if len(marks) > 1 else "per token")]
+    # The client's own measures get their spread: the goals compare them, and one shared box
+    # varies a lot from request to request.
+    spread_of = {f"{LYNX_CLIENT}.net_ttft_s", f"{LYNX_CLIENT}.tpot_s",
+                 *[f"{LYNX_CLIENT}.t{k}_from_done_s" for k in marks]}
+    ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
+    # A measure no variant has (bench_serving not run, no prefill line) gets no column.
+    cols = [c for c in cols if any(c[0] in medians(r.requests, marks) for r in results)]
     head = ("variant", *[c[1] for c in cols], "bytes per stream")
     rows = []
     for r in results:
-        med = medians(r.requests, marks)
-        cells = [f"{med[k] * 1e3:.0f} ms" if k in med else "-" for k, _ in cols]
+        med, spread = medians(r.requests, marks), spreads(r.requests, marks)
+        cells = [("-" if k not in med else f"{ms(med[k])} ms" if k not in spread_of
+                  or len(r.requests) < 2 else
+                  f"{ms(med[k])} ms ({ms(spread[k][0])}-{ms(spread[k][1])})") for k, _ in cols]
         b = r.stream_bytes
         if not b:
             nbytes = "unavailable"
@@ -484,14 +531,22 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
              fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
     for pair, vals in ratio_table.items():
         shown = ", ".join(f"{k} {v:.2f}" for k, v in vals.items()
-                          if k.endswith(("ttft_s", f"t{marks[-1]}_s")))
+                          if k.endswith(("ttft_s", f"t{marks[-1]}_s",
+                                         f"t{marks[-1]}_from_done_s")))
         lines.append(f"{pair} (> 1: faster than {cfg.baseline}): {shown}")
     if cfg.use_bench_serving:
         same = {r.variant.name: r.same_text_both_clients for r in results}
         lines.append(f"same output text from both clients (same prompts): {same}")
+    same = same_text_as_baseline(results, cfg.baseline)
+    if same:
+        exact = {r.variant.name: r.variant.exact for r in results}
+        lines.append(f"same output text as {cfg.baseline}, prompt by prompt: " + ", ".join(
+            f"{name} {ok}" + ("" if exact[name] else " (lossy variant)")
+            for name, ok in same.items()))
     lines.append("TTFT: send -> first token at that client; net TTFT: prefill forward done (prefill "
                  "log) -> first token at lynx_sglang.tools.client (bench_serving keeps no wall-clock "
-                 "send time); token k: send -> k-th streamed token.")
+                 "send time); token k: send -> k-th streamed token; from prefill done: the same "
+                 "minus the prefill's forward; (min-max) over the requests.")
     for r in results:
         if r.unavailable:
             lines.append(f"{r.variant.name}: unavailable for an already running cluster "
@@ -511,7 +566,8 @@ def plot(results: list[VariantResult], cfg: BenchConfig, path: Path, title: str)
     # A client that sent nothing (`--no-bench-serving`) gets no empty groups.
     panels = [[f"{LYNX_CLIENT}.net_ttft_s"],
               [k for k in (f"{BENCH_SERVING}.ttft_s", f"{LYNX_CLIENT}.ttft_s",
-                           *[f"{c}.t{m}_s" for m in cfg.token_marks for c in CLIENTS])
+                           *[f"{c}.t{m}_s" for m in cfg.token_marks for c in CLIENTS],
+                           *[f"{LYNX_CLIENT}.t{m}_from_done_s" for m in cfg.token_marks])
                if any(vals.get(k) for vals in values)]]
     fig, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(panels[1]), 4.5),
                              gridspec_kw={"width_ratios": [1.6, 1.6 * len(panels[1])]})
@@ -544,6 +600,9 @@ def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
             "warmup_attempts": r.warmup_attempts, "server_config": r.server_config,
             "unavailable": list(r.unavailable),
             "medians": medians(r.requests, cfg.token_marks),
+            "spreads": spreads(r.requests, cfg.token_marks),
+            "same_text_as_baseline": same_text_as_baseline(results, cfg.baseline).get(
+                r.variant.name),
             "requests": {c: [asdict(q) for q in r.requests if q.client == c] for c in CLIENTS},
         } for r in results},
         "ratios": ratio_table,

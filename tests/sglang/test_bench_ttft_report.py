@@ -25,6 +25,8 @@ from lynx_sglang.tools.bench_ttft import (
     plot,
     ratios,
     result_json,
+    same_text_as_baseline,
+    spreads,
     token_times_from_itl,
 )
 from lynx_sglang.tools.client import StreamedGeneration
@@ -117,6 +119,40 @@ def test_medians_and_ratios():
     assert r["mooncake/lynx"][f"{LYNX_CLIENT}.net_ttft_s"] == 4.0
     assert f"{LYNX_CLIENT}.t4_s" not in r["mooncake/lynx"]
     assert ratios({"lynx": med_fast}, "mooncake") == {}  # baseline not measured (yet)
+
+
+def test_token_times_from_prefill_done_and_time_per_token():
+    def lynx(i, done, t2, t4, text="x"):
+        return RequestTiming(LYNX_CLIENT, i, 300, 4, t2 - 0.1, {2: t2, 4: t4},
+                             prefill_done_s=done, network_ttft_s=0.01, text=text)
+
+    reqs = [lynx(0, 0.5, 1.1, 1.3), lynx(1, 1.0, 2.0, 2.6), lynx(2, None, 3.0, None),
+            _timing(BENCH_SERVING, 1.0, t4=1.4)]
+    med, spread = medians(reqs, MARKS), spreads(reqs, MARKS)
+    # token 2 after prefill done: 0.6 and 1.0 (the request without a prefill line left out)
+    assert med[f"{LYNX_CLIENT}.t2_from_done_s"] == pytest.approx(0.8)
+    assert spread[f"{LYNX_CLIENT}.t2_from_done_s"] == pytest.approx([0.6, 1.0])
+    assert spread[f"{LYNX_CLIENT}.t4_from_done_s"] == pytest.approx([0.8, 1.6])
+    # per token between the 2nd and the 4th: 0.1 and 0.3; none without the 4th token
+    assert spread[f"{LYNX_CLIENT}.tpot_s"] == pytest.approx([0.1, 0.3])
+    assert not any(k.startswith(BENCH_SERVING) and ("from_done" in k or "tpot" in k)
+                   for k in med)
+
+
+def test_outputs_compared_with_the_baseline_prompt_by_prompt():
+    moon, lynx, int4 = select_variants("mooncake,lynx,int4-anchor")
+
+    def result(variant, texts):
+        return VariantResult(variant, [
+            RequestTiming(LYNX_CLIENT, i, 300, 4, 1.0, {}, text=t) for i, t in enumerate(texts)
+        ], {}, False, None, "/tmp/x")
+
+    results = [result(moon, ["a", "b"]), result(lynx, ["a", "b"]), result(int4, ["a", "c"])]
+    assert same_text_as_baseline(results, "mooncake") == {"lynx": True, "int4-anchor": False}
+    assert same_text_as_baseline(results[1:], "mooncake") == {"lynx": None, "int4-anchor": None}
+    table = format_table(results, _cfg(), "1gbit link", {})
+    assert ("same output text as mooncake, prompt by prompt: lynx True, int4-anchor False "
+            "(lossy variant)") in table
 
 
 def _cfg() -> BenchConfig:
