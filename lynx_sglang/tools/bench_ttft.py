@@ -26,8 +26,9 @@ the servers' trace files (net TTFT, Lynx's stream times, the stage breakdown) is
 unavailable; bytes per stream come from Lynx's counters on `--metrics-url`'s /metrics when it has
 them.
 
-Writes `<out>/bench_ttft.json` (config, per-variant per-request numbers of both clients, medians,
-baseline ÷ variant ratios of the medians), `<out>/bench_ttft.png` (bar plot of the medians) and the
+Writes `<out>/bench_ttft.json` (config, per-variant per-request numbers of both clients, medians
+and [min, max] spreads, whether the outputs equal the baseline's prompt by prompt, baseline ÷
+variant ratios of the medians), `<out>/bench_ttft.png` (bar plot of the medians) and the
 servers' and bench_serving's logs under `<out>/bench_ttft_runs/<variant>/`. Progress (variant i/N,
 start-up waits, request j/M, an ETA) goes to stderr (`tools.progress`).
 """
