@@ -500,19 +500,19 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
             (f"{LYNX_CLIENT}.net_ttft_s", "net TTFT (client)"),
             *[(f"{tokens_from}.t{k}_s", f"token {k} ({tokens_from})") for k in marks],
             *[(f"{LYNX_CLIENT}.t{k}_from_done_s", f"token {k} from prefill done") for k in marks],
-            (f"{LYNX_CLIENT}.tpot_s", f"per token, {marks[0]}th to {marks[-1]}th"
-             if len(marks) > 1 else "per token")]
+            (f"{LYNX_CLIENT}.tpot_s", f"per token, tokens {min(marks, default=0)}-"
+                                      f"{max(marks, default=0)}")]
     # The client's own measures get their spread: the goals compare them, and one shared box
     # varies a lot from request to request.
     spread_of = {f"{LYNX_CLIENT}.net_ttft_s", f"{LYNX_CLIENT}.tpot_s",
                  *[f"{LYNX_CLIENT}.t{k}_from_done_s" for k in marks]}
     ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
+    stats = [(medians(r.requests, marks), spreads(r.requests, marks)) for r in results]
     # A measure no variant has (bench_serving not run, no prefill line) gets no column.
-    cols = [c for c in cols if any(c[0] in medians(r.requests, marks) for r in results)]
+    cols = [c for c in cols if any(c[0] in med for med, _ in stats)]
     head = ("variant", *[c[1] for c in cols], "bytes per stream")
     rows = []
-    for r in results:
-        med, spread = medians(r.requests, marks), spreads(r.requests, marks)
+    for r, (med, spread) in zip(results, stats, strict=True):
         cells = [("-" if k not in med else f"{ms(med[k])} ms" if k not in spread_of
                   or len(r.requests) < 2 else
                   f"{ms(med[k])} ms ({ms(spread[k][0])}-{ms(spread[k][1])})") for k, _ in cols]
@@ -592,6 +592,7 @@ def plot(results: list[VariantResult], cfg: BenchConfig, path: Path, title: str)
 
 def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
                 ratio_table: dict[str, dict], extra: dict) -> dict:
+    same = same_text_as_baseline(results, cfg.baseline)
     return {
         "config": asdict(cfg) | {"link_desc": link_desc,
                                  "variant_specs": [asdict(r.variant) for r in results]} | extra,
@@ -602,8 +603,7 @@ def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
             "unavailable": list(r.unavailable),
             "medians": medians(r.requests, cfg.token_marks),
             "spreads": spreads(r.requests, cfg.token_marks),
-            "same_text_as_baseline": same_text_as_baseline(results, cfg.baseline).get(
-                r.variant.name),
+            "same_text_as_baseline": same.get(r.variant.name),
             "requests": {c: [asdict(q) for q in r.requests if q.client == c] for c in CLIENTS},
         } for r in results},
         "ratios": ratio_table,
