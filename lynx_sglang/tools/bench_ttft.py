@@ -507,15 +507,16 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
     spread_of = {f"{LYNX_CLIENT}.net_ttft_s", f"{LYNX_CLIENT}.tpot_s",
                  *[f"{LYNX_CLIENT}.t{k}_from_done_s" for k in marks]}
     ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
-    stats = [(medians(r.requests, marks), spreads(r.requests, marks)) for r in results]
+    values = [metric_values(r.requests, marks) for r in results]
     # A measure no variant has (bench_serving not run, no prefill line) gets no column.
-    cols = [c for c in cols if any(c[0] in med for med, _ in stats)]
+    cols = [c for c in cols if any(c[0] in vals for vals in values)]
     head = ("variant", *[c[1] for c in cols], "bytes per stream")
     rows = []
-    for r, (med, spread) in zip(results, stats, strict=True):
-        cells = [("-" if k not in med else f"{ms(med[k])} ms" if k not in spread_of
-                  or len(r.requests) < 2 else
-                  f"{ms(med[k])} ms ({ms(spread[k][0])}-{ms(spread[k][1])})") for k, _ in cols]
+    for r, vals in zip(results, values, strict=True):
+        cells = [("-" if k not in vals else
+                  f"{ms(statistics.median(vals[k]))} ms" if k not in spread_of or len(vals[k]) < 2
+                  else f"{ms(statistics.median(vals[k]))} ms ({ms(min(vals[k]))}-{ms(max(vals[k]))})")
+                 for k, _ in cols]
         b = r.stream_bytes
         if not b:
             nbytes = "unavailable"
