@@ -6,9 +6,9 @@ Two SGLang hooks drive it (registered by `lynx_sglang.plugin` in scheduler proce
 only once a prefill manager is bound here by `bind`):
 - `run_batch_around` (`Scheduler.run_batch`, the scheduler thread): before an extend forward, each
   request of the batch whose prompt this forward completes (its only or last chunk; earlier
-  chunks and a cached prefix are in the pool already) is handed to the sender at once
-  (`PrefillSender.start_early`) with the forward's `LayerGate`; after the forward, every layer
-  is open.
+  chunks and a cached prefix are in the pool already) is handed to the sender at once, all in
+  one call (`PrefillSender.start_early`, which sends the rooms bound for one decode layer by
+  layer together) with the forward's `LayerGate`; after the forward, every layer is open.
 - `set_kv_buffer_after` (`MHATokenToKVPool.set_kv_buffer`, inside the forward): layer l's KV of
   every request in the batch is in the pool: open layer l.
 
@@ -124,12 +124,12 @@ def run_batch_around(original, scheduler, batch, *args, **kwargs):
             or getattr(scheduler, "enable_overlap", False)):
         return original(scheduler, batch, *args, **kwargs)
     gate = LayerGate(_num_layers)
-    started = 0
+    rooms = []
     for req in batch.reqs:
         slots = _prompt_slots(scheduler, req)
-        if slots is not None and sender.start_early(req.bootstrap_room, slots, gate):
-            started += 1
-    if not started:
+        if slots is not None:
+            rooms.append((req.bootstrap_room, slots))
+    if not rooms or not sender.start_early(rooms, gate):
         return original(scheduler, batch, *args, **kwargs)
     _gate = gate
     try:

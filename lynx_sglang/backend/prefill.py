@@ -9,10 +9,13 @@ Per request ("room"):
    its rooms fail at once for `UNREACHABLE_COOLDOWN_S`.
 2. `_send` (the worker): the room's plan (`backend.plan.StreamPlan`) must match the decode's announcement
    (sizes of both streams; a mismatch means the two servers' `--lynx-*` flags or models differ);
-   a staging range is allocated; each layer's Anchor is encoded straight into staging and written
-   at once; after the whole Anchor (finished with SGLang's aux data: first token etc.), each
-   layer's Residual. Then Success is reported: SGLang may free the room's KV slots, since staging
-   holds everything still to be sent.
+   a staging range is allocated; `_RoomWriter` encodes each layer's Anchor straight into staging
+   and writes it at once; after the whole Anchor (finished with SGLang's aux data: first token
+   etc.), each layer's Residual. Then Success is reported: SGLang may free the room's KV slots,
+   since staging holds everything still to be sent.
+   Layer streaming (`start_early`, `backend.layer_stream`): the rooms of one forward go to their
+   decode's worker as soon as the forward starts, as one group, and each layer is sent for every
+   room of the group as the forward writes it (`send_group`).
 3. The staging range lives until the transport has delivered both streams (`reap`).
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
@@ -190,16 +193,16 @@ class _LayerRows:
 
 
 class _DestinationWorker:
-    """Sends the rooms bound for one decode address, one at a time, in its own thread: a dead or
-    slow decode (connect, announcement and staging waits are bounded, but long) holds up only
-    the rooms bound for it. Exits after `IDLE_EXIT_S` without work."""
+    """Sends the rooms bound for one decode address, one group at a time (`send_group`), in its
+    own thread: a dead or slow decode (connect, announcement and staging waits are bounded, but
+    long) holds up only the rooms bound for it. Exits after `IDLE_EXIT_S` without work."""
 
     IDLE_EXIT_S = 60.0
 
     def __init__(self, sender: PrefillSender, address: str):
         self.sender = sender
         self.address = address
-        self.jobs: queue.Queue[_Job] = queue.Queue()
+        self.jobs: queue.Queue[list[_Job]] = queue.Queue()
         self.inflight: list[_InFlight] = []
         self.thread = threading.Thread(target=self._run, name=f"lynx-send-{address[-12:]}",
                                        daemon=True)
@@ -209,20 +212,135 @@ class _DestinationWorker:
         idle_since = time.monotonic()
         while not self.sender.stopping.is_set():
             try:
-                job = self.jobs.get(timeout=0.05)
+                group = self.jobs.get(timeout=0.05)
             except queue.Empty:
-                job = None
+                group = None
             try:
-                if job is not None:
+                if group is not None:
                     idle_since = time.monotonic()
-                    self.sender.send_job(job, self.inflight)
+                    self.sender.send_group(group, self.inflight)
                 self.sender.reap(self.inflight)
             except Exception:
                 logger.exception("lynx: prefill sender error (continuing)")
-            if (job is None and not self.inflight and self.jobs.empty()
+            if (group is None and not self.inflight and self.jobs.empty()
                     and time.monotonic() - idle_since > self.IDLE_EXIT_S
                     and self.sender.retire(self)):
                 return
+
+
+class _RoomWriter:
+    """Writes one room's two streams to one decode from its staging range, layer by layer
+    (`layer`, in order), then ends them (`finish`). Split in steps so that a destination worker
+    can interleave the rooms of one layer-streamed forward layer by layer (`send_group`).
+
+    Each layer is encoded straight into staging and its Anchor written at once. After the
+    forward, every layer's Anchor (and the aux) goes before any Residual byte: an int8 Residual
+    is cheap and of fixed size, so it is encoded in the same pass, at its place; an exact
+    Residual costs ~10x its Anchor, so it is encoded in a second pass, after the whole Anchor is
+    out, each layer written as soon as it is placed. Layer-streamed (during the forward, as soon
+    as the forward has written the layer), each layer's Residual is encoded in the Anchor's pass
+    and written with it."""
+
+    def __init__(self, sender: PrefillSender, session: Session, job: _Job, pool: KVPoolView,
+                 staging: StagingRange, plan: StreamPlan):
+        self.sender, self.session, self.job, self.pool = sender, session, job, pool
+        self.staging, self.plan = staging, plan
+        config = sender.config
+        self.residual_base = staging.offset + plan.anchor_bytes
+        # Layer-streamed, the Residual goes out with its layer too: the forward of the later
+        # layers leaves the time (and the link idle between Anchor layers), and the transport
+        # still sends the Anchor first. Not with the test knob that holds the Residual back.
+        self.stream_residual = (config.residual and job.gate is not None
+                                and not sender.fault_residual_delay_s)
+        self.one_pass = config.residual and (sender.spec.target is Target.INT8
+                                             or self.stream_residual)
+        job.trace.facts.update(one_pass=self.one_pass, residual_streamed=self.stream_residual)
+        self.residual_at = 0  # stream offset of the next streamed Residual layer
+        job.trace.mark("encode_start")
+
+    def run(self) -> int:
+        for layer in range(self.plan.num_layers):
+            self.layer(layer)
+        return self.finish()
+
+    def _encode(self, layer: int, anchor_out, residual_out) -> tuple[int, int]:
+        job, sender = self.job, self.sender
+        # Under the job's lock: the slots may be swapped for the prefix cache's between layers
+        # (`_reconcile_streamed`), never during one.
+        with job.lock:
+            rows, index = job.rows_of(self.pool, layer)
+            return encode_layer_into(rows, layer, index, sender.spec, sender.config.chunk_tokens,
+                                     job.room, anchor_out, residual_out, sender.encoder)
+
+    def layer(self, layer: int) -> None:
+        job, plan, room = self.job, self.plan, self.job.room
+        buf, region = self.sender.staging.buffer, self.sender.staging_region
+        if job.gate is not None:
+            job.gate.wait(layer, self.sender.config.transfer_timeout_s)
+            # An aborted request's slots are freed right after its forward, and may be written
+            # by the next one: stop reading them.
+            if not self.sender.link.is_live(room):
+                raise KVStreamError("SGLang dropped the room during its forward")
+        t0 = time.time()
+        at = self.staging.offset + plan.anchor_offset(layer)
+        r_at = self.residual_base + layer * plan.residual_layer_bytes
+        written, r_written = self._encode(
+            layer, buf[at: at + plan.anchor_layer_bytes],
+            buf[r_at: r_at + plan.residual_layer_bytes] if self.one_pass else None)
+        if written != plan.anchor_layer_bytes:
+            raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
+                                f"expected {plan.anchor_layer_bytes} B")
+        self.session.write_stream(room, Stream.ANCHOR, region, at, plan.anchor_layer_bytes,
+                                  stream_offset=plan.anchor_offset(layer))
+        if self.stream_residual:
+            # An exact layer is as long as its values need: the layers go back to back on the
+            # stream, each from its own (bound-sized) place in staging.
+            self.session.write_stream(room, Stream.RESIDUAL, region, r_at, r_written,
+                                      stream_offset=self.residual_at)
+            self.residual_at += r_written
+        job.trace.span("encode_anchor", layer, t0, time.time())
+
+    def finish(self) -> int:
+        """After every layer: the Anchor's end (with the aux), then the Residual. Returns the
+        bytes posted."""
+        sender, session, job, plan = self.sender, self.session, self.job, self.plan
+        room, tr, config = job.room, job.trace, sender.config
+        buf, region = sender.staging.buffer, sender.staging_region
+        if job.gate is not None:
+            tr.mark("anchor_layers_posted")
+            sender.await_handover(job)
+        session.finish(room, Stream.ANCHOR, aux=sender.link.read_aux(job.aux_index))
+        tr.mark("anchor_posted")
+        if sender.fault_residual_delay_s:
+            logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
+                           FAULT_RESIDUAL_HOLD_LOG, sender.fault_residual_delay_s)
+            time.sleep(sender.fault_residual_delay_s)
+        if not config.residual:
+            tr.mark("encode_end")
+            return plan.anchor_bytes
+        if self.stream_residual:
+            stream_at = self.residual_at
+        elif self.one_pass:
+            session.write_stream(room, Stream.RESIDUAL, region, self.residual_base,
+                                 plan.residual_bytes, stream_offset=0)
+            stream_at = plan.residual_bytes
+        else:
+            # The second pass encodes the Anchor again (the corrections are relative to it) into
+            # scratch; the layers go back to back, each as long as its values need.
+            scratch = np.empty(plan.anchor_layer_bytes, dtype=np.uint8)
+            stream_at = 0
+            for layer in range(plan.num_layers):
+                t0 = time.time()
+                at = self.residual_base + stream_at
+                _, written = self._encode(layer, scratch, buf[at: at + plan.residual_layer_bytes])
+                session.write_stream(room, Stream.RESIDUAL, region, at, written,
+                                     stream_offset=stream_at)
+                stream_at += written
+                tr.span("encode_residual", layer, t0, time.time())
+        session.finish(room, Stream.RESIDUAL)
+        tr.mark("residual_posted")
+        tr.mark("encode_end")
+        return plan.anchor_bytes + stream_at
 
 
 class PrefillSender:
@@ -237,7 +355,7 @@ class PrefillSender:
         self.endpoint = endpoint
         self.identity = identity
         self.link = link
-        self._fault_residual_delay_s = fault_residual_delay_s
+        self.fault_residual_delay_s = fault_residual_delay_s
         self._queue: queue.Queue[_Chunk] = queue.Queue()
         self._pending: dict[int, list[np.ndarray]] = {}
         # Layer-streamed rooms whose forward runs or has not been handed over yet.
@@ -256,8 +374,8 @@ class PrefillSender:
         self._sent_lock = threading.Lock()
         self.stopping = threading.Event()
         # Shared by every destination worker: a layer's V is encoded while its K is.
-        self._encoder = (ThreadPoolExecutor(1, thread_name_prefix="lynx-encode")
-                         if config.encode_threads > 1 else None)
+        self.encoder = (ThreadPoolExecutor(1, thread_name_prefix="lynx-encode")
+                        if config.encode_threads > 1 else None)
 
     def tracked(self) -> dict[str, int]:
         """Rooms this sender still holds (0 on an idle prefill; `lynx_tracked_requests`)."""
@@ -267,23 +385,32 @@ class PrefillSender:
                 "prefill_rooms_streaming": len(self._early),
                 "prefill_rooms_in_flight": sum(len(w.inflight) + w.jobs.qsize() for w in workers)}
 
-    def start_early(self, room: int, slots: np.ndarray, gate: LayerGate) -> bool:
-        """SGLang's scheduler thread, as a forward that computes `room`'s whole prompt starts:
-        queue the room now, each Anchor layer to be sent once `gate` has it. False (nothing
-        queued; the room goes the usual way after the forward) unless the room goes to exactly
-        one decode, known now, that allocated as many slots."""
-        destinations = self.link.destinations(room) if self.link.is_live(room) else []
-        if len(destinations) != 1 or destinations[0].num_slots != len(slots):
-            return False
-        tr = trace.Trace("prefill", room)
-        tr.facts["layer_streamed"] = True
-        job = _Job(room, slots, None, destinations, tr, gate=gate)
-        with self._early_lock:
-            if room in self._early:
-                return False
-            self._early[room] = job
-        self._dispatch(job)
-        return True
+    def start_early(self, rooms: list[tuple[int, np.ndarray]], gate: LayerGate) -> set[int]:
+        """SGLang's scheduler thread, as a forward that computes the whole prompt of each
+        (room, slots) in `rooms` starts: queue those rooms now, each Anchor layer to be sent once
+        `gate` has it. Returns the rooms queued; the others go the usual way after the forward.
+        A room is queued only if it goes to exactly one decode, known now, that allocated as
+        many slots. The rooms bound for one decode go to its worker as one group, which it sends
+        layer by layer across the group (`send_group`): every room's first layers go out while
+        the forward computes, not one room after another's whole transfer."""
+        groups: dict[str, list[_Job]] = {}
+        for room, slots in rooms:
+            destinations = self.link.destinations(room) if self.link.is_live(room) else []
+            if len(destinations) != 1 or destinations[0].num_slots != len(slots):
+                continue
+            tr = trace.Trace("prefill", room)
+            tr.facts["layer_streamed"] = True
+            job = _Job(room, slots, None, destinations, tr, gate=gate)
+            with self._early_lock:
+                if room in self._early:
+                    continue
+                self._early[room] = job
+            groups.setdefault(destinations[0].session_address, []).append(job)
+        for jobs in groups.values():
+            for job in jobs:
+                job.trace.facts["streamed_with_rooms"] = len(jobs)
+            self._dispatch(jobs)
+        return {job.room for jobs in groups.values() for job in jobs}
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None, trace_ctx=None) -> None:
@@ -365,8 +492,8 @@ class PrefillSender:
             except Exception:
                 logger.exception("lynx: prefill dispatcher error (continuing)")
         self.stopping.set()
-        if self._encoder is not None:
-            self._encoder.shutdown(wait=False, cancel_futures=True)
+        if self.encoder is not None:
+            self.encoder.shutdown(wait=False, cancel_futures=True)
 
     def retire(self, worker: _DestinationWorker) -> bool:
         """An idle worker asks to exit; False if a job raced in."""
@@ -396,7 +523,7 @@ class PrefillSender:
         if not destinations:
             self.link.report(room, None, [])
             return
-        self._dispatch(_Job(room, slots, item.aux_index, destinations, tr))
+        self._dispatch([_Job(room, slots, item.aux_index, destinations, tr)])
 
     def _hand_over(self, room: int, item: _Chunk | None, slots: np.ndarray | None,
                    refused: str | None) -> bool:
@@ -417,13 +544,52 @@ class PrefillSender:
         job.handed_over.set()
         return True
 
-    def _dispatch(self, job: _Job) -> None:
-        address = job.destinations[0].session_address
+    def _dispatch(self, jobs: list[_Job]) -> None:
+        """Queue rooms bound for one decode address to its worker, as one group."""
+        address = jobs[0].destinations[0].session_address
         with self._workers_lock:
             worker = self._workers.get(address)
             if worker is None:
                 worker = self._workers[address] = _DestinationWorker(self, address)
-            worker.jobs.put(job)
+            worker.jobs.put(jobs)
+
+    def send_group(self, jobs: list[_Job], inflight: list[_InFlight]) -> None:
+        """A destination worker sends a group of rooms: one, or the layer-streamed rooms of one
+        forward bound for its decode. A failure fails its own room only."""
+        if len(jobs) == 1:
+            self.send_job(jobs[0], inflight)
+            return
+        # One decode each (`start_early`): open every room, then send layer l of every room
+        # before layer l + 1 of any, so that each room's Anchor goes out as the forward writes
+        # it (one room after another, the second's whole encode came after the forward); then
+        # end each room's streams.
+        writers: list[tuple[_RoomWriter, _InFlight]] = []
+        for job in jobs:
+            job.trace.mark("dequeued")
+            try:
+                writers.append(self._open(job, job.destinations[0], inflight))
+            except Exception as exc:
+                self._fail_room(job, exc)
+        for layer in range(self._pool().shape.num_layers):
+            for w, f in list(writers):
+                try:
+                    w.layer(layer)
+                except Exception as exc:
+                    self._undo(f, inflight)
+                    self._fail_room(w.job, exc)
+                    writers.remove((w, f))
+        for w, f in writers:
+            try:
+                try:
+                    sent = w.finish()
+                except Exception:
+                    self._undo(f, inflight)
+                    raise
+                self._done(w.job, sent, [w.job.destinations[0]])
+            except Exception as exc:
+                self._fail_room(w.job, exc)
+            finally:
+                self._forget_early(w.job)
 
     def send_job(self, job: _Job, inflight: list[_InFlight]) -> None:
         """A destination worker sends one room (its failure fails that room only)."""
@@ -431,18 +597,25 @@ class PrefillSender:
         try:
             self._send(job, inflight)
         except Exception as exc:
-            logger.error("lynx: sending room %s failed: %s", job.room, exc,
-                         exc_info=not isinstance(exc, (TransportError, LayerGateError)))
-            job.trace.facts["failure"] = str(exc)
-            metrics.record_failure(failure_kind_of(exc))
-            trace.emit(job.trace)
-            self.link.report(job.room, f"lynx prefill send failed: {exc}", [])
+            self._fail_room(job, exc)
         finally:
-            with self._early_lock:
-                if self._early.get(job.room) is job:
-                    del self._early[job.room]
+            self._forget_early(job)
 
-    def _await_handover(self, job: _Job) -> None:
+    def _fail_room(self, job: _Job, exc: Exception) -> None:
+        logger.error("lynx: sending room %s failed: %s", job.room, exc,
+                     exc_info=not isinstance(exc, (TransportError, LayerGateError)))
+        job.trace.facts["failure"] = str(exc)
+        metrics.record_failure(failure_kind_of(exc))
+        trace.emit(job.trace)
+        self.link.report(job.room, f"lynx prefill send failed: {exc}", [])
+        self._forget_early(job)
+
+    def _forget_early(self, job: _Job) -> None:
+        with self._early_lock:
+            if self._early.get(job.room) is job:
+                del self._early[job.room]
+
+    def await_handover(self, job: _Job) -> None:
         """Layer-streamed: wait until SGLang hands the room over after its forward (the aux data,
         the first token, exists only then), or drops it."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
@@ -488,137 +661,56 @@ class PrefillSender:
             self._sessions[address] = s
         return s
 
-    def _send(self, job: _Job, inflight_list: list[_InFlight]) -> None:
+    def _send(self, job: _Job, inflight: list[_InFlight]) -> None:
+        sent = 0
+        for dst in job.destinations:
+            writer, f = self._open(job, dst, inflight)
+            try:
+                sent += writer.run()
+            except Exception:
+                self._undo(f, inflight)
+                raise
+        self._done(job, sent, job.destinations)
+
+    def _open(self, job: _Job, dst: Destination,
+              inflight: list[_InFlight]) -> tuple[_RoomWriter, _InFlight]:
+        """Ready `job`'s streams to `dst`: the session, the decode's announcement (checked
+        against this prefill's plan) and a staging range, held in `inflight` from here on."""
         room, tr = job.room, job.trace
-        destinations = job.destinations
         pool = self._pool()
         num_tokens = len(job.slots)
         plan = StreamPlan.build(self.spec, pool.shape, num_tokens, self.config.chunk_tokens)
         tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
                         residual_bytes=plan.residual_bytes if self.config.residual else 0)
-        sent = 0
-        for dst in destinations:
-            if dst.num_slots != num_tokens:
-                raise SettingsMismatchError(f"decode allocated {dst.num_slots} KV slots for a "
-                                            f"request of {num_tokens} tokens")
-            session = self._session_to(dst.session_address)
-            ann = session.wait_announcement(room, timeout=self.config.connect_timeout_s)
-            tr.mark("announcement")
-            for ws, stream in _STREAMS.items():
-                if ann.stream_nbytes(stream) != plan.stream_bytes(ws):
-                    raise SettingsMismatchError(
-                        f"decode announced {ann.stream_nbytes(stream)} B for the {ws.name} "
-                        f"stream, this prefill encodes {plan.stream_bytes(ws)} B: the --lynx-* "
-                        "flags or the model differ between prefill and decode")
-            staging = self.staging.allocate(plan.staging_bytes,
-                                            timeout_s=self.config.transfer_timeout_s)
-            inflight = _InFlight(room, session, staging, tr)
-            inflight_list.append(inflight)
-            try:
-                sent += self._write_streams(session, job, pool, staging, plan)
-            except Exception:
-                # A stream never written stays pending for the transport, so the reaper would
-                # never free this range: give it back now.
-                inflight_list.remove(inflight)
-                _release(session, room)
-                self.staging.free(staging)
-                raise
-        self._record_sent(room, sent)
-        self.link.report(room, None, [d.notify for d in destinations])
-        tr.mark("reported")
+        if dst.num_slots != num_tokens:
+            raise SettingsMismatchError(f"decode allocated {dst.num_slots} KV slots for a "
+                                        f"request of {num_tokens} tokens")
+        session = self._session_to(dst.session_address)
+        ann = session.wait_announcement(room, timeout=self.config.connect_timeout_s)
+        tr.mark("announcement")
+        for ws, stream in _STREAMS.items():
+            if ann.stream_nbytes(stream) != plan.stream_bytes(ws):
+                raise SettingsMismatchError(
+                    f"decode announced {ann.stream_nbytes(stream)} B for the {ws.name} "
+                    f"stream, this prefill encodes {plan.stream_bytes(ws)} B: the --lynx-* "
+                    "flags or the model differ between prefill and decode")
+        staging = self.staging.allocate(plan.staging_bytes,
+                                        timeout_s=self.config.transfer_timeout_s)
+        f = _InFlight(room, session, staging, tr)
+        inflight.append(f)
+        return _RoomWriter(self, session, job, pool, staging, plan), f
 
-    def _write_streams(self, session: Session, job: _Job, pool: KVPoolView,
-                       staging: StagingRange, plan: StreamPlan) -> int:
-        """Encode layer by layer straight into staging; each layer's Anchor goes out as soon as it
-        is encoded. After the forward, every layer's Anchor (and the aux) goes before any
-        Residual byte: an int8 Residual is cheap and of fixed size, so it is encoded in the same
-        pass, at its place; an exact Residual costs ~10x its Anchor, so it is encoded in a
-        second pass, after the whole Anchor is out, each layer written as soon as it is placed.
-        Layer-streamed (during the forward, as soon as the forward has written the layer), each
-        layer's Residual is encoded in the Anchor's pass and written with it. Returns the bytes
-        posted."""
-        room, tr = job.room, job.trace
-        buf = self.staging.buffer
-        chunk_tokens = self.config.chunk_tokens
-        residual_base = staging.offset + plan.anchor_bytes
-        # Layer-streamed, the Residual goes out with its layer too: the forward of the later
-        # layers leaves the time (and the link idle between Anchor layers), and the transport
-        # still sends the Anchor first. Not with the test knob that holds the Residual back.
-        stream_residual = (self.config.residual and job.gate is not None
-                           and not self._fault_residual_delay_s)
-        one_pass = self.config.residual and (self.spec.target is Target.INT8 or stream_residual)
-        tr.facts.update(one_pass=one_pass, residual_streamed=stream_residual)
-        residual_at = 0  # stream offset of the next streamed Residual layer
+    def _undo(self, f: _InFlight, inflight: list[_InFlight]) -> None:
+        """A room whose streams failed before they were all written: a stream never written
+        stays pending for the transport, so the reaper would never free its range."""
+        inflight.remove(f)
+        _release(f.session, f.room)
+        self.staging.free(f.staging)
 
-        def encode(layer: int, anchor_out, residual_out) -> tuple[int, int]:
-            # Under the job's lock: the slots may be swapped for the prefix cache's between
-            # layers (`_reconcile_streamed`), never during one.
-            with job.lock:
-                rows, index = job.rows_of(pool, layer)
-                return encode_layer_into(rows, layer, index, self.spec, chunk_tokens, room,
-                                         anchor_out, residual_out, self._encoder)
-
-        tr.mark("encode_start")
-        for layer in range(plan.num_layers):
-            if job.gate is not None:
-                job.gate.wait(layer, self.config.transfer_timeout_s)
-                # An aborted request's slots are freed right after its forward, and may be
-                # written by the next one: stop reading them.
-                if not self.link.is_live(room):
-                    raise KVStreamError("SGLang dropped the room during its forward")
-            t0 = time.time()
-            at = staging.offset + plan.anchor_offset(layer)
-            r_at = residual_base + layer * plan.residual_layer_bytes
-            written, r_written = encode(
-                layer, buf[at: at + plan.anchor_layer_bytes],
-                buf[r_at: r_at + plan.residual_layer_bytes] if one_pass else None)
-            if written != plan.anchor_layer_bytes:
-                raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
-                                    f"expected {plan.anchor_layer_bytes} B")
-            session.write_stream(room, Stream.ANCHOR, self.staging_region, at,
-                                 plan.anchor_layer_bytes, stream_offset=plan.anchor_offset(layer))
-            if stream_residual:
-                # An exact layer is as long as its values need: the layers go back to back on
-                # the stream, each from its own (bound-sized) place in staging.
-                session.write_stream(room, Stream.RESIDUAL, self.staging_region, r_at,
-                                     r_written, stream_offset=residual_at)
-                residual_at += r_written
-            tr.span("encode_anchor", layer, t0, time.time())
-        if job.gate is not None:
-            tr.mark("anchor_layers_posted")
-            self._await_handover(job)
-        session.finish(room, Stream.ANCHOR, aux=self.link.read_aux(job.aux_index))
-        tr.mark("anchor_posted")
-        if self._fault_residual_delay_s:
-            logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
-                           FAULT_RESIDUAL_HOLD_LOG, self._fault_residual_delay_s)
-            time.sleep(self._fault_residual_delay_s)
-        if not self.config.residual:
-            tr.mark("encode_end")
-            return plan.anchor_bytes
-        if stream_residual:
-            stream_at = residual_at
-        elif one_pass:
-            session.write_stream(room, Stream.RESIDUAL, self.staging_region, residual_base,
-                                 plan.residual_bytes, stream_offset=0)
-            stream_at = plan.residual_bytes
-        else:
-            # The second pass encodes the Anchor again (the corrections are relative to it) into
-            # scratch; the layers go back to back, each as long as its values need.
-            scratch = np.empty(plan.anchor_layer_bytes, dtype=np.uint8)
-            stream_at = 0
-            for layer in range(plan.num_layers):
-                t0 = time.time()
-                at = residual_base + stream_at
-                _, written = encode(layer, scratch, buf[at: at + plan.residual_layer_bytes])
-                session.write_stream(room, Stream.RESIDUAL, self.staging_region, at, written,
-                                     stream_offset=stream_at)
-                stream_at += written
-                tr.span("encode_residual", layer, t0, time.time())
-        session.finish(room, Stream.RESIDUAL)
-        tr.mark("residual_posted")
-        tr.mark("encode_end")
-        return plan.anchor_bytes + stream_at
+    def _done(self, job: _Job, sent: int, destinations: list[Destination]) -> None:
+        self._record_sent(job.room, sent)
+        self.link.report(job.room, None, [d.notify for d in destinations])
+        job.trace.mark("reported")
 
     def reap(self, inflight: list[_InFlight]) -> None:
         """Free the staging of rooms the transport has delivered (or failed)."""

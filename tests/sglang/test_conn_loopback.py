@@ -262,15 +262,21 @@ class Request:
     decode_aux: int
 
 
-def _open_request(sgl: _SGLang, pd: PD, room: int,
-                  seed: int) -> tuple[Request, torch.Generator]:
+def _open_request(sgl: _SGLang, pd: PD, room: int, seed: int,
+                  beside: Request | None = None) -> tuple[Request, torch.Generator]:
     """A request through the conn classes up to the prefill's `send`, in the order SGLang's
     prefill bootstrap queue and decode prealloc queue drive them: its slots on both sides (slot 0
-    is SGLang's padding slot), SGLang's metadata row on the prefill, the decode's KV indices at
-    the prefill. Returns the request and the generator of its random data."""
+    is SGLang's padding slot; none of `beside`'s, a request in flight at the same time),
+    SGLang's metadata row on the prefill, the decode's KV indices at the prefill. Returns the
+    request and the generator of its random data."""
     g = torch.Generator().manual_seed(seed)
-    prefill_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
-    decode_slots = torch.randperm(POOL_TOKENS, generator=g)[:NUM_TOKENS] + 1
+
+    def slots(taken: torch.Tensor | None) -> torch.Tensor:
+        free = torch.randperm(POOL_TOKENS, generator=g) + 1
+        return (free if taken is None else free[~torch.isin(free, taken)])[:NUM_TOKENS]
+
+    prefill_slots = slots(beside.prefill_slots if beside else None)
+    decode_slots = slots(beside.decode_slots if beside else None)
     prefill_aux, decode_aux = seed % AUX_ROWS, (seed + 1) % AUX_ROWS
     meta = pd.prefill.meta
     meta.output_ids[prefill_aux].copy_(torch.randint(1, 50000, (16,), generator=g))
@@ -616,8 +622,8 @@ def _start_streamed_request(sgl: _SGLang, pd: PD, room: int, seed: int):
 
     req, g = _open_request(sgl, pd, room, seed)
     gate = LayerGate(LAYERS)
-    assert pd.prefill.mgr.sender.start_early(room, req.prefill_slots.numpy().astype("int64"),
-                                             gate)
+    assert pd.prefill.mgr.sender.start_early(
+        [(room, req.prefill_slots.numpy().astype("int64"))], gate) == {room}
     return req, gate, g
 
 
@@ -659,6 +665,72 @@ def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd, tar
                 assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
                                    getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
     assert int(pd.decode.meta.bootstrap_room[req.decode_aux, 0]) == req.room
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
+
+
+def test_the_rooms_of_one_forward_stream_their_layers_together(sgl, make_pd):
+    """Two rooms computed by one forward and bound for one decode go to its worker as one group:
+    each layer goes out for both as the forward writes it. Sent one room after the other, the
+    second room's first layer would wait for the first room's hand-over after the forward."""
+    from lynx_sglang.backend.layer_stream import LayerGate
+
+    pd = make_pd(_cfg(target="exact"))
+    a, ga = _open_request(sgl, pd, room=1111, seed=31)
+    b, gb = _open_request(sgl, pd, room=1112, seed=32, beside=a)
+    gate = LayerGate(LAYERS)
+    assert pd.prefill.mgr.sender.start_early(
+        [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)], gate) == {a.room,
+                                                                                       b.room}
+    for req, g in ((a, ga), (b, gb)):
+        _forward_layer(pd, req, 0, g)
+    gate.written(0)
+    _wait("the first layer of both rooms at the decode",
+          lambda: _anchor_layers_landed(pd, a.room) == _anchor_layers_landed(pd, b.room) == 1)
+    for req, g in ((a, ga), (b, gb)):
+        _forward_layer(pd, req, 1, g)
+    gate.finish()
+    for req in (a, b):
+        req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    for req in (a, b):
+        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+            _failure_message(sgl, req.receiver)
+        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+        for kind in ("k_buffer", "v_buffer"):
+            for layer in range(LAYERS):
+                assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
+                                   getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
+
+
+def test_a_room_that_fails_in_a_streamed_group_leaves_the_others(sgl, make_pd):
+    """One room of a layer-streamed group dropped by SGLang during the forward fails alone; the
+    other room of the group is sent whole."""
+    from lynx_sglang.backend.layer_stream import LayerGate
+
+    pd = make_pd(_cfg(target="exact"))
+    a, ga = _open_request(sgl, pd, room=1113, seed=33)
+    b, gb = _open_request(sgl, pd, room=1114, seed=34, beside=a)
+    gate = LayerGate(LAYERS)
+    assert pd.prefill.mgr.sender.start_early(
+        [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)], gate) == {a.room,
+                                                                                       b.room}
+    for req, g in ((a, ga), (b, gb)):
+        _forward_layer(pd, req, 0, g)
+    gate.written(0)
+    _wait("the first layer of both rooms at the decode",
+          lambda: _anchor_layers_landed(pd, a.room) == _anchor_layers_landed(pd, b.room) == 1)
+    a.sender.abort()
+    for req, g in ((a, ga), (b, gb)):
+        _forward_layer(pd, req, 1, g)
+    gate.finish()
+    b.sender.send(b.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    assert _poll_until_done(sgl, b.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, b.receiver)
+    assert _poll_until_done(sgl, b.sender) == sgl.KVPoll.Success
+    assert _poll_until_done(sgl, a.receiver) == sgl.KVPoll.Failed
+    _failure_message(sgl, a.receiver)
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
