@@ -42,6 +42,9 @@ class StubState:
     generate_bodies: list[dict] = field(default_factory=list)
     flushes: int = 0
     streamed: int = 0
+    # Set by a test: the first streamed requests wait here for each other, so they must have been
+    # sent at once (a request sent after another's end breaks the barrier).
+    together: threading.Barrier | None = None
 
 
 class StubSGLang(BaseHTTPRequestHandler):
@@ -85,6 +88,12 @@ class StubSGLang(BaseHTTPRequestHandler):
                                         "meta_info": done}).encode())
             return
         state.streamed += 1
+        if state.together is not None and state.streamed <= state.together.parties:
+            try:
+                state.together.wait()
+            except threading.BrokenBarrierError:
+                self._send(500, b'{"error": "requests of one round not sent at once"}')
+                return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
@@ -185,6 +194,28 @@ def test_bench_ttft_url_measures_a_running_cluster(stub_url, tokenizer_dir, tmp_
     assert not warmup.get("stream") and len(streamed) == requests_n
     assert all(b["stream"] and b["sampling_params"]["ignore_eos"] and b["rid"] for b in streamed)
     assert stub.flushes >= requests_n
+
+
+def test_bench_ttft_concurrency_sends_rounds_at_once(stub_url, tokenizer_dir, tmp_path):
+    """--concurrency 2 with 3 requests: a round of two sent at once (both in flight together, or
+    the stub's barrier fails them), then a round of one; the cache flushed before each round."""
+    url, stub = stub_url
+    stub.together = threading.Barrier(2, timeout=10)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lynx_sglang.tools.cli", "bench-ttft", "--url", url,
+         "--label", "stub", "--model", str(tokenizer_dir), "--no-bench-serving",
+         "--prompt-tokens", "64", "--max-new-tokens", "4", "--requests", "3",
+         "--concurrency", "2", "--token-marks", "2,4", "--out", str(tmp_path),
+         "--request-timeout-s", "30"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "in rounds of 2 sent at once" in proc.stdout
+    doc = json.loads((tmp_path / "bench_ttft.json").read_text())
+    assert doc["config"]["concurrency"] == 2
+    client = doc["variants"]["stub"]["requests"][LYNX_CLIENT]
+    assert [r["index"] for r in client] == [0, 1, 2]
+    assert all(r["output_tokens"] == 4 for r in client)
+    assert len(stub.generate_bodies) == 1 + 3 and stub.flushes == 2  # the warm-up, then 3
 
 
 def test_stream_byte_counters_of_a_metrics_page(stub_url):

@@ -13,6 +13,10 @@ the link shaped as with `lynx-sglang up --link RATE`), send one full-length warm
      time, the prefill's prefix cache flushed before each: bench_serving keeps no wall-clock send
      time, and the network-exposed TTFT (the prefill's `prefill_done` timeline line ->
      first token at the client) needs one. Also TTFT and the 16th/64th token times.
+`--concurrency N` sends the prompts in rounds of N at once instead (bench_serving's
+`--max-concurrency N`; the streaming client flushes the prefix cache before each round): the
+prefill batches a round into one forward, which is how a loaded server sends several requests'
+KV at once.
 Every server's KV pool has `--kv-dtype` (default BF16, SGLang's `--kv-cache-dtype`; the model
 computes in fp32). Bytes per stream: Lynx variants from the decode's `lynx transfer` line of each
 request; mooncake from the model's KV shape in that dtype (computed). Greedy, `ignore_eos`
@@ -42,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -256,7 +261,8 @@ class VariantResult:
 
 
 def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new_tokens: int,
-                          requests: int, seed: int, output_file: Path) -> list[str]:
+                          requests: int, seed: int, output_file: Path,
+                          concurrency: int = 1) -> list[str]:
     return [
         sys.executable, "-m", "lynx_sglang.tools.bench_serving_offline",
         "--backend", "sglang", "--base-url", url,
@@ -264,10 +270,10 @@ def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new
         "--dataset-name", "random-ids", "--tokenize-prompt",
         "--random-input-len", str(prompt_tokens), "--random-output-len", str(max_new_tokens),
         "--random-range-ratio", "1", "--num-prompts", str(requests), "--seed", str(seed),
-        # Latency, not throughput: one request at a time. The caller warms the cluster up with a
-        # different prompt; bench_serving's own warm-up would send the first measured prompt and
-        # put it in the prefix cache.
-        "--max-concurrency", "1", "--request-rate", "inf", "--warmup-requests", "0",
+        # Latency, not throughput: one request at a time unless asked for more. The caller warms
+        # the cluster up with a different prompt; bench_serving's own warm-up would send the
+        # first measured prompt and put it in the prefix cache.
+        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--warmup-requests", "0",
         "--output-file", str(output_file), "--output-details", "--disable-tqdm",
     ]
 
@@ -328,6 +334,13 @@ class BenchConfig:
     url: str | None = None
     # False (--no-bench-serving): only this project's streaming client sends requests.
     use_bench_serving: bool = True
+    # Requests each client sends at once (--concurrency); 1: one after the other.
+    concurrency: int = 1
+
+    @property
+    def pacing(self) -> str:
+        return ("one at a time" if self.concurrency == 1 else
+                f"in rounds of {self.concurrency} sent at once")
 
 
 def warm_up(url: str, warmup_ids: list[int], cfg: BenchConfig, progress: Progress) -> int:
@@ -349,9 +362,9 @@ def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
     out_file = run_dir / "bench_serving.jsonl"
     out_file.unlink(missing_ok=True)  # bench_serving appends
     cmd = bench_serving_command(url, Path(cfg.model), cfg.prompt_tokens, cfg.max_new_tokens,
-                                cfg.requests, cfg.seed, out_file)
+                                cfg.requests, cfg.seed, out_file, cfg.concurrency)
     (run_dir / "bench_serving.cmd").write_text(" ".join(cmd) + "\n")
-    progress.note(f"sglang.bench_serving: {cfg.requests} request(s), one at a time "
+    progress.note(f"sglang.bench_serving: {cfg.requests} request(s), {cfg.pacing} "
                   f"(log {run_dir / 'bench_serving.log'})")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with open(run_dir / "bench_serving.log", "wb") as bs_log:
@@ -365,16 +378,24 @@ def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
 
 def stream_prompts(url: str, flush_url: str, name: str, prompts: list[list[int]],
                    cfg: BenchConfig, progress: Progress) -> tuple[list[StreamedGeneration], list[str]]:
-    """The prompts with lynx_sglang.tools.client, one at a time, `flush_url`'s prefix cache
-    emptied before each; returns the streams and their request ids."""
+    """The prompts with lynx_sglang.tools.client in rounds of `cfg.concurrency` sent at once
+    (one at a time by default), `flush_url`'s prefix cache emptied before each round; returns the
+    streams and their request ids, in prompt order."""
     streamed, rids = [], []
-    for i, ids in enumerate(prompts):
-        progress.request(i + 1, len(prompts), "(lynx_sglang.tools.client)")
+    n = cfg.concurrency
+    for start in range(0, len(prompts), n):
+        round_ = prompts[start: start + n]
+        progress.request(start + len(round_), len(prompts), "(lynx_sglang.tools.client)")
         _flush_prefix_cache(flush_url)
-        rids.append(f"bench-{name}-{i}-{time.time_ns()}")
-        streamed.append(generate_stream(url, input_ids=ids, max_new_tokens=cfg.max_new_tokens,
-                                        timeout_s=cfg.request_timeout_s,
-                                        sampling={"ignore_eos": True}, rid=rids[-1]))
+        ids = [f"bench-{name}-{start + j}-{time.time_ns()}" for j in range(len(round_))]
+        with ThreadPoolExecutor(len(round_)) as pool:
+            futures = [pool.submit(generate_stream, url, input_ids=p,
+                                   max_new_tokens=cfg.max_new_tokens,
+                                   timeout_s=cfg.request_timeout_s,
+                                   sampling={"ignore_eos": True}, rid=rid)
+                       for p, rid in zip(round_, ids, strict=True)]
+            streamed.extend(f.result() for f in futures)
+        rids.extend(ids)
     return streamed, rids
 
 
@@ -527,9 +548,9 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
         rows.append((r.variant.name, *cells, nbytes))
     widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
     fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))  # noqa: E731
-    lines = [f"link: {link_desc}; {cfg.requests} request(s) per client per variant, one at a "
-             f"time; {cfg.prompt_tokens}-token prompts, {cfg.max_new_tokens} new tokens, greedy; "
-             "medians",
+    lines = [f"link: {link_desc}; {cfg.requests} request(s) per client per variant, "
+             f"{cfg.pacing}; {cfg.prompt_tokens}-token prompts, {cfg.max_new_tokens} new tokens, "
+             "greedy; medians",
              fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
     for pair, vals in ratio_table.items():
         shown = ", ".join(f"{k} {v:.2f}" for k, v in vals.items()
@@ -643,7 +664,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=3,
-                        help="requests per client per variant, sent one at a time (default 3)")
+                        help="requests per client per variant (default 3), sent one at a time unless "
+                             "--concurrency says otherwise")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="send each client's requests in rounds of this many at once, which "
+                             "the prefill batches into one forward (default 1: one at a time)")
     parser.add_argument("--token-marks", default="16,64",
                         help="report the time to these streamed tokens (default 16,64)")
     parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed (prompts)")
@@ -686,8 +711,8 @@ def run(args: argparse.Namespace) -> int:
 
     from .model import embedded_model_dir
 
-    if args.requests < 1 or args.max_new_tokens < 1:
-        raise BenchError("--requests and --max-new-tokens must be at least 1")
+    if args.requests < 1 or args.max_new_tokens < 1 or args.concurrency < 1:
+        raise BenchError("--requests, --max-new-tokens and --concurrency must be at least 1")
     url = args.url.rstrip("/") if args.url else None
     if url:
         variants = [external_variant(args.label, url)]
@@ -705,7 +730,8 @@ def run(args: argparse.Namespace) -> int:
                       args.requests, args.seed,
                       tuple(int(k) for k in args.token_marks.split(",") if k.strip()),
                       tuple(v.name for v in variants), baseline, args.startup_timeout_s,
-                      args.request_timeout_s, args.kv_dtype, url, args.use_bench_serving)
+                      args.request_timeout_s, args.kv_dtype, url, args.use_bench_serving,
+                      args.concurrency)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = random_ids_prompts(tokenizer.vocab_size, cfg.prompt_tokens, cfg.max_new_tokens,
                                  cfg.requests, cfg.seed)
@@ -729,8 +755,9 @@ def run(args: argparse.Namespace) -> int:
         extra = {"complete": complete, "cpus": os.cpu_count(), "loadavg_start": load_start,
                  "loadavg_end": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1),
                  "bench_serving": "sglang.bench_serving --backend sglang --dataset-name random-ids "
-                                  "--tokenize-prompt --random-range-ratio 1 --max-concurrency 1 "
-                                  "--warmup-requests 0 (via lynx_sglang.tools.bench_serving_offline)"
+                                  "--tokenize-prompt --random-range-ratio 1 --max-concurrency "
+                                  f"{cfg.concurrency} --warmup-requests 0 (via "
+                                  "lynx_sglang.tools.bench_serving_offline)"
                                   if cfg.use_bench_serving else "not run (--no-bench-serving)"}
         (args.out / "bench_ttft.json").write_text(
             json.dumps(result_json(results, cfg, link_desc, ratio_table, extra), indent=1))

@@ -208,6 +208,8 @@ def test_bench_serving_command_is_offline_and_sequential(tmp_path):
     assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd
     assert flag("--random-range-ratio") == "1" and flag("--max-concurrency") == "1"
     assert flag("--tokenizer") == str(tmp_path) and flag("--warmup-requests") == "0"
+    cmd = bench_serving_command("http://r", tmp_path, 300, 4, 8, 7, tmp_path / "o.jsonl", 4)
+    assert cmd[cmd.index("--max-concurrency") + 1] == "4"
 
 
 def test_random_ids_prompts():
