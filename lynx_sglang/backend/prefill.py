@@ -697,8 +697,9 @@ class PrefillSender:
         staging = self.staging.allocate(plan.staging_bytes,
                                         timeout_s=self.config.transfer_timeout_s)
         f = _InFlight(room, session, staging, tr)
+        writer = _RoomWriter(self, session, job, pool, staging, plan)
         inflight.append(f)
-        return _RoomWriter(self, session, job, pool, staging, plan), f
+        return writer, f
 
     def _undo(self, f: _InFlight, inflight: list[_InFlight]) -> None:
         """A room whose streams failed before they were all written: a stream never written

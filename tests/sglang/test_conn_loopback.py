@@ -669,24 +669,32 @@ def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd, tar
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
-def test_the_rooms_of_one_forward_stream_their_layers_together(sgl, make_pd):
-    """Two rooms computed by one forward and bound for one decode go to its worker as one group:
-    each layer goes out for both as the forward writes it. Sent one room after the other, the
-    second room's first layer would wait for the first room's hand-over after the forward."""
+def _stream_two_rooms(sgl: _SGLang, pd: PD, rooms: tuple[int, int], seed: int):
+    """Two requests whose prompts one forward computes, handed to the sender with one gate; the
+    forward writes layer 0 of both. Returns them (with their generators) and the gate once layer
+    0 of both rooms is at the decode."""
     from lynx_sglang.backend.layer_stream import LayerGate
 
-    pd = make_pd(_cfg(target="exact"))
-    a, ga = _open_request(sgl, pd, room=1111, seed=31)
-    b, gb = _open_request(sgl, pd, room=1112, seed=32, beside=a)
+    a, ga = _open_request(sgl, pd, room=rooms[0], seed=seed)
+    b, gb = _open_request(sgl, pd, room=rooms[1], seed=seed + 1, beside=a)
     gate = LayerGate(LAYERS)
     assert pd.prefill.mgr.sender.start_early(
-        [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)], gate) == {a.room,
-                                                                                       b.room}
+        [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)], gate) == set(rooms)
     for req, g in ((a, ga), (b, gb)):
         _forward_layer(pd, req, 0, g)
     gate.written(0)
     _wait("the first layer of both rooms at the decode",
           lambda: _anchor_layers_landed(pd, a.room) == _anchor_layers_landed(pd, b.room) == 1)
+    return (a, ga), (b, gb), gate
+
+
+def test_the_rooms_of_one_forward_stream_their_layers_together(sgl, make_pd):
+    """Two rooms computed by one forward and bound for one decode go to its worker as one group:
+    each layer goes out for both as the forward writes it (`_stream_two_rooms` waits for layer 0
+    of both before the forward goes on). Sent one room after the other, the second room's first
+    layer would wait for the first room's hand-over after the forward."""
+    pd = make_pd(_cfg(target="exact"))
+    (a, ga), (b, gb), gate = _stream_two_rooms(sgl, pd, (1111, 1112), seed=31)
     for req, g in ((a, ga), (b, gb)):
         _forward_layer(pd, req, 1, g)
     gate.finish()
@@ -696,10 +704,7 @@ def test_the_rooms_of_one_forward_stream_their_layers_together(sgl, make_pd):
         assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
             _failure_message(sgl, req.receiver)
         assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
-        for kind in ("k_buffer", "v_buffer"):
-            for layer in range(LAYERS):
-                assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
-                                   getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+        assert _holds(pd, req, "full")
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
@@ -707,20 +712,8 @@ def test_the_rooms_of_one_forward_stream_their_layers_together(sgl, make_pd):
 def test_a_room_that_fails_in_a_streamed_group_leaves_the_others(sgl, make_pd):
     """One room of a layer-streamed group dropped by SGLang during the forward fails alone; the
     other room of the group is sent whole."""
-    from lynx_sglang.backend.layer_stream import LayerGate
-
     pd = make_pd(_cfg(target="exact"))
-    a, ga = _open_request(sgl, pd, room=1113, seed=33)
-    b, gb = _open_request(sgl, pd, room=1114, seed=34, beside=a)
-    gate = LayerGate(LAYERS)
-    assert pd.prefill.mgr.sender.start_early(
-        [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)], gate) == {a.room,
-                                                                                       b.room}
-    for req, g in ((a, ga), (b, gb)):
-        _forward_layer(pd, req, 0, g)
-    gate.written(0)
-    _wait("the first layer of both rooms at the decode",
-          lambda: _anchor_layers_landed(pd, a.room) == _anchor_layers_landed(pd, b.room) == 1)
+    (a, ga), (b, gb), gate = _stream_two_rooms(sgl, pd, (1113, 1114), seed=33)
     a.sender.abort()
     for req, g in ((a, ga), (b, gb)):
         _forward_layer(pd, req, 1, g)
