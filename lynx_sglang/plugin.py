@@ -89,6 +89,11 @@ def register() -> None:
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
             HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
+            if "sglang.srt.managers.scheduler" in sys.modules:
+                from .backend import batch_handover
+
+                HookRegistry.register(PROCESS_BATCH_RESULT,
+                                      batch_handover.process_batch_result_around, HookType.AROUND)
             _register(request_trace.HOOKS)
             if config.layer_stream:
                 from .backend import layer_stream
@@ -179,6 +184,10 @@ def _init_kv_manager_after(kv_manager, queue):
         return kv_manager
     kv_manager.attach_kv_pool(queue.token_to_kv_pool)
     idle.report_tracked(kv_manager.tracked)
+    if kv_manager.disaggregation_mode == DisaggregationMode.PREFILL:
+        from .backend import batch_handover
+
+        batch_handover.bind(kv_manager.sender)
     if kv_manager.disaggregation_mode == DisaggregationMode.PREFILL and kv_manager.lynx.layer_stream:
         from .backend import layer_stream
 

@@ -33,8 +33,9 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -261,7 +262,8 @@ class _RoomWriter:
     def run(self) -> int:
         for layer in range(self.plan.num_layers):
             self.layer(layer)
-        return self.finish()
+        self.finish_anchor()
+        return self.finish_residual()
 
     def _encode(self, layer: int, anchor_out, residual_out) -> tuple[int, int]:
         job, sender = self.job, self.sender
@@ -300,17 +302,22 @@ class _RoomWriter:
             self.residual_at += r_written
         job.trace.span("encode_anchor", layer, t0, time.time())
 
-    def finish(self) -> int:
-        """After every layer: the Anchor's end (with the aux), then the Residual. Returns the
-        bytes posted."""
+    def finish_anchor(self) -> None:
+        """After every layer: the Anchor's end, with the aux (layer-streamed: once SGLang has
+        handed the room over after the forward)."""
+        sender, job = self.sender, self.job
+        if job.gate is not None:
+            job.trace.mark("anchor_layers_posted")
+            sender.await_handover(job)
+        self.session.finish(job.room, Stream.ANCHOR, aux=sender.link.read_aux(job.aux_index))
+        job.trace.mark("anchor_posted")
+
+    def finish_residual(self) -> int:
+        """After `finish_anchor`: the rest of the Residual and its end. Returns the bytes
+        posted, both streams."""
         sender, session, job, plan = self.sender, self.session, self.job, self.plan
         room, tr, config = job.room, job.trace, sender.config
         buf, region = sender.staging.buffer, sender.staging_region
-        if job.gate is not None:
-            tr.mark("anchor_layers_posted")
-            sender.await_handover(job)
-        session.finish(room, Stream.ANCHOR, aux=sender.link.read_aux(job.aux_index))
-        tr.mark("anchor_posted")
         if sender.fault_residual_delay_s:
             logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
                            FAULT_RESIDUAL_HOLD_LOG, sender.fault_residual_delay_s)
@@ -356,7 +363,9 @@ class PrefillSender:
         self.identity = identity
         self.link = link
         self.fault_residual_delay_s = fault_residual_delay_s
-        self._queue: queue.Queue[_Chunk] = queue.Queue()
+        self._queue: queue.Queue[list[_Chunk]] = queue.Queue()
+        # Chunks submitted inside `batched` (scheduler thread only), queued together at its end.
+        self._held: list[_Chunk] | None = None
         self._pending: dict[int, list[np.ndarray]] = {}
         # Layer-streamed rooms whose forward runs or has not been handed over yet.
         self._early: dict[int, _Job] = {}
@@ -421,8 +430,28 @@ class PrefillSender:
         kv_indices = np.array(kv_indices, dtype=np.int64)
         if is_last:
             self._reconcile_streamed(room, kv_indices)
-        self._queue.put(_Chunk(room, kv_indices, is_last, aux_index, wait_event, time.time(),
-                               trace_ctx))
+        chunk = _Chunk(room, kv_indices, is_last, aux_index, wait_event, time.time(), trace_ctx)
+        if self._held is not None:
+            self._held.append(chunk)
+        else:
+            self._queue.put([chunk])
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """SGLang's scheduler thread, around its handling of one forward's results: the chunks
+        `submit`ted inside reach the dispatcher together, so the rooms they complete that go to
+        one decode reach its worker as one group (`send_group`: every room's Anchor before any
+        Residual) instead of one after another's whole transfer."""
+        if self._held is not None:  # nested: the outer one sends them
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self._queue.put(held)
 
     def _reconcile_streamed(self, room: int, tail: np.ndarray) -> None:
         """A layer-streamed room's last chunk, on the scheduler thread, before any slot SGLang
@@ -484,13 +513,24 @@ class PrefillSender:
         serves every other one: it is logged and the loop goes on."""
         while not stop.is_set():
             try:
-                item = self._queue.get(timeout=0.1)
+                items = self._queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-            try:
-                self._handle(item)
-            except Exception:
-                logger.exception("lynx: prefill dispatcher error (continuing)")
+            groups: dict[str, list[_Job]] = {}
+            for item in items:
+                try:
+                    job = self._handle(item)
+                except Exception:
+                    logger.exception("lynx: prefill dispatcher error (continuing)")
+                    continue
+                if job is None:
+                    continue
+                if len(job.destinations) == 1:
+                    groups.setdefault(job.destinations[0].session_address, []).append(job)
+                else:  # a group sends to one decode each
+                    self._dispatch([job])
+            for jobs in groups.values():
+                self._dispatch(jobs)
         self.stopping.set()
         if self.encoder is not None:
             self.encoder.shutdown(wait=False, cancel_futures=True)
@@ -503,27 +543,29 @@ class PrefillSender:
             self._workers.pop(worker.address, None)
             return True
 
-    def _handle(self, item: _Chunk) -> None:
+    def _handle(self, item: _Chunk) -> _Job | None:
+        """Take one chunk; returns the room's job once its last chunk completes it, if it is to
+        be sent now (a layer-streamed room is already with its worker)."""
         room = item.room
         if not self.link.is_live(room):
             self._pending.pop(room, None)
             self._hand_over(room, None, None, "SGLang dropped the room")
-            return
+            return None
         if item.wait_event is not None:
             item.wait_event.synchronize()
         self._pending.setdefault(room, []).append(item.kv_indices)
         if not item.is_last:
-            return
+            return None
         slots = np.concatenate(self._pending.pop(room))
         if self._hand_over(room, item, slots, None):
-            return
+            return None
         tr = trace.Trace("prefill", room, sglang_ctx=item.trace_ctx)
         tr.mark("submitted", item.submitted)
         destinations = self.link.destinations(room)
         if not destinations:
             self.link.report(room, None, [])
-            return
-        self._dispatch([_Job(room, slots, item.aux_index, destinations, tr)])
+            return None
+        return _Job(room, slots, item.aux_index, destinations, tr)
 
     def _hand_over(self, room: int, item: _Chunk | None, slots: np.ndarray | None,
                    refused: str | None) -> bool:
@@ -554,15 +596,15 @@ class PrefillSender:
             worker.jobs.put(jobs)
 
     def send_group(self, jobs: list[_Job], inflight: list[_InFlight]) -> None:
-        """A destination worker sends a group of rooms: one, or the layer-streamed rooms of one
-        forward bound for its decode. A failure fails its own room only."""
+        """A destination worker sends a group of rooms: one, or the rooms of one forward bound
+        for its decode (`start_early`, `batched`). A failure fails its own room only."""
         if len(jobs) == 1:
             self.send_job(jobs[0], inflight)
             return
-        # One decode each (`start_early`): open every room, then send layer l of every room
-        # before layer l + 1 of any, so that each room's Anchor goes out as the forward writes
-        # it (one room after another, the second's whole encode came after the forward); then
-        # end each room's streams.
+        # One decode each: open every room, then send layer l of every room before layer l + 1
+        # of any, so that each room's Anchor goes out as the forward writes it (one room after
+        # another, the second's whole encode came after the forward); then end every room's
+        # Anchor before any room's Residual (an exact one is encoded then).
         writers: list[tuple[_RoomWriter, _InFlight]] = []
         for job in jobs:
             job.trace.mark("dequeued")
@@ -578,10 +620,17 @@ class PrefillSender:
                     self._undo(f, inflight)
                     self._fail_room(w.job, exc)
                     writers.remove((w, f))
+        for w, f in list(writers):
+            try:
+                w.finish_anchor()
+            except Exception as exc:
+                self._undo(f, inflight)
+                self._fail_room(w.job, exc)
+                writers.remove((w, f))
         for w, f in writers:
             try:
                 try:
-                    sent = w.finish()
+                    sent = w.finish_residual()
                 except Exception:
                     self._undo(f, inflight)
                     raise

@@ -728,6 +728,35 @@ def test_a_room_that_fails_in_a_streamed_group_leaves_the_others(sgl, make_pd):
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
+def _residual_in(pd: PD, req: Request) -> bool:
+    room = pd.decode.mgr.applier._rooms.get(req.room)
+    return room is not None and room.final_layers == LAYERS
+
+
+def test_rooms_handed_over_together_send_every_anchor_before_a_residual(sgl, make_pd):
+    """Rooms SGLang hands over while handling one forward's results (`PrefillSender.batched`,
+    as the batch_handover hook runs it) go to their decode's worker as one group: the second
+    room's Anchor does not wait for the first room's Residual (here held back 2 s)."""
+    pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
+    a, ga = _open_request(sgl, pd, room=1121, seed=41)
+    b, gb = _open_request(sgl, pd, room=1122, seed=42, beside=a)
+    for req, g in ((a, ga), (b, gb)):
+        for layer in range(LAYERS):
+            _forward_layer(pd, req, layer, g)
+    with pd.prefill.mgr.sender.batched():
+        for req in (a, b):
+            req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None,
+                            num_kv_tokens=NUM_TOKENS)
+    _wait("both Anchors at the decode", lambda: _anchor_in(pd, a) and _anchor_in(pd, b))
+    assert not _residual_in(pd, a), "the first room's Residual came before the second's Anchor"
+    for req in (a, b):
+        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+            _failure_message(sgl, req.receiver)
+        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+        assert _holds(pd, req, "full")
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+
+
 def test_a_failed_forward_fails_the_layer_streamed_room(sgl, make_pd):
     pd = make_pd(_cfg(target="exact"))
     req, gate, g = _start_streamed_request(sgl, pd, room=1102, seed=22)
