@@ -20,7 +20,7 @@ typedef struct {
 } chunk_out_t;
 
 static void free_all(void **ptrs, int n) {
-    for (int i = 0; i < n; i++) free(ptrs[i]);
+    for (int i = 0; i < n; i++) xfree(ptrs[i]);
 }
 
 /* Per-token groups of a row: min/max of each run of g values. */
