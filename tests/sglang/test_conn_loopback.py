@@ -669,6 +669,15 @@ def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd, tar
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
+def _all_succeed(sgl: _SGLang, pd: PD, reqs) -> None:
+    """Each request ends Success on both sides with the prefill's exact KV in the decode pool."""
+    for req in reqs:
+        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+            _failure_message(sgl, req.receiver)
+        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+        assert _holds(pd, req, "full")
+
+
 def _stream_two_rooms(sgl: _SGLang, pd: PD, rooms: tuple[int, int], seed: int):
     """Two requests whose prompts one forward computes, handed to the sender with one gate; the
     forward writes layer 0 of both. Returns them (with their generators) and the gate once layer
@@ -700,11 +709,7 @@ def test_the_rooms_of_one_forward_stream_their_layers_together(sgl, make_pd):
     gate.finish()
     for req in (a, b):
         req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
-    for req in (a, b):
-        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
-            _failure_message(sgl, req.receiver)
-        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
-        assert _holds(pd, req, "full")
+    _all_succeed(sgl, pd, (a, b))
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
@@ -749,11 +754,7 @@ def test_rooms_handed_over_together_send_every_anchor_before_a_residual(sgl, mak
                             num_kv_tokens=NUM_TOKENS)
     _wait("both Anchors at the decode", lambda: _anchor_in(pd, a) and _anchor_in(pd, b))
     assert not _residual_in(pd, a), "the first room's Residual came before the second's Anchor"
-    for req in (a, b):
-        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
-            _failure_message(sgl, req.receiver)
-        assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
-        assert _holds(pd, req, "full")
+    _all_succeed(sgl, pd, (a, b))
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
 
 
