@@ -231,8 +231,9 @@ class _DestinationWorker:
 
 class _RoomWriter:
     """Writes one room's two streams to one decode from its staging range, layer by layer
-    (`layer`, in order), then ends them (`finish`). Split in steps so that a destination worker
-    can interleave the rooms of one layer-streamed forward layer by layer (`send_group`).
+    (`layer`, in order), then ends the Anchor (`finish_anchor`) and the Residual
+    (`finish_residual`). Split in steps so that a destination worker can interleave the rooms of
+    one forward (`send_group`): layer by layer, every Anchor ended before any Residual.
 
     Each layer is encoded straight into staging and its Anchor written at once. After the
     forward, every layer's Anchor (and the aux) goes before any Residual byte: an int8 Residual
