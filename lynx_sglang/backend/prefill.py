@@ -403,7 +403,7 @@ class PrefillSender:
         many slots. The rooms bound for one decode go to its worker as one group, which it sends
         layer by layer across the group (`send_group`): every room's first layers go out while
         the forward computes, not one room after another's whole transfer."""
-        groups: dict[str, list[_Job]] = {}
+        jobs: list[_Job] = []
         for room, slots in rooms:
             destinations = self.link.destinations(room) if self.link.is_live(room) else []
             if len(destinations) != 1 or destinations[0].num_slots != len(slots):
@@ -415,12 +415,12 @@ class PrefillSender:
                 if room in self._early:
                     continue
                 self._early[room] = job
-            groups.setdefault(destinations[0].session_address, []).append(job)
-        for jobs in groups.values():
-            for job in jobs:
-                job.trace.facts["streamed_with_rooms"] = len(jobs)
-            self._dispatch(jobs)
-        return {job.room for jobs in groups.values() for job in jobs}
+            jobs.append(job)
+        for group in _by_decode(jobs):
+            for job in group:
+                job.trace.facts["streamed_with_rooms"] = len(group)
+            self._dispatch(group)
+        return {job.room for job in jobs}
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None, trace_ctx=None) -> None:
@@ -517,21 +517,17 @@ class PrefillSender:
                 items = self._queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-            groups: dict[str, list[_Job]] = {}
+            ready: list[_Job] = []
             for item in items:
                 try:
                     job = self._handle(item)
                 except Exception:
                     logger.exception("lynx: prefill dispatcher error (continuing)")
                     continue
-                if job is None:
-                    continue
-                if len(job.destinations) == 1:
-                    groups.setdefault(job.destinations[0].session_address, []).append(job)
-                else:  # a group sends to one decode each
-                    self._dispatch([job])
-            for jobs in groups.values():
-                self._dispatch(jobs)
+                if job is not None:
+                    ready.append(job)
+            for group in _by_decode(ready):
+                self._dispatch(group)
         self.stopping.set()
         if self.encoder is not None:
             self.encoder.shutdown(wait=False, cancel_futures=True)
@@ -614,32 +610,30 @@ class PrefillSender:
             except Exception as exc:
                 self._fail_room(job, exc)
         for layer in range(self._pool().shape.num_layers):
-            for w, f in list(writers):
-                try:
-                    w.layer(layer)
-                except Exception as exc:
-                    self._undo(f, inflight)
-                    self._fail_room(w.job, exc)
-                    writers.remove((w, f))
+            self._each(writers, inflight, lambda w, layer=layer: w.layer(layer))
+        self._each(writers, inflight, _RoomWriter.finish_anchor)
+        sent: dict[int, int] = {}
+        self._each(writers, inflight,
+                   lambda w: sent.__setitem__(w.job.room, w.finish_residual()))
+        for w, _ in writers:
+            try:
+                self._done(w.job, sent[w.job.room], w.job.destinations)
+            except Exception as exc:
+                self._fail_room(w.job, exc)
+        for job in jobs:
+            self._forget_early(job)
+
+    def _each(self, writers: list[tuple[_RoomWriter, _InFlight]], inflight: list[_InFlight],
+              step: Callable[[_RoomWriter], object]) -> None:
+        """One step of every room of a group; a room whose step raises gives its staging and
+        announcement back, fails, and leaves the group."""
         for w, f in list(writers):
             try:
-                w.finish_anchor()
+                step(w)
             except Exception as exc:
                 self._undo(f, inflight)
                 self._fail_room(w.job, exc)
                 writers.remove((w, f))
-        for w, f in writers:
-            try:
-                try:
-                    sent = w.finish_residual()
-                except Exception:
-                    self._undo(f, inflight)
-                    raise
-                self._done(w.job, sent, [w.job.destinations[0]])
-            except Exception as exc:
-                self._fail_room(w.job, exc)
-            finally:
-                self._forget_early(w.job)
 
     def send_job(self, job: _Job, inflight: list[_InFlight]) -> None:
         """A destination worker sends one room (its failure fails that room only)."""
@@ -808,6 +802,19 @@ def refusal(answer) -> str | None:
         return None
     why = said.get("refused") if isinstance(said, dict) else None
     return why if isinstance(why, str) else f"unintelligible answer {bytes(answer.meta[:100])!r}"
+
+
+def _by_decode(jobs: list[_Job]) -> list[list[_Job]]:
+    """Rooms grouped by the decode address of their worker, in order; a room with several
+    destinations goes alone (a group sends to one decode each)."""
+    groups: dict[str, list[_Job]] = {}
+    alone: list[list[_Job]] = []
+    for job in jobs:
+        if len(job.destinations) == 1:
+            groups.setdefault(job.destinations[0].session_address, []).append(job)
+        else:
+            alone.append([job])
+    return alone + list(groups.values())
 
 
 def _release(session: Session, room: int) -> None:
