@@ -81,6 +81,9 @@ class LynxConfig:
     encode_threads: int = _opt(2, "prefill: threads encoding a layer's K and V at once (the C "
                                   "codec releases the GIL; 1 = one after the other)",
                                choices=(1, 2))
+    apply_threads: int = _opt(2, "decode: threads applying a landed layer's K and V at once (the "
+                                 "C codec releases the GIL; 1 = one after the other)",
+                              choices=(1, 2))
     layer_stream: bool = _opt(
         True, "prefill: encode and send each layer's Anchor while the prefill forward computes "
               "the later layers, so that when the forward ends only its last layers are still "

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """CPU cost of the Lynx KV data path of one request, as SGLang's `lynx` backend runs it.
 
-Prefill side (`backend.prefill._write_streams`, without the transport): every layer's Anchor
+Prefill side (`backend.prefill._RoomWriter`, without the transport): every layer's Anchor
 encoded straight into a staging numpy buffer (one fused C call per layer and kind, K and V on two
 threads with `--encode-threads 2`), then the Residual: for target int8 in the same pass, for exact
 in a second pass. Decode side (`backend.decode`): every layer's Anchor applied into the decode
-pool's slots, then the Residual (the layers found by walking the landed Residual's chunk headers);
-`decode_residual_only` skips the Anchor write, as the applier does when both streams have landed by
-the time it looks.
+pool's slots, then the Residual (the layers found by walking the landed Residual's chunk headers),
+K and V on two threads with `--apply-threads 2`; `decode_residual_only` skips the Anchor write, as
+the applier does when both streams have landed by the time it looks.
 
 Each is reported in wall-clock and in CPU seconds (the best of --repeats runs after a warm-up: the
 least disturbed by other work on a shared machine); the wall-clock time also as a ratio to a plain
@@ -85,18 +85,19 @@ def encode_request(pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec, chunk
 
 
 def decode_request(buf: np.ndarray, pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec,
-                   plan: StreamPlan, residual_bytes: int, with_anchor: bool = True) -> None:
+                   plan: StreamPlan, residual_bytes: int, executor: Executor | None,
+                   with_anchor: bool = True) -> None:
     """Apply the Anchor, then the Residual; without `with_anchor`, the decode's path when both
     streams have landed before it looks (no Anchor-precision write)."""
     view = memoryview(buf)
     anchors = [anchor_layer(view, plan, layer) for layer in range(plan.num_layers)]
     if with_anchor:
         for layer, runs in enumerate(anchors):
-            apply_anchor_layer(runs, pool, layer, slots, spec, 1)
+            apply_anchor_layer(runs, pool, layer, slots, spec, 1, executor)
     reader = ResidualReader(plan.num_layers, len(slots))
     residual = view[plan.anchor_bytes: plan.anchor_bytes + residual_bytes]
     for layer, runs in reader.advance(residual, len(residual)):
-        apply_full_layer(anchors[layer], runs, pool, layer, slots, spec, 1)
+        apply_full_layer(anchors[layer], runs, pool, layer, slots, spec, 1, executor)
 
 
 def plain_copy(pool: KVPoolView, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -120,15 +121,17 @@ def bench(tokens: int, args, spec: CodecSpec) -> dict:
     copy_out = torch.empty(shape.num_layers, 2, tokens, shape.num_kv_heads, shape.head_dim,
                            dtype=dtype)
     executor = ThreadPoolExecutor(1) if args.encode_threads > 1 else None
+    apply_helper = ThreadPoolExecutor(1) if args.apply_threads > 1 else None
 
     t_copy = timed(lambda: plain_copy(src, src_slots, copy_out), args.repeats)
     t_prefill = timed(lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan,
                                              executor), args.repeats)
     residual_bytes = encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan, executor)
-    t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan, residual_bytes),
-                     args.repeats)
+    t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan, residual_bytes,
+                                            apply_helper), args.repeats)
     t_residual_only = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan,
-                                                   residual_bytes, False), args.repeats)
+                                                   residual_bytes, apply_helper, False),
+                            args.repeats)
     for layer in range(shape.num_layers):  # the bytes it times must also be the right ones
         for a, b in ((dst.k, src.k), (dst.v, src.v)):
             if spec.target is Target.EXACT and not torch.equal(a[layer][dst_slots],
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads (default 1: SGLang CPU servers run 1-2)")
     parser.add_argument("--encode-threads", type=int, choices=(1, 2), default=2,
                         help="as --lynx-encode-threads (default 2)")
+    parser.add_argument("--apply-threads", type=int, choices=(1, 2), default=2,
+                        help="as --lynx-apply-threads (default 2)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                         help="KV pool dtype (default bfloat16, the demo's)")
     parser.add_argument("--json", type=Path, default=Path("out/bench_kv_path.json"))
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['decode_cpu_s'] * 1e3:.1f} ms)",
                   file=sys.stderr)
     report = {"model": args.model, "threads": args.threads, "dtype": args.dtype,
-              "encode_threads": args.encode_threads, "chunk_tokens": args.chunk_tokens,
+              "encode_threads": args.encode_threads,
+              "apply_threads": args.apply_threads, "chunk_tokens": args.chunk_tokens,
               "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")

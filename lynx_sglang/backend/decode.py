@@ -9,7 +9,9 @@ Per request ("room", a `backend.room.DecodeRoom`):
 - The applier thread (`run`) works on what has landed so far. Each Anchor layer is validated as
   soon as its bytes are in; when speculation is on it is also dequantized into the room's KV slots
   right away. Each Residual layer is validated and written at full precision as soon as its
-  chunks are in. When the whole Anchor is in, SGLang's aux data (the first token) is written and
+  chunks are in. With `--lynx-apply-threads 2` a layer's V run is applied on a helper thread
+  (`apply_helper`) while this thread applies its K run; the layer's call returns only when both
+  have ended. When the whole Anchor is in, SGLang's aux data (the first token) is written and
   the applier decides whether speculating pays (`_speculation_pays`: the Residual's expected
   arrival, at the rate recent Residuals came in (`Estimates`), against what the rest of the
   Anchor and a verification cost). Speculative: Success is
@@ -39,6 +41,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +149,9 @@ class DecodeApplier:
         self._idle = threading.Condition(self._lock)
         self._wake = threading.Event()
         self.estimates = Estimates(verify_s=INITIAL_VERIFY_ESTIMATE_S)
+        # A layer's V is applied on it while the applier thread applies its K.
+        self.apply_helper = (ThreadPoolExecutor(1, thread_name_prefix="lynx-apply-v")
+                             if config.apply_threads > 1 else None)
         endpoint.on_progress(self._wake.set)
 
     # ---- threads ------------------------------------------------------------------------------
@@ -248,6 +254,8 @@ class DecodeApplier:
             # The transport wakes this thread when bytes land (`Endpoint.on_progress`), SGLang's
             # calls when a room changes; the timeout only bounds the unannounced-room deadline.
             self._wake.wait(0.1)
+        if self.apply_helper is not None:
+            self.apply_helper.shutdown(wait=True)
 
     def _forget_dead_prefills(self) -> None:
         """A prefill rank whose session ended (it died, or stalled past the heartbeat) is
@@ -451,7 +459,7 @@ class DecodeApplier:
                 if room.trace.marks.get("anchor_apply_start") is None:
                     room.trace.mark("anchor_apply_start", t0)
                 apply_anchor_layer(room.anchor_layers[layer], pool, layer, room.slots, self.spec,
-                                   room.room)
+                                   room.room, self.apply_helper)
                 t1 = time.time()
                 room.trace.span("anchor_apply", layer, t0, t1)
                 est = self.estimates
@@ -478,7 +486,7 @@ class DecodeApplier:
             if room.trace.marks.get("residual_apply_start") is None:
                 room.trace.mark("residual_apply_start", t0)
             apply_full_layer(room.anchor_layers[layer], chunks, pool, layer, room.slots,
-                             self.spec, room.room)
+                             self.spec, room.room, self.apply_helper)
             room.trace.span("residual_apply", layer, t0, time.time())
             room.anchor_layers[layer] = None  # its memory views are no longer needed
             room.final_layers += 1

@@ -20,7 +20,7 @@ room's staging range is freed, which the applier does only after the room is con
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 
 import torch
@@ -89,29 +89,46 @@ def anchor_layer(view: memoryview, plan: StreamPlan, layer: int) -> LayerRuns:
     return LayerRuns(view[at:k_end], view[k_end: at + plan.anchor_layer_bytes])
 
 
-def _apply(write, layer: int, what: str) -> None:
+def _each_kind(write, layer: int, what: str, executor: Executor | None) -> None:
+    """`write(kind)` for K and V: with `executor`, V on it while K runs here (the C codec
+    releases the GIL, and the two kinds are separate pool tensors). Either kind's codec error
+    is raised once both have ended, so neither call is left running on the room's buffers."""
+    def run(kind: StreamKind) -> None:
+        try:
+            write(kind)
+        except CodecError as exc:
+            raise KVStreamError(f"{what} {kind.value.upper()} of layer {layer}: {exc}") from exc
+
+    if executor is None:
+        for kind in KINDS:
+            run(kind)
+        return
+    v = executor.submit(run, StreamKind.V)
     try:
-        write()
-    except CodecError as exc:
-        raise KVStreamError(f"{what} of layer {layer}: {exc}") from exc
+        run(StreamKind.K)
+    finally:
+        wait([v])
+    v.result()
 
 
 def apply_anchor_layer(anchor: LayerRuns, pool: KVPoolView, layer: int, slots: torch.Tensor,
-                       spec: CodecSpec, request_tag: int) -> None:
-    """Validate one layer's Anchor runs and write their reconstruction into the pool's `slots`."""
-    for kind in KINDS:
-        _apply(lambda kind=kind: fused.apply_anchor_run(
-            anchor.of(kind), pool.layer(layer, kind), slots, spec, kind, layer, request_tag,
-            len(slots)), layer, f"the Anchor {kind.value.upper()}")
+                       spec: CodecSpec, request_tag: int,
+                       executor: Executor | None = None) -> None:
+    """Validate one layer's Anchor runs and write their reconstruction into the pool's `slots`
+    (K and V at once with `executor`)."""
+    _each_kind(lambda kind: fused.apply_anchor_run(
+        anchor.of(kind), pool.layer(layer, kind), slots, spec, kind, layer, request_tag,
+        len(slots)), layer, "the Anchor", executor)
 
 
 def apply_full_layer(anchor: LayerRuns, residual: LayerRuns, pool: KVPoolView, layer: int,
-                     slots: torch.Tensor, spec: CodecSpec, request_tag: int) -> None:
-    """Validate one layer's Anchor and Residual runs and write its full-precision values."""
-    for kind in KINDS:
-        _apply(lambda kind=kind: fused.apply_residual_run(
-            anchor.of(kind), residual.of(kind), pool.layer(layer, kind), slots, spec, kind, layer,
-            request_tag, len(slots)), layer, f"the Residual {kind.value.upper()}")
+                     slots: torch.Tensor, spec: CodecSpec, request_tag: int,
+                     executor: Executor | None = None) -> None:
+    """Validate one layer's Anchor and Residual runs and write its full-precision values (K and
+    V at once with `executor`)."""
+    _each_kind(lambda kind: fused.apply_residual_run(
+        anchor.of(kind), residual.of(kind), pool.layer(layer, kind), slots, spec, kind, layer,
+        request_tag, len(slots)), layer, "the Residual", executor)
 
 
 class ResidualReader:

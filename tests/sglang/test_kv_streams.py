@@ -33,7 +33,7 @@ def _pool(seed: int) -> KVPoolView:
 
 
 def apply_anchor(anchor: memoryview, pool: KVPoolView, slots, spec, request_tag: int,
-                 write: bool = True):
+                 write: bool = True, executor=None):
     """Every layer's Anchor as the decode applier takes it: found at the plan's offsets, then
     validated and written."""
     plan = StreamPlan.build(spec, pool.shape, len(slots), CHUNK)
@@ -42,18 +42,18 @@ def apply_anchor(anchor: memoryview, pool: KVPoolView, slots, spec, request_tag:
     layers = [anchor_layer(anchor, plan, layer) for layer in range(LAYERS)]
     if write:
         for layer, runs in enumerate(layers):
-            apply_anchor_layer(runs, pool, layer, slots, spec, request_tag)
+            apply_anchor_layer(runs, pool, layer, slots, spec, request_tag, executor)
     return layers
 
 
 def apply_residual(residual: memoryview, anchors, pool: KVPoolView, slots, spec,
-                   request_tag: int, landed: int | None = None) -> int:
+                   request_tag: int, landed: int | None = None, executor=None) -> int:
     """Feed the Residual stream to a ResidualReader (`landed` bytes of it so far) and write every
     complete layer at full precision; returns the layers written."""
     reader = ResidualReader(LAYERS, len(slots))
     done = 0
     for layer, runs in reader.advance(residual, len(residual) if landed is None else landed):
-        apply_full_layer(anchors[layer], runs, pool, layer, slots, spec, request_tag)
+        apply_full_layer(anchors[layer], runs, pool, layer, slots, spec, request_tag, executor)
         done += 1
     return done
 
@@ -77,9 +77,12 @@ def _streams(pool, slots, spec, chunk_tokens, tag):
     return anchor, residual
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("target", ["exact", "int8"])
 @pytest.mark.parametrize("num_tokens", [1, 200, 513])
-def test_round_trip(target, num_tokens):
+def test_round_trip(target, num_tokens, threads):
+    """threads=2: the decode's `--lynx-apply-threads 2`, V applied on a helper thread."""
+    executor = ThreadPoolExecutor(1) if threads == 2 else None
     spec = CodecSpec(anchor_bits=4, group_size=64, target=target)
     src, dst = _pool(0), _pool(1)
     src_slots = torch.randperm(SLOTS)[:num_tokens]
@@ -94,14 +97,16 @@ def test_round_trip(target, num_tokens):
     assert (len(residual) <= plan.residual_bytes if target == "exact"
             else len(residual) == plan.residual_bytes)
 
-    anchors = apply_anchor(memoryview(anchor), dst, dst_slots, spec, request_tag=7)
+    anchors = apply_anchor(memoryview(anchor), dst, dst_slots, spec, request_tag=7,
+                           executor=executor)
     for layer in range(LAYERS):
         x = src.k[layer][src_slots]
         expect = decode(encode(x, spec, "k"), "anchor")
         assert torch.equal(dst.k[layer][dst_slots], expect)
         assert torch.equal(dst.k[layer][untouched], before[layer][untouched])
 
-    apply_residual(memoryview(residual), anchors, dst, dst_slots, spec, request_tag=7)
+    apply_residual(memoryview(residual), anchors, dst, dst_slots, spec, request_tag=7,
+                   executor=executor)
     for layer in range(LAYERS):
         for kind, s, d in (("k", src.k, dst.k), ("v", src.v, dst.v)):
             x = s[layer][src_slots]
@@ -209,6 +214,32 @@ def test_mismatches_are_refused():
     swapped = per_layer[1] + per_layer[0] + b"".join(per_layer[2:])
     with pytest.raises(KVStreamError, match="layer 1 kind 0 while layer 0 K"):
         apply_residual(memoryview(swapped), anchors, dst, slots, spec, request_tag=3)
+
+
+@pytest.mark.parametrize("bad", ["k", "v"])
+def test_a_bad_run_on_two_threads_fails_after_both_kinds_ended(bad):
+    """With the apply helper, a corrupt K or V Residual run raises naming its kind, and only once
+    the other kind's call has ended: the applier may then free the room's staging and slots."""
+    spec = CodecSpec(target="exact")
+    src, dst = _pool(0), _pool(1)
+    slots = torch.arange(300)
+    anchor, _ = _streams(src, slots, spec, CHUNK, tag=5)
+    anchors = apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=5, write=False)
+    plan = StreamPlan.build(spec, src.shape, len(slots), CHUNK)
+    k_res = b"".join(to_chunks(encode(src.read(0, KINDS[0], slots), spec, "k", layer=0), CHUNK,
+                               stream="residual", request_tag=5))
+    layer0 = bytearray(_reference_layer(src, 0, slots, spec, CHUNK, 5)[1])
+    at = len(k_res) // 2 if bad == "k" else len(k_res) + (len(layer0) - len(k_res)) // 2
+    layer0[at] ^= 0xFF
+    runs = ResidualReader(LAYERS, len(slots)).advance(memoryview(bytes(layer0)), len(layer0))
+    assert [layer for layer, _ in runs] == [0] and plan.num_layers == LAYERS
+    good = "v" if bad == "k" else "k"
+    with ThreadPoolExecutor(1) as executor:
+        with pytest.raises(KVStreamError, match=f"the Residual {bad.upper()} of layer 0"):
+            apply_full_layer(anchors[0], runs[0][1], dst, 0, slots, spec, 5, executor)
+        # Read at once: the other kind's values are already all in.
+        written = (dst.v if good == "v" else dst.k)[0][slots]
+        assert torch.equal(written, (src.v if good == "v" else src.k)[0][slots])
 
 
 def test_pool_view_refuses_other_pools():
