@@ -8,6 +8,40 @@ static int corrupt(err_t *e, const char *what) {
     return fail(e, LYNX_E_CHUNK, "corrupt exact Residual section: %s", what);
 }
 
+/* The unary codes a byte of the U area holds, LSB first: `zeros` codes end in it; runs[i] (byte
+ * i of `runs`, 0 past the last) is the number of ones before its i-th zero (counted from the
+ * previous zero, or from the byte's start for i = 0); `tail` ones follow its last zero. */
+typedef struct {
+    uint64_t runs[256];
+    uint8_t zeros[256], tail[256];
+} unary_t;
+
+static unary_t unary_tab;
+static pthread_once_t unary_once = PTHREAD_ONCE_INIT;
+
+static void unary_init(void) {
+    for (int b = 0; b < 256; b++) {
+        uint64_t runs = 0;
+        int z = 0, run = 0;
+        for (int bit = 0; bit < 8; bit++) {
+            if (b >> bit & 1) {
+                run++;
+            } else {
+                runs |= (uint64_t)run << (8 * z++);
+                run = 0;
+            }
+        }
+        unary_tab.runs[b] = runs;
+        unary_tab.zeros[b] = (uint8_t)z;
+        unary_tab.tail[b] = (uint8_t)run;
+    }
+}
+
+static const unary_t *unary_table(void) {
+    pthread_once(&unary_once, unary_init);
+    return &unary_tab;
+}
+
 /* Decodes a coded chunk's corrections against its `nv` predictions (S->zc: r bits and class per
  * value) into `out` (value i at out[i]: the chunk's unprotected values, row-major). */
 INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t *sec, int64_t sec_len,
@@ -59,35 +93,42 @@ INLINE int section_decode_w(const geo_t *G, section_scratch_t *S, const uint8_t 
             pl += k;
         }
         if (pl > re) return corrupt(e, "a record is shorter than its low bits");
-        /* then the U area, a word at a time: every zero bit ends a value's unary code, so the
-         * codes come out of a trailing-zero count per value with no chain through memory. A
-         * code's length is checked once for the block, after the loop (qs holds up to 16 + 56). */
-        uint8_t qs[BLOCK];
+        /* then the U area, a byte at a time through the unary table (unary_table): a byte's
+         * whole codes come out of one 8-byte store, so the only chains are the code count and
+         * the run of ones carried into the next byte. Up to 8 bytes land past the block's codes
+         * (qs has the slack). A run of ones longer than 16 is refused as soon as it is seen, a
+         * code of 17 to 23 (a run of 16 carried into a byte) by the length check below. */
+        const unary_t *T = unary_table();
+        uint8_t qs[BLOCK + 8];
         int64_t pu = pl;
-        int cnt = 0, run = 0;
-        while (cnt < n) {
-            const int64_t left = re - pu;
-            if (left <= 0) return corrupt(e, "a unary code runs past its record");
-            const int avail = left < 56 ? (int)left : 56;
-            uint64_t z = ~peek(data, pu) & (((uint64_t)1 << avail) - 1); /* ones at the zeros */
-            int base = 0;
-            /* the codes this word ends, known up front: the loop needs no second bound */
-            const int pc = __builtin_popcountll(z), end = cnt + pc < n ? cnt + pc : n;
-            while (cnt < end) {
-                const int t = __builtin_ctzll(z);
-                qs[cnt++] = (uint8_t)(run + t - base);
-                run = 0;
-                base = t + 1;
-                z &= z - 1;
+        int cnt = 0;
+        uint32_t carry = 0;
+        for (;;) {
+            if (pu >= re) return corrupt(e, "a unary code runs past its record");
+            const uint64_t w = peek(data, pu);
+            int j = 0, before = 0;
+            uint32_t b = 0;
+            for (; j < 7; j++) {
+                b = (uint32_t)(w >> (8 * j)) & 0xFF;
+                const uint32_t z = T->zeros[b];
+                const uint64_t codes = T->runs[b] + (z ? carry : 0);
+                memcpy(qs + cnt, &codes, 8);
+                before = cnt;
+                cnt += (int)z;
+                carry = z ? T->tail[b] : carry + 8;
+                if (cnt >= n || carry > ESCAPE_Q) break;
             }
-            if (cnt == n) {
-                pu += base;
+            if (cnt >= n) {
+                /* the block's last code ends at zero number n - before of this byte */
+                uint32_t zb = ~b & 0xFF;
+                for (int m = n - before - 1; m > 0; m--) zb &= zb - 1;
+                pu += 8 * j + __builtin_ctz(zb) + 1;
                 break;
             }
-            run += avail - base;
-            if (run > ESCAPE_Q) return corrupt(e, "a unary code longer than 16");
-            pu += avail;
+            if (carry > ESCAPE_Q) return corrupt(e, "a unary code longer than 16");
+            pu += 56;
         }
+        if (pu > re) return corrupt(e, "a unary code runs past its record");
         uint8_t qmax = 0;
         for (i = 0; i < n; i++) qmax = qs[i] > qmax ? qs[i] : qmax;
         if (qmax > ESCAPE_Q) return corrupt(e, "a unary code longer than 16");
