@@ -322,7 +322,7 @@ class _RoomWriter:
         if sender.fault_residual_delay_s:
             logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
                            FAULT_RESIDUAL_HOLD_LOG, sender.fault_residual_delay_s)
-            time.sleep(sender.fault_residual_delay_s)
+            sender.fault_residual_release.wait(sender.fault_residual_delay_s)
         if not config.residual:
             tr.mark("encode_end")
             return plan.anchor_bytes
@@ -364,6 +364,9 @@ class PrefillSender:
         self.identity = identity
         self.link = link
         self.fault_residual_delay_s = fault_residual_delay_s
+        # Ends that hold early once set: by in-process tests, which then need no timing margin,
+        # and at shutdown.
+        self.fault_residual_release = threading.Event()
         self._queue: queue.Queue[list[_Chunk]] = queue.Queue()
         # Chunks submitted inside `batched` (scheduler thread only), queued together at its end.
         self._held: list[_Chunk] | None = None
@@ -529,6 +532,7 @@ class PrefillSender:
             for group in _by_decode(ready):
                 self._dispatch(group)
         self.stopping.set()
+        self.fault_residual_release.set()
         if self.encoder is not None:
             self.encoder.shutdown(wait=False, cancel_futures=True)
 

@@ -68,6 +68,8 @@ TIMEOUTS = ({"connect_timeout_s": 60.0, "transfer_timeout_s": 120.0} if VERBS_DE
             {"connect_timeout_s": 2.0, "transfer_timeout_s": 10.0})
 # In the emulated guest, parsing and applying an Anchor alone takes seconds.
 RESIDUAL_HOLD_S = 30.0 if VERBS_DEVICE else 2.0
+# A hold the test ends itself (`PrefillSender.fault_residual_release`): only a backstop.
+LONG_HOLD_S = 120.0
 WAIT_S = 240.0 if VERBS_DEVICE else 20.0
 
 
@@ -551,8 +553,12 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     outcome is reported to the speculation controller (`residual_outcome`), not to SGLang."""
     from lynx_sglang.backend.outcome import ResidualState
 
-    pd = make_pd(_cfg(target="exact", speculate=True, spec_policy="always"),
-                 residual_hold_s=RESIDUAL_HOLD_S)
+    # Held until the test lets it go (`fault_residual_release`), so no timing margin is needed
+    # for the checks below, however loaded the machine; the hold's own bound is only a backstop.
+    pd = make_pd(_cfg(target="exact", speculate=True, spec_policy="always",
+                      transfer_timeout_s=LONG_HOLD_S + 30.0),
+                 residual_hold_s=LONG_HOLD_S)
+    release = pd.prefill.mgr.sender.fault_residual_release
     decode = pd.decode.mgr.applier
     req = _start_request(sgl, pd, room=6006, seed=7)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
@@ -564,6 +570,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     assert decode.staging.free_bytes() < decode.staging.nbytes  # the Residual is still expected
 
     if then == "applied":
+        release.set()
         outcome = _wait("the Residual outcome", lambda: (
             o if (o := decode.residual_outcome(req.room)).state is not ResidualState.PENDING
             else None))
@@ -586,6 +593,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
         # The request's KV slots are being freed: nothing may be written into them afterwards.
         assert decode.cancel(req.room)
         assert decode.residual_outcome(req.room) is None
+        release.set()
         assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed  # its Residual is refused
         assert _holds(pd, req, "anchor")
     assert decode.staging.free_bytes() == decode.staging.nbytes
