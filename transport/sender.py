@@ -240,7 +240,9 @@ class SenderRole(SessionBase):
             ts = rq.streams[stream]
             if ts.t_first is None and nbytes:
                 ts.t_first = now()
-            ts.sent += nbytes
+            # The receiver's ACK can overtake this host's own completions (verbs: the peer polls
+            # its queue first), and `_on_ack` has then counted every byte already.
+            ts.sent = ts.sent + nbytes if ts.total is None else min(ts.sent + nbytes, ts.total)
 
     # ------------------------------------------------------------------ control messages
     def _on_announce(self, m: Announce) -> None:
@@ -295,6 +297,10 @@ class SenderRole(SessionBase):
                 if ts.status is Status.PENDING:
                     ts.status = Status.COMPLETE
                     ts.t_done = now()
+                    # The receiver holds every byte: a COMPLETE state says so even when this
+                    # host's completion events for the last writes are still to be counted.
+                    if ts.total is not None:
+                        ts.sent = ts.total
             self._cond.notify_all()
 
     def _on_nack(self, m: Nack) -> None:

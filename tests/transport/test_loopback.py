@@ -84,6 +84,35 @@ def test_roundtrip_api(pair):
 
 
 @pytest.mark.timeout(60)
+def test_complete_counts_every_byte_when_the_ack_overtakes_local_completions(pair, monkeypatch):
+    """Over verbs the receiver can ACK a stream before this host has counted its own last write
+    completions (seen once in the soft-RoCE guest: COMPLETE with 131072 of 204805 B). The local
+    counts are held back here until after the ACK: COMPLETE must still say every byte, and the
+    late counts must not push it past the stream's size."""
+    from lynx_transport.sender import SenderRole
+
+    rx, tx, s_rx, s_tx = pair
+    held: list[tuple] = []
+    real = SenderRole.on_sent
+    monkeypatch.setattr(SenderRole, "on_sent", lambda self, *a: held.append((self, a)))
+    n = 200 * 1024 + 5
+    stage = np.zeros(n, np.uint8)
+    dst = rx.register(stage)
+    src = tx.register(pattern(n, 4))
+    s_rx.announce(4, {A: [(dst.id, 0, n)], R: [(dst.id, 0, 0)]})
+    s_tx.wait_announcement(4, timeout=5)
+    s_tx.write_stream(4, A, src, 0, n)
+    s_tx.finish(4, A)
+    assert s_rx.wait(4, A, timeout=10).ok
+    sent = s_tx.wait_sent(4, A, timeout=10)
+    assert sent.ok and sent.nbytes == sent.expected == n, sent
+    assert held, "no local completion was held back: the test did not order the events"
+    for self_, args in held:
+        real(self_, *args)
+    assert s_tx.send_state(4, A).nbytes == n
+
+
+@pytest.mark.timeout(60)
 def test_raw_pointer_regions_and_empty_stream(pair):
     rx, tx, s_rx, s_tx = pair
     n = 1 * MiB
