@@ -77,12 +77,21 @@ def _streams(pool, slots, spec, chunk_tokens, tag):
     return anchor, residual
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.fixture(params=[1, 2], ids=["threads1", "threads2"])
+def executor(request):
+    """None, or the one-thread helper the sender's --lynx-encode-threads 2 and the applier's
+    --lynx-apply-threads 2 run V on; shut down after the test."""
+    if request.param == 1:
+        yield None
+        return
+    with ThreadPoolExecutor(1) as helper:
+        yield helper
+
+
 @pytest.mark.parametrize("target", ["exact", "int8"])
 @pytest.mark.parametrize("num_tokens", [1, 200, 513])
-def test_round_trip(target, num_tokens, threads):
-    """threads=2: the decode's `--lynx-apply-threads 2`, V applied on a helper thread."""
-    executor = ThreadPoolExecutor(1) if threads == 2 else None
+def test_round_trip(target, num_tokens, executor):
+    """With `executor`: the decode's `--lynx-apply-threads 2`, V applied on a helper thread."""
     spec = CodecSpec(anchor_bits=4, group_size=64, target=target)
     src, dst = _pool(0), _pool(1)
     src_slots = torch.randperm(SLOTS)[:num_tokens]
@@ -134,15 +143,13 @@ def test_plan_expects_the_residual_size_it_gets(target, dtype):
         assert 0.85 < len(residual) / plan.residual_bytes_expected < 1.15
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("target", ["exact", "int8"])
-def test_encode_into_staging_writes_the_same_streams(target, one_pass, threads):
+def test_encode_into_staging_writes_the_same_streams(target, one_pass, executor):
     """What the prefill writes straight into staging with the fused codec, every layer's Anchor
     (alone, or with its Residual in one pass) and then every layer's Residual back to back, is
     byte for byte the streams of the torch reference."""
     spec = CodecSpec(target=target, sink_tokens=4, recent_tokens=16, rotate=True)
-    executor = ThreadPoolExecutor(1) if threads == 2 else None
     src = _pool(0)
     slots = torch.randperm(SLOTS)[:345]
     anchor, residual = _streams(src, slots, spec, 128, tag=11)
@@ -225,14 +232,13 @@ def test_a_bad_run_on_two_threads_fails_after_both_kinds_ended(bad):
     slots = torch.arange(300)
     anchor, _ = _streams(src, slots, spec, CHUNK, tag=5)
     anchors = apply_anchor(memoryview(anchor), dst, slots, spec, request_tag=5, write=False)
-    plan = StreamPlan.build(spec, src.shape, len(slots), CHUNK)
     k_res = b"".join(to_chunks(encode(src.read(0, KINDS[0], slots), spec, "k", layer=0), CHUNK,
                                stream="residual", request_tag=5))
     layer0 = bytearray(_reference_layer(src, 0, slots, spec, CHUNK, 5)[1])
     at = len(k_res) // 2 if bad == "k" else len(k_res) + (len(layer0) - len(k_res)) // 2
     layer0[at] ^= 0xFF
     runs = ResidualReader(LAYERS, len(slots)).advance(memoryview(bytes(layer0)), len(layer0))
-    assert [layer for layer, _ in runs] == [0] and plan.num_layers == LAYERS
+    assert [layer for layer, _ in runs] == [0]
     good = "v" if bad == "k" else "k"
     with ThreadPoolExecutor(1) as executor:
         with pytest.raises(KVStreamError, match=f"the Residual {bad.upper()} of layer 0"):
