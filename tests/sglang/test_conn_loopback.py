@@ -344,6 +344,11 @@ def _prefill_staging_free(pd: PD) -> bool:
     return pd.prefill.mgr.staging.free_bytes() == pd.prefill.mgr.staging.nbytes
 
 
+def _prefill_heard_release(pd: PD, req: Request) -> bool:
+    sessions = list(pd.prefill.mgr.sender._sessions.values())
+    return any(req.room in s._peer_released for s in sessions)
+
+
 def _holds(pd: PD, req: Request, stage: str) -> bool:
     return all(torch.equal(got, want) for got, want in _expected(pd, req, stage))
 
@@ -593,6 +598,9 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
         # The request's KV slots are being freed: nothing may be written into them afterwards.
         assert decode.cancel(req.room)
         assert decode.residual_outcome(req.room) is None
+        # The decode's release reaches the prefill on its control plane: a Residual let go
+        # before that is written and reported, and the decode drops its bytes.
+        _wait("the prefill to hear of the release", lambda: _prefill_heard_release(pd, req))
         release.set()
         assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed  # its Residual is refused
         assert _holds(pd, req, "anchor")
