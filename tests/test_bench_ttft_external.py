@@ -233,6 +233,10 @@ def test_stream_byte_counters_of_a_metrics_page(stub_url):
      "--variants, --link: only for the clusters bench-ttft starts itself"),
     (["--url", "http://x", "--kv-dtype", "float32"], "--kv-dtype: only for the clusters"),
     (["--label", "a", "--metrics-url", "http://y"], "--label, --metrics-url: only with --url"),
+    (["--url", "http://x", "--interleave"], "--interleave: only for the clusters"),
+    (["--interleave", "--variants", "mooncake,lynx"], "--interleave needs --no-bench-serving"),
+    (["--interleave", "--no-bench-serving", "--variants", "lynx", "--baseline", "lynx"],
+     "--interleave needs two variants or more"),
 ])
 def test_url_excludes_the_launch_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -63,3 +63,12 @@ def test_default_stream_is_stderr_at_write_time(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "[demo] variant 1/1 lynx: starting cluster\n"
+
+
+def test_a_phase_of_every_variant(run):
+    progress, out, _ = run
+    progress.start_variant("mooncake")
+    progress.phase("interleaved, 2 clusters up")
+    progress.note("lynx: request 1/4 (client)")
+    assert out.getvalue().splitlines()[-1] == (
+        "[bench-ttft] interleaved, 2 clusters up: lynx: request 1/4 (client)")

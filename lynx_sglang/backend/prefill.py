@@ -258,6 +258,7 @@ class _RoomWriter:
                                              or self.stream_residual)
         job.trace.facts.update(one_pass=self.one_pass, residual_streamed=self.stream_residual)
         self.residual_at = 0  # stream offset of the next streamed Residual layer
+        self.posted = 0  # bytes of both streams, once `finish_residual` has run
         job.trace.mark("encode_start")
 
     def run(self) -> int:
@@ -325,7 +326,8 @@ class _RoomWriter:
             sender.fault_residual_release.wait(sender.fault_residual_delay_s)
         if not config.residual:
             tr.mark("encode_end")
-            return plan.anchor_bytes
+            self.posted = plan.anchor_bytes
+            return self.posted
         if self.stream_residual:
             stream_at = self.residual_at
         elif self.one_pass:
@@ -348,7 +350,8 @@ class _RoomWriter:
         session.finish(room, Stream.RESIDUAL)
         tr.mark("residual_posted")
         tr.mark("encode_end")
-        return plan.anchor_bytes + stream_at
+        self.posted = plan.anchor_bytes + stream_at
+        return self.posted
 
 
 class PrefillSender:
@@ -616,12 +619,10 @@ class PrefillSender:
         for layer in range(self._pool().shape.num_layers):
             self._each(writers, inflight, lambda w, layer=layer: w.layer(layer))
         self._each(writers, inflight, _RoomWriter.finish_anchor)
-        sent: dict[int, int] = {}
-        self._each(writers, inflight,
-                   lambda w: sent.__setitem__(w.job.room, w.finish_residual()))
+        self._each(writers, inflight, _RoomWriter.finish_residual)
         for w, _ in writers:
             try:
-                self._done(w.job, sent[w.job.room], w.job.destinations)
+                self._done(w.job, w.posted, w.job.destinations)
             except Exception as exc:
                 self._fail_room(w.job, exc)
         for job in jobs:

@@ -24,6 +24,11 @@ request; mooncake from the model's KV shape in that dtype (computed). Greedy, `i
 
 `--no-bench-serving` leaves out step 1.
 
+`--interleave` (with `--no-bench-serving`) starts every variant's cluster first and keeps them all
+up, then sends each round of step 2 to one variant after another, the first turning each round:
+one variant after another's whole run, a box whose speed drifts within the hour (this CPU box's
+does, by up to 3x) gives each variant its own conditions; interleaved, they share them.
+
 `--url ROUTER` measures an already running cluster instead, as one variant (`--label`): the same
 warm-up and steps 1 and 2 through that router (its /flush_cache reaches every server). What needs
 the servers' trace files (net TTFT, Lynx's stream times, the stage breakdown) is reported as
@@ -40,6 +45,7 @@ start-up waits, request j/M, an ETA) goes to stderr (`tools.progress`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -86,7 +92,8 @@ DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
 # Options that only apply when this tool starts the clusters, with their defaults: argparse's own
 # default is None, so that check_arguments can tell whether one was given next to --url.
 LAUNCH_DEFAULTS = {"variants": ",".join(DEFAULT_VARIANTS), "baseline": "mooncake",
-                   "link": "1gbit", "kv_dtype": DEFAULT_KV_DTYPE, "startup_timeout_s": 300.0}
+                   "link": "1gbit", "kv_dtype": DEFAULT_KV_DTYPE, "startup_timeout_s": 300.0,
+                   "interleave": False}
 # Options that only apply to an already running cluster (--url).
 EXTERNAL_OPTIONS = ("label", "metrics_url")
 DEFAULT_LABEL = "external"
@@ -336,11 +343,14 @@ class BenchConfig:
     use_bench_serving: bool = True
     # Requests each client sends at once (--concurrency); 1: one after the other.
     concurrency: int = 1
+    # --interleave: all clusters up at once, each round sent to one variant after another.
+    interleave: bool = False
 
     @property
     def pacing(self) -> str:
-        return ("one at a time" if self.concurrency == 1 else
-                f"in rounds of {self.concurrency} sent at once")
+        pacing = ("one at a time" if self.concurrency == 1 else
+                  f"in rounds of {self.concurrency} sent at once")
+        return pacing + (", variants interleaved round by round" if self.interleave else "")
 
 
 def warm_up(url: str, warmup_ids: list[int], cfg: BenchConfig, progress: Progress) -> int:
@@ -376,68 +386,92 @@ def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
     return parse_bench_serving(json.loads(out_file.read_text().splitlines()[-1]), cfg.token_marks)
 
 
+def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], first: int,
+                 cfg: BenchConfig) -> tuple[list[StreamedGeneration], list[str]]:
+    """One round: `flush_url`'s prefix cache emptied, then the prompts of `round_` (prompt
+    numbers from `first`) sent at once with lynx_sglang.tools.client; their streams and request
+    ids, in prompt order."""
+    _flush_prefix_cache(flush_url)
+    ids = [f"bench-{name}-{first + j}-{time.time_ns()}" for j in range(len(round_))]
+    with ThreadPoolExecutor(len(round_)) as pool:
+        futures = [pool.submit(generate_stream, url, input_ids=p,
+                               max_new_tokens=cfg.max_new_tokens,
+                               timeout_s=cfg.request_timeout_s,
+                               sampling={"ignore_eos": True}, rid=rid)
+                   for p, rid in zip(round_, ids, strict=True)]
+        return [f.result() for f in futures], ids
+
+
 def stream_prompts(url: str, flush_url: str, name: str, prompts: list[list[int]],
                    cfg: BenchConfig, progress: Progress) -> tuple[list[StreamedGeneration], list[str]]:
-    """The prompts with lynx_sglang.tools.client in rounds of `cfg.concurrency` sent at once
-    (one at a time by default), `flush_url`'s prefix cache emptied before each round; returns the
-    streams and their request ids, in prompt order."""
+    """The prompts in rounds of `cfg.concurrency` sent at once (one at a time by default), each
+    round after a flush (`stream_round`); returns the streams and their request ids, in prompt
+    order."""
     streamed, rids = [], []
     n = cfg.concurrency
     for start in range(0, len(prompts), n):
         round_ = prompts[start: start + n]
         progress.request(start + len(round_), len(prompts), "(lynx_sglang.tools.client)")
-        _flush_prefix_cache(flush_url)
-        ids = [f"bench-{name}-{start + j}-{time.time_ns()}" for j in range(len(round_))]
-        with ThreadPoolExecutor(len(round_)) as pool:
-            futures = [pool.submit(generate_stream, url, input_ids=p,
-                                   max_new_tokens=cfg.max_new_tokens,
-                                   timeout_s=cfg.request_timeout_s,
-                                   sampling={"ignore_eos": True}, rid=rid)
-                       for p, rid in zip(round_, ids, strict=True)]
-            streamed.extend(f.result() for f in futures)
+        got, ids = stream_round(url, flush_url, name, round_, start, cfg)
+        streamed.extend(got)
         rids.extend(ids)
     return streamed, rids
+
+
+def interleaved_order(names: list[str], rounds: int) -> list[list[str]]:
+    """Which variant sends each round first (`--interleave`): the order turns by one each round,
+    so that none always goes first, or always right after another, on a box whose speed drifts."""
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
 
 
 def _same_text(bench: list[RequestTiming], client: list[RequestTiming]) -> bool | None:
     return [b.text for b in bench] == [c.text for c in client] if bench else None
 
 
-def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
-                warmup_ids: list[int], kv_shape: KVShape, run_dir: Path,
-                progress: Progress) -> VariantResult:
-    spec = ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
+def _cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterSpec:
+    return ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
                        link=cfg.link, startup_timeout_s=cfg.startup_timeout_s,
                        extra_env={TIMELINE_ENV: "1", TRACE_DIR_ENV: str(run_dir / "trace")})
-    progress.start_variant(variant.name,
-                           f"starting cluster: prefill + decode + router (logs {run_dir})")
-    t0 = time.monotonic()
-    is_lynx = variant.transfer_backend == "lynx"
-    with Cluster(spec, on_wait=progress.waiting) as cluster:
-        progress.note(f"up in {time.monotonic() - t0:.0f} s")
-        attempt = warm_up(cluster.url, warmup_ids, cfg, progress)
-        bench = (run_bench_serving(cluster.url, variant.name, cfg, run_dir, progress)
-                 if cfg.use_bench_serving else [])
-        streamed, rids = stream_prompts(cluster.url, cluster.prefill_url, variant.name, prompts,
-                                        cfg, progress)
-        trace_dir = run_dir / "trace"
-        needed = ("timeline", "decode", "request") if is_lynx else ("timeline",)
-        # The servers write their records asynchronously: give them a moment.
-        wait_for(lambda: all(k in records_by_request(trace_dir, rid) for rid in rids
-                             for k in needed))
-        per_request = [records_by_request(trace_dir, rid) for rid in rids]
-        server_config = next((r["facts"]["config"] for r in read_records(trace_dir)
-                              if r["kind"] == "server" and r["facts"].get("role") == "decode"),
-                             None)
-    for rid, records in zip(rids, per_request, strict=True):
+
+
+@dataclass
+class _Measured:
+    """What one variant's cluster gave, read while it was still up (`_read_records`)."""
+
+    variant: Variant
+    run_dir: Path
+    warmup_attempts: int
+    bench: list[RequestTiming] = field(default_factory=list)
+    streamed: list[StreamedGeneration] = field(default_factory=list)
+    rids: list[str] = field(default_factory=list)
+    per_request: list[dict] = field(default_factory=list)
+    server_config: dict | None = None
+
+
+def _read_records(m: _Measured) -> None:
+    """The servers' trace records of `m`'s streamed requests (the servers write them
+    asynchronously: given a moment), and the decode's effective Lynx configuration."""
+    trace_dir = m.run_dir / "trace"
+    is_lynx = m.variant.transfer_backend == "lynx"
+    needed = ("timeline", "decode", "request") if is_lynx else ("timeline",)
+    wait_for(lambda: all(k in records_by_request(trace_dir, rid) for rid in m.rids
+                         for k in needed))
+    m.per_request = [records_by_request(trace_dir, rid) for rid in m.rids]
+    m.server_config = next((r["facts"]["config"] for r in read_records(trace_dir)
+                            if r["kind"] == "server" and r["facts"].get("role") == "decode"), None)
+    for rid, records in zip(m.rids, m.per_request, strict=True):
         missing = [k for k in needed if k not in records]
         if missing:
-            raise BenchError(f"{variant.name}: no {missing} trace record for request {rid} in "
+            raise BenchError(f"{m.variant.name}: no {missing} trace record for request {rid} in "
                              f"{trace_dir}")
+
+
+def _result(m: _Measured, cfg: BenchConfig, kv_shape: KVShape) -> VariantResult:
+    is_lynx = m.variant.transfer_backend == "lynx"
     rate = parse_rate(cfg.link)
     client = []
-    for i, (g, rid, records) in enumerate(zip(streamed, rids, per_request, strict=True)):
+    for i, (g, rid, records) in enumerate(zip(m.streamed, m.rids, m.per_request, strict=True)):
         transfer = None
         if is_lynx:
             transfer = dict(records["decode"]["marks"])
@@ -447,12 +481,68 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
                                     records["timeline"]["marks"]["prefill_done"], transfer,
                                     breakdown(records, rid, g.t_first_token, rate)))
     if is_lynx:
-        stream_bytes = lynx_stream_bytes(variant.name, [r.stream_bytes for r in client])
+        stream_bytes = lynx_stream_bytes(m.variant.name, [r.stream_bytes for r in client])
     else:
         stream_bytes = {"kv": kv_shape.bytes_for(cfg.prompt_tokens)}
+    return VariantResult(m.variant, m.bench + client, stream_bytes, is_lynx,
+                         _same_text(m.bench, client), str(m.run_dir), m.warmup_attempts,
+                         m.server_config)
+
+
+def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
+                warmup_ids: list[int], kv_shape: KVShape, run_dir: Path,
+                progress: Progress) -> VariantResult:
+    progress.start_variant(variant.name,
+                           f"starting cluster: prefill + decode + router (logs {run_dir})")
+    t0 = time.monotonic()
+    with Cluster(_cluster_spec(variant, cfg, run_dir), on_wait=progress.waiting) as cluster:
+        progress.note(f"up in {time.monotonic() - t0:.0f} s")
+        m = _Measured(variant, run_dir, warm_up(cluster.url, warmup_ids, cfg, progress))
+        if cfg.use_bench_serving:
+            m.bench = run_bench_serving(cluster.url, variant.name, cfg, run_dir, progress)
+        m.streamed, m.rids = stream_prompts(cluster.url, cluster.prefill_url, variant.name,
+                                            prompts, cfg, progress)
+        _read_records(m)
     progress.finish_variant()
-    return VariantResult(variant, bench + client, stream_bytes, is_lynx,
-                         _same_text(bench, client), str(run_dir), attempt, server_config)
+    return _result(m, cfg, kv_shape)
+
+
+def run_interleaved(variants: list[Variant], cfg: BenchConfig, *, prompts: list[list[int]],
+                    warmup_ids: list[int], kv_shape: KVShape, out: Path,
+                    progress: Progress) -> list[VariantResult]:
+    """`--interleave`: every variant's cluster up at once, then each round of prompts sent to
+    one cluster after another (`interleaved_order`), so that the variants share the box's
+    drifts in speed instead of each getting its own stretch of time. The clusters that wait
+    stay up: each variant runs beside the others' idle servers."""
+    with contextlib.ExitStack() as stack:
+        measured, urls = [], []
+        for v in variants:
+            run_dir = (out / "bench_ttft_runs" / v.name).resolve()
+            progress.start_variant(v.name, "starting cluster (interleaved: all stay up): "
+                                           f"prefill + decode + router (logs {run_dir})")
+            cluster = stack.enter_context(
+                Cluster(_cluster_spec(v, cfg, run_dir), on_wait=progress.waiting))
+            measured.append(_Measured(v, run_dir, warm_up(cluster.url, warmup_ids, cfg,
+                                                          progress)))
+            urls.append((cluster.url, cluster.prefill_url))
+            progress.finish_variant()
+        progress.phase(f"interleaved, {len(variants)} clusters up")
+        by_name = {m.variant.name: (m, u) for m, u in zip(measured, urls, strict=True)}
+        n = cfg.concurrency
+        starts = range(0, len(prompts), n)
+        order = interleaved_order([v.name for v in variants], len(starts))
+        for start, names in zip(starts, order, strict=True):
+            round_ = prompts[start: start + n]
+            for name in names:
+                m, (url, flush_url) = by_name[name]
+                progress.note(f"{name}: request {start + len(round_)}/{len(prompts)} "
+                              "(lynx_sglang.tools.client)")
+                got, ids = stream_round(url, flush_url, name, round_, start, cfg)
+                m.streamed.extend(got)
+                m.rids.extend(ids)
+        for m in measured:
+            _read_records(m)
+    return [_result(m, cfg, kv_shape) for m in measured]
 
 
 def lynx_stream_bytes(name: str, per_request: list[dict[str, int]]) -> dict[str, int]:
@@ -669,6 +759,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=1,
                         help="send each client's requests in rounds of this many at once, which "
                              "the prefill batches into one forward (default 1: one at a time)")
+    launch.add_argument("--interleave", action="store_true", default=None,
+                        help="start every variant's cluster at once and send each round of "
+                             "prompts to one variant after another (the first turning each "
+                             "round), instead of one variant's requests after another's: on a "
+                             "box whose speed drifts, compares the variants on equal terms. "
+                             "Needs --no-bench-serving and two variants or more; memory for "
+                             "all the clusters at once (about 6 GiB each with the embedded model)")
     parser.add_argument("--token-marks", default="16,64",
                         help="report the time to these streamed tokens (default 16,64)")
     parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed (prompts)")
@@ -704,6 +801,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     for k, default in LAUNCH_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, default)
+    if args.interleave and args.use_bench_serving:
+        parser.error("--interleave needs --no-bench-serving: sglang.bench_serving sends all its "
+                     "requests to one cluster, it cannot take turns")
+    if args.interleave and len([v for v in args.variants.split(",") if v.strip()]) < 2:
+        parser.error("--interleave needs two variants or more")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -731,7 +833,7 @@ def run(args: argparse.Namespace) -> int:
                       tuple(int(k) for k in args.token_marks.split(",") if k.strip()),
                       tuple(v.name for v in variants), baseline, args.startup_timeout_s,
                       args.request_timeout_s, args.kv_dtype, url, args.use_bench_serving,
-                      args.concurrency)
+                      args.concurrency, bool(args.interleave))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = random_ids_prompts(tokenizer.vocab_size, cfg.prompt_tokens, cfg.max_new_tokens,
                                  cfg.requests, cfg.seed)
@@ -764,16 +866,21 @@ def run(args: argparse.Namespace) -> int:
         return ratio_table
 
     try:
-        for v in variants:
-            run_dir = (args.out / "bench_ttft_runs" / v.name).resolve()
-            if url:
-                results.append(run_external(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
-                                            metrics_url=args.metrics_url.rstrip("/"),
-                                            run_dir=run_dir, progress=progress))
-            else:
-                results.append(run_variant(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
-                                           kv_shape=kv_shape, run_dir=run_dir, progress=progress))
-            write(complete=False)
+        if cfg.interleave:
+            results.extend(run_interleaved(variants, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                                           kv_shape=kv_shape, out=args.out, progress=progress))
+        else:
+            for v in variants:
+                run_dir = (args.out / "bench_ttft_runs" / v.name).resolve()
+                if url:
+                    results.append(run_external(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                                                metrics_url=args.metrics_url.rstrip("/"),
+                                                run_dir=run_dir, progress=progress))
+                else:
+                    results.append(run_variant(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                                               kv_shape=kv_shape, run_dir=run_dir,
+                                               progress=progress))
+                write(complete=False)
     except KeyboardInterrupt:
         print("[bench-ttft] interrupted" + ("" if url else "; the running cluster was stopped"),
               file=sys.stderr)

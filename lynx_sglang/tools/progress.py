@@ -36,11 +36,17 @@ class Progress:
     durations_s: list[float] = field(default_factory=list, init=False)
     _variant_start: float = field(default=0.0, init=False)
     _last_line: float = field(default=0.0, init=False)
+    _phase: str = field(default="", init=False)
 
     def _line(self, msg: str) -> None:
-        print(f"[{self.tool}] variant {self.index}/{self.variants} {self.name}: {msg}",
-              file=self.stream or sys.stderr, flush=True)
+        where = self._phase or f"variant {self.index}/{self.variants} {self.name}"
+        print(f"[{self.tool}] {where}: {msg}", file=self.stream or sys.stderr, flush=True)
         self._last_line = self.clock()
+
+    def phase(self, what: str) -> None:
+        """Lines from here on belong to `what`, not to one variant (bench-ttft --interleave
+        sends to every variant in turn once all their clusters are up)."""
+        self._phase = what
 
     def start_variant(self, name: str, what: str = "starting cluster") -> None:
         self.index += 1

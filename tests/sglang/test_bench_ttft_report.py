@@ -19,6 +19,7 @@ from lynx_sglang.tools.bench_ttft import (
     bench_serving_command,
     client_timing,
     format_table,
+    interleaved_order,
     lynx_stream_bytes,
     medians,
     parse_bench_serving,
@@ -225,3 +226,11 @@ def test_stream_bytes_take_the_median_residual_and_refuse_differing_anchors():
     assert lynx_stream_bytes("lynx", exact) == {"anchor": 100, "residual": 150}
     with pytest.raises(BenchError, match="Anchor bytes differ"):
         lynx_stream_bytes("lynx", [{"anchor": 100, "residual": 1}, {"anchor": 101, "residual": 1}])
+
+
+def test_interleaved_rounds_turn_which_variant_goes_first():
+    order = interleaved_order(["mooncake", "lynx", "int4"], 4)
+    assert order == [["mooncake", "lynx", "int4"], ["lynx", "int4", "mooncake"],
+                     ["int4", "mooncake", "lynx"], ["mooncake", "lynx", "int4"]]
+    # over a whole turn each variant takes each place once
+    assert all(sorted(r[i] for r in order[:3]) == ["int4", "lynx", "mooncake"] for i in range(3))
