@@ -11,6 +11,10 @@ processes) waits instead, up to `WAIT_S` or until the backend reports progress (
 decided, a Success or a failure), whichever comes first. A request arriving meanwhile is picked
 up at most `WAIT_S` later.
 
+With IDLE_WAIT_ENV=1 the hook is registered in the schedulers of any transfer backend too: a
+benchmark baseline (`mooncake-nospin`) whose decode then no longer takes a core from a prefill
+computing on the same box. The wait is then bounded by `WAIT_S` alone (no Lynx backend notifies).
+
 About once a second (`REPORT_EVERY_S`), before SGLang's idle path may put the loop to sleep, the
 hook also calls every function given to `report_tracked` (the backend's and speculation's map
 sizes -> `lynx_tracked_requests`), so a leak checker reading /metrics of an idle server sees
@@ -21,17 +25,24 @@ Called by SGLang's scheduler thread (`on_idle_around`) and by the backend's thre
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 
 from . import metrics
+from .names import IDLE_WAIT_ENV
 
 WAIT_S = 0.002
 REPORT_EVERY_S = 1.0
 _progress = threading.Event()
 _reporters: list[Callable[[], dict[str, int]]] = []
 _last_report = 0.0
+
+
+def wait_for_all_backends() -> bool:
+    """IDLE_WAIT_ENV=1: the idle wait for the schedulers of any transfer backend."""
+    return os.environ.get(IDLE_WAIT_ENV) == "1"
 
 
 def notify() -> None:

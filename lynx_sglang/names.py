@@ -26,6 +26,10 @@ TIMELINE_ENV = "LYNX_SGLANG_TIMELINE"
 # A directory for every server process's trace records (lynx_sglang.trace), any transfer
 # backend; `--lynx-trace-dir` sets it for a Lynx server too.
 TRACE_DIR_ENV = "LYNX_SGLANG_TRACE_DIR"
+# "1": the schedulers of any transfer backend wait in SGLang's idle path (lynx_sglang.idle) as
+# Lynx's do, instead of spinning while a transfer is in flight: a fair baseline on a box whose
+# prefill and decode share the cores (benchmark variant `mooncake-nospin`).
+IDLE_WAIT_ENV = "LYNX_SGLANG_IDLE_WAIT"
 # "1": a single server replaces prompt KV by its codec reconstruction on request (tests, studies).
 REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
 # The shared secret of a deployment's Lynx transport sessions (alternative to --lynx-secret-file).

@@ -106,6 +106,10 @@ def register() -> None:
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
             HookRegistry.register(PROCESS_BATCH_RESULT,
                                   reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
+    elif idle.wait_for_all_backends() and "sglang.srt.managers.scheduler" in sys.modules:
+        # Another backend's scheduler (a benchmark baseline): only the idle wait, Lynx's own
+        # schedulers have it above.
+        HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
         HookRegistry.register(PROCESS_BATCH_RESULT, timeline.prefill_done_before,
                               HookType.BEFORE)

@@ -432,7 +432,8 @@ def _cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterS
     return ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
                        link=cfg.link, startup_timeout_s=cfg.startup_timeout_s,
-                       extra_env={TIMELINE_ENV: "1", TRACE_DIR_ENV: str(run_dir / "trace")})
+                       extra_env={**dict(variant.env), TIMELINE_ENV: "1",
+                                  TRACE_DIR_ENV: str(run_dir / "trace")})
 
 
 @dataclass

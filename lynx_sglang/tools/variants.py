@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LynxError
+from ..names import IDLE_WAIT_ENV
 
 # The warm-up also opens the prefill -> decode transport session, whose set-up counts against the
 # Lynx connect timeout; on a loaded machine the first attempt can run out of it. Not measured.
@@ -25,10 +26,16 @@ class Variant:
     server_args: tuple[str, ...] = ()
     description: str = ""
     exact: bool = True
+    # Environment of every server of the pair (name, value).
+    env: tuple[tuple[str, str], ...] = ()
 
 
 VARIANTS: tuple[Variant, ...] = (
     Variant("mooncake", "mooncake_tcp", (), "SGLang's Mooncake over TCP, full KV (the baseline)"),
+    Variant("mooncake-nospin", "mooncake_tcp", (),
+            "Mooncake over TCP whose schedulers wait in SGLang's idle path as Lynx's do (not "
+            "SGLang's default): on one box its decode no longer spins on a core while the "
+            "prefill computes", env=((IDLE_WAIT_ENV, "1"),)),
     Variant("lynx", "lynx", ("--lynx-target", "exact"),
             "Lynx speculative (default flags), Residual = INT8 low bits + coded corrections "
             "(bit-identical KV)"),
