@@ -428,7 +428,7 @@ def _same_text(bench: list[RequestTiming], client: list[RequestTiming]) -> bool 
     return [b.text for b in bench] == [c.text for c in client] if bench else None
 
 
-def _cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterSpec:
+def cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterSpec:
     return ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
                        link=cfg.link, startup_timeout_s=cfg.startup_timeout_s,
@@ -496,7 +496,7 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
     progress.start_variant(variant.name,
                            f"starting cluster: prefill + decode + router (logs {run_dir})")
     t0 = time.monotonic()
-    with Cluster(_cluster_spec(variant, cfg, run_dir), on_wait=progress.waiting) as cluster:
+    with Cluster(cluster_spec(variant, cfg, run_dir), on_wait=progress.waiting) as cluster:
         progress.note(f"up in {time.monotonic() - t0:.0f} s")
         m = _Measured(variant, run_dir, warm_up(cluster.url, warmup_ids, cfg, progress))
         if cfg.use_bench_serving:
@@ -522,7 +522,7 @@ def run_interleaved(variants: list[Variant], cfg: BenchConfig, *, prompts: list[
             progress.start_variant(v.name, "starting cluster (interleaved: all stay up): "
                                            f"prefill + decode + router (logs {run_dir})")
             cluster = stack.enter_context(
-                Cluster(_cluster_spec(v, cfg, run_dir), on_wait=progress.waiting))
+                Cluster(cluster_spec(v, cfg, run_dir), on_wait=progress.waiting))
             measured.append(_Measured(v, run_dir, warm_up(cluster.url, warmup_ids, cfg,
                                                           progress)))
             urls.append((cluster.url, cluster.prefill_url))

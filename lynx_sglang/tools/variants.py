@@ -39,6 +39,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lynx", "lynx", ("--lynx-target", "exact"),
             "Lynx speculative (default flags), Residual = INT8 low bits + coded corrections "
             "(bit-identical KV)"),
+    Variant("lynx-after-forward", "lynx", ("--lynx-target", "exact", "--no-lynx-layer-stream"),
+            "Lynx speculative, exact Residual, sent after the prefill forward instead of layer "
+            "by layer during it"),
     Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
             "Lynx non-speculative, exact Residual: decoding waits for the Residual"),
     Variant("lynx-int8", "lynx", ("--lynx-target", "int8"),

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
 from lynx_sglang.tools.bench_ttft import (
     BENCH_SERVING,
     LYNX_CLIENT,
@@ -18,6 +19,7 @@ from lynx_sglang.tools.bench_ttft import (
     VariantResult,
     bench_serving_command,
     client_timing,
+    cluster_spec,
     format_table,
     interleaved_order,
     lynx_stream_bytes,
@@ -234,3 +236,12 @@ def test_interleaved_rounds_turn_which_variant_goes_first():
                      ["int4", "mooncake", "lynx"], ["mooncake", "lynx", "int4"]]
     # over a whole turn each variant takes each place once
     assert all(sorted(r[i] for r in order[:3]) == ["int4", "lynx", "mooncake"] for i in range(3))
+
+
+def test_a_variants_environment_reaches_its_servers(tmp_path):
+    cfg = _cfg()
+    spec = cluster_spec(select_variants("mooncake-nospin")[0], cfg, tmp_path)
+    assert spec.extra_env[IDLE_WAIT_ENV] == "1" and spec.transfer_backend == "mooncake_tcp"
+    assert spec.extra_env[TRACE_DIR_ENV] == str(tmp_path / "trace")
+    assert IDLE_WAIT_ENV not in cluster_spec(select_variants("mooncake")[0], cfg,
+                                              tmp_path).extra_env
