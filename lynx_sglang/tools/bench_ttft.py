@@ -25,9 +25,9 @@ request; mooncake from the model's KV shape in that dtype (computed). Greedy, `i
 `--no-bench-serving` leaves out step 1.
 
 `--interleave` (with `--no-bench-serving`) starts every variant's cluster first and keeps them all
-up, then sends each round of step 2 to one variant after another, the first turning each round:
-one variant after another's whole run, a box whose speed drifts within the hour (this CPU box's
-does, by up to 3x) gives each variant its own conditions; interleaved, they share them.
+up, then sends each round of step 2 to one variant after another, the first turning each round.
+Measured one whole variant after another, each variant gets its own stretch of a box whose speed
+drifts within the hour (this CPU box's, by up to 3x); interleaved, they share the same conditions.
 
 `--url ROUTER` measures an already running cluster instead, as one variant (`--label`): the same
 warm-up and steps 1 and 2 through that router (its /flush_cache reaches every server). What needs
