@@ -77,7 +77,7 @@ from .measure import (
 from .progress import Progress
 from .prompts import passkey_prompt, random_ids_prompts
 from .trace_report import Breakdown, breakdown, parse_rate, records_by_request
-from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants
+from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants, variant_names
 
 BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
 LYNX_CLIENT = "lynx_client"      # lynx_sglang.tools.client.generate_stream's per-request numbers
@@ -516,34 +516,38 @@ def run_interleaved(variants: list[Variant], cfg: BenchConfig, *, prompts: list[
     drifts in speed instead of each getting its own stretch of time. The clusters that wait
     stay up: each variant runs beside the others' idle servers."""
     with contextlib.ExitStack() as stack:
-        measured, urls = [], []
+        # variant name -> what it measured, and its cluster; in the order of `variants`
+        up: dict[str, tuple[_Measured, Cluster]] = {}
         for v in variants:
-            run_dir = (out / "bench_ttft_runs" / v.name).resolve()
+            run_dir = _run_dir(out, v)
             progress.start_variant(v.name, "starting cluster (interleaved: all stay up): "
                                            f"prefill + decode + router (logs {run_dir})")
             cluster = stack.enter_context(
                 Cluster(cluster_spec(v, cfg, run_dir), on_wait=progress.waiting))
-            measured.append(_Measured(v, run_dir, warm_up(cluster.url, warmup_ids, cfg,
-                                                          progress)))
-            urls.append((cluster.url, cluster.prefill_url))
+            up[v.name] = (_Measured(v, run_dir, warm_up(cluster.url, warmup_ids, cfg, progress)),
+                          cluster)
             progress.finish_variant()
         progress.phase(f"interleaved, {len(variants)} clusters up")
-        by_name = {m.variant.name: (m, u) for m, u in zip(measured, urls, strict=True)}
         n = cfg.concurrency
         starts = range(0, len(prompts), n)
-        order = interleaved_order([v.name for v in variants], len(starts))
-        for start, names in zip(starts, order, strict=True):
+        for start, names in zip(starts, interleaved_order(list(up), len(starts)), strict=True):
             round_ = prompts[start: start + n]
             for name in names:
-                m, (url, flush_url) = by_name[name]
+                m, cluster = up[name]
                 progress.note(f"{name}: request {start + len(round_)}/{len(prompts)} "
                               "(lynx_sglang.tools.client)")
-                got, ids = stream_round(url, flush_url, name, round_, start, cfg)
+                got, ids = stream_round(cluster.url, cluster.prefill_url, name, round_, start,
+                                        cfg)
                 m.streamed.extend(got)
                 m.rids.extend(ids)
-        for m in measured:
+        for m, _ in up.values():
             _read_records(m)
-    return [_result(m, cfg, kv_shape) for m in measured]
+    return [_result(m, cfg, kv_shape) for m, _ in up.values()]
+
+
+def _run_dir(out: Path, variant: Variant) -> Path:
+    """Where a variant's server logs and trace records go."""
+    return (out / "bench_ttft_runs" / variant.name).resolve()
 
 
 def lynx_stream_bytes(name: str, per_request: list[dict[str, int]]) -> dict[str, int]:
@@ -805,7 +809,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.interleave and args.use_bench_serving:
         parser.error("--interleave needs --no-bench-serving: sglang.bench_serving sends all its "
                      "requests to one cluster, it cannot take turns")
-    if args.interleave and len([v for v in args.variants.split(",") if v.strip()]) < 2:
+    if args.interleave and len(variant_names(args.variants)) < 2:
         parser.error("--interleave needs two variants or more")
 
 
@@ -872,7 +876,7 @@ def run(args: argparse.Namespace) -> int:
                                            kv_shape=kv_shape, out=args.out, progress=progress))
         else:
             for v in variants:
-                run_dir = (args.out / "bench_ttft_runs" / v.name).resolve()
+                run_dir = _run_dir(args.out, v)
                 if url:
                     results.append(run_external(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
                                                 metrics_url=args.metrics_url.rstrip("/"),

@@ -63,10 +63,15 @@ class VariantError(LynxError):
     pass
 
 
+def variant_names(names: str) -> list[str]:
+    """The names in a comma-separated `--variants` list, in that order."""
+    return [n.strip() for n in names.split(",") if n.strip()]
+
+
 def select_variants(names: str) -> list[Variant]:
     """The variants named in a comma-separated list, in that order."""
     by_name = {v.name: v for v in VARIANTS}
-    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    chosen = variant_names(names)
     unknown = [n for n in chosen if n not in by_name]
     if unknown or not chosen:
         raise VariantError(f"--variants: unknown {unknown}; choose from {list(by_name)}")
