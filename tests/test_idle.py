@@ -1,6 +1,8 @@
 """The scheduler's idle wait (lynx_sglang.idle) on a stand-in scheduler: SGLang's own `on_idle`
 returns at once while a transfer is in flight, so the loop would spin; the hook waits up to
-WAIT_S or until a backend reports progress."""
+WAIT_S or until a backend reports progress. A stand-in because SGLang's Scheduler is only built
+inside a server process with a model; the hook in real servers is exercised by the PD tests
+(tests/sglang/test_pd_lynx*.py) and measured by `bench-ttft` (variant mooncake-nospin)."""
 
 from __future__ import annotations
 
