@@ -6,36 +6,52 @@ still transferring, the scheduler is "not fully idle" and `on_idle` returns afte
 `time.sleep(0)`, so the loop spins on a whole core, polling the transfer queues. With Mooncake the
 transfer runs in C++ threads and does not notice; Lynx encodes and applies the KV in the same
 process, and on a small CPU the two spinning schedulers (prefill and decode) took the cores the
-codec needed. The AROUND hook on `on_idle` (registered by `lynx_sglang.plugin` in Lynx scheduler
-processes) waits instead, up to `WAIT_S` or until the backend reports progress (`notify`: a status
-decided, a Success or a failure), whichever comes first. A request arriving meanwhile is picked
-up at most `WAIT_S` later.
+codec and the prefill's forward needed.
+
+The AROUND hook on `on_idle` (registered by `lynx_sglang.plugin` in Lynx scheduler processes)
+sleeps in one poll until something the loop would act on happens: a message on the scheduler's
+input sockets (a new request, an abort, an RPC: the same sockets SGLang's own `IdleSleeper`
+watches) or the backend's progress (`notify`: every status change of a transfer, a Residual
+applied under a speculative request), or `max_wait_s()` at the latest, which bounds the loop's
+time-based work (SGLang's bootstrap and waiting timeouts, heartbeats, metrics). Polling at a fixed
+2 ms instead cost the decode's scheduler 0.15-0.2 of a core during every prefill forward, taken
+from that forward where prefill and decode share a box.
 
 With IDLE_WAIT_ENV=1 the hook is registered in the schedulers of any transfer backend too: a
 benchmark baseline (`mooncake-nospin`) whose decode then no longer takes a core from a prefill
-computing on the same box. The wait is then bounded by `WAIT_S` alone (no Lynx backend notifies).
+computing on the same box. No other backend calls `notify`, so there the wait is bounded by
+`WAIT_S`, as it is on a rank that has no input sockets to watch (TP ranks > 0 get their requests
+by broadcast from rank 0).
 
 About once a second (`REPORT_EVERY_S`), before SGLang's idle path may put the loop to sleep, the
 hook also calls every function given to `report_tracked` (the backend's and speculation's map
 sizes -> `lynx_tracked_requests`), so a leak checker reading /metrics of an idle server sees
 current values.
 
-Called by SGLang's scheduler thread (`on_idle_around`) and by the backend's threads (`notify`).
+Called by SGLang's scheduler thread (`on_idle_around`, `on_idle_bounded_around`) and by the
+backend's threads (`notify`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
-from . import metrics
-from .names import IDLE_WAIT_ENV
+import zmq
 
+from . import metrics
+from .names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
+
+# The wait where only input can wake the loop, not the transfer's progress.
 WAIT_S = 0.002
+# The wait where the backend notifies its progress: long enough that a scheduler waiting on a
+# transfer wakes a few dozen times a second, short against SGLang's time-based checks (seconds).
+MAX_WAIT_S = 0.05
 REPORT_EVERY_S = 1.0
-_progress = threading.Event()
 _reporters: list[Callable[[], dict[str, int]]] = []
 _last_report = 0.0
 
@@ -45,9 +61,68 @@ def wait_for_all_backends() -> bool:
     return os.environ.get(IDLE_WAIT_ENV) == "1"
 
 
+def max_wait_s() -> float:
+    """The longest idle wait of a Lynx scheduler (IDLE_MAX_WAIT_ENV, else MAX_WAIT_S)."""
+    raw = os.environ.get(IDLE_MAX_WAIT_ENV)
+    if raw is None:
+        return MAX_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{IDLE_MAX_WAIT_ENV}={raw!r}: expected seconds, e.g. 0.05") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{IDLE_MAX_WAIT_ENV}={raw!r}: must be in (0, 1] seconds")
+    return value
+
+
+class _Wakeup:
+    """A pipe any thread can write one byte to, so that a poll on its read end returns: the
+    scheduler's poll watches zmq sockets, which a threading.Event cannot join. One per process
+    (a forked child makes its own)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+
+    def set(self) -> None:
+        # A full pipe holds wake-ups nobody has drained yet: the next poll returns anyway.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self.write_fd, b"\0")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.read_fd, 4096):
+                pass
+
+
+_wakeup: _Wakeup | None = None
+_wakeup_lock = threading.Lock()
+
+
+def _the_wakeup() -> _Wakeup:
+    global _wakeup
+    w = _wakeup
+    if w is None or w.pid != os.getpid():
+        with _wakeup_lock:
+            if _wakeup is None or _wakeup.pid != os.getpid():
+                _wakeup = _Wakeup()
+            w = _wakeup
+    return w
+
+
+def prepare() -> None:
+    """At hook registration, in the scheduler's process: check IDLE_MAX_WAIT_ENV (a malformed
+    value fails the server's start, not its loop) and open the wake-up pipe (its two fds belong to
+    the process's baseline, not to its first request)."""
+    max_wait_s()
+    _the_wakeup()
+
+
 def notify() -> None:
     """A transfer's status changed: wake a waiting scheduler loop now."""
-    _progress.set()
+    _the_wakeup().set()
 
 
 def report_tracked(sizes: Callable[[], dict[str, int]]) -> None:
@@ -65,11 +140,55 @@ def _maybe_report() -> None:
         metrics.record_tracked(sizes())
 
 
+def _input_sockets(scheduler) -> list[zmq.Socket]:
+    channels = getattr(scheduler, "ipc_channels", None)
+    found = [getattr(channels, name, None) for name in ("recv_from_tokenizer", "recv_from_rpc")]
+    return [s for s in found if isinstance(s, zmq.Socket)]
+
+
+class _IdlePoll:
+    """One scheduler's poll over its input sockets and the process's wake-up pipe."""
+
+    def __init__(self, scheduler, timeout_s: float):
+        self.scheduler = weakref.ref(scheduler)
+        self.wakeup = _the_wakeup()
+        self.poller = zmq.Poller()
+        sockets = _input_sockets(scheduler)
+        for s in sockets:
+            self.poller.register(s, zmq.POLLIN)
+        self.poller.register(self.wakeup.read_fd, zmq.POLLIN)
+        # Unseen input must not wait long: without the sockets only the backend can wake us.
+        self.timeout_ms = 1e3 * (timeout_s if sockets else min(timeout_s, WAIT_S))
+
+    def wait(self) -> None:
+        self.poller.poll(self.timeout_ms)
+        self.wakeup.clear()
+
+
+_poll: _IdlePoll | None = None
+
+
+def _wait(scheduler, timeout_s: Callable[[], float]) -> None:
+    global _poll
+    if _poll is None or _poll.scheduler() is not scheduler or _poll.wakeup is not _the_wakeup():
+        _poll = _IdlePoll(scheduler, timeout_s())
+    _poll.wait()
+
+
 def on_idle_around(original, scheduler, *args, **kwargs):
+    """A Lynx scheduler: wait for input or the backend's progress, `max_wait_s()` at most."""
+    return _on_idle(original, scheduler, max_wait_s, args, kwargs)
+
+
+def on_idle_bounded_around(original, scheduler, *args, **kwargs):
+    """Another backend's scheduler (IDLE_WAIT_ENV=1): nothing notifies, so `WAIT_S` at most."""
+    return _on_idle(original, scheduler, lambda: WAIT_S, args, kwargs)
+
+
+def _on_idle(original, scheduler, timeout_s: Callable[[], float], args, kwargs):
     _maybe_report()
     if scheduler.is_fully_idle():
         return original(scheduler, *args, **kwargs)
     result = original(scheduler, *args, **kwargs)  # SGLang only yields with sleep(0)
-    _progress.wait(WAIT_S)
-    _progress.clear()
+    _wait(scheduler, timeout_s)
     return result

@@ -30,6 +30,9 @@ TRACE_DIR_ENV = "LYNX_SGLANG_TRACE_DIR"
 # Lynx's do, instead of spinning while a transfer is in flight: a fair baseline on a box whose
 # prefill and decode share the cores (benchmark variant `mooncake-nospin`).
 IDLE_WAIT_ENV = "LYNX_SGLANG_IDLE_WAIT"
+# Seconds: the longest a Lynx scheduler's idle wait sleeps when nothing wakes it (default
+# lynx_sglang.idle.MAX_WAIT_S); new input and the backend's progress wake it sooner.
+IDLE_MAX_WAIT_ENV = "LYNX_SGLANG_IDLE_MAX_WAIT_S"
 # "1": a single server replaces prompt KV by its codec reconstruction on request (tests, studies).
 REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
 # The shared secret of a deployment's Lynx transport sessions (alternative to --lynx-secret-file).

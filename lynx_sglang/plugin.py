@@ -88,6 +88,7 @@ def register() -> None:
             HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
+            idle.prepare()
             HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
             if "sglang.srt.managers.scheduler" in sys.modules:
                 from .backend import batch_handover
@@ -109,7 +110,8 @@ def register() -> None:
     elif idle.wait_for_all_backends() and "sglang.srt.managers.scheduler" in sys.modules:
         # Another backend's scheduler (a benchmark baseline): only the idle wait, Lynx's own
         # schedulers have it above.
-        HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
+        idle.prepare()
+        HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_bounded_around, HookType.AROUND)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
         HookRegistry.register(PROCESS_BATCH_RESULT, timeline.prefill_done_before,
                               HookType.BEFORE)

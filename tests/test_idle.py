@@ -1,23 +1,34 @@
 """The scheduler's idle wait (lynx_sglang.idle) on a stand-in scheduler: SGLang's own `on_idle`
-returns at once while a transfer is in flight, so the loop would spin; the hook waits up to
-WAIT_S or until a backend reports progress. A stand-in because SGLang's Scheduler is only built
-inside a server process with a model; the hook in real servers is exercised by the PD tests
-(tests/sglang/test_pd_lynx*.py) and measured by `bench-ttft` (variant mooncake-nospin)."""
+returns at once while a transfer is in flight, so the loop would spin; the hook sleeps in one poll
+over the scheduler's input sockets (real zmq sockets here) and the backend's wake-up, until one of
+them has something or the longest wait has passed. A stand-in because SGLang's Scheduler is only
+built inside a server process with a model; the hook in real servers is exercised by the PD tests
+(tests/sglang/test_pd_lynx*.py) and measured by `bench-ttft` (variant `lynx-poll2ms`, and
+`mooncake-nospin` for the bounded wait)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
+import zmq
 
 from lynx_sglang import idle
-from lynx_sglang.names import IDLE_WAIT_ENV
+from lynx_sglang.names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
+
+
+@dataclass
+class Channels:
+    recv_from_tokenizer: object = None
+    recv_from_rpc: object = None
 
 
 class Scheduler:
-    def __init__(self, fully_idle: bool):
+    def __init__(self, fully_idle: bool, channels: Channels | None = None):
         self.fully_idle = fully_idle
+        self.ipc_channels = channels or Channels()
         self.calls = 0
 
     def is_fully_idle(self) -> bool:
@@ -28,34 +39,95 @@ class Scheduler:
         return "idle"
 
 
+@pytest.fixture
+def tokenizer_link():
+    """The scheduler's input socket (PULL, as SGLang's) and the tokenizer's end (PUSH)."""
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    yield pull, push
+    pull.close(0)
+    push.close(0)
+    ctx.term()
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.monotonic()
+    fn(*args)
+    return time.monotonic() - t0
+
+
 def _on_idle(scheduler: Scheduler) -> str:
     return idle.on_idle_around(Scheduler.on_idle, scheduler)
 
 
-def test_a_transfer_in_flight_waits_instead_of_spinning():
+def test_a_transfer_in_flight_sleeps_until_the_longest_wait(monkeypatch, tokenizer_link):
+    monkeypatch.setenv(IDLE_MAX_WAIT_ENV, "0.2")
+    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
+    idle.notify()
+    _on_idle(s)  # a wake-up left over from before is consumed, not carried into the next wait
+    assert s.calls == 1
+    # one 0.2 s poll, where the old loop woke every 2 ms (and a spinning one every microsecond)
+    assert _timed(_on_idle, s) >= 0.18
+    assert s.calls == 2
+
+
+def test_a_new_request_wakes_the_wait_at_once(monkeypatch, tokenizer_link):
+    monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
+    pull, push = tokenizer_link
+    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=pull))
+    threading.Timer(0.05, push.send, args=(b"request",)).start()
+    assert _timed(_on_idle, s) < 10.0
+    # the message is left for SGLang's own receive loop
+    assert pull.recv(zmq.NOBLOCK) == b"request"
+
+
+def test_the_backends_progress_wakes_the_wait_at_once(monkeypatch, tokenizer_link):
+    monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
+    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
+    threading.Timer(0.05, idle.notify).start()
+    assert _timed(_on_idle, s) < 10.0
+
+
+def test_a_progress_before_the_wait_is_not_lost(monkeypatch, tokenizer_link):
+    monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
+    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
+    _on_idle(Scheduler(fully_idle=True))
+    idle.notify()  # e.g. a Success decided while the loop was still polling its queues
+    assert _timed(_on_idle, s) < 10.0
+
+
+def test_without_input_sockets_the_wait_stays_short(monkeypatch):
+    """A TP rank > 0 gets its requests by broadcast, which no poll can see."""
+    monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
     s = Scheduler(fully_idle=False)
-    n, t0 = 20, time.monotonic()
-    for _ in range(n):
-        assert _on_idle(s) == "idle"
-    # each call waited about WAIT_S: a spinning loop does 20 calls in microseconds
-    assert time.monotonic() - t0 >= n * idle.WAIT_S * 0.9
+    n = 20
+    elapsed = sum(_timed(_on_idle, s) for _ in range(n))
+    assert n * idle.WAIT_S * 0.8 <= elapsed < 10.0
+
+
+def test_another_backends_wait_is_bounded_by_wait_s(monkeypatch, tokenizer_link):
+    monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
+    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
+    n = 20  # zmq's poll counts whole milliseconds: one 2 ms wait may end a little early
+    elapsed = sum(_timed(idle.on_idle_bounded_around, Scheduler.on_idle, s) for _ in range(n))
+    assert n * idle.WAIT_S * 0.8 <= elapsed < 10.0
     assert s.calls == n
 
 
-def test_progress_wakes_the_wait_at_once(monkeypatch):
-    monkeypatch.setattr(idle, "WAIT_S", 30.0)
-    s = Scheduler(fully_idle=False)
-    threading.Timer(0.05, idle.notify).start()
-    t0 = time.monotonic()
-    _on_idle(s)
-    assert time.monotonic() - t0 < 10.0
-
-
 def test_a_fully_idle_scheduler_is_left_to_sglang(monkeypatch):
-    monkeypatch.setattr(idle, "WAIT_S", 30.0)
-    t0 = time.monotonic()
-    assert _on_idle(Scheduler(fully_idle=True)) == "idle"
-    assert time.monotonic() - t0 < 10.0  # no wait of ours: SGLang's own idle path sleeps
+    monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
+    s = Scheduler(fully_idle=True)
+    assert _timed(_on_idle, s) < 10.0  # no wait of ours: SGLang's own idle path sleeps
+    assert s.calls == 1
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "5"])
+def test_a_bad_longest_wait_fails_at_registration(monkeypatch, value):
+    monkeypatch.setenv(IDLE_MAX_WAIT_ENV, value)
+    with pytest.raises(ValueError, match=IDLE_MAX_WAIT_ENV):
+        idle.prepare()
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("0", False), (None, False)])

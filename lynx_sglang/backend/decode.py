@@ -89,6 +89,9 @@ class DecodeLink:
     write_aux: Callable[[int, list[tuple[int, bytes]]], None]
     # A prefill rank (ip, port) died or never connected: forget SGLang's cached route to it.
     forget_prefill_rank: Callable[[tuple[str, int]], None]
+    # A room reported at Anchor time reached its outcome (Residual applied, or failed): the
+    # speculation controller has something to read, so wake a scheduler waiting in its idle path.
+    progress: Callable[[], None]
 
 
 class Estimates:
@@ -575,6 +578,8 @@ class DecodeApplier:
             trace.emit(room.trace)
         if report:
             self.link.report(room.room, None)
+        elif room.reported_at_anchor:
+            self.link.progress()
 
     def _record(self, room: DecodeRoom) -> None:
         plan = room.plan
@@ -653,8 +658,10 @@ class DecodeApplier:
         trace.emit(room.trace)
         if not reported:
             self.link.report(room.room, reason)
-        # else: SGLang already has Success and no longer polls: the speculation controller
-        # aborts the running request when it reads this outcome.
+        else:
+            # SGLang already has Success and no longer polls: the speculation controller aborts
+            # the running request when it reads this outcome.
+            self.link.progress()
 
 
 def _answer(s: Session, refused: str | None) -> None:

@@ -132,7 +132,8 @@ class LynxKVManager(MooncakeKVManager):
         else:
             self.applier = DecodeApplier(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
-                DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank),
+                DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank,
+                           idle.notify),
                 self.waiting_timeout)
             self._start_thread(self.applier.accept_loop, "lynx-accept")
             self._start_thread(self.applier.run, "lynx-apply")

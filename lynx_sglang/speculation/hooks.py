@@ -8,8 +8,6 @@ its pool (`plugin`); before that, and in a prefill scheduler, every adapter is a
 
 from __future__ import annotations
 
-import time
-
 from .controller import SpecController
 from .verify import extend_attention_as_decode
 
@@ -30,8 +28,6 @@ def process_decode_queue_before(scheduler):
     ctl = controller()
     if ctl is not None:
         ctl.step(scheduler)
-        if ctl.parked and scheduler.running_batch.is_empty():
-            time.sleep(0.001)  # waiting on Residuals only: leave the CPU to the applier thread
 
 
 def is_fully_idle_around(original, scheduler, *args, **kwargs):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LynxError
-from ..names import IDLE_WAIT_ENV
+from ..names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
 
 # The warm-up also opens the prefill -> decode transport session, whose set-up counts against the
 # Lynx connect timeout; on a loaded machine the first attempt can run out of it. Not measured.
@@ -42,6 +42,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lynx-after-forward", "lynx", ("--lynx-target", "exact", "--no-lynx-layer-stream"),
             "Lynx speculative, exact Residual, sent after the prefill forward instead of layer "
             "by layer during it"),
+    Variant("lynx-poll2ms", "lynx", ("--lynx-target", "exact"),
+            "Lynx speculative, exact, whose idle schedulers wake every 2 ms at the latest (as "
+            "before 2026-12-02) instead of sleeping until input or transfer progress",
+            env=((IDLE_MAX_WAIT_ENV, "0.002"),)),
     Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
             "Lynx non-speculative, exact Residual: decoding waits for the Residual"),
     Variant("lynx-int8", "lynx", ("--lynx-target", "int8"),

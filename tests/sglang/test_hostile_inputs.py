@@ -76,7 +76,7 @@ class _Endpoint:
 
 
 def _applier(endpoint) -> DecodeApplier:
-    link = DecodeLink(lambda *a: None, lambda *a: None, lambda *a: None)
+    link = DecodeLink(lambda *a: None, lambda *a: None, lambda *a: None, lambda: None)
     return DecodeApplier(LynxConfig(), lambda: None, None, None, endpoint, link)
 
 
