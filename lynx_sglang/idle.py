@@ -19,17 +19,18 @@ from that forward where prefill and decode share a box.
 
 With IDLE_WAIT_ENV=1 the hook is registered in the schedulers of any transfer backend too: a
 benchmark baseline (`mooncake-nospin`) whose decode then no longer takes a core from a prefill
-computing on the same box. No other backend calls `notify`, so there the wait is bounded by
-`WAIT_S`, as it is on a rank that has no input sockets to watch (TP ranks > 0 get their requests
-by broadcast from rank 0).
+computing on the same box. There an AFTER hook on SGLang's `CommonKVManager.update_status`, through
+which every backend's transfer statuses pass, calls `notify` (`status_updated_after`). On a rank
+with no input sockets to watch (TP ranks > 0 get their requests by broadcast from rank 0) the wait
+is `WAIT_S` at most.
 
 About once a second (`REPORT_EVERY_S`), before SGLang's idle path may put the loop to sleep, the
 hook also calls every function given to `report_tracked` (the backend's and speculation's map
 sizes -> `lynx_tracked_requests`), so a leak checker reading /metrics of an idle server sees
 current values.
 
-Called by SGLang's scheduler thread (`on_idle_around`, `on_idle_bounded_around`) and by the
-backend's threads (`notify`).
+Called by SGLang's scheduler thread (`on_idle_around`) and by the backends' threads (`notify`,
+`status_updated_after`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import zmq
 from . import metrics
 from .names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
 
-# The wait where only input can wake the loop, not the transfer's progress.
+# The wait where a poll cannot see new input (no input sockets on this rank).
 WAIT_S = 0.002
 # The wait where the backend notifies its progress: long enough that a scheduler waiting on a
 # transfer wakes a few dozen times a second, short against SGLang's time-based checks (seconds).
@@ -180,9 +181,10 @@ def on_idle_around(original, scheduler, *args, **kwargs):
     return _on_idle(original, scheduler, max_wait_s, args, kwargs)
 
 
-def on_idle_bounded_around(original, scheduler, *args, **kwargs):
-    """Another backend's scheduler (IDLE_WAIT_ENV=1): nothing notifies, so `WAIT_S` at most."""
-    return _on_idle(original, scheduler, lambda: WAIT_S, args, kwargs)
+def status_updated_after(result, manager, *args, **kwargs):
+    """Another backend's KV manager (IDLE_WAIT_ENV=1) changed a transfer's status."""
+    notify()
+    return result
 
 
 def _on_idle(original, scheduler, timeout_s: Callable[[], float], args, kwargs):

@@ -50,6 +50,7 @@ GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+UPDATE_STATUS = "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
@@ -62,7 +63,7 @@ def hook_targets() -> tuple[str, ...]:
 
     return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
             DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST, SCHEDULER_ON_IDLE,
-            RUN_BATCH, SET_KV_BUFFER,
+            UPDATE_STATUS, RUN_BATCH, SET_KV_BUFFER,
             *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
 
 
@@ -109,9 +110,11 @@ def register() -> None:
                                   reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
     elif idle.wait_for_all_backends() and "sglang.srt.managers.scheduler" in sys.modules:
         # Another backend's scheduler (a benchmark baseline): only the idle wait, Lynx's own
-        # schedulers have it above.
+        # schedulers have it above. Its transfers' statuses all pass through SGLang's common
+        # manager, whose every change then wakes the wait as Lynx's backend does.
         idle.prepare()
-        HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_bounded_around, HookType.AROUND)
+        HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
+        HookRegistry.register(UPDATE_STATUS, idle.status_updated_after, HookType.AFTER)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
         HookRegistry.register(PROCESS_BATCH_RESULT, timeline.prefill_done_before,
                               HookType.BEFORE)
