@@ -169,28 +169,21 @@ class _IdlePoll:
 _poll: _IdlePoll | None = None
 
 
-def _wait(scheduler, timeout_s: Callable[[], float]) -> None:
-    global _poll
-    if _poll is None or _poll.scheduler() is not scheduler or _poll.wakeup is not _the_wakeup():
-        _poll = _IdlePoll(scheduler, timeout_s())
-    _poll.wait()
-
-
 def on_idle_around(original, scheduler, *args, **kwargs):
-    """A Lynx scheduler: wait for input or the backend's progress, `max_wait_s()` at most."""
-    return _on_idle(original, scheduler, max_wait_s, args, kwargs)
+    """Wait for input or a transfer's progress, `max_wait_s()` at most, once SGLang's `on_idle`
+    has run, unless the scheduler is fully idle (SGLang's own idle path then sleeps)."""
+    global _poll
+    _maybe_report()
+    if scheduler.is_fully_idle():
+        return original(scheduler, *args, **kwargs)
+    result = original(scheduler, *args, **kwargs)  # SGLang only yields with sleep(0)
+    if _poll is None or _poll.scheduler() is not scheduler or _poll.wakeup is not _the_wakeup():
+        _poll = _IdlePoll(scheduler, max_wait_s())
+    _poll.wait()
+    return result
 
 
 def status_updated_after(result, manager, *args, **kwargs):
     """Another backend's KV manager (IDLE_WAIT_ENV=1) changed a transfer's status."""
     notify()
-    return result
-
-
-def _on_idle(original, scheduler, timeout_s: Callable[[], float], args, kwargs):
-    _maybe_report()
-    if scheduler.is_fully_idle():
-        return original(scheduler, *args, **kwargs)
-    result = original(scheduler, *args, **kwargs)  # SGLang only yields with sleep(0)
-    _wait(scheduler, timeout_s)
     return result
