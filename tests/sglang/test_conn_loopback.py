@@ -35,7 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import pytest
@@ -579,6 +579,9 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     assert decode.residual_outcome(req.room).state is ResidualState.PENDING
     req.receiver.clear()  # SGLang commits the request to its running batch
     assert decode.staging.free_bytes() < decode.staging.nbytes  # the Residual is still expected
+    # SGLang no longer polls the room: the outcome must wake the scheduler's idle wait itself.
+    woken: list[int] = []
+    decode.link = replace(decode.link, progress=lambda: woken.append(req.room))
 
     if then == "applied":
         release.set()
@@ -586,6 +589,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
             o if (o := decode.residual_outcome(req.room)).state is not ResidualState.PENDING
             else None))
         assert outcome.state is ResidualState.APPLIED, outcome
+        _wait("the applied Residual to wake the scheduler", lambda: woken)
         for kind in ("k_buffer", "v_buffer"):
             for layer in range(LAYERS):
                 assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
@@ -599,6 +603,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
             else None))
         assert outcome.state is ResidualState.FAILED, outcome
         assert "Residual stream failed" in outcome.reason, outcome
+        _wait("the failed Residual to wake the scheduler", lambda: woken)
         assert _holds(pd, req, "anchor")
     else:
         # The request's KV slots are being freed: nothing may be written into them afterwards.
