@@ -17,12 +17,15 @@ time-based work (SGLang's bootstrap and waiting timeouts, heartbeats, metrics). 
 2 ms instead cost the decode's scheduler 0.15-0.2 of a core during every prefill forward, taken
 from that forward where prefill and decode share a box.
 
+With tensor parallelism the wait is `WAIT_S` at most on every rank: ranks > 0 have no input
+sockets to watch (their requests come by broadcast from rank 0), and SGLang agrees a transfer's
+status by an all-reduce over all ranks, so rank 0 must not sleep through a peer's progress, which
+wakes only the peer.
+
 With IDLE_WAIT_ENV=1 the hook is registered in the schedulers of any transfer backend too: a
 benchmark baseline (`mooncake-nospin`) whose decode then no longer takes a core from a prefill
 computing on the same box. There an AFTER hook on SGLang's `CommonKVManager.update_status`, through
-which every backend's transfer statuses pass, calls `notify` (`status_updated_after`). On a rank
-with no input sockets to watch (TP ranks > 0 get their requests by broadcast from rank 0) the wait
-is `WAIT_S` at most.
+which every backend's transfer statuses pass, calls `notify` (`status_updated_after`).
 
 About once a second (`REPORT_EVERY_S`), before SGLang's idle path may put the loop to sleep, the
 hook also calls every function given to `report_tracked` (the backend's and speculation's map
@@ -158,8 +161,11 @@ class _IdlePoll:
         for s in sockets:
             self.poller.register(s, zmq.POLLIN)
         self.poller.register(self.wakeup.read_fd, zmq.POLLIN)
-        # Unseen input must not wait long: without the sockets only the backend can wake us.
-        self.timeout_ms = 1e3 * (timeout_s if sockets else min(timeout_s, WAIT_S))
+        # Without the sockets only the backend could wake us, and unseen input must not wait
+        # long. With TP peers, a transfer's status is agreed by an all-reduce over every rank's
+        # poll, and a peer rank's progress wakes only that rank's process.
+        alone = getattr(scheduler, "tp_size", 1) == 1
+        self.timeout_ms = 1e3 * (timeout_s if sockets and alone else min(timeout_s, WAIT_S))
 
     def wait(self) -> None:
         self.poller.poll(self.timeout_ms)

@@ -26,9 +26,10 @@ class Channels:
 
 
 class Scheduler:
-    def __init__(self, fully_idle: bool, channels: Channels | None = None):
+    def __init__(self, fully_idle: bool, channels: Channels | None = None, tp_size: int = 1):
         self.fully_idle = fully_idle
         self.ipc_channels = channels or Channels()
+        self.tp_size = tp_size
         self.calls = 0
 
     def is_fully_idle(self) -> bool:
@@ -102,6 +103,17 @@ def test_without_input_sockets_the_wait_stays_short(monkeypatch):
     """A TP rank > 0 gets its requests by broadcast, which no poll can see."""
     monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
     s = Scheduler(fully_idle=False)
+    n = 20
+    elapsed = sum(_timed(_on_idle, s) for _ in range(n))
+    assert n * idle.WAIT_S * 0.8 <= elapsed < 10.0
+
+
+def test_with_tp_peers_the_wait_stays_short(monkeypatch, tokenizer_link):
+    """SGLang all-reduces a transfer's status over the TP ranks: a peer's progress cannot wake
+    rank 0, which must look again soon."""
+    monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
+    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]),
+                  tp_size=2)
     n = 20
     elapsed = sum(_timed(_on_idle, s) for _ in range(n))
     assert n * idle.WAIT_S * 0.8 <= elapsed < 10.0
