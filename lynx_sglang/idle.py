@@ -50,7 +50,8 @@ import zmq
 from . import metrics
 from .names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
 
-# The wait where a poll cannot see new input (no input sockets on this rank).
+# The wait where the poll cannot see all that should end it: no input sockets on this rank, or
+# TP peers whose progress wakes only their own process.
 WAIT_S = 0.002
 # The wait where the backend notifies its progress: long enough that a scheduler waiting on a
 # transfer wakes a few dozen times a second, short against SGLang's time-based checks (seconds).
