@@ -4,7 +4,8 @@ Each producer records one `Trace` per request (room) in its own process and emit
 - `prefill` (`backend.prefill.PrefillSender`): submitted by SGLang, dequeued, announcement seen,
   per-layer encode spans, (layer-streamed) every Anchor layer posted before SGLang's hand-over,
   each stream posted / first byte sent / acknowledged, Success reported;
-- `decode` (`backend.decode.DecodeApplier`): registered, announced, each stream's first byte and
+- `decode` (`backend.decode.DecodeApplier`): registered, staged (only a room queued for staging),
+  announced, each stream's first byte and
   landing, per-layer apply spans, Success reported, the speculation decision and its reason;
 - `request` (decode scheduler hooks): SGLang's first step on the request and its first token out;
 - `spec` (`speculation.controller`): verification start and end, tokens speculated / accepted.
@@ -43,6 +44,7 @@ STAGES: dict[str, tuple[str, str, str]] = {
     "handover_wait": ("prefill", "anchor_layers_posted", "anchor_posted"),
     "anchor_send": ("prefill", "anchor_posted", "anchor_acked"),
     "residual_send": ("prefill", "residual_posted", "residual_acked"),
+    "staging_wait": ("decode", "registered", "staged"),
     "anchor_wire": ("decode", "anchor_first_byte", "anchor_landed"),
     "anchor_apply": ("decode", "anchor_apply_start", "anchor_applied"),
     "residual_wire": ("decode", "residual_first_byte", "residual_landed"),

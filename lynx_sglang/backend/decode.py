@@ -4,8 +4,11 @@ layer as the bytes land.
 
 Per request ("room", a `backend.room.DecodeRoom`):
 - `register` (SGLang's scheduler thread, from the receiver's `send_metadata`): the room's plan
-  sizes its staging range (never waiting: a full staging buffer fails the request at once), and
-  the range is announced as soon as the prefill rank's session exists.
+  sizes its staging range, announced as soon as the prefill rank's session exists. It never
+  waits: a room that finds no free range (or others queued before it) is queued, first come
+  first served, and its receiver holds its metadata back until `staged` says the room got a
+  range (so the prefill does not start it meanwhile); past the waiting budget it fails. Only a
+  room larger than the whole staging pool fails at once.
 - The applier thread (`run`) works on what has landed so far. Each Anchor layer is validated as
   soon as its bytes are in; when speculation is on it is also dequantized into the room's KV slots
   right away. Each Residual layer is validated and written at full precision as soon as its
@@ -40,6 +43,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,7 +56,7 @@ from lynx_transport import Endpoint, FailureReason, Region, Session, Status, Str
 
 from .. import metrics, trace
 from ..config import LynxConfig, wire_mismatch
-from ..errors import KVStreamError
+from ..errors import KVStreamError, StagingFullError
 from ..failures import FailureKind, failure_kind_of, stream_failure_kind
 from ..names import TRANSFER_RECORD, record_line
 from .aux import unpack_aux
@@ -148,6 +152,9 @@ class DecodeApplier:
         # Every room not yet forgotten: transferring, awaiting the prefill's Success, or reported
         # at Anchor time and not yet consumed by the speculation controller.
         self._rooms: dict[int, DecodeRoom] = {}
+        # Rooms that found no staging range, in arrival order (ids of rooms dropped meanwhile are
+        # skipped when they come up).
+        self._staging_queue: deque[int] = deque()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._wake = threading.Event()
@@ -240,6 +247,7 @@ class DecodeApplier:
             # Cleared before looking, so a wake-up during the steps below is never lost.
             self._wake.clear()
             with self._lock:
+                staged = self._admit_queued()
                 rooms = [r for r in self._rooms.values() if r.state in TRANSFERRING]
                 for room in rooms:
                     room.busy = True
@@ -253,6 +261,8 @@ class DecodeApplier:
                     with self._lock:
                         room.busy = False
                         self._idle.notify_all()
+            if staged:
+                self.link.progress()  # their receivers may send the metadata now
             self._forget_dead_prefills()
             # The transport wakes this thread when bytes land (`Endpoint.on_progress`), SGLang's
             # calls when a room changes; the timeout only bounds the unannounced-room deadline.
@@ -276,25 +286,84 @@ class DecodeApplier:
     # ---- SGLang's scheduler thread ------------------------------------------------------------
     def tracked(self) -> dict[str, int]:
         """Rooms this applier still holds (0 on an idle decode; `lynx_tracked_requests`)."""
-        return {"decode_rooms": len(self._rooms)}
+        with self._lock:
+            queued = sum(r.state is RoomState.AWAITING_STAGING for r in self._rooms.values())
+        return {"decode_rooms": len(self._rooms), "decode_rooms_awaiting_staging": queued}
 
     def register(self, room_id: int, prefill: tuple[str, int], kv_indices,
-                 aux_index: int, rid: str | None = None) -> None:
+                 aux_index: int, rid: str | None = None) -> bool:
         """A receiver is about to send the room's metadata to the prefill (`rid`: SGLang's
-        request id, for the records)."""
+        request id, for the records). Returns False if the room is queued for staging: the
+        receiver must hold the metadata back until `staged` returns True. Raises
+        `StagingFullError` for a room larger than the whole staging pool."""
         pool = self._pool()
         slots = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64), device=pool.device)
         plan = StreamPlan.build(self.spec, pool.shape, len(slots), self.config.chunk_tokens)
-        # Never block the scheduler thread: a full staging buffer fails the request at once.
-        staging = self.staging.allocate(plan.staging_bytes, timeout_s=0.0)
-        room = DecodeRoom(room_id, prefill, slots, aux_index, plan, staging)
-        if rid is not None:
-            room.trace.facts["rid"] = rid
-        room.residual_reader = ResidualReader(plan.num_layers, plan.num_tokens)
         with self._lock:
+            self._admit_queued()
+            # Never block the scheduler thread; never overtake a room queued before this one.
+            staging = None if self._staging_queue else self.staging.try_allocate(
+                plan.staging_bytes)
+            room = DecodeRoom(room_id, prefill, slots, aux_index, plan, staging)
+            if rid is not None:
+                room.trace.facts["rid"] = rid
+            room.residual_reader = ResidualReader(plan.num_layers, plan.num_tokens)
             self._rooms[room_id] = room
+            if staging is None:
+                self._staging_queue.append(room_id)
+                logger.info("lynx: room %s waits for %d B of staging (%d B free, %d rooms "
+                            "queued before it)", room_id, plan.staging_bytes,
+                            self.staging.free_bytes(), len(self._staging_queue) - 1)
+                return False
             self._try_announce(room)
         self._wake.set()
+        return True
+
+    def staged(self, room_id: int) -> bool:
+        """A queued room's receiver asks (scheduler thread, from its poll) whether the room holds
+        its staging range now. Raises `StagingFullError` once it has waited past the waiting
+        budget (the room is then gone here; the receiver fails the request)."""
+        with self._lock:
+            self._admit_queued()
+            room = self._rooms.get(room_id)
+            if room is None:
+                raise KVStreamError(f"room {room_id} was dropped while it waited for staging")
+            if room.state is not RoomState.AWAITING_STAGING:
+                return True
+            waited = time.monotonic() - room.waiting_since
+            if waited <= self.waiting_s:
+                return False
+            del self._rooms[room_id]
+            reason = (f"no {room.plan.staging_bytes} B of staging came free within "
+                      f"{self.waiting_s:g} s ({self.staging.free_bytes()} B free of "
+                      f"{self.staging.nbytes} B; raise --lynx-staging-mib, or admit fewer "
+                      "concurrent requests)")
+            room.fail(reason)
+        trace.emit(room.trace)
+        raise StagingFullError(reason)
+
+    def _admit_queued(self) -> int:
+        """With `_lock` held: give the queued rooms, oldest first, the ranges that are free now
+        and announce them; stops at the first that does not fit (no overtaking, so a long request
+        is never starved by short ones). Returns how many got one."""
+        admitted = 0
+        while self._staging_queue:
+            room = self._rooms.get(self._staging_queue[0])
+            if room is None or room.state is not RoomState.AWAITING_STAGING:
+                self._staging_queue.popleft()  # dropped or failed while queued
+                continue
+            staging = self.staging.try_allocate(room.plan.staging_bytes)
+            if staging is None:
+                break
+            self._staging_queue.popleft()
+            room.staged(staging)
+            logger.info("lynx: room %s got its staging after %.0f ms in the queue", room.room,
+                        room.trace.facts["staging_wait_ms"])
+            self._try_announce(room)
+            admitted += 1
+        if admitted:
+            self._wake.set()
+        return admitted
 
     def on_prefill_success(self, room_id: int) -> bool:
         """The prefill reported Success for the room. Returns True if that status must not
@@ -392,7 +461,7 @@ class DecodeApplier:
             refused = self._refused_ranks.get(room.prefill)
             if not announced and refused is not None:
                 self._fail(room, refused, FailureKind.SETTINGS_MISMATCH)
-            elif not announced and time.monotonic() - room.created > self.waiting_s:
+            elif not announced and time.monotonic() - room.waiting_since > self.waiting_s:
                 self.link.forget_prefill_rank(room.prefill)
                 self._fail(room, f"no transport session from prefill rank {room.prefill} "
                                  f"within {self.waiting_s:g} s", FailureKind.TIMEOUT)
@@ -627,6 +696,8 @@ class DecodeApplier:
         if room.staging is not None:
             self.staging.free(room.staging)
             room.staging = None
+            if self._staging_queue:
+                self._wake.set()  # the applier gives the range to the oldest queued room
         room.anchor_layers = []
         room.residual_ready = []
 

@@ -324,15 +324,16 @@ class LynxKVManager(MooncakeKVManager):
             logger.info("lynx: prefill rank %s:%s is gone; dropped its cached bootstrap info",
                         *prefill)
 
-    def register_rx_room(self, receiver: LynxKVReceiver, kv_indices, aux_index: int) -> None:
-        """Called by the receiver before SGLang sends the request's metadata to the prefill."""
+    def register_rx_room(self, receiver: LynxKVReceiver, kv_indices, aux_index: int) -> bool:
+        """Called by the receiver before SGLang sends the request's metadata to the prefill.
+        False: the room is queued for staging (`DecodeApplier.register`)."""
         real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
         if len(real) != 1:
             raise SettingsMismatchError(f"lynx needs exactly one prefill rank per decode rank "
                                         f"and request (equal attention TP sizes); got {len(real)}")
         prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
-        self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index,
-                              getattr(receiver, "lynx_rid", None))
+        return self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index,
+                                     getattr(receiver, "lynx_rid", None))
 
     def record_own_failure(self, room: int, reason: str) -> None:
         """Record why this side failed a room; see `record_failure`."""
@@ -378,7 +379,12 @@ class LynxKVSender(CommonKVSender):
 
 class LynxKVReceiver(CommonKVReceiver):
     """Decode side of one request: reserves and announces the request's staging range before
-    SGLang sends its KV indices to the prefill; frees it on clear/abort."""
+    SGLang sends its KV indices to the prefill; frees it on clear/abort. When staging is busy the
+    KV indices wait here (`_held_metadata`), and `poll` sends them once the room got its range:
+    until then the prefill does not start the request, and SGLang's waiting timeout has not
+    started (it counts from the metadata; the applier bounds the wait for staging)."""
+
+    _held_metadata: tuple | None = None
 
     def init(self, prefill_dp_rank: int):
         super().init(prefill_dp_rank)
@@ -405,15 +411,39 @@ class LynxKVReceiver(CommonKVReceiver):
             self._fail("lynx does not support a decode-side prefix cache",
                        FailureKind.SETTINGS_MISMATCH)
             return None
-        try:
-            self.kv_mgr.register_rx_room(self, kv_indices, aux_index)
-        except Exception as exc:
-            logger.error("lynx: room %s: %s", self.bootstrap_room, exc)
-            self._fail(f"lynx decode could not prepare the transfer: {exc}", failure_kind_of(exc))
-            return None
         kwargs = {} if destination is None else {"destination": destination}
+        args = (kv_indices, aux_index, state_indices, decode_prefix_len, device_kv_indices, kwargs)
+        try:
+            staged = self.kv_mgr.register_rx_room(self, kv_indices, aux_index)
+        except Exception as exc:
+            self._prepare_failed(exc)
+            return None
+        if not staged:
+            self._held_metadata = args
+            return None
+        return self._send_metadata(args)
+
+    def _send_metadata(self, args: tuple):
+        kv_indices, aux_index, state_indices, decode_prefix_len, device_kv_indices, kwargs = args
         return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len,
                                      device_kv_indices=device_kv_indices, **kwargs)
+
+    def _prepare_failed(self, exc: Exception) -> None:
+        logger.error("lynx: room %s: %s", self.bootstrap_room, exc)
+        self._fail(f"lynx decode could not prepare the transfer: {exc}", failure_kind_of(exc))
+
+    def poll(self):
+        if self._held_metadata is not None and self.conclude_state is None:
+            try:
+                staged = self.kv_mgr.applier.staged(self.bootstrap_room)
+            except Exception as exc:
+                self._held_metadata = None
+                self._prepare_failed(exc)
+                return self.conclude_state
+            if staged:
+                args, self._held_metadata = self._held_metadata, None
+                self._send_metadata(args)
+        return super().poll()
 
     def clear(self) -> None:
         super().clear()

@@ -54,7 +54,7 @@ from lynx_transport.types import MAX_REQUEST_ID
 
 from .. import metrics, trace
 from ..config import LynxConfig
-from ..errors import KVStreamError, SettingsMismatchError
+from ..errors import KVStreamError, SettingsMismatchError, StagingFullError
 from ..failures import failure_kind_of
 from ..names import FAULT_RESIDUAL_HOLD_LOG
 from .layer_stream import LayerGate, LayerGateError
@@ -73,6 +73,8 @@ UNREACHABLE_COOLDOWN_S = 5.0
 SENT_BYTES_KEPT = 4096
 # How often a layer-streamed room waiting for SGLang's hand-over checks that SGLang still has it.
 HANDOVER_POLL_S = 0.05
+# How often a room waiting for prefill staging reaps its worker's delivered rooms.
+STAGING_POLL_S = 0.05
 _STREAMS = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
 
 
@@ -743,12 +745,29 @@ class PrefillSender:
                     f"decode announced {ann.stream_nbytes(stream)} B for the {ws.name} "
                     f"stream, this prefill encodes {plan.stream_bytes(ws)} B: the --lynx-* "
                     "flags or the model differ between prefill and decode")
-        staging = self.staging.allocate(plan.staging_bytes,
-                                        timeout_s=self.config.transfer_timeout_s)
+        staging = self._allocate(plan.staging_bytes, inflight)
         f = _InFlight(room, session, staging, tr)
         writer = _RoomWriter(self, session, job, pool, staging, plan)
         inflight.append(f)
         return writer, f
+
+    def _allocate(self, nbytes: int, inflight: list[_InFlight]) -> StagingRange:
+        """A staging range, waiting up to the transfer timeout. While it waits, this worker's own
+        delivered rooms are reaped: their ranges are what it waits for (the worker reaps only
+        between groups, so a plain wait held them until it timed out)."""
+        timeout = self.config.transfer_timeout_s
+        deadline = time.monotonic() + timeout
+        # try_allocate raises at once for a request larger than the whole pool.
+        while (staging := self.staging.try_allocate(nbytes)) is None:
+            self.reap(inflight)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StagingFullError(
+                    f"no {nbytes} B of staging free within {timeout:g} s "
+                    f"({self.staging.free_bytes()} B free): raise --lynx-staging-mib on the "
+                    "prefill, or admit fewer concurrent requests")
+            self.staging.wait_for_free(min(left, STAGING_POLL_S))
+        return staging
 
     def _undo(self, f: _InFlight, inflight: list[_InFlight]) -> None:
         """A room whose streams failed before they were all written: a stream never written

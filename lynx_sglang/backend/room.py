@@ -2,6 +2,8 @@
 machine: `RoomState` plus one method per transition. Every transition checks where it comes from
 and logs at debug level.
 
+    AWAITING_STAGING --staged--> AWAITING_SESSION              (a staging range came free; only
+                                                                a room that found none at register)
     AWAITING_SESSION --announced--> ANNOUNCED                  (bytes land; layers are applied)
     ANNOUNCED --anchor_complete--> AWAITING_RESIDUAL           (SGLang not told)
     ANNOUNCED --anchor_complete(reported)--> SPECULATING       (Success reported at Anchor time)
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 class RoomState(enum.Enum):
+    AWAITING_STAGING = "awaiting_staging"
     AWAITING_SESSION = "awaiting_session"
     ANNOUNCED = "announced"
     AWAITING_RESIDUAL = "awaiting_residual"
@@ -52,6 +55,8 @@ class RoomState(enum.Enum):
 TRANSFERRING = frozenset({RoomState.AWAITING_SESSION, RoomState.ANNOUNCED,
                           RoomState.AWAITING_RESIDUAL, RoomState.SPECULATING})
 TERMINAL = frozenset({RoomState.DONE, RoomState.REFINED, RoomState.FAILED, RoomState.CANCELLED})
+# States a room may fail or be cancelled from.
+ENDABLE = TRANSFERRING | {RoomState.AWAITING_STAGING, RoomState.AWAITING_PREFILL}
 
 
 class RoomStateError(RuntimeError):
@@ -68,6 +73,9 @@ class DecodeRoom:
     staging: StagingRange | None
     state: RoomState = RoomState.AWAITING_SESSION
     created: float = field(default_factory=time.monotonic)
+    # Since when the room waits for what it needs next (a staging range, then the prefill's
+    # session): the waiting budget counts from here, not from `created`.
+    waiting_since: float = field(default_factory=time.monotonic)
     session: Session | None = None
     prefill_success: bool = False
     reported_at_anchor: bool = False
@@ -90,6 +98,9 @@ class DecodeRoom:
     trace: tracing.Trace | None = None
 
     def __post_init__(self) -> None:
+        if self.staging is None:
+            self.state = RoomState.AWAITING_STAGING
+        self.waiting_since = self.created
         self.anchor_layers = [None] * self.plan.num_layers
         self.trace = tracing.Trace("decode", self.room)
         self.trace.mark_mono("registered", self.created)
@@ -102,6 +113,13 @@ class DecodeRoom:
             raise RoomStateError(f"room {self.room}: {why} in state {self.state.value}")
         logger.debug("lynx room %s: %s -> %s (%s)", self.room, self.state.value, to.value, why)
         self.state = to
+
+    def staged(self, staging: StagingRange) -> None:
+        self._move({RoomState.AWAITING_STAGING}, RoomState.AWAITING_SESSION, "staging allocated")
+        self.staging = staging
+        self.waiting_since = time.monotonic()
+        self.trace.mark("staged")
+        self.trace.facts["staging_wait_ms"] = round((self.waiting_since - self.created) * 1e3, 3)
 
     def announced(self, session: Session) -> None:
         self._move({RoomState.AWAITING_SESSION}, RoomState.ANNOUNCED, "staging announced")
@@ -133,12 +151,12 @@ class DecodeRoom:
         self.trace.mark("reported")
 
     def fail(self, reason: str) -> None:
-        self._move(TRANSFERRING | {RoomState.AWAITING_PREFILL}, RoomState.FAILED, reason)
+        self._move(ENDABLE, RoomState.FAILED, reason)
         self.failure = reason
         self.trace.facts["failure"] = reason
 
     def cancel(self) -> None:
-        self._move(TRANSFERRING | {RoomState.AWAITING_PREFILL}, RoomState.CANCELLED,
+        self._move(ENDABLE, RoomState.CANCELLED,
                    "released before it completed")
         self.trace.facts["cancelled"] = True
 

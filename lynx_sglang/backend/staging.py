@@ -8,15 +8,16 @@ destination of both streams; it is freed after the Residual has been applied to 
 the request failed) and the request has been released, so no late byte can land in a reused range.
 
 Created by `backend.manager.LynxKVManager`, used by its `PrefillSender` or `DecodeApplier`;
-thread-safe. Allocation is first-fit with coalescing;
-`allocate` waits for space up to a deadline, then raises `StagingFullError`.
+thread-safe. Allocation is first-fit with coalescing. `try_allocate` never waits: it returns None
+when no free range is large enough, and raises `StagingFullError` for a request larger than the
+whole pool; who needs space waits with `wait_for_free` (the prefill, up to the transfer timeout) or
+queues (the decode, `DecodeApplier`).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,18 @@ class StagingPool:
     def view(self, r: StagingRange) -> memoryview:
         return memoryview(self.buffer)[r.offset: r.end]
 
-    def allocate(self, length: int, timeout_s: float) -> StagingRange:
+    def try_allocate(self, length: int) -> StagingRange | None:
+        """A range now, or None if no free range is large enough."""
+        size = self._size(length)
+        with self._cond:
+            return self._take_locked(size)
+
+    def wait_for_free(self, timeout_s: float) -> None:
+        """Wait until a range is freed, or `timeout_s` passed."""
+        with self._cond:
+            self._cond.wait(timeout_s)
+
+    def _size(self, length: int) -> int:
         if length <= 0:
             raise ValueError(f"allocation length must be positive, got {length}")
         size = -(-length // ALIGN) * ALIGN
@@ -64,25 +76,19 @@ class StagingPool:
                 f"a request needs {length} B of staging, more than the whole pool ({self.nbytes} B);"
                 " raise --lynx-staging-mib"
             )
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                for i, (off, n) in enumerate(self._free):
-                    if n >= size:
-                        if n == size:
-                            del self._free[i]
-                        else:
-                            self._free[i] = (off + size, n - size)
-                        self._allocated[off] = size
-                        metrics.record_staging_used(self.nbytes - self._free_locked())
-                        return StagingRange(off, size)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StagingFullError(
-                        f"no {size} B of staging free within {timeout_s:.0f} s "
-                        f"({self.free_bytes()} B free, fragmented into {len(self._free)} ranges)"
-                    )
-                self._cond.wait(min(left, 0.5))
+        return size
+
+    def _take_locked(self, size: int) -> StagingRange | None:
+        for i, (off, n) in enumerate(self._free):
+            if n >= size:
+                if n == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + size, n - size)
+                self._allocated[off] = size
+                metrics.record_staging_used(self.nbytes - self._free_locked())
+                return StagingRange(off, size)
+        return None
 
     def free(self, r: StagingRange) -> None:
         with self._cond:

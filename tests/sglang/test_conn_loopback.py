@@ -43,6 +43,7 @@ import torch
 
 from lynx_kernels import decode, encode
 from lynx_sglang.backend.plan import StreamPlan
+from lynx_sglang.backend.staging import ALIGN as STAGING_ALIGN
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV
 from lynx_transport import Stream
@@ -265,20 +266,31 @@ class Request:
 
 
 def _open_request(sgl: _SGLang, pd: PD, room: int, seed: int,
-                  beside: Request | None = None) -> tuple[Request, torch.Generator]:
+                  beside: tuple[Request, ...] = ()) -> tuple[Request, torch.Generator]:
     """A request through the conn classes up to the prefill's `send`, in the order SGLang's
     prefill bootstrap queue and decode prealloc queue drive them: its slots on both sides (slot 0
-    is SGLang's padding slot; none of `beside`'s, a request in flight at the same time),
+    is SGLang's padding slot; none of `beside`'s, requests in flight at the same time),
     SGLang's metadata row on the prefill, the decode's KV indices at the prefill. Returns the
     request and the generator of its random data."""
+    req, g = _request_metadata(sgl, pd, room, seed, beside)
+    _wait("the prefill to get the decode's KV indices",
+          lambda: req.sender.poll() == sgl.KVPoll.WaitingForInput)
+    req.sender.init(NUM_TOKENS, req.prefill_aux)
+    return req, g
+
+
+def _request_metadata(sgl: _SGLang, pd: PD, room: int, seed: int,
+                      beside: tuple[Request, ...] = ()) -> tuple[Request, torch.Generator]:
+    """`_open_request` up to the decode's `send_metadata` (which the receiver may hold back)."""
     g = torch.Generator().manual_seed(seed)
 
-    def slots(taken: torch.Tensor | None) -> torch.Tensor:
+    def slots(taken: list[torch.Tensor]) -> torch.Tensor:
         free = torch.randperm(POOL_TOKENS, generator=g) + 1
-        return (free if taken is None else free[~torch.isin(free, taken)])[:NUM_TOKENS]
+        return (free[~torch.isin(free, torch.cat(taken))] if taken else free)[:NUM_TOKENS]
 
-    prefill_slots = slots(beside.prefill_slots if beside else None)
-    decode_slots = slots(beside.decode_slots if beside else None)
+    prefill_slots = slots([b.prefill_slots for b in beside])
+    decode_slots = slots([b.decode_slots for b in beside])
+    assert len(prefill_slots) == len(decode_slots) == NUM_TOKENS
     prefill_aux, decode_aux = seed % AUX_ROWS, (seed + 1) % AUX_ROWS
     meta = pd.prefill.meta
     meta.output_ids[prefill_aux].copy_(torch.randint(1, 50000, (16,), generator=g))
@@ -290,9 +302,6 @@ def _open_request(sgl: _SGLang, pd: PD, room: int, seed: int,
     receiver.init(0)
     # SGLang's KV indices are int32 (req_to_token); the metadata message carries their raw bytes.
     receiver.send_metadata(decode_slots.to(torch.int32).numpy(), decode_aux)
-    _wait("the prefill to get the decode's KV indices",
-          lambda: sender.poll() == sgl.KVPoll.WaitingForInput)
-    sender.init(NUM_TOKENS, prefill_aux)
     return (Request(room, sender, receiver, prefill_slots, decode_slots, prefill_aux, decode_aux),
             g)
 
@@ -304,13 +313,18 @@ def _forward_layer(pd: PD, req: Request, layer: int, g: torch.Generator) -> None
         buffers[layer][req.prefill_slots] = x.to(torch.bfloat16)
 
 
-def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int) -> Request:
+def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int,
+                   beside: tuple[Request, ...] = ()) -> Request:
     """A request whose prefill KV is all there when SGLang sends it (after its forward)."""
-    req, g = _open_request(sgl, pd, room, seed)
+    req, g = _open_request(sgl, pd, room, seed, beside)
+    _forward_and_send(pd, req, g)
+    return req
+
+
+def _forward_and_send(pd: PD, req: Request, g: torch.Generator) -> None:
     for layer in range(LAYERS):
         _forward_layer(pd, req, layer, g)
     req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
-    return req
 
 
 def _poll_until_done(sgl: _SGLang, party) -> int:
@@ -532,6 +546,94 @@ def test_prefill_staging_freed_after_decode_abort(sgl, make_pd):
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd), timeout=5.0)
 
 
+def _fill_decode_staging(sgl: _SGLang, pd: PD,
+                         first_room: int) -> list[tuple[Request, torch.Generator]]:
+    """As many rooms as the decode's staging holds at once, opened up to the prefill's `send`
+    (their KV indices at the prefill, their ranges held), none sent yet."""
+    staging = pd.decode.mgr.staging
+    plan = StreamPlan.build(pd.decode.mgr.lynx.codec, pd.decode.mgr.pool.shape, NUM_TOKENS,
+                            pd.decode.mgr.lynx.chunk_tokens)
+    fit = staging.nbytes // (-(-plan.staging_bytes // STAGING_ALIGN) * STAGING_ALIGN)
+    # One more room must still find free KV slots on both sides.
+    assert fit >= 1 and (fit + 1) * NUM_TOKENS < POOL_TOKENS, fit
+    holders: list[tuple[Request, torch.Generator]] = []
+    for i in range(fit):
+        holders.append(_open_request(sgl, pd, room=first_room + i, seed=first_room + i,
+                                     beside=tuple(r for r, _ in holders)))
+    assert staging.try_allocate(plan.staging_bytes) is None  # full for one more room
+    return holders
+
+
+def _queued(pd: PD) -> int:
+    return pd.decode.mgr.applier.tracked()["decode_rooms_awaiting_staging"]
+
+
+def test_a_room_that_finds_decode_staging_full_waits_and_succeeds(sgl, make_pd):
+    """Concurrency beyond the decode's staging queues a room instead of failing it: its KV indices
+    are held back from the prefill until a range comes free (so the prefill does not start it),
+    then it goes through like any other, exactly."""
+    pd = make_pd(_cfg(target="exact", staging_mib=1))
+    holders = _fill_decode_staging(sgl, pd, first_room=8100)
+    late, g = _request_metadata(sgl, pd, room=8190, seed=90, beside=tuple(r for r, _ in holders))
+    assert _queued(pd) == 1
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert late.receiver.poll() == sgl.KVPoll.WaitingForInput
+        assert late.sender.poll() == sgl.KVPoll.Bootstrapping  # the prefill has no indices yet
+        time.sleep(0.02)
+    for req, rg in holders:
+        _forward_and_send(pd, req, rg)
+    for req, _ in holders:
+        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+    # The receiver's poll (SGLang's transfer queue polls it every step) sends the held indices.
+    _wait("the prefill to get the queued room's KV indices",
+          lambda: (late.receiver.poll(), late.sender.poll())[1] == sgl.KVPoll.WaitingForInput)
+    assert _queued(pd) == 0
+    late.sender.init(NUM_TOKENS, late.prefill_aux)
+    _forward_and_send(pd, late, g)
+    assert _poll_until_done(sgl, late.receiver) == sgl.KVPoll.Success
+    assert _poll_until_done(sgl, late.sender) == sgl.KVPoll.Success
+    for req in (*(r for r, _ in holders), late):
+        assert _holds(pd, req, "full"), req.room
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+    assert pd.decode.mgr.applier.tracked()["decode_rooms"] == 0
+
+
+def test_queued_rooms_leave_the_queue_when_aborted_or_past_the_waiting_budget(sgl, make_pd):
+    """An aborted queued room gives its place up; one queued past the waiting budget fails on
+    both sides at once, saying why; the rooms holding staging are untouched."""
+    pd = make_pd(_cfg(target="exact", staging_mib=1))
+    # With the prefill's session open, the holders are announced under the budget they were
+    # registered with: the shortened one below applies to the queued rooms only.
+    warm = _start_request(sgl, pd, room=8250, seed=93)
+    assert _poll_until_done(sgl, warm.receiver) == sgl.KVPoll.Success
+    holders = _fill_decode_staging(sgl, pd, first_room=8200)
+    # Never written to (they get no range), so their slots may overlap each other's.
+    first, _ = _request_metadata(sgl, pd, room=8290, seed=91, beside=tuple(r for r, _ in holders))
+    second, _ = _request_metadata(sgl, pd, room=8291, seed=92,
+                                  beside=tuple(r for r, _ in holders))
+    assert _queued(pd) == 2
+    first.receiver.abort()
+    assert first.receiver.poll() == sgl.KVPoll.Failed
+    assert _queued(pd) == 1
+    # The budget is SGLang's waiting timeout (300 s by default): shortened on the live applier.
+    pd.decode.mgr.applier.waiting_s = 0.3
+    assert _poll_until_done(sgl, second.receiver) == sgl.KVPoll.Failed
+    msg = _failure_message(sgl, second.receiver)
+    assert "of staging came free within 0.3 s" in msg and "--lynx-staging-mib" in msg, msg
+    # The prefill hears of it now, not after its own bootstrap timeout.
+    assert _poll_until_done(sgl, second.sender) == sgl.KVPoll.Failed
+    assert _queued(pd) == 0
+    pd.decode.mgr.applier.waiting_s = 300.0
+    for req, rg in holders:
+        _forward_and_send(pd, req, rg)
+    for req, _ in holders:
+        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+        assert _holds(pd, req, "full")
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+    assert pd.decode.mgr.applier.tracked()["decode_rooms"] == 0
+
+
 def test_prefill_death_mid_transfer_fails_the_room(sgl, make_pd):
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     req = _start_request(sgl, pd, room=5005, seed=6)
@@ -709,7 +811,7 @@ def _stream_two_rooms(sgl: _SGLang, pd: PD, rooms: tuple[int, int], seed: int):
     from lynx_sglang.backend.layer_stream import LayerGate
 
     a, ga = _open_request(sgl, pd, room=rooms[0], seed=seed)
-    b, gb = _open_request(sgl, pd, room=rooms[1], seed=seed + 1, beside=a)
+    b, gb = _open_request(sgl, pd, room=rooms[1], seed=seed + 1, beside=(a,))
     gate = LayerGate(LAYERS)
     assert pd.prefill.mgr.sender.start_early(
         [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)], gate) == set(rooms)
@@ -768,7 +870,7 @@ def test_rooms_handed_over_together_send_every_anchor_before_a_residual(sgl, mak
     room's Anchor does not wait for the first room's Residual (here held back 2 s)."""
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     a, ga = _open_request(sgl, pd, room=1121, seed=41)
-    b, gb = _open_request(sgl, pd, room=1122, seed=42, beside=a)
+    b, gb = _open_request(sgl, pd, room=1122, seed=42, beside=(a,))
     for req, g in ((a, ga), (b, gb)):
         for layer in range(LAYERS):
             _forward_layer(pd, req, layer, g)

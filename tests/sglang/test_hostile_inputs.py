@@ -223,7 +223,7 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
             session = dec.accept(timeout=5)
             assert session is not None
             session.announce(IDENTITY_REQUEST, {}, meta=b'{"accepted": true}')
-            r = dec_staging.allocate(plan.staging_bytes, 1)
+            r = dec_staging.try_allocate(plan.staging_bytes)
             session.announce(2, {Stream.ANCHOR: [(region.id, r.offset, plan.anchor_bytes)],
                                  Stream.RESIDUAL: [(region.id, r.offset + plan.anchor_bytes,
                                                     plan.residual_bytes)]})
