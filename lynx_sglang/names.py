@@ -44,6 +44,8 @@ FAULT_RESIDUAL_DELAY_ENV = "LYNX_SGLANG_FAULT_RESIDUAL_DELAY_S"
 FAULT_VERIFY_DELAY_ENV = "LYNX_SGLANG_FAULT_VERIFY_DELAY_S"
 # The prefill's and the decode's log lines when a fault-injection hold starts.
 FAULT_RESIDUAL_HOLD_LOG = "Anchor finished; holding the Residual"
+# Logged by the decode for a room that found no free staging and waits for a range.
+STAGING_QUEUED_LOG = "queued for staging"
 FAULT_VERIFY_HOLD_LOG = "holding the verification"
 
 

@@ -58,7 +58,7 @@ from .. import metrics, trace
 from ..config import LynxConfig, wire_mismatch
 from ..errors import KVStreamError, StagingFullError
 from ..failures import FailureKind, failure_kind_of, stream_failure_kind
-from ..names import TRANSFER_RECORD, record_line
+from ..names import STAGING_QUEUED_LOG, TRANSFER_RECORD, record_line
 from .aux import unpack_aux
 from .outcome import ResidualOutcome
 from .plan import StreamPlan
@@ -311,8 +311,8 @@ class DecodeApplier:
             self._rooms[room_id] = room
             if staging is None:
                 self._staging_queue.append(room_id)
-                logger.info("lynx: room %s waits for %d B of staging (%d B free, %d rooms "
-                            "queued before it)", room_id, plan.staging_bytes,
+                logger.info("lynx: room %s %s: needs %d B (%d B free, %d rooms queued before "
+                            "it)", room_id, STAGING_QUEUED_LOG, plan.staging_bytes,
                             self.staging.free_bytes(), len(self._staging_queue) - 1)
                 return False
             self._try_announce(room)
