@@ -8,7 +8,9 @@ Per request ("room", a `backend.room.DecodeRoom`):
   waits: a room that finds no free range (or others queued before it) is queued, first come
   first served, and its receiver holds its metadata back until `staged` says the room got a
   range (so the prefill does not start it meanwhile); past the waiting budget it fails. Only a
-  room larger than the whole staging pool fails at once.
+  room larger than the whole staging pool is windowed (`backend.window`): it holds one or two
+  windows, its segments of whole layers take turns in them (`_step_windowed`), and it never
+  speculates; only a room one layer of which exceeds the pool fails at once.
 - The applier thread (`run`) works on what has landed so far. Each Anchor layer is validated as
   soon as its bytes are in; when speculation is on it is also dequantized into the room's KV slots
   right away. Each Residual layer is validated and written at full precision as soon as its
@@ -65,8 +67,12 @@ from .plan import StreamPlan
 from .pool import KVPoolView
 from .prefill import IDENTITY_REQUEST
 from .room import TRANSFERRING, DecodeRoom, RoomState
+from .staging import ALIGN as STAGING_ALIGN
 from .staging import StagingPool
 from .streams import ResidualReader, anchor_layer, apply_anchor_layer, apply_full_layer
+from .window import SEGMENT_IDS
+from .window import choose as choose_windows
+from .window import cut as cut_segments
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +161,7 @@ class DecodeApplier:
         # Rooms that found no staging range, in arrival order (ids of rooms dropped meanwhile are
         # skipped when they come up).
         self._staging_queue: deque[int] = deque()
+        self._next_segment_id = SEGMENT_IDS.start  # ids of windowed rooms' segments 1..
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._wake = threading.Event()
@@ -299,20 +306,34 @@ class DecodeApplier:
         pool = self._pool()
         slots = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64), device=pool.device)
         plan = StreamPlan.build(self.spec, pool.shape, len(slots), self.config.chunk_tokens)
+        windows = None
+        if -(-plan.staging_bytes // STAGING_ALIGN) * STAGING_ALIGN > self.staging.nbytes:
+            windows = choose_windows(plan, self.staging.nbytes, STAGING_ALIGN)
+        need = windows.staging_bytes if windows else plan.staging_bytes
         with self._lock:
             self._admit_queued()
             # Never block the scheduler thread; never overtake a room queued before this one.
-            staging = None if self._staging_queue else self.staging.try_allocate(
-                plan.staging_bytes)
+            staging = None if self._staging_queue else self.staging.try_allocate(need)
             room = DecodeRoom(room_id, prefill, slots, aux_index, plan, staging)
             if rid is not None:
                 room.trace.facts["rid"] = rid
             room.residual_reader = ResidualReader(plan.num_layers, plan.num_tokens)
+            if windows is not None:
+                room.windows = windows
+                room.segments = cut_segments(plan.num_layers, windows.layers_per_segment,
+                                             self._next_segment_id)
+                self._next_segment_id += room.segments.count - 1
+                room.trace.facts.update(segments=room.segments.count, windows=windows.count)
+                logger.info("lynx: room %s needs %d B of staging, more than the pool (%d B): "
+                            "sent in %d segments of %d layers through %d windows of %d B",
+                            room_id, plan.staging_bytes, self.staging.nbytes,
+                            room.segments.count, windows.layers_per_segment, windows.count,
+                            windows.nbytes)
             self._rooms[room_id] = room
             if staging is None:
                 self._staging_queue.append(room_id)
                 logger.info("lynx: room %s %s: needs %d B (%d B free, %d rooms queued before "
-                            "it)", room_id, STAGING_QUEUED_LOG, plan.staging_bytes,
+                            "it)", room_id, STAGING_QUEUED_LOG, need,
                             self.staging.free_bytes(), len(self._staging_queue) - 1)
                 return False
             self._try_announce(room)
@@ -334,7 +355,7 @@ class DecodeApplier:
             if waited <= self.waiting_s:
                 return False
             del self._rooms[room_id]
-            reason = (f"no {room.plan.staging_bytes} B of staging came free within "
+            reason = (f"no {room.staging_need} B of staging came free within "
                       f"{self.waiting_s:g} s ({self.staging.free_bytes()} B free of "
                       f"{self.staging.nbytes} B; raise --lynx-staging-mib, or admit fewer "
                       "concurrent requests)")
@@ -352,7 +373,7 @@ class DecodeApplier:
             if room is None or room.state is not RoomState.AWAITING_STAGING:
                 self._staging_queue.popleft()  # dropped or failed while queued
                 continue
-            staging = self.staging.try_allocate(room.plan.staging_bytes)
+            staging = self.staging.try_allocate(room.staging_need)
             if staging is None:
                 break
             self._staging_queue.popleft()
@@ -442,15 +463,32 @@ class DecodeApplier:
         s = self._prefill_sessions.get(room.prefill)
         if s is None or s.closed:
             return False
-        plan = room.plan
-        rid = self.staging_region.id
-        s.announce(room.room, {
-            Stream.ANCHOR: [(rid, room.staging.offset, plan.anchor_bytes)],
-            Stream.RESIDUAL: [(rid, room.staging.offset + plan.anchor_bytes,
-                               plan.residual_bytes)]},
-            deadline_s=self.waiting_s, transfer_deadline_s=self.config.transfer_timeout_s)
+        if room.segments is None:
+            self._announce(s, room.room, room.plan, room.staging.offset)
+        else:
+            for _ in range(min(room.windows.count, room.segments.count)):
+                self._announce_segment(s, room)
         room.announced(s)
         return True
+
+    def _announce(self, s: Session, request_id: int, plan: StreamPlan, at: int,
+                  meta: bytes = b"") -> None:
+        """Both streams of `plan`, back to back from staging offset `at`."""
+        rid = self.staging_region.id
+        s.announce(request_id, {
+            Stream.ANCHOR: [(rid, at, plan.anchor_bytes)],
+            Stream.RESIDUAL: [(rid, at + plan.anchor_bytes, plan.residual_bytes)]},
+            deadline_s=self.waiting_s, transfer_deadline_s=self.config.transfer_timeout_s,
+            meta=meta)
+
+    def _announce_segment(self, s: Session, room: DecodeRoom) -> None:
+        """Announce the room's next segment into its window (segment j takes window j mod the
+        window count, which segment j - count has left)."""
+        seg, j = room.segments, room.seg_announced
+        at = room.staging.offset + (j % room.windows.count) * room.windows.nbytes
+        self._announce(s, seg.request_id(room.room, j), seg.plan(room.plan, j), at,
+                       seg.meta() if j == 0 else b"")
+        room.seg_announced += 1
 
     def _step(self, room: DecodeRoom) -> None:
         if room.state is RoomState.AWAITING_SESSION:
@@ -465,6 +503,9 @@ class DecodeApplier:
                 self.link.forget_prefill_rank(room.prefill)
                 self._fail(room, f"no transport session from prefill rank {room.prefill} "
                                  f"within {self.waiting_s:g} s", FailureKind.TIMEOUT)
+            return
+        if room.segments is not None:
+            self._step_windowed(room)
             return
         anchor = self._state(room, Stream.ANCHOR)
         if anchor is None:
@@ -494,9 +535,83 @@ class DecodeApplier:
         if progressed:
             self._wake.set()  # more may have landed meanwhile
 
-    def _state(self, room: DecodeRoom, stream: Stream):
-        """The stream's receive state, or None after failing the room because it failed."""
-        st = room.session.recv_state(room.room, stream)
+    def _step_windowed(self, room: DecodeRoom) -> None:
+        """A windowed room: once both streams of its oldest announced segment are complete,
+        validate and write its layers at full precision, release it, and announce the next
+        segment into the freed window; after the last one, conclude (never speculative)."""
+        seg, j = room.segments, room.seg_applied
+        request_id = seg.request_id(room.room, j)
+        anchor = self._state(room, Stream.ANCHOR, request_id)
+        if anchor is None:
+            return
+        if j == 0 and "anchor_first_byte" not in room.trace.marks:
+            room.trace.mark_mono("anchor_first_byte", anchor.t_first_byte)
+        residual = None
+        if self.config.residual:
+            residual = self._state(room, Stream.RESIDUAL, request_id)
+            if residual is None:
+                return
+        if not anchor.ok or (residual is not None and not residual.ok):
+            return
+        plan = seg.plan(room.plan, j)
+        at = (j % room.windows.count) * room.windows.nbytes
+        view = self.staging.view(room.staging)[at: at + plan.staging_bytes]
+        layers = seg.layers(j)
+        pool = self._pool()
+        if residual is None:
+            for i, layer in enumerate(layers):
+                apply_anchor_layer(anchor_layer(view, plan, i), pool, layer, room.slots,
+                                   self.spec, room.room, self.apply_helper)
+        else:
+            landed = _landed(residual, plan.residual_bytes)
+            reader = ResidualReader(len(layers), plan.num_tokens, first_layer=layers.start)
+            ready = reader.advance(view[plan.anchor_bytes:], landed)
+            if not reader.done or reader.pos != landed:
+                raise KVStreamError(f"segment {j} (layers {layers.start}-{layers.stop - 1}): its "
+                                    f"Residual of {landed} B does not hold exactly its layers")
+            if j == 0:
+                room.trace.mark_mono("residual_first_byte", residual.t_first_byte)
+            t0 = time.time()
+            room.trace.marks.setdefault("residual_apply_start", t0)
+            for layer, chunks in ready:
+                apply_full_layer(anchor_layer(view, plan, layer - layers.start), chunks, pool,
+                                 layer, room.slots, self.spec, room.room, self.apply_helper)
+            room.trace.span("residual_apply", layers.start, t0, time.time())
+            room.seg_residual_bytes += reader.pos
+        room.final_layers += len(layers)
+        if j + 1 < seg.count:
+            _sync(pool)
+            try:
+                room.session.release(request_id)
+            except TransportError as exc:
+                logger.debug("lynx: release of room %s segment %d: %s", room.room, j, exc)
+            room.seg_applied += 1
+            if room.seg_announced < seg.count:
+                self._announce_segment(room.session, room)
+            self._wake.set()  # the next segment may be in already
+            return
+        # The last segment (released with the room): its Anchor's end carries SGLang's aux
+        # data (the first token).
+        _sync(pool)
+        room.trace.mark_mono("anchor_landed", anchor.t_done)
+        if residual is not None:
+            room.trace.mark_mono("residual_landed", residual.t_done)
+        self.link.write_aux(room.aux_index, unpack_aux(anchor.aux or b""))
+        room.trace.facts.update(speculate=False, why=(
+            f"windowed: {seg.count} segments through {room.windows.count} windows"))
+        if residual is None:
+            room.trace.mark("anchor_applied")
+            room.final_kv(anchor_only=True)
+        else:
+            with self._lock:
+                room.anchor_complete(anchor.t_done, reported=False)
+            room.final_kv()
+        self._conclude(room)
+
+    def _state(self, room: DecodeRoom, stream: Stream, request_id: int | None = None):
+        """The stream's receive state (of the room, or of one of its segments), or None after
+        failing the room because it failed."""
+        st = room.session.recv_state(room.room if request_id is None else request_id, stream)
         if st.status is Status.FAILED:
             name = "Anchor" if stream is Stream.ANCHOR else "Residual"
             if st.reason is FailureReason.PEER_DIED:
@@ -652,7 +767,7 @@ class DecodeApplier:
 
     def _record(self, room: DecodeRoom) -> None:
         plan = room.plan
-        residual_bytes = room.residual_reader.pos if self.config.residual else 0
+        residual_bytes = room.residual_bytes if self.config.residual else 0
         room.trace.facts["residual_bytes"] = residual_bytes
         marks = room.trace.marks
 
@@ -688,10 +803,12 @@ class DecodeApplier:
     def _release(self, room: DecodeRoom) -> None:
         """Withdraw the announcement (no byte lands after this) and free the staging range."""
         if room.session is not None:
-            try:
-                room.session.release(room.room)
-            except TransportError as exc:
-                logger.debug("lynx: release of room %s: %s", room.room, exc)
+            for request_id in room.segment_ids():
+                try:
+                    room.session.release(request_id)
+                except TransportError as exc:
+                    logger.debug("lynx: release of room %s (request %s): %s", room.room,
+                                 request_id, exc)
             room.session = None
         if room.staging is not None:
             self.staging.free(room.staging)

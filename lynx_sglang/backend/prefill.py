@@ -62,6 +62,7 @@ from .plan import StreamPlan
 from .pool import KINDS, KVPoolView
 from .staging import StagingPool, StagingRange
 from .streams import encode_layer_into
+from .window import Segments
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +116,14 @@ class _Chunk:
 
 @dataclass
 class _InFlight:
-    """A sent room whose staging range must live until the transport has delivered it."""
+    """A sent room (or a windowed room's segment, by its request id) whose staging range must
+    live until the transport has delivered it. `trace`: the record to complete and emit then
+    (None for a windowed room's segments but its last)."""
 
     room: int
     session: Session
     staging: StagingRange
-    trace: trace.Trace
+    trace: trace.Trace | None
 
 
 @dataclass
@@ -231,6 +234,17 @@ class _DestinationWorker:
                 return
 
 
+def _encode(sender: PrefillSender, job: _Job, pool: KVPoolView, layer: int, anchor_out,
+            residual_out) -> tuple[int, int]:
+    """Encode one layer of the job's slots (`encode_layer_into`)."""
+    # Under the job's lock: the slots may be swapped for the prefix cache's between layers
+    # (`_reconcile_streamed`), never during one.
+    with job.lock:
+        rows, index = job.rows_of(pool, layer)
+        return encode_layer_into(rows, layer, index, sender.spec, sender.config.chunk_tokens,
+                                 job.room, anchor_out, residual_out, sender.encoder)
+
+
 class _RoomWriter:
     """Writes one room's two streams to one decode from its staging range, layer by layer
     (`layer`, in order), then ends the Anchor (`finish_anchor`) and the Residual
@@ -270,13 +284,7 @@ class _RoomWriter:
         return self.finish_residual()
 
     def _encode(self, layer: int, anchor_out, residual_out) -> tuple[int, int]:
-        job, sender = self.job, self.sender
-        # Under the job's lock: the slots may be swapped for the prefix cache's between layers
-        # (`_reconcile_streamed`), never during one.
-        with job.lock:
-            rows, index = job.rows_of(self.pool, layer)
-            return encode_layer_into(rows, layer, index, sender.spec, sender.config.chunk_tokens,
-                                     job.room, anchor_out, residual_out, sender.encoder)
+        return _encode(self.sender, self.job, self.pool, layer, anchor_out, residual_out)
 
     def layer(self, layer: int) -> None:
         job, plan, room = self.job, self.plan, self.job.room
@@ -354,6 +362,88 @@ class _RoomWriter:
         tr.mark("encode_end")
         self.posted = plan.anchor_bytes + stream_at
         return self.posted
+
+
+class _WindowedWriter:
+    """Writes a windowed room (`backend.window`; the decode announced it in segments): segment
+    after segment, once the decode has announced it, each encoded into its own prefill staging
+    range, both streams written and finished, the range handed to the reaper (`inflight`). The
+    decode announces a segment only when a window is free, so this waits for it (bounded by the
+    transfer timeout). Sent after the forward: `layer` does nothing, everything happens in
+    `finish_residual`, so in a layer-streamed group the room waits for the others' Anchors."""
+
+    def __init__(self, sender: PrefillSender, session: Session, job: _Job, pool: KVPoolView,
+                 plan: StreamPlan, segments: Segments, inflight: list[_InFlight]):
+        self.sender, self.session, self.job, self.pool = sender, session, job, pool
+        self.plan, self.segments, self.inflight = plan, segments, inflight
+        self.posted = 0
+        job.trace.facts.update(one_pass=True, residual_streamed=False)
+
+    def run(self) -> int:
+        self.finish_anchor()
+        return self.finish_residual()
+
+    def layer(self, layer: int) -> None:
+        """Nothing yet (see the class)."""
+
+    def finish_anchor(self) -> None:
+        if self.job.gate is not None:
+            self.sender.await_handover(self.job)  # every layer is in the pool after it
+
+    def finish_residual(self) -> int:
+        sender, session, job, seg = self.sender, self.session, self.job, self.segments
+        config, tr = sender.config, job.trace
+        tr.mark("encode_start")
+        for j in range(seg.count):
+            request_id = seg.request_id(job.room, j)
+            plan = seg.plan(self.plan, j)
+            ann = session.wait_announcement(request_id, timeout=config.transfer_timeout_s)
+            _check_announcement(ann, plan)
+            staging = sender._allocate(plan.staging_bytes, self.inflight)
+            last = j + 1 == seg.count
+            try:
+                posted = self._segment(request_id, plan, seg.layers(j), staging, last)
+            except BaseException:
+                _release(session, request_id)
+                sender.staging.free(staging)
+                raise
+            self.inflight.append(_InFlight(request_id, session, staging, tr if last else None))
+            self.posted += posted
+        tr.mark("encode_end")
+        return self.posted
+
+    def _segment(self, request_id: int, plan: StreamPlan, layers: range, staging: StagingRange,
+                 last: bool) -> int:
+        """Encode and write one segment from `staging`; returns its bytes, both streams."""
+        sender, session, job = self.sender, self.session, self.job
+        buf, region, residual = sender.staging.buffer, sender.staging_region, sender.config.residual
+        residual_at = staging.offset + plan.anchor_bytes
+        r_len = 0
+        for i, layer in enumerate(layers):
+            t0 = time.time()
+            at = staging.offset + plan.anchor_offset(i)
+            r_at = residual_at + r_len
+            written, r_written = _encode(
+                sender, job, self.pool, layer, buf[at: at + plan.anchor_layer_bytes],
+                buf[r_at: r_at + plan.residual_layer_bytes] if residual else None)
+            if written != plan.anchor_layer_bytes:
+                raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
+                                    f"expected {plan.anchor_layer_bytes} B")
+            r_len += r_written
+            job.trace.span("encode_anchor", layer, t0, time.time())
+        session.write_stream(request_id, Stream.ANCHOR, region, staging.offset, plan.anchor_bytes,
+                             stream_offset=0)
+        session.finish(request_id, Stream.ANCHOR,
+                       aux=sender.link.read_aux(job.aux_index) if last else b"")
+        if last:
+            job.trace.mark("anchor_posted")
+        if residual:
+            session.write_stream(request_id, Stream.RESIDUAL, region, residual_at, r_len,
+                                 stream_offset=0)
+            session.finish(request_id, Stream.RESIDUAL)
+            if last:
+                job.trace.mark("residual_posted")
+        return plan.anchor_bytes + r_len
 
 
 class PrefillSender:
@@ -611,7 +701,7 @@ class PrefillSender:
         # of any, so that each room's Anchor goes out as the forward writes it (one room after
         # another, the second's whole encode came after the forward); then end every room's
         # Anchor before any room's Residual (an exact one is encoded then).
-        writers: list[tuple[_RoomWriter, _InFlight]] = []
+        writers: list[tuple[_RoomWriter | _WindowedWriter, _InFlight | None]] = []
         for job in jobs:
             job.trace.mark("dequeued")
             try:
@@ -620,8 +710,8 @@ class PrefillSender:
                 self._fail_room(job, exc)
         for layer in range(self._pool().shape.num_layers):
             self._each(writers, inflight, lambda w, layer=layer: w.layer(layer))
-        self._each(writers, inflight, _RoomWriter.finish_anchor)
-        self._each(writers, inflight, _RoomWriter.finish_residual)
+        self._each(writers, inflight, lambda w: w.finish_anchor())
+        self._each(writers, inflight, lambda w: w.finish_residual())
         for w, _ in writers:
             try:
                 self._done(w.job, w.posted, w.job.destinations)
@@ -630,8 +720,9 @@ class PrefillSender:
         for job in jobs:
             self._forget_early(job)
 
-    def _each(self, writers: list[tuple[_RoomWriter, _InFlight]], inflight: list[_InFlight],
-              step: Callable[[_RoomWriter], object]) -> None:
+    def _each(self, writers: list[tuple[_RoomWriter | _WindowedWriter, _InFlight | None]],
+              inflight: list[_InFlight], step: Callable[[_RoomWriter | _WindowedWriter], object]
+              ) -> None:
         """One step of every room of a group; a room whose step raises gives its staging and
         announcement back, fails, and leaves the group."""
         for w, f in list(writers):
@@ -723,10 +814,11 @@ class PrefillSender:
                 raise
         self._done(job, sent, job.destinations)
 
-    def _open(self, job: _Job, dst: Destination,
-              inflight: list[_InFlight]) -> tuple[_RoomWriter, _InFlight]:
+    def _open(self, job: _Job, dst: Destination, inflight: list[_InFlight]
+              ) -> tuple[_RoomWriter, _InFlight] | tuple[_WindowedWriter, None]:
         """Ready `job`'s streams to `dst`: the session, the decode's announcement (checked
-        against this prefill's plan) and a staging range, held in `inflight` from here on."""
+        against this prefill's plan) and a staging range, held in `inflight` from here on; or,
+        when the decode announced the room in segments, its `_WindowedWriter`."""
         room, tr = job.room, job.trace
         pool = self._pool()
         num_tokens = len(job.slots)
@@ -739,12 +831,11 @@ class PrefillSender:
         session = self._session_to(dst.session_address)
         ann = session.wait_announcement(room, timeout=self.config.connect_timeout_s)
         tr.mark("announcement")
-        for ws, stream in _STREAMS.items():
-            if ann.stream_nbytes(stream) != plan.stream_bytes(ws):
-                raise SettingsMismatchError(
-                    f"decode announced {ann.stream_nbytes(stream)} B for the {ws.name} "
-                    f"stream, this prefill encodes {plan.stream_bytes(ws)} B: the --lynx-* "
-                    "flags or the model differ between prefill and decode")
+        segments = Segments.parse(ann.meta, plan.num_layers)
+        if segments is not None:
+            tr.facts.update(segments=segments.count)
+            return _WindowedWriter(self, session, job, pool, plan, segments, inflight), None
+        _check_announcement(ann, plan)
         staging = self._allocate(plan.staging_bytes, inflight)
         f = _InFlight(room, session, staging, tr)
         writer = _RoomWriter(self, session, job, pool, staging, plan)
@@ -769,9 +860,12 @@ class PrefillSender:
             self.staging.wait_for_free(min(left, STAGING_POLL_S))
         return staging
 
-    def _undo(self, f: _InFlight, inflight: list[_InFlight]) -> None:
+    def _undo(self, f: _InFlight | None, inflight: list[_InFlight]) -> None:
         """A room whose streams failed before they were all written: a stream never written
-        stays pending for the transport, so the reaper would never free its range."""
+        stays pending for the transport, so the reaper would never free its range. (None: a
+        windowed room, whose writer gives back its own unfinished segment.)"""
+        if f is None:
+            return
         inflight.remove(f)
         _release(f.session, f.room)
         self.staging.free(f.staging)
@@ -793,10 +887,11 @@ class PrefillSender:
             if not done:
                 keep.append(f)
                 continue
-            self._trace_streams(f, streams)
             _release(f.session, f.room)
             self.staging.free(f.staging)
-            trace.emit(f.trace)
+            if f.trace is not None:
+                self._trace_streams(f, streams)
+                trace.emit(f.trace)
         inflight[:] = keep
 
     @staticmethod
@@ -839,6 +934,16 @@ def _by_decode(jobs: list[_Job]) -> list[list[_Job]]:
         else:
             alone.append([job])
     return alone + list(groups.values())
+
+
+def _check_announcement(ann, plan: StreamPlan) -> None:
+    """The decode announced the stream sizes this prefill encodes for `plan`."""
+    for ws, stream in _STREAMS.items():
+        if ann.stream_nbytes(stream) != plan.stream_bytes(ws):
+            raise SettingsMismatchError(
+                f"decode announced {ann.stream_nbytes(stream)} B for the {ws.name} "
+                f"stream, this prefill encodes {plan.stream_bytes(ws)} B: the --lynx-* "
+                "flags or the model differ between prefill and decode")
 
 
 def _release(session: Session, room: int) -> None:

@@ -34,6 +34,7 @@ from .outcome import ResidualOutcome, ResidualState
 from .plan import StreamPlan
 from .staging import StagingRange
 from .streams import LayerRuns, ResidualReader
+from .window import Segments, Windows
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,14 @@ class DecodeRoom:
     residual_at_anchor: int | None = None  # Residual bytes landed when the Anchor was complete
     t_residual_applied: float | None = None
     trace: tracing.Trace | None = None
+    # A windowed room (`backend.window`; larger than the whole staging pool): its windows and
+    # segments, and the segment cursor: segments [seg_applied, seg_announced) are announced and
+    # not yet applied (at most one per window).
+    windows: Windows | None = None
+    segments: Segments | None = None
+    seg_announced: int = 0
+    seg_applied: int = 0
+    seg_residual_bytes: int = 0  # Residual bytes of the segments applied so far
 
     def __post_init__(self) -> None:
         if self.staging is None:
@@ -161,6 +170,23 @@ class DecodeRoom:
         self.trace.facts["cancelled"] = True
 
     # ---- views --------------------------------------------------------------------------------
+    @property
+    def staging_need(self) -> int:
+        """Bytes of staging the room holds: its windows, or its whole plan."""
+        return self.windows.staging_bytes if self.windows else self.plan.staging_bytes
+
+    @property
+    def residual_bytes(self) -> int:
+        """Residual bytes landed and parsed so far."""
+        return self.seg_residual_bytes if self.segments else self.residual_reader.pos
+
+    def segment_ids(self) -> list[int]:
+        """Transport request ids announced for the room and not yet released."""
+        if self.segments is None:
+            return [self.room]
+        return [self.segments.request_id(self.room, j)
+                for j in range(self.seg_applied, self.seg_announced)]
+
     @property
     def live(self) -> bool:
         return self.state not in TERMINAL

@@ -138,17 +138,19 @@ class ResidualReader:
     request's tokens (the prefill writes them so); anything else is refused here. The chunks
     themselves (CRC, settings, corrections) are validated when the layer is applied."""
 
-    def __init__(self, num_layers: int, num_tokens: int):
-        self.num_layers, self.num_tokens = num_layers, num_tokens
+    def __init__(self, num_layers: int, num_tokens: int, first_layer: int = 0):
+        # The stream holds layers [first_layer, first_layer + num_layers) (a windowed room's
+        # segment holds a few; `backend.window`).
+        self.end_layer, self.num_tokens = first_layer + num_layers, num_tokens
         self.pos = 0
-        self.next_layer = 0
+        self.next_layer = first_layer
         self._run_start = 0  # where the current layer's K run starts
         self._k_end: int | None = None  # where its V run starts, once the K run is complete
         self._covered = 0  # tokens of the current run so far
 
     @property
     def done(self) -> bool:
-        return self.next_layer == self.num_layers
+        return self.next_layer == self.end_layer
 
     def advance(self, view: memoryview, landed: int) -> list[tuple[int, LayerRuns]]:
         ready = []

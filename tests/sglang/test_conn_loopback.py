@@ -43,6 +43,7 @@ import torch
 
 from lynx_kernels import decode, encode
 from lynx_sglang.backend.plan import StreamPlan
+from lynx_sglang.backend.prefill import IDENTITY_REQUEST
 from lynx_sglang.backend.staging import ALIGN as STAGING_ALIGN
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV
@@ -265,32 +266,32 @@ class Request:
     decode_aux: int
 
 
-def _open_request(sgl: _SGLang, pd: PD, room: int, seed: int,
-                  beside: tuple[Request, ...] = ()) -> tuple[Request, torch.Generator]:
+def _open_request(sgl: _SGLang, pd: PD, room: int, seed: int, beside: tuple[Request, ...] = (),
+                  tokens: int = NUM_TOKENS) -> tuple[Request, torch.Generator]:
     """A request through the conn classes up to the prefill's `send`, in the order SGLang's
     prefill bootstrap queue and decode prealloc queue drive them: its slots on both sides (slot 0
     is SGLang's padding slot; none of `beside`'s, requests in flight at the same time),
     SGLang's metadata row on the prefill, the decode's KV indices at the prefill. Returns the
     request and the generator of its random data."""
-    req, g = _request_metadata(sgl, pd, room, seed, beside)
+    req, g = _request_metadata(sgl, pd, room, seed, beside, tokens)
     _wait("the prefill to get the decode's KV indices",
           lambda: req.sender.poll() == sgl.KVPoll.WaitingForInput)
-    req.sender.init(NUM_TOKENS, req.prefill_aux)
+    req.sender.init(tokens, req.prefill_aux)
     return req, g
 
 
-def _request_metadata(sgl: _SGLang, pd: PD, room: int, seed: int,
-                      beside: tuple[Request, ...] = ()) -> tuple[Request, torch.Generator]:
+def _request_metadata(sgl: _SGLang, pd: PD, room: int, seed: int, beside: tuple[Request, ...] = (),
+                      tokens: int = NUM_TOKENS) -> tuple[Request, torch.Generator]:
     """`_open_request` up to the decode's `send_metadata` (which the receiver may hold back)."""
     g = torch.Generator().manual_seed(seed)
 
     def slots(taken: list[torch.Tensor]) -> torch.Tensor:
         free = torch.randperm(POOL_TOKENS, generator=g) + 1
-        return (free[~torch.isin(free, torch.cat(taken))] if taken else free)[:NUM_TOKENS]
+        return (free[~torch.isin(free, torch.cat(taken))] if taken else free)[:tokens]
 
     prefill_slots = slots([b.prefill_slots for b in beside])
     decode_slots = slots([b.decode_slots for b in beside])
-    assert len(prefill_slots) == len(decode_slots) == NUM_TOKENS
+    assert len(prefill_slots) == len(decode_slots) == tokens
     prefill_aux, decode_aux = seed % AUX_ROWS, (seed + 1) % AUX_ROWS
     meta = pd.prefill.meta
     meta.output_ids[prefill_aux].copy_(torch.randint(1, 50000, (16,), generator=g))
@@ -309,14 +310,14 @@ def _request_metadata(sgl: _SGLang, pd: PD, room: int, seed: int,
 def _forward_layer(pd: PD, req: Request, layer: int, g: torch.Generator) -> None:
     """What the prefill forward writes of one layer: random K and V in the request's slots."""
     for buffers in (pd.prefill.pool.k_buffer, pd.prefill.pool.v_buffer):
-        x = torch.randn(NUM_TOKENS, HEADS, HEAD_DIM, generator=g) * (layer + 1)
+        x = torch.randn(len(req.prefill_slots), HEADS, HEAD_DIM, generator=g) * (layer + 1)
         buffers[layer][req.prefill_slots] = x.to(torch.bfloat16)
 
 
-def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int,
-                   beside: tuple[Request, ...] = ()) -> Request:
+def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int, beside: tuple[Request, ...] = (),
+                   tokens: int = NUM_TOKENS) -> Request:
     """A request whose prefill KV is all there when SGLang sends it (after its forward)."""
-    req, g = _open_request(sgl, pd, room, seed, beside)
+    req, g = _open_request(sgl, pd, room, seed, beside, tokens)
     _forward_and_send(pd, req, g)
     return req
 
@@ -324,7 +325,8 @@ def _start_request(sgl: _SGLang, pd: PD, room: int, seed: int,
 def _forward_and_send(pd: PD, req: Request, g: torch.Generator) -> None:
     for layer in range(LAYERS):
         _forward_layer(pd, req, layer, g)
-    req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None,
+                    num_kv_tokens=len(req.prefill_slots))
 
 
 def _poll_until_done(sgl: _SGLang, party) -> int:
@@ -632,6 +634,43 @@ def test_queued_rooms_leave_the_queue_when_aborted_or_past_the_waiting_budget(sg
         assert _holds(pd, req, "full")
     assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
     assert pd.decode.mgr.applier.tracked()["decode_rooms"] == 0
+
+
+# More exact-target staging than 1 MiB in this file's two layers, and still one layer per window.
+WINDOWED_TOKENS = 1000
+
+
+def test_a_room_larger_than_decode_staging_is_sent_in_segments(sgl, make_pd, caplog):
+    """A room whose staging exceeds the whole pool is windowed (`backend.window`): here two
+    segments of one layer take turns in one window of the whole pool. The KV arrives exact,
+    Success comes only with the final KV (a windowed room never speculates, speculation on or
+    not), and every segment's announcement and range is given back."""
+    cfg = _cfg(target="exact", staging_mib=1, speculate=True)
+    pd = make_pd(cfg)
+    decode = pd.decode.mgr
+    plan = StreamPlan.build(decode.lynx.codec, decode.pool.shape, WINDOWED_TOKENS,
+                            decode.lynx.chunk_tokens)
+    assert plan.staging_bytes > decode.staging.nbytes
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode"):
+        req = _start_request(sgl, pd, room=9100, seed=100, tokens=WINDOWED_TOKENS)
+        assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+    assert "sent in 2 segments of 1 layers through 1 windows" in caplog.text
+    assert decode.applier.residual_outcome(req.room) is None  # not reported at Anchor time
+    for kind in ("k_buffer", "v_buffer"):
+        for layer in range(LAYERS):
+            src = getattr(pd.prefill.pool, kind)[layer][req.prefill_slots]
+            assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots], src)
+    assert int(pd.decode.meta.bootstrap_room[req.decode_aux, 0]) == req.room  # the aux came
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert decode.staging.free_bytes() == decode.staging.nbytes
+    assert decode.applier.tracked()["decode_rooms"] == 0
+    for session in decode.applier._prefill_sessions.values():
+        assert session.pending_requests() == [IDENTITY_REQUEST]  # the session's own answer
+    # The session goes on serving ordinary rooms.
+    nxt = _start_request(sgl, pd, room=9101, seed=101)
+    assert _poll_until_done(sgl, nxt.receiver) == sgl.KVPoll.Success
+    assert _holds(pd, nxt, "full")
 
 
 def test_prefill_death_mid_transfer_fails_the_room(sgl, make_pd):
