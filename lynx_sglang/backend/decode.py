@@ -7,8 +7,8 @@ Per request ("room", a `backend.room.DecodeRoom`):
   sizes its staging range, announced as soon as the prefill rank's session exists. It never
   waits: a room that finds no free range (or others queued before it) is queued, first come
   first served, and its receiver holds its metadata back until `staged` says the room got a
-  range (so the prefill does not start it meanwhile); past the waiting budget it fails. Only a
-  room larger than the whole staging pool is windowed (`backend.window`): it holds one or two
+  range (so the prefill does not start it meanwhile); past the waiting budget it fails. A room
+  larger than the whole staging pool is windowed (`backend.window`): it holds one or two
   windows, its segments of whole layers take turns in them (`_step_windowed`), and it never
   speculates; only a room one layer of which exceeds the pool fails at once.
 - The applier thread (`run`) works on what has landed so far. Each Anchor layer is validated as

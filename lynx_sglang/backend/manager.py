@@ -200,8 +200,9 @@ class LynxKVManager(MooncakeKVManager):
             )
 
     def _check_staging_size(self) -> None:
-        """Say at start-up how long a request the staging memory holds: a request holds its
-        whole range (no windowing yet), so one longer than that fails however idle the server."""
+        """Say at start-up how long a request the staging memory holds whole: a longer one is
+        sent in segments through windows of staging (`backend.window`), slower and without
+        speculation."""
         shape = self.pool.shape
         rows = int(self.pool.layer(0, KINDS[0]).shape[0])
         longest = min(rows, getattr(self.server_args, "context_length", None) or rows)
@@ -213,9 +214,10 @@ class LynxKVManager(MooncakeKVManager):
             return
         need = StreamPlan.build(self.lynx.codec, shape, longest, self.lynx.chunk_tokens)
         logger.warning(
-            "lynx: --lynx-staging-mib %d holds a request of up to %d tokens (target %s); this "
-            "server takes up to %d, and a longer request fails with StagingFullError: "
-            "--lynx-staging-mib %d would hold one (on prefill and decode)",
+            "lynx: --lynx-staging-mib %d holds a request of up to %d tokens whole (target %s); "
+            "this server takes up to %d, and a longer request is sent in segments through "
+            "windows of staging, without speculation: --lynx-staging-mib %d would hold one "
+            "whole (on prefill and decode)",
             self.lynx.staging_mib, fit, self.lynx.codec.target.value, longest,
             -(-need.staging_bytes // (1 << 20)))
 

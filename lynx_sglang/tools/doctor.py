@@ -99,18 +99,28 @@ def check_secret(secret_file: str | None) -> Check:
 def check_staging(model: str, context_tokens: int, staging_mib: int) -> Check:
     from lynx_kernels import CodecSpec, model_shape
     from lynx_sglang.backend.plan import StreamPlan
+    from lynx_sglang.backend.staging import ALIGN
+    from lynx_sglang.backend.window import choose
+    from lynx_sglang.errors import StagingFullError
 
     try:
         shape = model_shape(model)
     except (ValueError, OSError) as exc:
         return Check("staging", Verdict.FAIL, f"--model {model}: {exc}")
-    need = StreamPlan.build(CodecSpec(), shape, context_tokens, 256).staging_bytes
+    plan = StreamPlan.build(CodecSpec(), shape, context_tokens, 256)
+    need = plan.staging_bytes
     have = staging_mib << 20
     what = (f"{shape.name or model}: one {context_tokens}-token request holds {need / 2**20:,.0f} "
             f"MiB of staging; --lynx-staging-mib {staging_mib} holds {have // need} at once")
     if need > have:
-        return Check("staging", Verdict.FAIL, f"{what}: raise --lynx-staging-mib to at least "
-                     f"{-(-need // 2**20)}")
+        whole = f"--lynx-staging-mib {-(-need // 2**20)} would hold it whole"
+        try:
+            w = choose(plan, have, ALIGN)
+        except StagingFullError as exc:
+            return Check("staging", Verdict.FAIL, f"{what}: {exc}; {whole}")
+        return Check("staging", Verdict.WARN, (
+            f"{what}: it is sent in segments of {w.layers_per_segment} layers through "
+            f"{w.count} window(s), without speculation; {whole}"))
     return Check("staging", Verdict.OK if have // need >= 4 else Verdict.WARN, what)
 
 

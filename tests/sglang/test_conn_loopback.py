@@ -640,11 +640,13 @@ def test_queued_rooms_leave_the_queue_when_aborted_or_past_the_waiting_budget(sg
 WINDOWED_TOKENS = 1000
 
 
+@pytest.mark.rdma_vm
 def test_a_room_larger_than_decode_staging_is_sent_in_segments(sgl, make_pd, caplog):
     """A room whose staging exceeds the whole pool is windowed (`backend.window`): here two
     segments of one layer take turns in one window of the whole pool. The KV arrives exact,
     Success comes only with the final KV (a windowed room never speculates, speculation on or
-    not), and every segment's announcement and range is given back."""
+    not), and every segment's announcement and range is given back. In the soft-RoCE guest over
+    verbs: each segment is one memory registration of its window, made again for the next."""
     cfg = _cfg(target="exact", staging_mib=1, speculate=True)
     pd = make_pd(cfg)
     decode = pd.decode.mgr
