@@ -43,6 +43,7 @@ import torch
 
 from lynx_kernels import CodecSpec, StreamKind, Target, WireStream
 from lynx_transport import (
+    AnnouncementTimeoutError,
     Endpoint,
     Region,
     Session,
@@ -392,12 +393,12 @@ class _WindowedWriter:
 
     def finish_residual(self) -> int:
         sender, session, job, seg = self.sender, self.session, self.job, self.segments
-        config, tr = sender.config, job.trace
+        tr = job.trace
         tr.mark("encode_start")
         for j in range(seg.count):
             request_id = seg.request_id(job.room, j)
             plan = seg.plan(self.plan, j)
-            ann = session.wait_announcement(request_id, timeout=config.transfer_timeout_s)
+            ann = self._wait_announcement(request_id, j)
             _check_announcement(ann, plan)
             staging = sender._allocate(plan.staging_bytes, self.inflight)
             last = j + 1 == seg.count
@@ -411,6 +412,25 @@ class _WindowedWriter:
             self.posted += posted
         tr.mark("encode_end")
         return self.posted
+
+    def _wait_announcement(self, request_id: int, j: int):
+        """Segment j's announcement, within the transfer timeout; a room SGLang dropped
+        meanwhile (the decode aborted it) stops at once instead of holding this worker."""
+        sender, room = self.sender, self.job.room
+        timeout = sender.config.transfer_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            if not sender.link.is_live(room):
+                raise KVStreamError(f"SGLang dropped the room before its segment {j} was sent")
+            left = deadline - time.monotonic()
+            try:
+                return self.session.wait_announcement(
+                    request_id, timeout=max(min(left, HANDOVER_POLL_S), 0.0))
+            except AnnouncementTimeoutError:
+                if left <= HANDOVER_POLL_S:
+                    raise AnnouncementTimeoutError(
+                        f"the decode did not announce segment {j} of the room within "
+                        f"{timeout:g} s") from None
 
     def _segment(self, request_id: int, plan: StreamPlan, layers: range, staging: StagingRange,
                  last: bool) -> int:

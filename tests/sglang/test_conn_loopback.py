@@ -675,6 +675,42 @@ def test_a_room_larger_than_decode_staging_is_sent_in_segments(sgl, make_pd, cap
     assert _holds(pd, nxt, "full")
 
 
+def test_a_room_dropped_between_segments_frees_the_prefill_worker_at_once(sgl, make_pd,
+                                                                         monkeypatch):
+    """The decode aborts a windowed room once its first segment is in: the prefill, waiting for
+    the next segment's announcement, stops as soon as SGLang drops the room (not at the transfer
+    timeout: it would hold the worker that every room to that decode needs), and both sides give
+    all their staging back. The decode's applier leaves the windowed room alone here: it stands
+    in for a decode slow to apply the first segment."""
+    cfg = _cfg(target="exact", staging_mib=1, speculate=True, transfer_timeout_s=60.0)
+    pd = make_pd(cfg)
+    applier = pd.decode.mgr.applier
+    step = type(applier)._step_windowed
+    monkeypatch.setattr(type(applier), "_step_windowed", lambda self, room: None)
+    req = _start_request(sgl, pd, room=9200, seed=102, tokens=WINDOWED_TOKENS)
+
+    def first_segment_in() -> bool:
+        room = applier._rooms.get(req.room)
+        return (room is not None and room.session is not None
+                and room.session.recv_state(req.room, Stream.RESIDUAL).ok)
+
+    _wait("the first segment at the decode", first_segment_in)
+    t0 = time.monotonic()
+    req.receiver.abort()
+    assert req.receiver.poll() == sgl.KVPoll.Failed
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd), timeout=10.0)
+    assert time.monotonic() - t0 < 10.0  # far inside the 60 s transfer timeout
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+    assert applier.tracked()["decode_rooms"] == 0
+    # The prefill's worker for this decode is free again: the next rooms go through.
+    monkeypatch.setattr(type(applier), "_step_windowed", step)
+    for room, seed, tokens in ((9201, 103, NUM_TOKENS), (9202, 104, WINDOWED_TOKENS)):
+        nxt = _start_request(sgl, pd, room=room, seed=seed, tokens=tokens)
+        assert _poll_until_done(sgl, nxt.receiver) == sgl.KVPoll.Success
+        assert _holds(pd, nxt, "full")
+
+
 def test_prefill_death_mid_transfer_fails_the_room(sgl, make_pd):
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     req = _start_request(sgl, pd, room=5005, seed=6)
