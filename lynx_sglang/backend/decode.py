@@ -307,7 +307,7 @@ class DecodeApplier:
         slots = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64), device=pool.device)
         plan = StreamPlan.build(self.spec, pool.shape, len(slots), self.config.chunk_tokens)
         windows = None
-        if -(-plan.staging_bytes // STAGING_ALIGN) * STAGING_ALIGN > self.staging.nbytes:
+        if not self.staging.holds(plan.staging_bytes):
             windows = choose_windows(plan, self.staging.nbytes, STAGING_ALIGN)
         need = windows.staging_bytes if windows else plan.staging_bytes
         with self._lock:
@@ -581,10 +581,7 @@ class DecodeApplier:
         room.final_layers += len(layers)
         if j + 1 < seg.count:
             _sync(pool)
-            try:
-                room.session.release(request_id)
-            except TransportError as exc:
-                logger.debug("lynx: release of room %s segment %d: %s", room.room, j, exc)
+            _release_request(room, request_id)
             room.seg_applied += 1
             if room.seg_announced < seg.count:
                 self._announce_segment(room.session, room)
@@ -804,11 +801,7 @@ class DecodeApplier:
         """Withdraw the announcement (no byte lands after this) and free the staging range."""
         if room.session is not None:
             for request_id in room.segment_ids():
-                try:
-                    room.session.release(request_id)
-                except TransportError as exc:
-                    logger.debug("lynx: release of room %s (request %s): %s", room.room,
-                                 request_id, exc)
+                _release_request(room, request_id)
             room.session = None
         if room.staging is not None:
             self.staging.free(room.staging)
@@ -875,6 +868,14 @@ def _identity(meta: bytes) -> tuple[tuple[str, int], Any] | None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         return None
     return (ip, port), who.get("config")
+
+
+def _release_request(room: DecodeRoom, request_id: int) -> None:
+    """Withdraw one of the room's announcements (the room's, or one segment's)."""
+    try:
+        room.session.release(request_id)
+    except TransportError as exc:
+        logger.debug("lynx: release of room %s (request %s): %s", room.room, request_id, exc)
 
 
 def _landed(st, bound: int) -> int:

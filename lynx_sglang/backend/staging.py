@@ -67,11 +67,15 @@ class StagingPool:
         with self._cond:
             self._cond.wait(timeout_s)
 
+    def holds(self, length: int) -> bool:
+        """Whether a range of `length` B fits the whole pool, as allocated (rounded up)."""
+        return -(-length // ALIGN) * ALIGN <= self.nbytes
+
     def _size(self, length: int) -> int:
         if length <= 0:
             raise ValueError(f"allocation length must be positive, got {length}")
         size = -(-length // ALIGN) * ALIGN
-        if size > self.nbytes:
+        if not self.holds(length):
             raise StagingFullError(
                 f"a request needs {length} B of staging, more than the whole pool ({self.nbytes} B);"
                 " raise --lynx-staging-mib"

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 import pytest
 from transformers import AutoTokenizer
 
-from lynx_sglang.names import TRANSFER_RECORD, parse_records
 from lynx_sglang.tools.client import generate
 from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec
-from lynx_sglang.tools.measure import metric_sum
+from lynx_sglang.tools.measure import metric_sum, transfer_lines, wait_for
 from lynx_sglang.tools.prompts import passkey_prompt
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -46,7 +44,7 @@ def windowed_cluster(sglang_model, start_cluster, pd_link):
 def _windowed_rooms(cluster) -> list[tuple[dict, int, int, int]]:
     """(transfer record, segments, layers per segment, windows) of each windowed room so far."""
     log = cluster.log_path("decode").read_text(errors="replace")
-    records = {r["room"]: r for r in parse_records(log, TRANSFER_RECORD)}
+    records = {r["room"]: r for r in transfer_lines(log)}
     return [(records[int(room)], int(n), int(k), int(w))
             for room, n, k, w in _WINDOWED.findall(log)]
 
@@ -54,10 +52,11 @@ def _windowed_rooms(cluster) -> list[tuple[dict, int, int, int]]:
 def _staging_back_to_idle(cluster) -> None:
     # The prefill frees a range once the decode acknowledged it (its reaper runs every 50 ms).
     urls = (cluster.prefill_url, cluster.decode_url)
-    deadline = time.monotonic() + 10.0
-    while (used := [metric_sum(u, "lynx_staging_used_bytes") for u in urls]) != [0, 0]:
-        assert time.monotonic() < deadline, used
-        time.sleep(0.2)
+
+    def used() -> list[float | None]:
+        return [metric_sum(u, "lynx_staging_used_bytes") for u in urls]
+
+    assert wait_for(lambda: used() == [0, 0], timeout_s=10.0), used()
 
 
 def test_a_request_longer_than_staging_goes_in_segments_and_matches(
