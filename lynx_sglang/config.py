@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_kernels import CodecError, CodecSpec
+from lynx_transport.tls import TlsConfig, TlsConfigError
 from lynx_transport.verbs import VerbsOptions
 
 from .errors import LynxConfigError
@@ -77,6 +78,18 @@ class LynxConfig:
         False, "allow unauthenticated transport sessions on a non-loopback address: anyone who "
                "can reach the port could write into KV memory; only on an isolated, trusted "
                "network")
+    tls_cert: str | None = _opt(
+        None, "tcp transport: PEM certificate (chain) of this server; with --lynx-tls-key and "
+              "--lynx-tls-ca every data connection runs TLS 1.3 with certificates checked both "
+              "ways against the CA (`lynx-sglang tls-certs` makes a private CA and certificates). "
+              "Give prefills and decodes TLS alike: a TLS server refuses a plain peer. Without "
+              "it the KV bytes cross the network in clear")
+    tls_key: str | None = _opt(None, "tcp transport: PEM private key of --lynx-tls-cert")
+    tls_ca: str | None = _opt(None, "tcp transport: PEM CA certificate(s) the peers' TLS "
+                                    "certificates must chain to")
+    tls_check_hostname: bool = _opt(
+        True, "TLS: a prefill also checks that the decode's certificate names the address it "
+              "dials (an IP address SAN); --no-lynx-tls-check-hostname checks the chain only")
     chunk_tokens: int = _opt(256, "tokens per wire chunk, a multiple of the group size")
     encode_threads: int = _opt(2, "prefill: threads encoding a layer's K and V at once (the C "
                                   "codec releases the GIL; 1 = one after the other)",
@@ -136,6 +149,14 @@ class LynxConfig:
         if self.transport not in TRANSPORTS:
             raise LynxConfigError(
                 f"{flag_name('transport')} must be one of {TRANSPORTS}, got {self.transport!r}")
+        tls_files = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(tls_files) and not all(tls_files):
+            raise LynxConfigError(f"TLS needs all three of {flag_name('tls_cert')}, "
+                                  f"{flag_name('tls_key')} and {flag_name('tls_ca')}")
+        if any(tls_files) and self.transport != "tcp":
+            raise LynxConfigError(f"{flag_name('tls_cert')}: TLS covers the tcp transport's data "
+                                  f"connections; {flag_name('transport')} {self.transport} has "
+                                  "none (keep RDMA traffic on a fabric only the cluster reaches)")
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.codec.group_size:
             raise LynxConfigError(
                 f"{flag_name('chunk_tokens')} must be a positive multiple of "
@@ -205,6 +226,19 @@ class LynxConfig:
                    "anchor_tc": self.ib_anchor_tc, "residual_tc": self.ib_residual_tc}
         VerbsOptions.from_dict(options)
         return options
+
+    def tls_config(self) -> TlsConfig | None:
+        """The tcp transport's TLS files, checked (LynxConfigError names the flag and the file),
+        or None without TLS."""
+        if not self.tls_cert:
+            return None
+        try:
+            tls = TlsConfig(self.tls_cert, self.tls_key, self.tls_ca,
+                            check_hostname=self.tls_check_hostname)
+            tls.contexts()
+        except TlsConfigError as exc:
+            raise LynxConfigError(f"{flag_name('tls_cert')}: {exc}") from None
+        return tls
 
     def load_secret(self) -> bytes | None:
         """The transport secret: the file's bytes, else the hex in the environment, else None."""

@@ -7,9 +7,11 @@ For each link rate, in one run on the same link:
   * ANCHOR completion time with a concurrent large RESIDUAL ÷ ANCHOR alone (goal ≤ 1.05),
     both "together" (RESIDUAL posted first, ANCHOR right after) and "midflight" (ANCHOR arrives
     while the RESIDUAL is streaming),
-  * (1 Gbit/s) the chunk-size sweep: how long an ANCHOR waits behind RESIDUAL chunks.
+  * (1 Gbit/s) the chunk-size sweep: how long an ANCHOR waits behind RESIDUAL chunks,
+  * with --tls: our tcp backend with its data connections in TLS 1.3, in the same rounds as the
+    plain one (goodput ratio TLS ÷ plain, CPU s per GB) and the priority ratios over TLS.
 
-    sudo .venv/bin/python scripts/bench_link.py --out out/bench_link.json [--quick]
+    sudo .venv/bin/python scripts/bench_link.py --out out/bench_link.json [--quick] [--tls]
 Writes JSON (and a PNG next to it unless --no-plot).
 """
 
@@ -36,6 +38,15 @@ def run(args) -> dict:
     out: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
                  "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "rates": {}}
     name = f"lxb{os.getpid() % 100000}"
+    tls = None
+    if args.tls:
+        from lynx_sglang.tools.netns import RECEIVER_IP, SENDER_IP
+        from lynx_sglang.tools.tls_certs import make_certs
+
+        files = make_certs(Path(args.out).parent / "bench_link_tls",
+                           [RECEIVER_IP, SENDER_IP, "127.0.0.1"])
+        tls = {"cert_file": str(files.cert_file), "key_file": str(files.key_file),
+               "ca_file": str(files.ca_file)}
     with ShapedLink(name) as lab:
         for rate in rates:
             gbit = float(rate.lower().replace("gbit", ""))
@@ -45,8 +56,13 @@ def run(args) -> dict:
             rep = 2 if args.quick else 3
             entry: dict = {"rate": rate}
             print(f"[{rate}] goodput: {bulk // MiB} MiB x{rep} (raw, lynx, mooncake)", flush=True)
-            entry["goodput"] = lb.measure_goodput(lab, bulk, rep, mooncake=not args.no_mooncake)
+            entry["goodput"] = lb.measure_goodput(lab, bulk, rep, mooncake=not args.no_mooncake,
+                                                  tls=tls)
             g = entry["goodput"]
+            if tls:
+                print(f"   lynx over TLS {g['lynx_tls_gbps']:.3f} Gbit/s, ÷ plain "
+                      f"{g['ratio_tls_over_plain']:.3f}; CPU s/GB [sender, receiver] plain "
+                      f"{g['lynx_cpu_s_per_gb']}, TLS {g['lynx_tls_cpu_s_per_gb']}", flush=True)
             if gbit > 1 and not args.quick:
                 entry["goodput_no_checksum"] = lb.measure_goodput(
                     lab, bulk, rep, mooncake=False, raw=False, checksum=False)
@@ -64,6 +80,12 @@ def run(args) -> dict:
             prep = 3 if args.quick else 5
             entry["priority"] = lb.measure_priority(lab, anchor, resid, prep, delay=0.15)
             p = entry["priority"]
+            if tls:
+                pt = entry["priority_tls"] = lb.measure_priority(lab, anchor, resid, prep,
+                                                                 delay=0.15, tls=tls)
+                print(f"   over TLS: anchor alone {1e3 * min(pt['alone_s']):.1f} ms; ratio "
+                      f"together {pt['ratio_together']:.3f}, midflight "
+                      f"{pt['ratio_midflight']:.3f}", flush=True)
             crossing = max(p["together_residual_crossing_bytes"]
                            + p["midflight_residual_crossing_bytes"])
             print(f"   anchor alone {1e3 * min(p['alone_s']):.1f} ms; ratio together "
@@ -138,6 +160,9 @@ def main() -> int:
     ap.add_argument("--rates", default="1gbit,5gbit")
     ap.add_argument("--quick", action="store_true", help="smaller transfers, fewer repeats")
     ap.add_argument("--no-mooncake", action="store_true")
+    ap.add_argument("--tls", action="store_true",
+                    help="also measure the tcp backend with TLS data connections (certificates "
+                         "made next to --out)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of an earlier run")
     args = ap.parse_args()

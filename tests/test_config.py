@@ -90,3 +90,24 @@ def test_operators_doc_lists_every_flag_as_the_parser_explains_it():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "operators.md").read_text().splitlines()
     missing = [row for row in _flag_table() if row not in doc]
     assert not missing, "docs/operators.md flag table is stale; rows to put in:\n" + "\n".join(missing)
+
+
+def test_tls_flags_reach_the_transport_and_bad_ones_are_named(tmp_path):
+    from lynx_sglang.tools.tls_certs import make_certs
+
+    files = make_certs(tmp_path, ["127.0.0.1"])
+    cfg = _config(*files.flags(), "--no-lynx-tls-check-hostname")
+    tls = cfg.tls_config()
+    assert (tls.cert_file, tls.key_file, tls.ca_file) == (str(files.cert_file), str(files.key_file),
+                                                        str(files.ca_file))
+    assert tls.check_hostname is False
+    assert _config().tls_config() is None
+    with pytest.raises(LynxConfigError, match="all three of --lynx-tls-cert"):
+        _config("--lynx-tls-cert", str(files.cert_file))
+    with pytest.raises(LynxConfigError, match="TLS covers the tcp transport"):
+        _config(*files.flags(), "--lynx-transport", "verbs")
+    with pytest.raises(LynxConfigError, match="--lynx-tls-cert: .*no such file"):
+        _config("--lynx-tls-cert", str(tmp_path / "nope.pem"), "--lynx-tls-key",
+                str(files.key_file), "--lynx-tls-ca", str(files.ca_file)).tls_config()
+    # the config reaches the schedulers through the environment with the TLS files in it
+    assert LynxConfig.build(**{k: v for k, v in cfg.flat().items()}).tls_config() == tls

@@ -39,7 +39,28 @@ def test_secret(tmp_path, monkeypatch):
 def test_this_install_is_found_and_the_exit_status_follows_failures(capsys):
     checks = {c.name: c for c in doctor.run_checks(_args())}
     assert checks["plugin"].verdict is doctor.Verdict.OK  # the editable install registers it
-    assert set(checks) == {"sglang", "plugin", "C codec", "rdma", "secret"}
+    assert set(checks) == {"sglang", "plugin", "C codec", "rdma", "secret", "tls"}
     assert main(["doctor", "--model", "Llama-3.1-8B", "--context-tokens", "1048576"]) == 1
     assert "FAIL  staging" in capsys.readouterr().out
 
+
+
+def test_tls_files_are_handshaken_as_peers_would(tmp_path):
+    from lynx_sglang.tools.tls_certs import make_certs
+
+    assert doctor.check_tls(None, None, None).verdict is doctor.Verdict.WARN
+    good = make_certs(tmp_path / "ca1", ["10.0.0.1"])
+    ok = doctor.check_tls(str(good.cert_file), str(good.key_file), str(good.ca_file))
+    assert ok.verdict is doctor.Verdict.OK and "10.0.0.1" in ok.detail, ok.detail
+    other = make_certs(tmp_path / "ca2", ["10.0.0.1"])
+    # a certificate of another CA than the one the servers check against
+    bad = doctor.check_tls(str(other.cert_file), str(other.key_file), str(good.ca_file))
+    assert bad.verdict is doctor.Verdict.FAIL and "handshake" in bad.detail, bad.detail
+    # the key of another certificate
+    mixed = doctor.check_tls(str(good.cert_file), str(other.key_file), str(good.ca_file))
+    assert mixed.verdict is doctor.Verdict.FAIL and "--lynx-tls-cert" in mixed.detail
+    short = make_certs(tmp_path / "ca1", ["10.0.0.1"], name="short", days=10)
+    soon = doctor.check_tls(str(short.cert_file), str(short.key_file), str(short.ca_file))
+    assert soon.verdict is doctor.Verdict.WARN and "valid 9 more days" in soon.detail
+    missing = doctor.check_tls(str(good.cert_file), None, None)
+    assert missing.verdict is doctor.Verdict.FAIL and "all three" in missing.detail

@@ -1,19 +1,25 @@
 """`tcp` backend: plain sockets, one connection per stream per session, zero-copy both ways.
 
 Data path per session: two TCP connections (ANCHOR, RESIDUAL), both opened by the initiator to the
-acceptor's data listener and usable in both directions. One sender thread per session owns every
-send: it picks the next chunk by `PriorityPolicy` and writes `header + payload` with non-blocking
-`sendmsg` straight from the registered source memory (no copy). One receiver thread per socket
+acceptor's data listener and usable in both directions; with TLS (``options["tls"]``, a
+`lynx_transport.tls.TlsConfig`) four, one per stream and direction (the TLS module's docstring says
+why), each in TLS 1.3 with certificates checked both ways before its preamble is read. One sender
+thread per session owns every send: it picks the next chunk by `PriorityPolicy` and writes
+`header + payload` with non-blocking `sendmsg` straight from the registered source memory (no
+copy; with TLS an SSL write of at most `TLS_WRITE_BYTES`). One receiver thread per socket
 reads a 40-byte header (`parse_frame_header`), asks the Endpoint (`open_incoming`) whether the
 write may land — before any payload byte is read — and then `recv_into`s the payload directly into
 the destination region (or discards it when refused).
 
-Data connections: each opens with a preamble (magic, version, stream, session id, proof), the proof
-being an HMAC with the session's data key (`lynx_transport.auth.data_proof`): only the two ends of
-the authenticated handshake can attach a stream to a session. One listener thread reads every
+Data connections: each opens with a preamble (magic, version, channel, session id, proof), the
+channel being the stream (plain) or the stream + 2 × direction (TLS: 0 initiator → acceptor, 1
+back), the proof an HMAC of the channel with the session's data key
+(`lynx_transport.auth.data_proof`): only the two ends of the authenticated handshake can attach a
+stream to a session. One listener thread reads every
 preamble through a selector, each under its own deadline (`preamble_timeout_s`) and within caps on
 connections whose preamble is pending (`max_pending_preambles`, `..._per_peer`): a peer that
-trickles bytes or never sends holds one slot for a bounded time and never delays anyone else.
+trickles bytes or never sends holds one slot for a bounded time and never delays anyone else. The
+TLS handshake runs in the same selector under the same deadline.
 
 Checksums: an endpoint with `checksum=True` (the default) refuses a DATA chunk without one (its
 stream fails CORRUPTION, nothing lands) and says so in its `local_info`, so a sender checksums
@@ -40,6 +46,7 @@ import logging
 import select
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -49,6 +56,7 @@ from dataclasses import dataclass, field
 from .auth import data_proof
 from .backend import MAX_CHUNK_BYTES, Backend, BackendHooks, FinOp, PriorityPolicy, Refused, WriteOp
 from .memory import Region
+from .tls import TlsConfig
 from .types import MAX_AUX_BYTES, STREAMS, FailureReason, HandshakeError, Stream
 
 log = logging.getLogger("lynx_transport.tcp")
@@ -74,6 +82,14 @@ DATA_VERSION = 2
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 SIOCOUTQ = 0x5411  # == TIOCOUTQ: bytes in a TCP socket's send queue not yet acknowledged
 _OUTQ_BUF = bytes(4)
+# TLS: bytes handed to one SSL write at most; OpenSSL must be given the same bytes again after a
+# WANT_WRITE, and a bounded piece lets the sender return to its priority choice between pieces
+TLS_WRITE_BYTES = 256 * 1024
+
+
+# what a receiver's bounded read raises when no byte came in time: SO_RCVTIMEO (plain) or the
+# socket timeout (TLS); the loop looks at its stop flag and reads again
+_NO_BYTE_YET = (BlockingIOError, InterruptedError, TimeoutError, ssl.SSLWantReadError)
 
 
 def _outq(sock: socket.socket) -> int:
@@ -106,6 +122,7 @@ DEFAULT_OPTIONS = {
     "preamble_timeout_s": 2.0,
     "max_pending_preambles": 64,
     "max_pending_preambles_per_peer": 16,
+    "tls": None,  # a TlsConfig: every data connection in TLS 1.3, certificates checked both ways
     # test-only fault injection: limit the sender to this many bytes/s (0 = off)
     "_throttle_bps": 0,
 }
@@ -135,7 +152,9 @@ class _TcpSession:
     sid: bytes
     initiator: bool
     key: bytes  # the session's data key: its data connections prove it
-    socks: dict = field(default_factory=dict)  # Stream -> socket
+    socks: dict = field(default_factory=dict)  # channel (preamble) -> socket, every connection
+    tx: dict = field(default_factory=dict)  # Stream -> the socket this end sends that stream on
+    rx: dict = field(default_factory=dict)  # Stream -> the socket this end receives it on
     queues: dict = field(default_factory=lambda: {s: collections.deque() for s in STREAMS})
     current: dict = field(default_factory=lambda: {s: None for s in STREAMS})
     lock: threading.Condition = field(default_factory=threading.Condition)
@@ -160,6 +179,7 @@ class _Preamble:
     deadline: float
     buf: bytearray = field(default_factory=lambda: bytearray(PREAMBLE.size))
     got: int = 0
+    handshaking: bool = False  # TLS: the handshake has not completed yet
 
 
 class FrameError(ValueError):
@@ -210,6 +230,16 @@ class TcpBackend(Backend):
         if unknown:
             raise ValueError(f"unknown tcp backend options: {sorted(unknown)}")
         self.opts = {**DEFAULT_OPTIONS, **options}
+        self.tls: TlsConfig | None = self.opts["tls"]
+        if self.tls is not None and not isinstance(self.tls, TlsConfig):
+            raise ValueError(f"tcp backend option tls must be a TlsConfig, got "
+                             f"{type(self.tls).__name__}")
+        # TlsConfigError (a ValueError naming the file) before any thread or socket exists
+        self._tls_server, self._tls_client = self.tls.contexts() if self.tls else (None, None)
+        # TLS channels carry one direction each, read in chunks of TLS records (no MSG_WAITALL
+        # on an SSL socket)
+        self._recv_flags = 0 if self.tls else socket.MSG_WAITALL
+        self._channels = 4 if self.tls else 2
         self.hooks = hooks
         self.host = host
         self.policy = policy
@@ -218,7 +248,9 @@ class TcpBackend(Backend):
         self._lock = threading.Lock()
         self._closed = False
         self._counters = {"preambles_refused": 0, "preambles_expired": 0,
-                          "connections_refused": 0}  # written by the listener thread only
+                          "connections_refused": 0,
+                          "tls_handshakes_failed": 0}  # written by the listener thread only
+        self._last_tls_failure = ""  # listener thread: why the last TLS handshake failed
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, 0))
@@ -232,7 +264,7 @@ class TcpBackend(Backend):
     # ------------------------------------------------------------------ identity / memory
     def local_info(self) -> dict:
         return {"host": self.host, "port": self.port, "checksums": CHECKSUMS,
-                "checksum_required": self.require_checksum}
+                "checksum_required": self.require_checksum, "tls": self.tls is not None}
 
     def register_region(self, region: Region) -> dict:
         region.view  # noqa: B018 - build the memoryview once, up front
@@ -259,23 +291,53 @@ class TcpBackend(Backend):
         checksums = remote_info.get("checksums")
         ts.use_xxh3 = "xxh3" in CHECKSUMS and isinstance(checksums, list) and "xxh3" in checksums
         ts.peer_requires_checksum = remote_info.get("checksum_required") is not False
+        peer_tls = remote_info.get("tls") is True
+        if peer_tls != (self.tls is not None):
+            raise HandshakeError(
+                "the peer's tcp data connections use TLS and this endpoint's do not (give both "
+                "ends TLS certificates, e.g. --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca)"
+                if peer_tls else
+                "this endpoint's tcp data connections use TLS and the peer's do not (give both "
+                "ends TLS certificates, e.g. --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca)")
         if initiator:
             host, port = remote_info.get("host"), remote_info.get("port")
             if not isinstance(host, str) or type(port) is not int or not 0 < port < 65536:
                 raise HandshakeError(f"bad tcp data address in the peer's info: {host!r}:{port!r}")
-            for s in STREAMS:
-                sock = socket.create_connection((host, port), timeout=timeout)
-                self._configure(sock, s)
-                sock.settimeout(timeout)
-                sock.sendall(PREAMBLE.pack(MAGIC, DATA_VERSION, int(s), session_id,
-                                           data_proof(ts.key, session_id, int(s))))
-                ts.socks[s] = sock
+            for channel in range(self._channels):
+                ts.socks[channel] = self._dial(ts, host, port, channel, timeout)
             self._start_session(ts)
         else:
             if not ts.connected.wait(timeout):
-                raise HandshakeError(f"peer did not open data connections within {timeout} s")
+                why = (f"; the last TLS handshake on this data listener failed: "
+                       f"{self._last_tls_failure}" if self._last_tls_failure else "")
+                raise HandshakeError(
+                    f"peer did not open data connections within {timeout} s{why}")
             if ts.stop:
                 raise HandshakeError("session closed while connecting")
+
+    def _dial(self, ts: _TcpSession, host: str, port: int, channel: int,
+              timeout: float) -> socket.socket:
+        """Initiator: one data connection of channel `channel`, TLS up and preamble sent."""
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            self._configure(sock, Stream(channel & 1))
+            sock.settimeout(timeout)
+            if self._tls_client is not None:
+                try:
+                    sock = self._tls_client.wrap_socket(
+                        sock, server_hostname=host if self.tls.check_hostname else None)
+                except ssl.SSLCertVerificationError as exc:
+                    raise HandshakeError(f"TLS to {host}:{port}: the peer's certificate was "
+                                         f"refused: {exc.verify_message}") from None
+                except (ssl.SSLError, OSError) as exc:
+                    raise HandshakeError(f"TLS handshake with {host}:{port} failed: {exc}") from None
+            sock.sendall(PREAMBLE.pack(MAGIC, DATA_VERSION, channel, ts.sid,
+                                       data_proof(ts.key, ts.sid, channel)))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                sock.close()
+            raise
+        return sock
 
     def _configure(self, sock: socket.socket, stream: Stream) -> None:
         o = self.opts
@@ -341,23 +403,57 @@ class TcpBackend(Backend):
                 sock.close()
                 continue
             sock.setblocking(False)
-            p = _Preamble(sock, peer, time.monotonic() + o["preamble_timeout_s"])
+            if self._tls_server is not None:
+                try:
+                    sock = self._tls_server.wrap_socket(sock, server_side=True,
+                                                        do_handshake_on_connect=False)
+                except (ssl.SSLError, OSError):
+                    sock.close()
+                    continue
+            p = _Preamble(sock, peer, time.monotonic() + o["preamble_timeout_s"],
+                          handshaking=self._tls_server is not None)
             pending[sock] = p
             sel.register(sock, selectors.EVENT_READ)
 
-    def _read_preamble(self, sel: selectors.BaseSelector, pending: dict, p: _Preamble) -> None:
+    def _handshake(self, sel: selectors.BaseSelector, pending: dict, p: _Preamble) -> bool:
+        """TLS: advance `p`'s handshake; True once it is complete."""
         try:
-            n = p.sock.recv_into(memoryview(p.buf)[p.got:])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            n = 0
-        if not n:
+            p.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            sel.modify(p.sock, selectors.EVENT_READ)
+            return False
+        except ssl.SSLWantWriteError:
+            sel.modify(p.sock, selectors.EVENT_WRITE)
+            return False
+        except (ssl.SSLError, OSError) as exc:
+            self._counters["tls_handshakes_failed"] += 1
+            self._last_tls_failure = f"{p.peer}: {exc}"
+            log.debug("TLS handshake from %s failed: %s", p.peer, exc)
             self._drop_preamble(sel, pending, p)
+            return False
+        p.handshaking = False
+        sel.modify(p.sock, selectors.EVENT_READ)
+        return True
+
+    def _read_preamble(self, sel: selectors.BaseSelector, pending: dict, p: _Preamble) -> None:
+        if p.handshaking and not self._handshake(sel, pending, p):
             return
-        p.got += n
-        if p.got < PREAMBLE.size:
-            return
+        while True:
+            try:
+                n = p.sock.recv_into(memoryview(p.buf)[p.got:])
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return
+            except OSError:
+                n = 0
+            if not n:
+                self._drop_preamble(sel, pending, p)
+                return
+            p.got += n
+            if p.got >= PREAMBLE.size:
+                break
+            # TLS may hold decrypted bytes the selector will not report again
+            if not (self.tls and p.sock.pending()):
+                return
         sel.unregister(p.sock)
         del pending[p.sock]
         try:
@@ -380,33 +476,44 @@ class TcpBackend(Backend):
     def _attach(self, sock: socket.socket, raw: bytes) -> bool:
         """Give a data connection with a complete preamble to its session; False if the preamble
         does not prove the session's key or the session cannot take it."""
-        magic, version, stream, sid, proof = PREAMBLE.unpack(raw)
+        magic, version, channel, sid, proof = PREAMBLE.unpack(raw)
         ts = self._sessions.get(sid)
-        if (magic != MAGIC or version != DATA_VERSION or stream not in (0, 1) or ts is None
-                or ts.initiator or not hmac.compare_digest(proof, data_proof(ts.key, sid, stream))):
+        if (magic != MAGIC or version != DATA_VERSION or not 0 <= channel < self._channels
+                or ts is None or ts.initiator
+                or not hmac.compare_digest(proof, data_proof(ts.key, sid, channel))):
             return False
-        s = Stream(stream)
         sock.setblocking(True)
-        self._configure(sock, s)
+        self._configure(sock, Stream(channel & 1))
         with ts.lock:
-            if s in ts.socks or ts.stop:
+            if channel in ts.socks or ts.stop:
                 return False
-            ts.socks[s] = sock
-            both = len(ts.socks) == 2
+            ts.socks[channel] = sock
+            both = len(ts.socks) == self._channels
         if both:
             self._start_session(ts)
             ts.connected.set()
         return True
 
     def _start_session(self, ts: _TcpSession) -> None:
-        tv = struct.pack("ll", int(self.opts["io_timeout_s"]),
-                         int((self.opts["io_timeout_s"] % 1) * 1e6))
-        for sock in ts.socks.values():
-            # Blocking sockets: receivers use MSG_WAITALL (one syscall per chunk) bounded by
-            # SO_RCVTIMEO, so they still look at their stop flag every io_timeout_s; the sender
-            # never blocks (MSG_DONTWAIT + select).
-            sock.setblocking(True)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        io_timeout = self.opts["io_timeout_s"]
+        if self.tls:
+            # channel = stream + 2 * direction; direction 0 is written by the initiator
+            mine, theirs = (0, 2) if ts.initiator else (2, 0)
+            for s in STREAMS:
+                ts.tx[s], ts.rx[s] = ts.socks[mine + int(s)], ts.socks[theirs + int(s)]
+                # the sender never blocks (select + SSL's WANT_WRITE); receivers wake every
+                # io_timeout_s to look at their stop flag (a timeout before any byte is read)
+                ts.tx[s].setblocking(False)
+                ts.rx[s].settimeout(io_timeout)
+        else:
+            tv = struct.pack("ll", int(io_timeout), int((io_timeout % 1) * 1e6))
+            for s in STREAMS:
+                sock = ts.tx[s] = ts.rx[s] = ts.socks[int(s)]
+                # Blocking sockets: receivers use MSG_WAITALL (one syscall per chunk) bounded by
+                # SO_RCVTIMEO, so they still look at their stop flag every io_timeout_s; the
+                # sender never blocks (MSG_DONTWAIT + select).
+                sock.setblocking(True)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         tag = ts.sid.hex()[:6]
         ts.threads = [threading.Thread(target=self._send_loop, args=(ts,), daemon=True,
                                        name=f"lynx-tcp-tx-{tag}")]
@@ -522,7 +629,7 @@ class TcpBackend(Backend):
                     continue
                 if strict:
                     order = [A] if has[A] else [R]
-                    if not has[A] and hold >= 0 and _outq(ts.socks[A]) > hold:
+                    if not has[A] and hold >= 0 and _outq(ts.tx[A]) > hold:
                         # the ANCHOR's tail is still in the kernel / on the wire: keep the link
                         self._wait_wake(ts, 0.0005)
                         continue
@@ -549,7 +656,7 @@ class TcpBackend(Backend):
                     if ch is None:
                         continue
                 limit = 65536 if throttle else (res_cap if stream is R else 0)
-                sent = self._send_some(ts.socks[stream], ch, limit)
+                sent = self._send_some(ts.tx[stream], ch, limit)
                 if sent is None:
                     if stream is A and strict:
                         self._wait_writable(ts, [A], io_timeout)
@@ -594,14 +701,13 @@ class TcpBackend(Backend):
 
     def _wait_writable(self, ts: _TcpSession, order: list, timeout: float) -> Stream | None:
         """First stream of `order` whose socket polls writable within `timeout`, else None."""
-        readable, writable, _ = select.select([ts.wake_r], [ts.socks[s] for s in order], [],
+        readable, writable, _ = select.select([ts.wake_r], [ts.tx[s] for s in order], [],
                                               timeout)
         if readable:
             self._clear_wake(ts)
-        return next((s for s in order if ts.socks[s] in writable), None)
+        return next((s for s in order if ts.tx[s] in writable), None)
 
-    @staticmethod
-    def _send_some(sock: socket.socket, ch: _Chunk, limit: int) -> int | None:
+    def _send_some(self, sock: socket.socket, ch: _Chunk, limit: int) -> int | None:
         pos = ch.pos
         bufs = []
         for b in ch.bufs:
@@ -611,6 +717,15 @@ class TcpBackend(Backend):
                 continue
             bufs.append(memoryview(b)[pos:] if pos else b)
             pos = 0
+        if self.tls:
+            # one piece per call, the same piece again after a WANT_WRITE (ch.pos and limit
+            # are unchanged then), as OpenSSL requires; an SSL write is all or WANT_WRITE
+            piece = memoryview(bufs[0])[: limit or TLS_WRITE_BYTES]
+            try:
+                return sock.send(piece)
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError,
+                    InterruptedError):
+                return None
         if limit:
             total = 0
             cut = []
@@ -635,8 +750,8 @@ class TcpBackend(Backend):
             if ts.stop:
                 return False
             try:
-                k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed with no byte
+                k = sock.recv_into(view[got:], n - got, self._recv_flags)
+            except _NO_BYTE_YET:
                 continue
             if not k:
                 raise ConnectionError("connection closed by peer")
@@ -644,7 +759,7 @@ class TcpBackend(Backend):
         return True
 
     def _recv_loop(self, ts: _TcpSession, stream: Stream) -> None:
-        sock = ts.socks[stream]
+        sock = ts.rx[stream]
         hdr = bytearray(HDR.size)
         hview = memoryview(hdr)
         scratch = memoryview(bytearray(1 << 20))
@@ -686,11 +801,11 @@ class TcpBackend(Backend):
                         # one bounded blocking read (≤ io_timeout_s) per guard
                         with w.guard() as ok:
                             if ok and not diverted:
-                                k = sock.recv_into(view[got:], length - got, socket.MSG_WAITALL)
+                                k = sock.recv_into(view[got:], length - got, self._recv_flags)
                             else:
                                 diverted = True
                                 k = sock.recv_into(scratch, min(length - got, len(scratch)))
-                    except (BlockingIOError, InterruptedError):
+                    except _NO_BYTE_YET:
                         continue
                     if not k:
                         raise ConnectionError("connection closed by peer")
@@ -736,7 +851,9 @@ class TcpBackend(Backend):
             ts.lock.notify_all()
         for sock in ts.socks.values():
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                # the plain socket's shutdown: SSLSocket.shutdown would drop the SSL object
+                # under a receiver thread that is still reading through it
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             ts.wake_w.send(b"x")
         ts.connected.set()

@@ -169,6 +169,12 @@ class LynxKVManager(MooncakeKVManager):
                         "auto" if options["gid_index"] is None else options["gid_index"],
                         options["anchor_sl"], options["anchor_tc"], options["residual_sl"],
                         options["residual_tc"])
+        else:
+            tls = self.lynx.tls_config()
+            options = {"tls": tls} if tls else None
+            logger.info("lynx: tcp transport, data connections %s",
+                        f"in TLS 1.3 (certificate {tls.cert_file}, CA {tls.ca_file})" if tls
+                        else "in clear (no TLS: --lynx-tls-cert/-key/-ca to encrypt them)")
         self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
                                  secret=self.lynx.load_secret(), allow_insecure=self.lynx.insecure,
                                  backend_options=options, name=f"lynx-{self.rank_port}")

@@ -87,6 +87,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "wheel), converting its GGUF once; pass it as --model-path",
     ),
     Subcommand(
+        "tls-certs",
+        "lynx_sglang.tools.tls_certs",
+        "make a private CA and node certificates for --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca "
+        "(TLS on the tcp transport's data connections)",
+    ),
+    Subcommand(
         "up",
         "lynx_sglang.tools.cluster",
         "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",

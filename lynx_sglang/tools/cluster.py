@@ -73,6 +73,9 @@ class ClusterSpec:
     link_qdisc: str = "prio"
     # PD only: prefill servers behind the router (each its own bootstrap port), one decode.
     prefills: int = 1
+    # Lynx PD only: the tcp transport's data connections in TLS, with a CA and a node certificate
+    # made for this cluster in the run dir (unless the server flags name --lynx-tls-cert).
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if self.link and self.mode is not ClusterMode.PD:
@@ -81,6 +84,9 @@ class ClusterSpec:
             raise ClusterError("prefills: at least 1, and more than 1 only in PD mode")
         if self.prefills > 1 and self.link:
             raise ClusterError("a shaped link joins one prefill to the decode; use prefills=1")
+        if self.tls and (self.mode is not ClusterMode.PD or self.transfer_backend != "lynx"):
+            raise ClusterError("--tls is the Lynx transport's: it needs --mode pd and "
+                               "--transfer-backend lynx")
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ClusterError(
                 f"transfer backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
@@ -222,6 +228,16 @@ class Cluster:
         return dataclasses.replace(spec, server_args=(*spec.server_args, "--lynx-secret-file",
                                                       str(path)))
 
+    def _with_tls(self, spec: ClusterSpec) -> ClusterSpec:
+        """TLS for a Lynx pair: one CA and one node certificate naming every host the cluster's
+        servers may use (loopback and both namespace addresses), in the run dir."""
+        if not spec.tls or "--lynx-tls-cert" in spec.server_args:
+            return spec
+        from .tls_certs import make_certs
+
+        files = make_certs(self.run_dir / "tls", [HOST, SENDER_IP, RECEIVER_IP])
+        return dataclasses.replace(spec, server_args=(*spec.server_args, *files.flags()))
+
     def start(self) -> None:
         spec = self.spec
         if spec.mode is ClusterMode.SINGLE:
@@ -234,7 +250,7 @@ class Cluster:
         p_ports = [free_port() for _ in range(spec.prefills)]
         b_ports = [free_port() for _ in range(spec.prefills)]
         b_port = b_ports[0]
-        spec = self._with_secret(spec)
+        spec = self._with_tls(self._with_secret(spec))
         p_host = d_host = HOST
         wrap_p = wrap_d = list
         if spec.link:
@@ -475,6 +491,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "by IP TOS, which the Lynx TCP transport sets per stream), htb")
     parser.add_argument("--max-total-tokens", type=int, default=8192)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("--tls", action="store_true",
+                        help="Lynx PD: TLS 1.3 on the transport's data connections, with a CA and "
+                             "a certificate made for this cluster in the run dir (tls/)")
     parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
                         help="extra SGLang/Lynx server flags after `--`, e.g. -- --lynx-target exact")
 
@@ -492,6 +511,7 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout_s,
         link=args.link,
         link_qdisc=args.link_qdisc,
+        tls=args.tls,
     )
     stop = False
 

@@ -3,7 +3,8 @@
 Each check is one line: OK, WARN (works, but not as it should for serving) or FAIL (Lynx cannot run
 this way), with what was found and what to do. Checks: the installed SGLang against the supported
 release, the plugin's entry point (how SGLang finds Lynx), the C codec, pyverbs and the RDMA devices
-it sees, the transport secret, and, with `--model`, the staging memory one request of
+it sees, the transport secret, the TLS files (`--tls-cert/--tls-key/--tls-ca`: they load, chain
+to the CA, and how long they stay valid), and, with `--model`, the staging memory one request of
 `--context-tokens` needs against `--staging-mib`. Exit status 1 if any check fails.
 """
 
@@ -96,6 +97,79 @@ def check_secret(secret_file: str | None) -> Check:
                  + (f" from {secret_file}" if secret_file else f" from ${SECRET_ENV}"))
 
 
+def check_tls(cert: str | None, key: str | None, ca: str | None) -> Check:
+    """The TLS files a server would get: they load as its contexts would, the certificate
+    chains to the CA, and its expiry (WARN within 30 days). Without any: WARN (KV in clear)."""
+    import datetime
+
+    from lynx_sglang.config import LynxConfig
+    from lynx_sglang.errors import LynxConfigError
+
+    if not (cert or key or ca):
+        return Check("tls", Verdict.WARN, "none: the tcp transport's KV bytes cross the network "
+                     "in clear (--lynx-tls-cert/-key/-ca; `lynx-sglang tls-certs` makes them), "
+                     "or run the PD links over WireGuard/IPsec")
+    try:
+        tls = LynxConfig(tls_cert=cert, tls_key=key, tls_ca=ca).tls_config()
+    except LynxConfigError as exc:
+        return Check("tls", Verdict.FAIL, str(exc))
+    from cryptography import x509
+
+    failure = _loopback_handshake(tls)
+    if failure:
+        return Check("tls", Verdict.FAIL, f"a TLS handshake of {tls.cert_file} with itself, "
+                     f"checked against {tls.ca_file} as peers check it, failed: {failure}")
+    leaf = x509.load_pem_x509_certificate(Path(tls.cert_file).read_bytes())
+    utc = datetime.timezone.utc
+    expires = getattr(leaf, "not_valid_after_utc", None) or leaf.not_valid_after.replace(
+        tzinfo=utc)  # cryptography < 42 has only the naive one
+    left = expires - datetime.datetime.now(utc)
+    try:
+        names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        hosts = ", ".join(str(n.value) for n in names)
+    except x509.ExtensionNotFound:
+        hosts = "(no subject alternative names: a prefill that checks host names refuses it)"
+    what = f"certificate {tls.cert_file} for {hosts}, valid {left.days} more days, CA {tls.ca_file}"
+    if left.days < 0:
+        return Check("tls", Verdict.FAIL, f"{what}: expired")
+    return Check("tls", Verdict.WARN if left.days < 30 else Verdict.OK, what)
+
+
+def _loopback_handshake(tls) -> str:
+    """Handshake `tls`'s server and client contexts with each other over a socket pair (host
+    names not checked: the pair has none); "" if both sides accepted, else why not."""
+    import socket
+    import ssl
+    import threading
+
+    server_ctx = tls.server_context()
+    client_ctx = tls.client_context()
+    client_ctx.check_hostname = False
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    errors: list[str] = []
+
+    def serve():
+        try:
+            with server_ctx.wrap_socket(a, server_side=True) as s:
+                s.recv(1)
+        except (ssl.SSLError, OSError) as exc:
+            errors.append(f"the accepting side: {exc}")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with client_ctx.wrap_socket(b) as c:
+            c.sendall(b"x")
+    except (ssl.SSLError, OSError) as exc:
+        errors.append(f"the dialing side: {exc}")
+    t.join(10)
+    a.close()
+    b.close()
+    return "; ".join(errors)
+
+
 def check_staging(model: str, context_tokens: int, staging_mib: int) -> Check:
     from lynx_kernels import CodecSpec, model_shape
     from lynx_sglang.backend.plan import StreamPlan
@@ -126,7 +200,8 @@ def check_staging(model: str, context_tokens: int, staging_mib: int) -> Check:
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
     checks = [check_sglang(), check_plugin(), check_codec(), check_rdma(),
-              check_secret(args.secret_file)]
+              check_secret(args.secret_file),
+              check_tls(args.tls_cert, args.tls_key, args.tls_ca)]
     if args.model:
         checks.append(check_staging(args.model, args.context_tokens, args.staging_mib))
     return checks
@@ -142,6 +217,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the --lynx-staging-mib you intend (default: %(default)s)")
     parser.add_argument("--secret-file", default=None,
                         help="the --lynx-secret-file you intend (default: $LYNX_SGLANG_SECRET)")
+    for what in ("cert", "key", "ca"):
+        parser.add_argument(f"--tls-{what}", default=None,
+                            help=f"the --lynx-tls-{what} you intend")
 
 
 def run(args: argparse.Namespace) -> int:

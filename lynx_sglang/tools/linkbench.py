@@ -104,8 +104,8 @@ def lynx_recv(cfg: dict) -> None:
     cap_r = max(int(e["residual"]) for e in program)
     with Endpoint(host=cfg["host"], name="bench-rx", checksum=cfg.get("checksum", True),
                   allow_insecure=True,  # a benchmark between private network namespaces
-                  policy=_policy(cfg), peer_timeout_s=float(cfg.get("peer_timeout_s", 5.0))
-                  ) as ep:
+                  policy=_policy(cfg), backend_options=_backend_options(cfg),
+                  peer_timeout_s=float(cfg.get("peer_timeout_s", 5.0))) as ep:
         _emit({"address": ep.address})
         s = ep.accept(timeout=30)
         if s is None:
@@ -153,6 +153,17 @@ def lynx_recv(cfg: dict) -> None:
         time.sleep(0.2)
 
 
+def _backend_options(cfg: dict) -> dict:
+    """The tcp backend's options from a peer's JSON config: TLS travels as the three file paths
+    (`tls`: {cert_file, key_file, ca_file}) and both ends use it."""
+    from lynx_transport.tls import TlsConfig
+
+    opts = dict(cfg.get("backend_options") or {})
+    if cfg.get("tls"):
+        opts["tls"] = TlsConfig(**cfg["tls"])
+    return opts
+
+
 def lynx_send(cfg: dict) -> None:
     from lynx_transport import Endpoint, Stream
 
@@ -161,7 +172,7 @@ def lynx_send(cfg: dict) -> None:
     cap_r = max(int(e["residual"]) for e in program)
     with Endpoint(host=cfg["host"], name="bench-tx", checksum=cfg.get("checksum", True),
                   allow_insecure=True,  # a benchmark between private network namespaces
-                  policy=_policy(cfg), backend_options=cfg.get("backend_options"),
+                  policy=_policy(cfg), backend_options=_backend_options(cfg),
                   peer_timeout_s=float(cfg.get("peer_timeout_s", 5.0))) as ep:
         s = ep.connect(cfg["address"], timeout=30)
         src = ep.register(_buffer(cap_a + cap_r + 1, 1))
@@ -327,14 +338,17 @@ def run_pair(kind: str, cfg: dict, lab: ShapedLink | None,
 def measure_goodput(lab: ShapedLink | None, nbytes: int, repeat: int, *, mooncake: bool = True,
                     chunk_bytes: int = 1 << 20, checksum: bool = True,
                     backend_options: dict | None = None, raw: bool = True,
-                    stream: str = "residual") -> dict:
+                    stream: str = "residual", tls: dict | None = None) -> dict:
     """Seconds and Gbit/s to move `nbytes` with raw sockets, our tcp backend and Mooncake.
 
     The systems take turns, one transfer each per round, so a change in machine load during the
-    run hits all of them alike; medians over `repeat` rounds."""
+    run hits all of them alike; medians over `repeat` rounds. `tls` ({cert_file, key_file,
+    ca_file}): each round also moves the bytes with our tcp backend's data connections in TLS
+    (`lynx_tls_*`, and `ratio_tls_over_plain` of the goodputs)."""
     out: dict = {"nbytes": nbytes, "repeat": repeat, "raw_s": [], "lynx_s": [],
                  "mooncake_s": [], "stream": stream, "checksum": checksum,
-                 "raw_cpu_s": [], "lynx_cpu_s": []}  # [sender, receiver] CPU seconds
+                 "lynx_tls_s": [], "raw_cpu_s": [], "lynx_cpu_s": [],
+                 "lynx_tls_cpu_s": []}  # [sender, receiver] CPU seconds
     prog = [{"name": "bulk", "anchor": nbytes if stream == "anchor" else 0,
              "residual": 0 if stream == "anchor" else nbytes, "repeat": 1}]
     for _ in range(repeat):
@@ -342,18 +356,21 @@ def measure_goodput(lab: ShapedLink | None, nbytes: int, repeat: int, *, mooncak
             rx, tx = run_pair("raw", {"nbytes": nbytes, "repeat": 1}, lab)
             out["raw_s"].append(rx["t_done"][0] - tx["t_start"][0])
             out["raw_cpu_s"].append([tx["cpu_s"], rx["cpu_s"]])
-        rx, tx = run_pair("lynx", {"program": prog, "chunk_bytes": chunk_bytes,
-                                   "checksum": checksum,
-                                   "backend_options": backend_options or {}}, lab)
-        out["lynx_s"].append(rx["results"][0][stream]["t_done"]
-                             - tx["results"][0][f"{stream}_post"])
-        out["lynx_cpu_s"].append([tx["cpu_s"], rx["cpu_s"]])
+        for key, with_tls in (("lynx", None), ("lynx_tls", tls)):
+            if key == "lynx_tls" and not tls:
+                continue
+            rx, tx = run_pair("lynx", {"program": prog, "chunk_bytes": chunk_bytes,
+                                       "checksum": checksum, "tls": with_tls,
+                                       "backend_options": backend_options or {}}, lab)
+            out[f"{key}_s"].append(rx["results"][0][stream]["t_done"]
+                                   - tx["results"][0][f"{stream}_post"])
+            out[f"{key}_cpu_s"].append([tx["cpu_s"], rx["cpu_s"]])
         if mooncake:
             rx, tx = run_pair("mc", {"nbytes": nbytes, "repeat": 1}, lab)
             out["mooncake_s"].append(tx["times"][0][1] - tx["times"][0][0])
             out.setdefault("mooncake_cpu_s", []).append([tx["cpu_s"], rx["cpu_s"]])
             out["mooncake_check"] = bool(rx.get("check")) and out.get("mooncake_check", True)
-    for k in ("raw", "lynx", "mooncake"):
+    for k in ("raw", "lynx", "lynx_tls", "mooncake"):
         if out[f"{k}_s"]:
             out[f"{k}_gbps"] = nbytes * 8 / 1e9 / float(np.median(out[f"{k}_s"]))
         cpu = out.get(f"{k}_cpu_s")
@@ -362,6 +379,8 @@ def measure_goodput(lab: ShapedLink | None, nbytes: int, repeat: int, *, mooncak
                                         for i in (0, 1)]
     if raw:
         out["goodput_ratio_lynx_over_raw"] = out["lynx_gbps"] / out["raw_gbps"]
+    if tls:
+        out["ratio_tls_over_plain"] = out["lynx_tls_gbps"] / out["lynx_gbps"]
     if mooncake:
         out["ratio_lynx_over_mooncake"] = out["lynx_gbps"] / out["mooncake_gbps"]
     return out
@@ -369,7 +388,8 @@ def measure_goodput(lab: ShapedLink | None, nbytes: int, repeat: int, *, mooncak
 
 def measure_priority(lab: ShapedLink | None, anchor: int, residual: int, repeat: int, *,
                      delay: float = 0.2, chunk_bytes: int = 1 << 20, mode: str = "strict",
-                     residual_share: float = 0.1, backend_options: dict | None = None) -> dict:
+                     residual_share: float = 0.1, backend_options: dict | None = None,
+                     tls: dict | None = None) -> dict:
     """Anchor completion (post → landed) alone vs with a concurrent large Residual."""
     # interleaved (alone, together, midflight) x repeat, so load changes hit all three alike
     prog = [
@@ -380,7 +400,8 @@ def measure_priority(lab: ShapedLink | None, anchor: int, residual: int, repeat:
          "repeat": 1},
     ] * repeat
     cfg = {"program": prog, "chunk_bytes": chunk_bytes, "mode": mode,
-           "residual_share": residual_share, "backend_options": backend_options or {}}
+           "residual_share": residual_share, "backend_options": backend_options or {},
+           "tls": tls}
     rx, tx = run_pair("lynx", cfg, lab)
     res: dict = {"anchor": anchor, "residual": residual, "repeat": repeat, "delay_s": delay,
                  "chunk_bytes": chunk_bytes, "mode": mode}
