@@ -106,7 +106,7 @@ def test_tls_flags_reach_the_transport_and_bad_ones_are_named(tmp_path):
         _config("--lynx-tls-cert", str(files.cert_file))
     with pytest.raises(LynxConfigError, match="TLS covers the tcp transport"):
         _config(*files.flags(), "--lynx-transport", "verbs")
-    with pytest.raises(LynxConfigError, match="--lynx-tls-cert: .*no such file"):
+    with pytest.raises(LynxConfigError, match=r"--lynx-tls-cert: .*no such file"):
         _config("--lynx-tls-cert", str(tmp_path / "nope.pem"), "--lynx-tls-key",
                 str(files.key_file), "--lynx-tls-ca", str(files.ca_file)).tls_config()
     # the config reaches the schedulers through the environment with the TLS files in it

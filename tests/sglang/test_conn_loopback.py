@@ -514,6 +514,41 @@ def test_codec_mismatch_fails_both_sides_at_connect(sgl, make_pd, field, prefill
     assert not _holds(pd, req, "full")
 
 
+@pytest.fixture(scope="module")
+def tls_flags(tmp_path_factory) -> dict:
+    from lynx_sglang.tools.tls_certs import make_certs
+
+    files = make_certs(tmp_path_factory.mktemp("tls"), [LOOPBACK])
+    return {"tls_cert": str(files.cert_file), "tls_key": str(files.key_file),
+            "tls_ca": str(files.ca_file)}
+
+
+def test_a_request_over_tls_arrives_bit_exact(sgl, make_pd, tls_flags):
+    pd = make_pd(_cfg(target="exact", **tls_flags))
+    req = _start_request(sgl, pd, room=3101, seed=31)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    for kind in ("k_buffer", "v_buffer"):
+        for layer in range(LAYERS):
+            assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
+                               getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+    backend = pd.decode.mgr.endpoint.backend
+    assert backend.local_info()["tls"] is True
+    assert all(len(ts.socks) == 4 for ts in backend._sessions.values())
+
+
+def test_tls_on_one_side_only_fails_both_sides_naming_the_flags(sgl, make_pd, tls_flags):
+    pd = make_pd(_cfg(), _cfg(**tls_flags))
+    req = _start_request(sgl, pd, room=3102, seed=32)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    for party in (req.sender, req.receiver):
+        message = _failure_message(sgl, party)
+        assert "TLS" in message and "--lynx-tls-cert" in message, message
+    # failure_exception() cleared the receiver: nothing of the room is left in decode staging.
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+
+
 def test_abort_mid_transfer_frees_staging(sgl, make_pd):
     pd = make_pd(_cfg(target="exact", transfer_timeout_s=LONG_HOLD_S + 30.0),
                  residual_hold_s=LONG_HOLD_S)
