@@ -221,8 +221,13 @@ class Endpoint:
                     raise HandshakeError(f"{address} did not accept the session within {timeout} s")
             if s.handshake_error is not None:
                 raise HandshakeError(f"{address} refused the session: {s.handshake_error}")
-            self.backend.session_connect(s.id, s.remote_info, s.remote_prepare, True,
-                                         max(0.1, end - time.monotonic()))
+            try:
+                self.backend.session_connect(s.id, s.remote_info, s.remote_prepare, True,
+                                             max(0.1, end - time.monotonic()))
+            except HandshakeError as exc:
+                if s.closed and s.close_detail:  # the peer refused first: its reason
+                    raise HandshakeError(f"{address} closed the session: {s.close_detail}") from exc
+                raise
             s.data_path_up()
             ready = s.wait_peer_ready(end)
             s.check_open()

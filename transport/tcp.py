@@ -1,4 +1,4 @@
-"""`tcp` backend: plain sockets, one connection per stream per session, zero-copy both ways.
+"""`tcp` backend: one connection per stream per session (TLS: one per stream and direction).
 
 Data path per session: two TCP connections (ANCHOR, RESIDUAL), both opened by the initiator to the
 acceptor's data listener and usable in both directions; with TLS (``options["tls"]``, a
@@ -293,12 +293,13 @@ class TcpBackend(Backend):
         ts.peer_requires_checksum = remote_info.get("checksum_required") is not False
         peer_tls = remote_info.get("tls") is True
         if peer_tls != (self.tls is not None):
+            # said by role, not "this"/"peer": the acceptor's text reaches the dialer too
+            dialer_has = peer_tls != initiator
             raise HandshakeError(
-                "the peer's tcp data connections use TLS and this endpoint's do not (give both "
-                "ends TLS certificates, e.g. --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca)"
-                if peer_tls else
-                "this endpoint's tcp data connections use TLS and the peer's do not (give both "
-                "ends TLS certificates, e.g. --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca)")
+                f"TLS differs on the tcp data connections: the "
+                f"{'dialing' if dialer_has else 'accepting'} end has it, the "
+                f"{'accepting' if dialer_has else 'dialing'} end does not (give both ends a "
+                f"TlsConfig, or neither)")
         if initiator:
             host, port = remote_info.get("host"), remote_info.get("port")
             if not isinstance(host, str) or type(port) is not int or not 0 < port < 65536:
@@ -322,17 +323,21 @@ class TcpBackend(Backend):
         try:
             self._configure(sock, Stream(channel & 1))
             sock.settimeout(timeout)
-            if self._tls_client is not None:
-                try:
-                    sock = self._tls_client.wrap_socket(
-                        sock, server_hostname=host if self.tls.check_hostname else None)
-                except ssl.SSLCertVerificationError as exc:
-                    raise HandshakeError(f"TLS to {host}:{port}: the peer's certificate was "
-                                         f"refused: {exc.verify_message}") from None
-                except (ssl.SSLError, OSError) as exc:
-                    raise HandshakeError(f"TLS handshake with {host}:{port} failed: {exc}") from None
-            sock.sendall(PREAMBLE.pack(MAGIC, DATA_VERSION, channel, ts.sid,
-                                       data_proof(ts.key, ts.sid, channel)))
+            preamble = PREAMBLE.pack(MAGIC, DATA_VERSION, channel, ts.sid,
+                                     data_proof(ts.key, ts.sid, channel))
+            if self._tls_client is None:
+                sock.sendall(preamble)
+                return sock
+            try:
+                sock = self._tls_client.wrap_socket(
+                    sock, server_hostname=host if self.tls.check_hostname else None)
+                sock.sendall(preamble)
+            except ssl.SSLCertVerificationError as exc:
+                raise HandshakeError(f"TLS to {host}:{port}: the peer's certificate was "
+                                     f"refused: {exc.verify_message}") from None
+            except OSError as exc:  # TLS 1.3: the peer's refusal of us comes after our handshake
+                raise HandshakeError(f"TLS with {host}:{port} failed: {exc} (the peer may have "
+                                     "refused this end's certificate)") from None
         except BaseException:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -820,6 +825,10 @@ class TcpBackend(Backend):
                                     f"({length} B) of region {region}")
                 else:
                     w.finish(length, ok=True)
+        except ssl.SSLError as exc:  # before OSError, its base: say it was TLS
+            if not ts.stop:
+                self.hooks.session_lost(ts.sid, FailureReason.PEER_DIED,
+                                        f"TLS on the {stream.name} connection: {exc}")
         except (ConnectionError, OSError) as exc:
             if not ts.stop:
                 self.hooks.session_lost(ts.sid, FailureReason.PEER_DIED, str(exc))

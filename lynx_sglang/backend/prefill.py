@@ -807,14 +807,20 @@ class PrefillSender:
             s.announce(IDENTITY_REQUEST, {}, meta=json.dumps(self.identity).encode())
             why = refusal(s.wait_announcement(IDENTITY_REQUEST,
                                               timeout=self.config.connect_timeout_s))
-        except TransportError:
+        except TransportError as exc:
+            if "TLS" in str(exc):
+                # the transport's TLS refusals (mismatch, certificates, alerts) in the
+                # operator's terms, the failure's kind kept
+                exc = type(exc)(f"{exc}; prefill and decode need TLS alike: "
+                                "--lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca with "
+                                "certificates of one CA, the decode's naming its address")
             if s is not None:
                 # Connected but never answered (a stalled decode): nobody else holds this
                 # session, so it would stay open, with its sockets, until the peer dies.
                 s.close()
             with self._sessions_lock:
                 self._unreachable[address] = time.monotonic() + UNREACHABLE_COOLDOWN_S
-            raise
+            raise exc from None
         if why is not None:
             s.close()
             raise SettingsMismatchError(f"decode {address} refused this prefill: {why}")

@@ -431,7 +431,7 @@ def _same_text(bench: list[RequestTiming], client: list[RequestTiming]) -> bool 
 def cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterSpec:
     return ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
-                       link=cfg.link, startup_timeout_s=cfg.startup_timeout_s,
+                       link=cfg.link, startup_timeout_s=cfg.startup_timeout_s, tls=variant.tls,
                        extra_env={**dict(variant.env), TIMELINE_ENV: "1",
                                   TRACE_DIR_ENV: str(run_dir / "trace")})
 

@@ -115,7 +115,7 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
     spec = ClusterSpec(
         str(model_dir), ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
         server_args=variant.server_args + kv_dtype_server_args(kv_dtype), link=link,
-        startup_timeout_s=startup_timeout_s,
+        startup_timeout_s=startup_timeout_s, tls=variant.tls,
         extra_env={**dict(variant.env), TIMELINE_ENV: "1", TRACE_DIR_ENV: str(trace_dir)},
     )
     progress.start_variant(variant.name, f"starting cluster: prefill + decode + router "

@@ -28,6 +28,8 @@ class Variant:
     exact: bool = True
     # Environment of every server of the pair (name, value).
     env: tuple[tuple[str, str], ...] = ()
+    # Lynx tcp data connections in TLS (certificates made per cluster: `ClusterSpec.tls`).
+    tls: bool = False
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -39,6 +41,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lynx", "lynx", ("--lynx-target", "exact"),
             "Lynx speculative (default flags), Residual = INT8 low bits + coded corrections "
             "(bit-identical KV)"),
+    Variant("lynx-tls", "lynx", ("--lynx-target", "exact"),
+            "Lynx speculative, exact Residual, its tcp data connections in TLS 1.3", tls=True),
     Variant("lynx-after-forward", "lynx", ("--lynx-target", "exact", "--no-lynx-layer-stream"),
             "Lynx speculative, exact Residual, sent after the prefill forward instead of layer "
             "by layer during it"),
