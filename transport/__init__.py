@@ -86,10 +86,14 @@ Security
 Threat model: anyone who can reach an endpoint's ports may send it anything. The transport must
 not let such a peer open a session, write a byte, allocate without bound, stop a thread that
 serves others, or disturb another peer's session; an *authenticated* peer (one that holds the
-secret) must stay inside what was announced to its own session. Not covered: confidentiality (KV
-bytes and control messages travel in clear: use a private network, IPsec or WireGuard), an
-attacker on the path of the data connections (their bytes carry checksums, not MACs), and
-denial of service by exhausting the network, file descriptors or the handshake caps.
+secret) must stay inside what was announced to its own session. Confidentiality and integrity of
+the KV bytes against an attacker on the path: the tcp backend's TLS (``backend_options={"tls":
+TlsConfig(...)}``, `lynx_transport.tls`: TLS 1.3 on every data connection, certificates checked
+both ways); without it the data connections carry checksums, not MACs, and travel in clear. Not
+covered: confidentiality of the control messages (authenticated, in clear; they carry ids, sizes
+and settings, no stream bytes), the verbs backend's bytes (use a fabric only the cluster
+reaches), and denial of service by exhausting the network, file descriptors or the handshake
+caps.
 
 Protocol (version 2; an endpoint refuses any other version at connect, naming both):
 
@@ -122,6 +126,10 @@ protocol runs with an empty one: messages stay bound to their session and connec
 can compute the keys — hence the loopback-only rule. The secret must be random (≥ 16 bytes): a
 recorded handshake lets a guessable secret be found offline. Whoever holds the secret and sees a
 handshake can derive that session's keys.
+
+With TLS a data connection's TLS handshake comes first (in the listener's selector, under the
+preamble deadline; a failed one is counted, ``tls_handshakes_failed``), then the preamble inside
+it; each connection carries one direction (``lynx_transport.tls`` says why).
 
 Every field a peer sends is checked before use (``lynx_transport.wire``; a bad message is counted
 and dropped, never raised into a thread). Caps: `Limits` (sessions, handshakes, HELLO rate,
