@@ -15,11 +15,11 @@ Data connections: each opens with a preamble (magic, version, channel, session i
 channel being the stream (plain) or the stream + 2 × direction (TLS: 0 initiator → acceptor, 1
 back), the proof an HMAC of the channel with the session's data key
 (`lynx_transport.auth.data_proof`): only the two ends of the authenticated handshake can attach a
-stream to a session. One listener thread reads every
-preamble through a selector, each under its own deadline (`preamble_timeout_s`) and within caps on
-connections whose preamble is pending (`max_pending_preambles`, `..._per_peer`): a peer that
-trickles bytes or never sends holds one slot for a bounded time and never delays anyone else. The
-TLS handshake runs in the same selector under the same deadline.
+stream to a session. One listener thread reads every preamble through a selector, each under its
+own deadline (`preamble_timeout_s`) and within caps on connections whose preamble is pending
+(`max_pending_preambles`, `..._per_peer`): a peer that trickles bytes or never sends holds one
+slot for a bounded time and never delays anyone else. The TLS handshake runs in the same selector
+under the same deadline.
 
 Checksums: an endpoint with `checksum=True` (the default) refuses a DATA chunk without one (its
 stream fails CORRUPTION, nothing lands) and says so in its `local_info`, so a sender checksums
