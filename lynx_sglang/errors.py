@@ -27,6 +27,11 @@ class SettingsMismatchError(KVStreamError):
     TP sizes or SGLang options differ (or the decode refused the prefill's session)."""
 
 
+class RoomDroppedError(LynxError):
+    """SGLang let a room go (its request aborted or timed out) while Lynx was still moving it:
+    counted as `aborted`, not as bad data."""
+
+
 class StagingFullError(LynxError):
     """No staging memory for a request within its deadline."""
 

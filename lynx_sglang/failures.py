@@ -20,7 +20,7 @@ from lynx_transport.types import (
     UnknownRequestError,
 )
 
-from .errors import KVStreamError, SettingsMismatchError, StagingFullError
+from .errors import KVStreamError, RoomDroppedError, SettingsMismatchError, StagingFullError
 
 
 class FailureKind(enum.Enum):
@@ -56,6 +56,7 @@ _EXCEPTION_KINDS: tuple[tuple[type[BaseException], FailureKind], ...] = (
     (AnnouncementTimeoutError, FailureKind.TIMEOUT),
     (TimeoutError, FailureKind.TIMEOUT),
     (UnknownRequestError, FailureKind.ABORTED),  # the decode withdrew the request
+    (RoomDroppedError, FailureKind.ABORTED),
     (HandshakeError, FailureKind.SETTINGS_MISMATCH),  # secrets, protocol or backend differ
     (SessionClosedError, FailureKind.PEER_DIED),
     (OutOfBoundsError, FailureKind.BAD_DATA),

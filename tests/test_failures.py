@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from lynx_kernels import CodecError
-from lynx_sglang.errors import KVStreamError, SettingsMismatchError, StagingFullError
+from lynx_sglang.errors import (
+    KVStreamError,
+    RoomDroppedError,
+    SettingsMismatchError,
+    StagingFullError,
+)
 from lynx_sglang.failures import FailureKind, failure_kind_of, stream_failure_kind
 from lynx_transport import FailureReason, Refused
 from lynx_transport.types import (
@@ -25,6 +30,7 @@ from lynx_transport.types import (
     (SessionClosedError("timeout waiting for heartbeats"), FailureKind.PEER_DIED),
     (HandshakeError("peer closed"), FailureKind.SETTINGS_MISMATCH),
     (KVStreamError("settings"), FailureKind.BAD_DATA),
+    (RoomDroppedError("SGLang dropped the room: bad data"), FailureKind.ABORTED),
     (CodecError("timeout"), FailureKind.BAD_DATA),
     (Refused(FailureReason.OUT_OF_BOUNDS, "staging"), FailureKind.BAD_DATA),
     (TimeoutError(), FailureKind.TIMEOUT),

@@ -58,7 +58,7 @@ from lynx_transport import Endpoint, FailureReason, Region, Session, Status, Str
 
 from .. import metrics, trace
 from ..config import LynxConfig, wire_mismatch
-from ..errors import KVStreamError, StagingFullError
+from ..errors import KVStreamError, RoomDroppedError, StagingFullError
 from ..failures import FailureKind, failure_kind_of, stream_failure_kind
 from ..names import STAGING_QUEUED_LOG, TRANSFER_RECORD, record_line
 from .aux import unpack_aux
@@ -348,7 +348,7 @@ class DecodeApplier:
             self._admit_queued()
             room = self._rooms.get(room_id)
             if room is None:
-                raise KVStreamError(f"room {room_id} was dropped while it waited for staging")
+                raise RoomDroppedError(f"room {room_id} was dropped while it waited for staging")
             if room.state is not RoomState.AWAITING_STAGING:
                 return True
             waited = time.monotonic() - room.waiting_since

@@ -55,7 +55,7 @@ from lynx_transport.types import MAX_REQUEST_ID
 
 from .. import metrics, trace
 from ..config import LynxConfig
-from ..errors import KVStreamError, SettingsMismatchError, StagingFullError
+from ..errors import KVStreamError, RoomDroppedError, SettingsMismatchError, StagingFullError
 from ..failures import failure_kind_of
 from ..names import FAULT_RESIDUAL_HOLD_LOG
 from .layer_stream import LayerGate, LayerGateError
@@ -295,7 +295,7 @@ class _RoomWriter:
             # An aborted request's slots are freed right after its forward, and may be written
             # by the next one: stop reading them.
             if not self.sender.link.is_live(room):
-                raise KVStreamError("SGLang dropped the room during its forward")
+                raise RoomDroppedError("SGLang dropped the room during its forward")
         t0 = time.time()
         at = self.staging.offset + plan.anchor_offset(layer)
         r_at = self.residual_base + layer * plan.residual_layer_bytes
@@ -421,7 +421,7 @@ class _WindowedWriter:
         deadline = time.monotonic() + timeout
         while True:
             if not sender.link.is_live(room):
-                raise KVStreamError(f"SGLang dropped the room before its segment {j} was sent")
+                raise RoomDroppedError(f"SGLang dropped the room before its segment {j} was sent")
             left = deadline - time.monotonic()
             try:
                 return self.session.wait_announcement(
@@ -783,7 +783,7 @@ class PrefillSender:
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while not job.handed_over.wait(HANDOVER_POLL_S):
             if not self.link.is_live(job.room):
-                raise KVStreamError("SGLang dropped the room during its forward")
+                raise RoomDroppedError("SGLang dropped the room during its forward")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"SGLang did not hand the room over within "
                                    f"{self.config.transfer_timeout_s:g} s of its forward")

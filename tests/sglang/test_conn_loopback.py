@@ -1103,9 +1103,15 @@ def test_slots_swapped_for_different_kv_are_sent_as_the_forward_wrote_them(sgl, 
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
-def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd):
+def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd, monkeypatch):
     """SGLang aborts a request whose client left while its forward ran, and frees its KV slots
-    right after the forward: the streamed room stops reading them and fails, nothing is held."""
+    right after the forward: the streamed room stops reading them and fails as aborted (not as
+    bad data), nothing is held."""
+    from lynx_sglang import metrics
+    from lynx_sglang.failures import FailureKind
+
+    kinds: list[FailureKind] = []
+    monkeypatch.setattr(metrics, "record_failure", kinds.append)
     pd = make_pd(_cfg(target="exact"))
     req, gate, g = _start_streamed_request(sgl, pd, room=1104, seed=24)
     _forward_layer(pd, req, 0, g)
@@ -1119,3 +1125,4 @@ def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd):
           lambda: pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0, timeout=5.0)
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd), timeout=5.0)
     assert _anchor_layers_landed(pd, req.room) < LAYERS
+    assert kinds and set(kinds) == {FailureKind.ABORTED}, kinds
