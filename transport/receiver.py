@@ -314,7 +314,10 @@ class ReceiverRole(SessionBase):
             with rs.lock:
                 if rs.status is Status.PENDING:
                     rs.fail_locked(FailureReason.RELEASED, "released")
-                    notify_peer = True
+                # Any stream short of COMPLETE: the sender is told, also when it failed here
+                # earlier (a deadline): that ABORT spared the streams the sender had not started,
+                # and without the RELEASE their late writes would be taken and dropped unseen.
+                notify_peer |= rs.status is not Status.COMPLETE
         self._host.region_refs({e.region_id for exts in rq.ann.bounds.values() for e in exts}, -1)
         try:
             if (notify_peer or fence) and not self.closed:

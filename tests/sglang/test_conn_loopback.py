@@ -571,6 +571,26 @@ def test_abort_mid_transfer_frees_staging(sgl, make_pd):
     assert _holds(pd, nxt, "full")
 
 
+def test_a_room_the_decode_timed_out_before_its_residual_frees_the_prefill(sgl, make_pd):
+    """The decode's transfer deadline fails the room while the prefill still holds the Residual
+    back (here the fault-injection hold; in service a Residual encode slower than the deadline):
+    the prefill's late Residual is refused at once and the room's staging comes back. Before, its
+    Residual stream stayed pending with nobody to acknowledge it, and the staging was held until
+    the session ended."""
+    hold = 3.0
+    pd = make_pd(_cfg(target="exact", transfer_timeout_s=1.0), residual_hold_s=hold)
+    req = _start_request(sgl, pd, room=4024, seed=24)
+    t0 = time.monotonic()
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    assert "receiver deadline passed" in _failure_message(sgl, req.receiver)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd),
+          timeout=hold + 10.0)
+    assert time.monotonic() - t0 < hold + 10.0
+    assert pd.prefill.mgr.sender.tracked()["prefill_rooms_in_flight"] == 0
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
+
+
 def test_prefill_staging_freed_after_decode_abort(sgl, make_pd):
     pd = make_pd(_cfg(target="exact", transfer_timeout_s=LONG_HOLD_S + 30.0),
                  residual_hold_s=LONG_HOLD_S)

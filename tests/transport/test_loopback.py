@@ -389,6 +389,33 @@ def test_transfer_deadline_counts_from_the_first_landed_byte(pair):
     s_rx.release(1)
 
 
+def test_a_stream_not_started_when_the_receiver_gave_up_cannot_be_sent_later(pair):
+    """The receiver's deadline fails the request while the sender has not started its Residual
+    yet; once the receiver releases it, the sender's late Residual is refused at once. Before, the
+    release of a request with no stream pending told the sender nothing: its late writes were
+    accepted, dropped by the receiver, and its Residual stayed PENDING for good (a prefill kept
+    the room's staging until the session ended)."""
+    rx, tx, s_rx, s_tx = pair
+    dst = rx.register(np.zeros(2 * 4096, np.uint8))
+    src = tx.register(pattern(2 * 4096, 6))
+    s_rx.announce(2, {A: [(dst.id, 0, 4096)], R: [(dst.id, 4096, 4096)]}, transfer_deadline_s=0.3)
+    s_tx.wait_announcement(2, timeout=5)
+    s_tx.write_stream(2, A, src, 0, 4096)
+    s_tx.finish(2, A)
+    st = s_rx.wait(2, R, timeout=5)
+    assert st.status is Status.FAILED and st.reason is FailureReason.TIMEOUT
+    assert s_tx.send_state(2, R).status is Status.PENDING  # never started: the abort spared it
+    s_rx.release(2)
+    deadline = time.monotonic() + 5
+    while 2 not in s_tx._peer_released and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(UnknownRequestError):
+        s_tx.write_stream(2, R, src, 4096, 4096)
+    with pytest.raises(UnknownRequestError):
+        s_tx.finish(2, R)
+    s_tx.release(2)
+
+
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(PEER), *args], stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
