@@ -3,6 +3,8 @@ servers; tests/sglang/test_fault_matrix.py runs cells)."""
 
 from __future__ import annotations
 
+import pytest
+
 from lynx_sglang.tools.faults import (
     FAULTS,
     MODES,
@@ -10,6 +12,7 @@ from lynx_sglang.tools.faults import (
     TARGETS,
     Cell,
     CellResult,
+    Timing,
     all_cells,
     select_cells,
     table,
@@ -52,3 +55,26 @@ def test_axes_filter_and_the_table_names_every_failed_check():
     text = table([bad, skipped])
     assert "FAIL: client answered or failed within the deadline" in text
     assert "skipped: needs the shaped link" in text
+
+
+def test_verbs_runs_the_process_faults_only_and_says_why():
+    verbs_reason = Cell("decode", "rst", "between", "greedy").unsupported(link=False,
+                                                                         transport="verbs")
+    assert verbs_reason and "soft-RoCE" in verbs_reason
+    assert Cell("prefill", "slow", "between", "greedy").unsupported(True, "verbs")
+    assert Cell("prefill", "sigkill", "mid-residual", "greedy").unsupported(False, "verbs")
+    assert Cell("prefill", "sigstop", "between", "sampled").unsupported(False, "verbs") is None
+    sample = select_cells(all_cells(), sample=8, seed=3, link=False, transport="verbs")
+    assert len(sample) == 8 and {c.fault for c in sample} <= {"sigkill", "sigstop"}
+    assert {(c.target, c.fault) for c in sample[:4]} == {
+        (t, f) for t in TARGETS for f in ("sigkill", "sigstop")}
+
+
+def test_timing_scales_every_clock_for_a_slower_machine():
+    base = Timing()
+    slow = base.scaled(8)
+    assert slow.transfer_timeout_s == 8 * base.transfer_timeout_s
+    assert slow.outage_s == 8 * base.outage_s > slow.transfer_timeout_s
+    assert slow.startup_s == 8 * base.startup_s
+    with pytest.raises(ValueError, match="slow-factor"):
+        base.scaled(0.5)

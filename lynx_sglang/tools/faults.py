@@ -16,16 +16,20 @@ Axes (`Cell`):
   `client-abort` (the client hangs up as the fault is injected).
 
 What each cell checks (`CellResult.checks`): the client got its answer or an error within the
-deadline; a greedy answer equals the single server's; within `SETTLE_S` the decode's KV slots and
+deadline; a greedy answer equals the single server's; within `Timing.settle_s` the decode's KV slots and
 every server's Lynx staging and per-request maps (`lynx_tracked_requests`) are back to their idle
 values; the threads and file descriptors of the servers that were not restarted are back to their
 baseline (+`cluster.THREAD_SLACK`/`FD_SLACK`: SGLang's own pools start threads lazily); every server is
 alive; and the next request equals the single server's.
 
 Phases are reached by observable events (the hold lines the two fault-injection knobs log) plus
-fixed offsets, so timing under heavy load can miss a phase; `CellResult.phase_hit` says whether the
-request was still in flight when the fault hit. Used by the `faults` CLI subcommand and by
-tests/sglang/test_fault_matrix.py (a sample of cells).
+fixed offsets (`Timing`), so timing under heavy load can miss a phase; `CellResult.phase_hit` says
+whether the request was still in flight when the fault hit. Used by the `faults` CLI subcommand and
+by tests/sglang/test_fault_matrix.py (a sample of cells).
+
+Transports: `tcp` (default, here over the shaped link) or `verbs` (`--transport verbs`: inside the
+soft-RoCE guest of scripts/rdma_vm.sh, whose one rxe device is not inside the shaped link's
+namespaces, so only the process faults run there; its emulated CPU wants `--slow-factor`).
 """
 
 from __future__ import annotations
@@ -72,19 +76,42 @@ PHASES = ("before-anchor", "between", "mid-residual", "during-verification")
 MODES = ("greedy", "sampled", "client-abort")
 LINK_FAULTS = ("partition", "rst", "slow")
 
+TRANSPORTS = ("tcp", "verbs")
+
 PROMPT_TOKENS = 1500
 NEXT_PROMPT_TOKENS = 256
 NEW_TOKENS = 24
-TRANSFER_TIMEOUT_S = 15.0
-RESIDUAL_HOLD_S = 4.0
-VERIFY_HOLD_S = 3.0
-# sigstop / partition last longer than the transfer timeout, so the peer must give up.
-OUTAGE_S = TRANSFER_TIMEOUT_S + 5.0
-SLOW_RATE, SLOW_S = "2mbit", 4.0
+SLOW_RATE = "2mbit"
 BASE_RATE = "1gbit"
 RESIDUAL_RATE = "20mbit"  # the exact Residual of PROMPT_TOKENS (~14 MB) then takes ~6 s
-BEFORE_ANCHOR_S = 0.3
-SETTLE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The matrix's clocks, in s. The defaults suit this 2-core box; `scaled(f)` stretches every
+    one of them for a machine f times slower (the soft-RoCE guest's emulated CPU)."""
+
+    transfer_timeout_s: float = 15.0  # --lynx-transfer-timeout-s of both servers
+    residual_hold_s: float = 4.0  # the prefill holds each Residual this long after its Anchor
+    verify_hold_s: float = 3.0  # the decode holds each verification this long
+    before_anchor_s: float = 0.3  # after the send: the prefill still computes
+    slow_s: float = 4.0  # a `slow` fault's time at SLOW_RATE
+    outage_margin_s: float = 5.0  # sigstop / partition: this much past the transfer timeout
+    answer_margin_s: float = 90.0  # the client's answer or error: this much past the outage
+    settle_s: float = 60.0  # for slots, staging and maps to return to idle
+    request_s: float = 120.0  # a client's deadline beyond the outage
+    startup_s: float = 300.0  # each server's start-up
+
+    @property
+    def outage_s(self) -> float:
+        """sigstop / partition last longer than the transfer timeout: the peer must give up."""
+        return self.transfer_timeout_s + self.outage_margin_s
+
+    def scaled(self, factor: float) -> Timing:
+        if factor < 1:
+            raise ValueError(f"--slow-factor must be >= 1, got {factor}")
+        return Timing(**{f.name: getattr(self, f.name) * factor
+                         for f in dataclasses.fields(self)})
 
 
 @dataclass(frozen=True)
@@ -98,10 +125,14 @@ class Cell:
     def name(self) -> str:
         return f"{self.target}/{self.fault}/{self.phase}/{self.mode}"
 
-    def unsupported(self, link: bool) -> str | None:
+    def unsupported(self, link: bool, transport: str = "tcp") -> str | None:
         """Why this cell cannot run here, or None."""
-        if not link and (self.fault in LINK_FAULTS or self.phase == "mid-residual"):
-            return "needs the shaped link between two network namespaces (root, iproute2)"
+        if self.fault in LINK_FAULTS or self.phase == "mid-residual":
+            if transport == "verbs":
+                return ("verbs: the soft-RoCE guest's RDMA device is not inside the shaped link's "
+                        "namespaces")
+            if not link:
+                return "needs the shaped link between two network namespaces (root, iproute2)"
         return None
 
 
@@ -126,7 +157,7 @@ def all_cells() -> list[Cell]:
 
 def select_cells(cells: list[Cell], *, targets=TARGETS, faults=FAULTS, phases=PHASES,
                  modes=MODES, sample: int | None = None, seed: int = 0,
-                 link: bool = True) -> list[Cell]:
+                 link: bool = True, transport: str = "tcp") -> list[Cell]:
     """The cells on the chosen axes; with `sample`, that many of those this machine can run,
     drawn with `seed` so that each target and fault comes up before any repeats."""
     chosen = [c for c in cells if c.target in targets and c.fault in faults
@@ -134,7 +165,7 @@ def select_cells(cells: list[Cell], *, targets=TARGETS, faults=FAULTS, phases=PH
     if sample is None:
         return chosen
     rng = random.Random(seed)
-    runnable = [c for c in chosen if c.unsupported(link) is None]
+    runnable = [c for c in chosen if c.unsupported(link, transport) is None]
     rng.shuffle(runnable)
     picked: list[Cell] = []
     seen: set[tuple[str, str]] = set()
@@ -160,27 +191,41 @@ def _shutdown(sock) -> None:
 class Matrix:
     """Runs cells on one cluster (restarting what a cell killed); owns the cluster."""
 
-    def __init__(self, model: str, run_dir: Path, link: bool, server_args: tuple[str, ...] = ()):
+    def __init__(self, model: str, run_dir: Path, link: bool, server_args: tuple[str, ...] = (),
+                 *, transport: str = "tcp", ib_device: str | None = None,
+                 timing: Timing | None = None, prompt_tokens: int = PROMPT_TOKENS):
         from transformers import AutoTokenizer
 
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "verbs" and link:
+            raise ValueError("the verbs matrix runs without the shaped link (see Cell.unsupported)")
+        self.t = t = timing or Timing()
+        self.transport = transport
         tokenizer = AutoTokenizer.from_pretrained(model)
-        self.prompt = passkey_prompt(tokenizer, PROMPT_TOKENS)
+        self.prompt = passkey_prompt(tokenizer, prompt_tokens)
         self.next_prompt = passkey_prompt(tokenizer, NEXT_PROMPT_TOKENS)
         self.link = link
         common = ("--disable-radix-cache", "--enable-metrics", *server_args)
         with Cluster(ClusterSpec(model, ClusterMode.SINGLE, run_dir=run_dir / "single",
-                                 server_args=common)) as single:
+                                 server_args=common, startup_timeout_s=t.startup_s)) as single:
             self.reference = {
                 tuple(p): generate(single.url, input_ids=p, max_new_tokens=NEW_TOKENS,
-                                   timeout_s=300).output_ids
+                                   timeout_s=t.request_s + t.outage_s).output_ids
                 for p in (self.prompt, self.next_prompt)}
+        lynx = ("--lynx-target", "exact", "--lynx-spec-policy", "always",
+                "--lynx-transfer-timeout-s", str(t.transfer_timeout_s))
+        if transport == "verbs":
+            # bringing queue pairs up under CPU emulation takes far longer than a tcp connect
+            lynx += ("--lynx-transport", "verbs", "--lynx-connect-timeout-s",
+                     str(4 * t.transfer_timeout_s),
+                     *(("--lynx-ib-device", ib_device) if ib_device else ()))
         self.spec = ClusterSpec(
             model, ClusterMode.PD, "lynx", run_dir=run_dir / "pd",
-            link=BASE_RATE if link else None,
-            server_args=(*common, "--lynx-target", "exact", "--lynx-spec-policy", "always",
-                         "--lynx-transfer-timeout-s", str(TRANSFER_TIMEOUT_S)),
-            extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_HOLD_S),
-                       FAULT_VERIFY_DELAY_ENV: str(VERIFY_HOLD_S),
+            link=BASE_RATE if link else None, startup_timeout_s=t.startup_s,
+            server_args=(*common, *lynx),
+            extra_env={FAULT_RESIDUAL_DELAY_ENV: str(t.residual_hold_s),
+                       FAULT_VERIFY_DELAY_ENV: str(t.verify_hold_s),
                        # Restarts are handled by Lynx (see tests/sglang/test_pd_lynx.py), not by
                        # SGLang's heartbeat verdict on a dead prefill.
                        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"})
@@ -201,7 +246,7 @@ class Matrix:
     def _warm_up(self) -> None:
         """One request through the pair, then the idle baselines."""
         got = generate(self.cluster.url, input_ids=self.next_prompt, max_new_tokens=NEW_TOKENS,
-                       timeout_s=300)
+                       timeout_s=self.t.request_s + self.t.outage_s)
         if got.output_ids != self.reference[tuple(self.next_prompt)]:
             raise RuntimeError("the PD pair does not match the single server before any fault")
         self.slots = self.cluster.decode_used_tokens()
@@ -210,7 +255,7 @@ class Matrix:
     # ---- one cell -----------------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:
         res = CellResult(cell.name)
-        why = cell.unsupported(self.link)
+        why = cell.unsupported(self.link, self.transport)
         if why is not None:
             res.skipped = why
             return res
@@ -230,7 +275,7 @@ class Matrix:
             restarted = self._inject(cell)
         finally:
             self._heal()
-        deadline = OUTAGE_S + TRANSFER_TIMEOUT_S + 90
+        deadline = self.t.outage_s + self.t.transfer_timeout_s + self.t.answer_margin_s
         client.join(timeout=deadline)
         res.outcome = ("hung" if client.is_alive() else outcome.get("result", "no result recorded"))
         res.checks["client answered or failed within the deadline"] = not client.is_alive()
@@ -252,7 +297,7 @@ class Matrix:
                 return
             got = generate_stream(self.cluster.url, input_ids=self.prompt,
                                   max_new_tokens=NEW_TOKENS, sampling=sampling,
-                                  timeout_s=OUTAGE_S + 120)
+                                  timeout_s=self.t.outage_s + self.t.request_s)
             out["ids"] = got.output_ids
             out["result"] = "answer"
         except (GenerateError, requests.RequestException) as exc:
@@ -266,7 +311,8 @@ class Matrix:
         """A streaming client that closes its connection when `hang_up` is set, even while no
         byte arrives (the server side may be stopped or cut off)."""
         url = urlsplit(self.cluster.url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=OUTAGE_S + 120)
+        conn = http.client.HTTPConnection(url.hostname, url.port,
+                                          timeout=self.t.outage_s + self.t.request_s)
         body = json.dumps({"input_ids": self.prompt, "stream": True,
                            "sampling_params": {"max_new_tokens": NEW_TOKENS,
                                                "temperature": 0.0}})
@@ -294,9 +340,8 @@ class Matrix:
     def _log(self, name: str) -> str:
         return self.cluster.log_path(name).read_text(errors="replace")
 
-    def _wait_mark(self, name: str, text: str, before: int, done: threading.Event,
-                   timeout_s: float = 120.0) -> bool:
-        deadline = time.monotonic() + timeout_s
+    def _wait_mark(self, name: str, text: str, before: int, done: threading.Event) -> bool:
+        deadline = time.monotonic() + self.t.request_s
         while self._log(name).count(text) <= before:
             if done.is_set() or time.monotonic() > deadline:
                 return False
@@ -307,7 +352,7 @@ class Matrix:
         """Wait until the request is in the cell's phase; False if it never got there (the
         fault is injected anyway)."""
         if cell.phase == "before-anchor":
-            time.sleep(BEFORE_ANCHOR_S)
+            time.sleep(self.t.before_anchor_s)
             return (not done.is_set()
                     and self._log("prefill").count(FAULT_RESIDUAL_HOLD_LOG) == marks["residual"])
         if cell.phase == "during-verification":
@@ -316,7 +361,7 @@ class Matrix:
         if cell.phase == "mid-residual" and hit:
             time.sleep(1.0)  # the Anchor lands at the base rate
             self.cluster.link.set_rate(RESIDUAL_RATE, self.spec.link_qdisc)
-            time.sleep(RESIDUAL_HOLD_S - 1.0 + 2.0)
+            time.sleep(self.t.residual_hold_s - 1.0 + 2.0)
             hit = not done.is_set()
         return hit
 
@@ -329,13 +374,13 @@ class Matrix:
         if cell.fault == "sigstop":
             _signal_tree(self.cluster, cell.target, signal.SIGSTOP)
             try:
-                time.sleep(OUTAGE_S)
+                time.sleep(self.t.outage_s)
             finally:
                 _signal_tree(self.cluster, cell.target, signal.SIGCONT)
         elif cell.fault == "partition":
             self.cluster.link.set_up(False)
             try:
-                time.sleep(OUTAGE_S)
+                time.sleep(self.t.outage_s)
             finally:
                 self.cluster.link.set_up(True)
         elif cell.fault == "rst":
@@ -346,7 +391,7 @@ class Matrix:
                            capture_output=True, timeout=10, check=False)
         elif cell.fault == "slow":
             self.cluster.link.set_rate(SLOW_RATE, self.spec.link_qdisc)
-            time.sleep(SLOW_S)  # run_cell's _heal restores the base rate
+            time.sleep(self.t.slow_s)  # run_cell's _heal restores the base rate
         return False
 
     def _heal(self) -> None:
@@ -356,7 +401,7 @@ class Matrix:
 
     def _settle(self, cell: Cell, res: CellResult, restarted: bool) -> None:
         urls = {"decode": self.cluster.decode_url, "prefill": self.cluster.prefill_url}
-        deadline = time.monotonic() + SETTLE_S
+        deadline = time.monotonic() + self.t.settle_s
         loads_error = ""
         while True:
             try:
@@ -384,7 +429,7 @@ class Matrix:
         res.checks["servers alive"] = all(self.cluster.proc(n).poll() is None for n in TARGETS)
         try:
             got = generate(self.cluster.url, input_ids=self.next_prompt,
-                           max_new_tokens=NEW_TOKENS, timeout_s=OUTAGE_S + 120)
+                           max_new_tokens=NEW_TOKENS, timeout_s=self.t.outage_s + self.t.request_s)
             res.checks["next request equals the single server's"] = (
                 got.output_ids == self.reference[tuple(self.next_prompt)])
         except GenerateError as exc:
@@ -425,16 +470,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-link", action="store_true",
                         help="loopback instead of the shaped link even as root (link faults and "
                              "mid-residual are then skipped)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="tcp",
+                        help="the Lynx data plane; verbs runs inside the soft-RoCE guest "
+                             "(scripts/rdma_vm.sh), without the shaped link: its link cells are "
+                             "skipped with the reason")
+    parser.add_argument("--ib-device", default=os.environ.get("LYNX_RDMA_DEVICE"),
+                        help="RDMA device for --transport verbs (default: $LYNX_RDMA_DEVICE, which "
+                             "the guest sets)")
+    parser.add_argument("--slow-factor", type=float, default=1.0,
+                        help="stretch every timeout, hold and deadline of the matrix this many "
+                             "times (the guest's emulated CPU is ~10x slower than this box)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                        help="tokens of the faulted request's prompt")
     parser.add_argument("--out", type=Path, default=Path("out/faults.json"),
                         help="JSON report (default out/faults.json); the table goes to stdout")
     add_kv_dtype_argument(parser)
 
 
 def run_matrix(cells: list[Cell], *, link: bool, run_dir: Path,
-               server_args: tuple[str, ...] = ()) -> list[CellResult]:
+               server_args: tuple[str, ...] = (), **matrix_kw) -> list[CellResult]:
     model = str(embedded_model_dir())
     results = []
-    with Matrix(model, run_dir, link, server_args) as matrix:
+    with Matrix(model, run_dir, link, server_args, **matrix_kw) as matrix:
         for i, cell in enumerate(cells):
             logger.info("cell %d/%d: %s", i + 1, len(cells), cell.name)
             results.append(matrix.run_cell(cell))
@@ -443,17 +500,26 @@ def run_matrix(cells: list[Cell], *, link: bool, run_dir: Path,
 
 
 def run(args: argparse.Namespace) -> int:
-    link = not args.no_link and netns_available() is None and os.geteuid() == 0
+    verbs = args.transport == "verbs"
+    link = (not verbs and not args.no_link and netns_available() is None
+            and os.geteuid() == 0)
     cells = select_cells(all_cells(), targets=args.targets, faults=args.faults,
                          phases=args.phases, modes=args.modes, sample=args.sample,
-                         seed=args.seed, link=link)
+                         seed=args.seed, link=link, transport=args.transport)
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{len(cells)} cells ({'shaped link' if link else 'loopback'})", flush=True)
+    where = f"verbs on {args.ib_device or 'the first RDMA device'}" if verbs else (
+        "tcp, shaped link" if link else "tcp, loopback")
+    print(f"{len(cells)} cells ({where}; timing x{args.slow_factor:g})", flush=True)
     results = run_matrix(cells, link=link, run_dir=out.parent / (out.stem + "_runs"),
-                         server_args=kv_dtype_server_args(args.kv_dtype))
+                         server_args=kv_dtype_server_args(args.kv_dtype),
+                         transport=args.transport, ib_device=args.ib_device,
+                         timing=Timing().scaled(args.slow_factor),
+                         prompt_tokens=args.prompt_tokens)
     clean = all(r.clean for r in results)
-    out.write_text(json.dumps({"link": link, "clean": clean,
+    out.write_text(json.dumps({"link": link, "transport": args.transport,
+                               "slow_factor": args.slow_factor,
+                               "prompt_tokens": args.prompt_tokens, "clean": clean,
                                "cells": [dataclasses.asdict(r) for r in results]}, indent=1))
     print(table(results))
     ran = [r for r in results if r.skipped is None]
