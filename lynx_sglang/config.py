@@ -111,7 +111,10 @@ class LynxConfig:
                                             "byte to its last Residual chunk; past it the "
                                             "request fails, in s (the wait before the prefill "
                                             "starts sending has SGLang's "
-                                            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+                                            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT). With layer "
+                                            "streaming the first byte lands early in the prefill "
+                                            "forward: size it above the longest prefill forward "
+                                            "of a prompt")
     speculate: bool = _opt(
         True, "decode: start generating as soon as a request's Anchor has landed, then verify the "
               "speculative tokens with one forward once the Residual is in and roll back what "
