@@ -75,6 +75,6 @@ def test_timing_scales_every_clock_for_a_slower_machine():
     slow = base.scaled(8)
     assert slow.transfer_timeout_s == 8 * base.transfer_timeout_s
     assert slow.outage_s == 8 * base.outage_s > slow.transfer_timeout_s
-    assert slow.startup_s == 8 * base.startup_s
+    assert slow.startup_s == 8 * base.startup_s and slow.watchdog_s == 8 * base.watchdog_s
     with pytest.raises(ValueError, match="slow-factor"):
         base.scaled(0.5)

@@ -101,6 +101,9 @@ class Timing:
     settle_s: float = 60.0  # for slots, staging and maps to return to idle
     request_s: float = 120.0  # a client's deadline beyond the outage
     startup_s: float = 300.0  # each server's start-up
+    # SGLang's own scheduler watchdog (its default): a forward longer than this kills the server
+    # (measured in the soft-RoCE guest: a 512-token prefill ran past 300 s)
+    watchdog_s: float = 300.0
 
     @property
     def outage_s(self) -> float:
@@ -193,7 +196,8 @@ class Matrix:
 
     def __init__(self, model: str, run_dir: Path, link: bool, server_args: tuple[str, ...] = (),
                  *, transport: str = "tcp", ib_device: str | None = None,
-                 timing: Timing | None = None, prompt_tokens: int = PROMPT_TOKENS):
+                 timing: Timing | None = None, prompt_tokens: int = PROMPT_TOKENS,
+                 new_tokens: int = NEW_TOKENS):
         from transformers import AutoTokenizer
 
         if transport not in TRANSPORTS:
@@ -204,13 +208,15 @@ class Matrix:
         self.transport = transport
         tokenizer = AutoTokenizer.from_pretrained(model)
         self.prompt = passkey_prompt(tokenizer, prompt_tokens)
-        self.next_prompt = passkey_prompt(tokenizer, NEXT_PROMPT_TOKENS)
+        self.next_prompt = passkey_prompt(tokenizer, min(NEXT_PROMPT_TOKENS, prompt_tokens))
         self.link = link
-        common = ("--disable-radix-cache", "--enable-metrics", *server_args)
+        self.new_tokens = new_tokens
+        common = ("--disable-radix-cache", "--enable-metrics",
+                  "--watchdog-timeout", str(t.watchdog_s), *server_args)
         with Cluster(ClusterSpec(model, ClusterMode.SINGLE, run_dir=run_dir / "single",
                                  server_args=common, startup_timeout_s=t.startup_s)) as single:
             self.reference = {
-                tuple(p): generate(single.url, input_ids=p, max_new_tokens=NEW_TOKENS,
+                tuple(p): generate(single.url, input_ids=p, max_new_tokens=self.new_tokens,
                                    timeout_s=t.request_s + t.outage_s).output_ids
                 for p in (self.prompt, self.next_prompt)}
         lynx = ("--lynx-target", "exact", "--lynx-spec-policy", "always",
@@ -245,7 +251,7 @@ class Matrix:
 
     def _warm_up(self) -> None:
         """One request through the pair, then the idle baselines."""
-        got = generate(self.cluster.url, input_ids=self.next_prompt, max_new_tokens=NEW_TOKENS,
+        got = generate(self.cluster.url, input_ids=self.next_prompt, max_new_tokens=self.new_tokens,
                        timeout_s=self.t.request_s + self.t.outage_s)
         if got.output_ids != self.reference[tuple(self.next_prompt)]:
             raise RuntimeError("the PD pair does not match the single server before any fault")
@@ -296,7 +302,7 @@ class Matrix:
                 self._stream_until_hang_up(out, hang_up)
                 return
             got = generate_stream(self.cluster.url, input_ids=self.prompt,
-                                  max_new_tokens=NEW_TOKENS, sampling=sampling,
+                                  max_new_tokens=self.new_tokens, sampling=sampling,
                                   timeout_s=self.t.outage_s + self.t.request_s)
             out["ids"] = got.output_ids
             out["result"] = "answer"
@@ -314,7 +320,7 @@ class Matrix:
         conn = http.client.HTTPConnection(url.hostname, url.port,
                                           timeout=self.t.outage_s + self.t.request_s)
         body = json.dumps({"input_ids": self.prompt, "stream": True,
-                           "sampling_params": {"max_new_tokens": NEW_TOKENS,
+                           "sampling_params": {"max_new_tokens": self.new_tokens,
                                                "temperature": 0.0}})
         conn.connect()
         closer = threading.Thread(
@@ -429,7 +435,7 @@ class Matrix:
         res.checks["servers alive"] = all(self.cluster.proc(n).poll() is None for n in TARGETS)
         try:
             got = generate(self.cluster.url, input_ids=self.next_prompt,
-                           max_new_tokens=NEW_TOKENS, timeout_s=self.t.outage_s + self.t.request_s)
+                           max_new_tokens=self.new_tokens, timeout_s=self.t.outage_s + self.t.request_s)
             res.checks["next request equals the single server's"] = (
                 got.output_ids == self.reference[tuple(self.next_prompt)])
         except GenerateError as exc:
@@ -482,6 +488,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "times (the guest's emulated CPU is ~10x slower than this box)")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
                         help="tokens of the faulted request's prompt")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                        help="tokens each request generates")
     parser.add_argument("--out", type=Path, default=Path("out/faults.json"),
                         help="JSON report (default out/faults.json); the table goes to stdout")
     add_kv_dtype_argument(parser)
@@ -515,7 +523,7 @@ def run(args: argparse.Namespace) -> int:
                          server_args=kv_dtype_server_args(args.kv_dtype),
                          transport=args.transport, ib_device=args.ib_device,
                          timing=Timing().scaled(args.slow_factor),
-                         prompt_tokens=args.prompt_tokens)
+                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     clean = all(r.clean for r in results)
     out.write_text(json.dumps({"link": link, "transport": args.transport,
                                "slow_factor": args.slow_factor,
