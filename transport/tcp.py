@@ -412,7 +412,7 @@ class TcpBackend(Backend):
                 try:
                     sock = self._tls_server.wrap_socket(sock, server_side=True,
                                                         do_handshake_on_connect=False)
-                except (ssl.SSLError, OSError):
+                except OSError:
                     sock.close()
                     continue
             p = _Preamble(sock, peer, time.monotonic() + o["preamble_timeout_s"],
@@ -430,7 +430,7 @@ class TcpBackend(Backend):
         except ssl.SSLWantWriteError:
             sel.modify(p.sock, selectors.EVENT_WRITE)
             return False
-        except (ssl.SSLError, OSError) as exc:
+        except OSError as exc:
             self._counters["tls_handshakes_failed"] += 1
             self._last_tls_failure = f"{p.peer}: {exc}"
             log.debug("TLS handshake from %s failed: %s", p.peer, exc)
