@@ -107,14 +107,14 @@ class LynxConfig:
                                  "encoded KV, in MiB")
     connect_timeout_s: float = _opt(30.0, "deadline for the prefill to connect to a decode's data "
                                           "endpoint, in s")
-    transfer_timeout_s: float = _opt(120.0, "deadline on decode from a request's first landed "
-                                            "byte to its last Residual chunk; past it the "
-                                            "request fails, in s (the wait before the prefill "
-                                            "starts sending has SGLang's "
-                                            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT). With layer "
-                                            "streaming the first byte lands early in the prefill "
-                                            "forward: size it above the longest prefill forward "
-                                            "of a prompt")
+    transfer_timeout_s: float = _opt(120.0, "stall deadline on decode: once a request's bytes "
+                                            "have begun to land, it fails when none lands for "
+                                            "this long, in s (prefill: the longest wait for one "
+                                            "layer of its forward, a window or staging). The "
+                                            "whole transfer, from the decode's announcement, is "
+                                            "bounded by SGLang's "
+                                            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT or this, "
+                                            "whichever is larger")
     speculate: bool = _opt(
         True, "decode: start generating as soon as a request's Anchor has landed, then verify the "
               "speculative tokens with one forward once the Residual is in and roll back what "

@@ -45,6 +45,7 @@ class RxStream:
     landed: int = 0
     expected: int = 0
     t_first: float | None = None
+    t_last: float | None = None  # the latest landing (the stall deadline's clock)
     t_done: float | None = None
     reason: FailureReason | None = None
     detail: str = ""
@@ -61,8 +62,10 @@ class RxStream:
     def land_locked(self, nbytes: int) -> bool:
         """Count `nbytes` verified bytes (caller holds `lock`, stream PENDING); True if that
         completed the stream (its FIN had already arrived)."""
-        if self.t_first is None and nbytes:
-            self.t_first = now()
+        if nbytes:
+            self.t_last = now()
+            if self.t_first is None:
+                self.t_first = self.t_last
         self.landed += nbytes
         if self.fin_total is not None and self.landed == self.fin_total:
             self.status = Status.COMPLETE
@@ -83,8 +86,9 @@ class RxStream:
             return f"FIN says {total} B > announced {self.expected} B"
         if not counts_incoming:
             self.landed = total
+            self.t_last = now()
             if self.t_first is None:
-                self.t_first = now()
+                self.t_first = self.t_last
         elif self.landed > total:
             return f"landed {self.landed} B > FIN total {total} B"
         elif self.landed < total:
@@ -101,21 +105,24 @@ class RxRequest:
     t_start: float
     deadline: float | None
     streams: dict[Stream, RxStream]
-    # Seconds from the request's first landed byte to the end of its streams (None: no limit).
-    transfer_s: float | None = None
+    # Seconds a started transfer may go without a byte landing (None: no limit).
+    stall_s: float | None = None
 
     def state(self, stream: Stream) -> StreamState:
         rs = self.streams[stream]
         return StreamState(self.ann.request_id, stream, rs.status, rs.landed, rs.expected,
                            self.t_start, rs.t_first, rs.t_done, rs.reason, rs.detail, rs.aux)
 
-    def expired(self, t: float) -> bool:
+    def expiry(self, t: float) -> str | None:
+        """Which deadline has passed at `t` with streams pending (a failure detail), or None."""
         if not any(rs.status is Status.PENDING for rs in self.streams.values()):
-            return False
+            return None
         if self.deadline is not None and t > self.deadline:
-            return True
-        firsts = [rs.t_first for rs in self.streams.values() if rs.t_first is not None]
-        return self.transfer_s is not None and bool(firsts) and t > min(firsts) + self.transfer_s
+            return f"{self.deadline - self.t_start:g} s since the announcement"
+        lasts = [rs.t_last for rs in self.streams.values() if rs.t_last is not None]
+        if self.stall_s is not None and lasts and t > max(lasts) + self.stall_s:
+            return f"no byte landed for {self.stall_s:g} s"
+        return None
 
 
 class IncomingChunk:
@@ -161,7 +168,7 @@ class ReceiverRole(SessionBase):
         bounds: Mapping[Stream, Sequence[Extent | tuple[int, int, int]]],
         *,
         deadline_s: float | None = None,
-        transfer_deadline_s: float | None = None,
+        stall_deadline_s: float | None = None,
         meta: bytes = b"",
     ) -> None:
         """Allow the peer to write request `request_id`'s streams into the given extents.
@@ -169,9 +176,10 @@ class ReceiverRole(SessionBase):
         `bounds[stream]` lists (region_id, offset, length) extents of *this* endpoint's writable
         regions; a stream may be omitted (nothing may be written for it and it never completes).
         `deadline_s`: seconds from now after which unfinished streams fail with TIMEOUT (both
-        sides). `transfer_deadline_s`: the same, counted from the first byte that lands (a peer
-        may take long to start, e.g. behind a queue, and then must not stall); on a backend that
-        does not see bytes land (verbs) the clock starts at a stream's FIN. `meta`: small opaque
+        sides). `stall_deadline_s`: the same, counted from the latest byte that landed, once one
+        has (a peer may take long to start, e.g. behind a queue, and may take long in all, e.g.
+        sending layers as its forward computes them, but must not stall); on a backend that does
+        not see bytes land (verbs) a stream's FIN is its landing. `meta`: small opaque
         bytes delivered to the sender with the announcement.
         """
         self.check_open()
@@ -208,7 +216,7 @@ class ReceiverRole(SessionBase):
             deadline = t + deadline_s if deadline_s is not None else None
             ann = Announcement(request_id, norm, deadline, bytes(meta), targets)
             streams = {s: RxStream(expected=ann.stream_nbytes(s)) for s in norm}
-            self._rx[request_id] = RxRequest(ann, t, deadline, streams, transfer_deadline_s)
+            self._rx[request_id] = RxRequest(ann, t, deadline, streams, stall_deadline_s)
             self._host.region_refs(regions.keys(), +1)
         self._send(Announce.of(ann, deadline_s))
 
@@ -343,12 +351,17 @@ class ReceiverRole(SessionBase):
                 self._cond.wait(min(left, 0.05))
             return bool(self._fences.pop(request_id, False))
 
-    def _rx_ids(self, expired_at: float | None = None) -> list[int]:
-        """Announced request ids (only those past their deadline with streams pending, if
-        `expired_at` is given)."""
+    def _rx_ids(self) -> list[int]:
+        """Announced request ids."""
         with self._lock:
-            return [rid for rid, rq in self._rx.items()
-                    if expired_at is None or rq.expired(expired_at)]
+            return list(self._rx)
+
+    def _rx_expired(self, t: float) -> list[tuple[int, str]]:
+        """(request id, which deadline) of each announced request past a deadline at `t` with
+        streams pending."""
+        with self._lock:
+            return [(rid, why) for rid, rq in self._rx.items()
+                    if (why := rq.expiry(t)) is not None]
 
     def _rx_fail(self, request_id: int, stream: Stream | None, reason: FailureReason,
                  detail: str, notify: bool) -> None:

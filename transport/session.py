@@ -140,10 +140,10 @@ class Session(ReceiverRole, SenderRole):
         if self.closed:
             return
         with self._lock:
-            expired_rx, expired_tx = self._rx_ids(expired_at=t), self._tx_ids(expired_at=t)
-        for rid in expired_rx:
-            self.abort_request(rid, None, FailureReason.TIMEOUT, "receiver deadline passed",
-                               notify=True)
+            expired_rx, expired_tx = self._rx_expired(t), self._tx_ids(expired_at=t)
+        for rid, why in expired_rx:
+            self.abort_request(rid, None, FailureReason.TIMEOUT,
+                               f"receiver deadline passed ({why})", notify=True)
         for rid in expired_tx:
             self.abort_request(rid, None, FailureReason.TIMEOUT, "sender deadline passed",
                                notify=True)

@@ -140,10 +140,11 @@ class DecodeApplier:
                  staging_region: Region, endpoint: Endpoint, link: DecodeLink,
                  waiting_timeout_s: float = 300.0):
         self.config = config
-        # How long a room may wait for its prefill to start sending: SGLang's own budget for a
-        # decode request (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), as with its other backends. A
-        # prefill works through a queue first; only the transfer itself has
-        # --lynx-transfer-timeout-s, from its first landed byte.
+        # How long a room's transfer may take from its announcement, queue at the prefill
+        # included: SGLang's own budget for a decode request
+        # (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), as with its other backends. Once bytes land,
+        # --lynx-transfer-timeout-s is a stall deadline (from the latest landed byte): a layer-
+        # streamed transfer lasts as long as the prefill's forward, which may be long.
         self.waiting_s = max(waiting_timeout_s, config.transfer_timeout_s)
         self.spec = config.codec
         self._pool = pool
@@ -478,7 +479,7 @@ class DecodeApplier:
         s.announce(request_id, {
             Stream.ANCHOR: [(rid, at, plan.anchor_bytes)],
             Stream.RESIDUAL: [(rid, at + plan.anchor_bytes, plan.residual_bytes)]},
-            deadline_s=self.waiting_s, transfer_deadline_s=self.config.transfer_timeout_s,
+            deadline_s=self.waiting_s, stall_deadline_s=self.config.transfer_timeout_s,
             meta=meta)
 
     def _announce_segment(self, s: Session, room: DecodeRoom) -> None:

@@ -928,6 +928,27 @@ def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd, tar
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
+def test_a_layer_streamed_forward_longer_than_the_transfer_timeout_succeeds(sgl, make_pd):
+    """The transfer timeout is a stall deadline: a forward that writes a layer every 1.2 s with a
+    2 s timeout keeps its room alive for far longer than 2 s in all. (Before, the deadline ran
+    from the first landed byte: a long prompt's forward failed its own transfer.)"""
+    timeout_s, gap_s = 2.0, 1.2
+    pd = make_pd(_cfg(target="exact", transfer_timeout_s=timeout_s))
+    req, gate, g = _start_streamed_request(sgl, pd, room=1103, seed=23)
+    t0 = time.monotonic()
+    for layer in range(LAYERS):
+        _forward_layer(pd, req, layer, g)
+        gate.written(layer)
+        time.sleep(gap_s)
+    gate.finish()
+    req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Success
+    assert time.monotonic() - t0 > timeout_s + 0.2
+    assert _holds(pd, req, "full")
+
+
 def _all_succeed(sgl: _SGLang, pd: PD, reqs) -> None:
     """Each request ends Success on both sides with the prefill's exact KV in the decode pool."""
     for req in reqs:

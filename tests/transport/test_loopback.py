@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -25,6 +26,7 @@ from lynx_transport import (
     Status,
     Stream,
     StreamStateError,
+    TransportError,
     UnknownRequestError,
     WriteOp,
 )
@@ -372,21 +374,66 @@ def test_secret_and_deadline():
             ep.close()
 
 
-def test_transfer_deadline_counts_from_the_first_landed_byte(pair):
+def test_stall_deadline_counts_from_the_latest_landed_byte(pair):
     """A peer may start late (behind its queue) without failing the request; once bytes land, it
-    must finish within the transfer deadline."""
+    fails when none lands for the stall deadline."""
     rx, tx, s_rx, s_tx = pair
     dst = rx.register(np.zeros(MiB, np.uint8))
     src = tx.register(pattern(MiB, 5))
-    s_rx.announce(1, {A: [(dst.id, 0, MiB)]}, transfer_deadline_s=0.3)
+    s_rx.announce(1, {A: [(dst.id, 0, MiB)]}, stall_deadline_s=0.3)
     s_tx.wait_announcement(1, timeout=5)
     time.sleep(0.8)  # well past 0.3 s, nothing sent yet: still pending
     assert s_rx.recv_state(1, A).status is Status.PENDING
     s_tx.write(1, A, src, 0, 4096, dst.id, 0)  # some bytes, never the rest nor the end
     st = s_rx.wait(1, A, timeout=5)
     assert st.status is Status.FAILED and st.reason is FailureReason.TIMEOUT
-    assert st.t_done - st.t_first_byte < 1.5  # from the first byte, not the announcement
+    assert "no byte landed for 0.3 s" in st.detail
+    assert st.t_done - st.t_first_byte < 1.5  # from the bytes, not the announcement
     s_rx.release(1)
+
+
+def test_a_transfer_that_keeps_landing_outlasts_the_stall_deadline(pair):
+    """A layer-streamed prefill sends a layer at a time while its forward computes: the transfer
+    lasts as long as the forward, far past the stall deadline, and completes. (Before, the
+    deadline counted from the first landed byte and failed it.)"""
+    rx, tx, s_rx, s_tx = pair
+    piece, pieces = 4096, 12
+    stage = np.zeros(piece * pieces, np.uint8)
+    dst = rx.register(stage)
+    src_arr = pattern(piece * pieces, 7)
+    src = tx.register(src_arr)
+    s_rx.announce(3, {A: [(dst.id, 0, piece * pieces)]}, stall_deadline_s=0.5)
+    s_tx.wait_announcement(3, timeout=5)
+    t0 = time.monotonic()
+    for i in range(pieces):  # 12 x 0.15 s: 1.8 s in all, over three times the deadline
+        s_tx.write(3, A, src, i * piece, piece, dst.id, i * piece)
+        time.sleep(0.15)
+    s_tx.finish(3, A)
+    st = s_rx.wait(3, A, timeout=5)
+    assert time.monotonic() - t0 > 3 * 0.5
+    assert st.status is Status.COMPLETE, st.detail
+    assert np.array_equal(stage, src_arr)
+    s_rx.release(3)
+
+
+def test_the_announcement_deadline_bounds_a_transfer_that_trickles(pair):
+    """A peer that keeps landing a byte now and then is still bounded by the deadline from the
+    announcement, and the failure says which deadline passed."""
+    rx, tx, s_rx, s_tx = pair
+    dst = rx.register(np.zeros(MiB, np.uint8))
+    src = tx.register(pattern(MiB, 8))
+    s_rx.announce(4, {A: [(dst.id, 0, MiB)]}, deadline_s=1.0, stall_deadline_s=0.5)
+    s_tx.wait_announcement(4, timeout=5)
+    for i in range(40):
+        if s_rx.recv_state(4, A).status is not Status.PENDING:
+            break
+        with contextlib.suppress(TransportError):
+            s_tx.write(4, A, src, i * 64, 64, dst.id, i * 64)
+        time.sleep(0.1)
+    st = s_rx.wait(4, A, timeout=5)
+    assert st.status is Status.FAILED and st.reason is FailureReason.TIMEOUT
+    assert "1 s since the announcement" in st.detail
+    s_rx.release(4)
 
 
 def test_a_stream_not_started_when_the_receiver_gave_up_cannot_be_sent_later(pair):
@@ -398,7 +445,7 @@ def test_a_stream_not_started_when_the_receiver_gave_up_cannot_be_sent_later(pai
     rx, tx, s_rx, s_tx = pair
     dst = rx.register(np.zeros(2 * 4096, np.uint8))
     src = tx.register(pattern(2 * 4096, 6))
-    s_rx.announce(2, {A: [(dst.id, 0, 4096)], R: [(dst.id, 4096, 4096)]}, transfer_deadline_s=0.3)
+    s_rx.announce(2, {A: [(dst.id, 0, 4096)], R: [(dst.id, 4096, 4096)]}, stall_deadline_s=0.3)
     s_tx.wait_announcement(2, timeout=5)
     s_tx.write_stream(2, A, src, 0, 4096)
     s_tx.finish(2, A)
