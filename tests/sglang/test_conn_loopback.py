@@ -1013,6 +1013,47 @@ def test_a_room_that_fails_in_a_streamed_group_leaves_the_others(sgl, make_pd):
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
+def test_a_windowed_room_in_a_layer_streamed_group_goes_after_the_forward(sgl, make_pd, caplog):
+    """One forward computes an ordinary room and one too large for the decode's staging: the
+    ordinary room streams its layers during the forward, the windowed one waits for the hand-over
+    and goes in segments after it (`_WindowedWriter`). Both arrive exact, and every byte of
+    staging comes back on both sides."""
+    from lynx_sglang.backend.layer_stream import LayerGate
+
+    pd = make_pd(_cfg(target="exact", staging_mib=1))
+    decode = pd.decode.mgr
+    gate = LayerGate(LAYERS)
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode"):
+        # 800 tokens: past the 781 that 1 MiB of staging holds whole; both fit the test's pool.
+        a, ga = _open_request(sgl, pd, room=1131, seed=51, tokens=200)
+        b, gb = _open_request(sgl, pd, room=1132, seed=52, beside=(a,), tokens=800)
+        assert pd.prefill.mgr.sender.start_early(
+            [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)], gate) == {1131,
+                                                                                          1132}
+        _forward_layer(pd, a, 0, ga)
+        _forward_layer(pd, b, 0, gb)
+        gate.written(0)
+        _wait("the ordinary room's first layer at the decode",
+              lambda: _anchor_layers_landed(pd, a.room) == 1)
+        assert _anchor_layers_landed(pd, b.room) == 0  # the windowed room waits for the forward
+        _forward_layer(pd, a, 1, ga)
+        _forward_layer(pd, b, 1, gb)
+        gate.finish()
+        for req in (a, b):
+            req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None,
+                            num_kv_tokens=len(req.prefill_slots))
+        _all_succeed(sgl, pd, (a, b))
+    assert "room 1132 needs" in caplog.text and "sent in 2 segments" in caplog.text
+    for kind in ("k_buffer", "v_buffer"):
+        for layer in range(LAYERS):
+            assert torch.equal(getattr(pd.decode.pool, kind)[layer][b.decode_slots],
+                               getattr(pd.prefill.pool, kind)[layer][b.prefill_slots])
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    assert decode.staging.free_bytes() == decode.staging.nbytes
+    assert decode.applier.tracked()["decode_rooms"] == 0
+    assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
+
+
 def _residual_in(pd: PD, req: Request) -> bool:
     room = pd.decode.mgr.applier._rooms.get(req.room)
     return room is not None and room.final_layers == LAYERS
