@@ -80,7 +80,7 @@ def unavailable_reason() -> str:
 
 
 def isa() -> str:
-    """The instruction set the C kernels run with on this CPU ("x86-64-v3" or "baseline")."""
+    """The instruction set the C kernels run with on this CPU ("x86-64-v4", "x86-64-v3" or "baseline")."""
     return _lib().lynx_isa().decode()
 
 

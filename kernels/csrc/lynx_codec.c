@@ -6,7 +6,7 @@
  * (lynx_kernels.codec, .wire, .exact, .rotation): every float step is the reference's IEEE fp32
  * operation in the reference's order; the build passes -ffp-contract=off and no fast-math, so the
  * compiler neither fuses a multiply-add nor reassociates a sum. Hot functions are compiled twice
- * (x86-64-v3 and baseline, chosen at load time) via target_clones.
+ * (x86-64-v4, x86-64-v3 and baseline, chosen at load time) via target_clones.
  *
  * Assumes a little-endian host (the wire format is little endian and is read/written with memcpy).
  *
@@ -38,9 +38,10 @@ void lynx_init(void) {
 #endif
 }
 
-/* Which clone the CPU gets ("x86-64-v3" or "baseline"), for reports. */
+/* Which clone the CPU gets ("x86-64-v4", "x86-64-v3" or "baseline"), for reports. */
 const char *lynx_isa(void) {
 #if defined(__x86_64__)
+    if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4";
     return __builtin_cpu_supports("x86-64-v3") ? "x86-64-v3" : "baseline";
 #else
     return "baseline";

@@ -16,4 +16,4 @@ from lynx_kernels import ops_cpu
                     reason="no C compiler on this machine: the torch fallback is expected")
 def test_the_c_kernels_are_built_where_a_compiler_exists():
     assert ops_cpu.available(), ops_cpu.unavailable_reason()
-    assert ops_cpu.isa() in ("x86-64-v3", "baseline")
+    assert ops_cpu.isa() in ("x86-64-v4", "x86-64-v3", "baseline")
