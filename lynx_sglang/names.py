@@ -37,16 +37,19 @@ IDLE_MAX_WAIT_ENV = "LYNX_SGLANG_IDLE_MAX_WAIT_S"
 REFERENCE_ENV = "LYNX_SGLANG_REFERENCE_KV"
 # The shared secret of a deployment's Lynx transport sessions (alternative to --lynx-secret-file).
 SECRET_ENV = "LYNX_SGLANG_SECRET"
-# Tests only (prefill): seconds to hold a request's Residual back after its Anchor is finished.
+# Tests only (prefill): seconds to hold a request's Residual back after its Anchor is finished
+# (a windowed room's: its later segments, after the first).
 FAULT_RESIDUAL_DELAY_ENV = "LYNX_SGLANG_FAULT_RESIDUAL_DELAY_S"
 # Tests only (decode): seconds to hold the scheduler before each verification forward, so a fault
 # can be injected while a verification is due (`lynx-sglang faults`, phase during-verification).
 FAULT_VERIFY_DELAY_ENV = "LYNX_SGLANG_FAULT_VERIFY_DELAY_S"
 # The prefill's and the decode's log lines when a fault-injection hold starts.
-FAULT_RESIDUAL_HOLD_LOG = "Anchor finished; holding the Residual"
+FAULT_RESIDUAL_HOLD_LOG = "Anchor finished; holding the Residual"  # windowed: the first segment
 # Logged by the decode for a room that found no free staging and waits for a range.
 STAGING_QUEUED_LOG = "queued for staging"
 FAULT_VERIFY_HOLD_LOG = "holding the verification"
+# Logged by the decode for a room it announces in segments (it needs more staging than the pool).
+WINDOWED_ROOM_LOG = "more than the pool"
 
 
 def record_line(prefix: str, fields: dict) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from lynx_kernels import CodecSpec, model_shape
+from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.tools.faults import (
     FAULTS,
     MODES,
@@ -16,6 +18,7 @@ from lynx_sglang.tools.faults import (
     all_cells,
     select_cells,
     table,
+    windowed_staging_mib,
 )
 
 
@@ -78,3 +81,20 @@ def test_timing_scales_every_clock_for_a_slower_machine():
     assert slow.startup_s == 8 * base.startup_s and slow.watchdog_s == 8 * base.watchdog_s
     with pytest.raises(ValueError, match="slow-factor"):
         base.scaled(0.5)
+
+
+def test_windowed_leaves_out_verification_and_sizes_staging_between_the_two_requests():
+    reason = Cell("decode", "sigkill", "during-verification", "greedy").unsupported(
+        link=True, windowed=True)
+    assert reason and "does not speculate" in reason
+    assert Cell("prefill", "sigstop", "between", "greedy").unsupported(True, windowed=True) is None
+    sample = select_cells(all_cells(), sample=20, seed=5, link=True, windowed=True)
+    assert len(sample) == 20 and all(c.phase != "during-verification" for c in sample)
+    shape = model_shape("SmolLM2-135M", "bfloat16")
+    need = {n: StreamPlan.build(CodecSpec(target="exact"), shape, n, 256).staging_bytes
+            for n in (1500, 256)}
+    mib = windowed_staging_mib("SmolLM2-135M", "bfloat16", 1500, 256)
+    assert need[256] <= mib << 20 < need[1500]
+    assert (mib - 1) << 20 < need[256]  # the least that holds the next request whole
+    with pytest.raises(ValueError, match="longer --prompt-tokens"):
+        windowed_staging_mib("SmolLM2-135M", "bfloat16", 260, 256)

@@ -60,7 +60,7 @@ from .. import metrics, trace
 from ..config import LynxConfig, wire_mismatch
 from ..errors import KVStreamError, RoomDroppedError, StagingFullError
 from ..failures import FailureKind, failure_kind_of, stream_failure_kind
-from ..names import STAGING_QUEUED_LOG, TRANSFER_RECORD, record_line
+from ..names import STAGING_QUEUED_LOG, TRANSFER_RECORD, WINDOWED_ROOM_LOG, record_line
 from .aux import unpack_aux
 from .outcome import ResidualOutcome
 from .plan import StreamPlan
@@ -325,8 +325,8 @@ class DecodeApplier:
                                              self._next_segment_id)
                 self._next_segment_id += room.segments.count - 1
                 room.trace.facts.update(segments=room.segments.count, windows=windows.count)
-                logger.info("lynx: room %s needs %d B of staging, more than the pool (%d B): "
-                            "sent in %d segments of %d layers through %d windows of %d B",
+                logger.info("lynx: room %s needs %d B of staging, " + WINDOWED_ROOM_LOG +
+                            " (%d B): sent in %d segments of %d layers through %d windows of %d B",
                             room_id, plan.staging_bytes, self.staging.nbytes,
                             room.segments.count, windows.layers_per_segment, windows.count,
                             windows.nbytes)

@@ -331,10 +331,7 @@ class _RoomWriter:
         sender, session, job, plan = self.sender, self.session, self.job, self.plan
         room, tr, config = job.room, job.trace, sender.config
         buf, region = sender.staging.buffer, sender.staging_region
-        if sender.fault_residual_delay_s:
-            logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
-                           FAULT_RESIDUAL_HOLD_LOG, sender.fault_residual_delay_s)
-            sender.fault_residual_release.wait(sender.fault_residual_delay_s)
+        sender.fault_hold(room)
         if not config.residual:
             tr.mark("encode_end")
             self.posted = plan.anchor_bytes
@@ -410,6 +407,8 @@ class _WindowedWriter:
                 raise
             self.inflight.append(_InFlight(request_id, session, staging, tr if last else None))
             self.posted += posted
+            if j == 0 and not last:
+                sender.fault_hold(job.room)  # between the first segment and the next
         tr.mark("encode_end")
         return self.posted
 
@@ -613,6 +612,14 @@ class PrefillSender:
                         "forward wrote by cached ones holding other bits; sending the "
                         "forward's own KV there (%.1f MiB kept)", room, len(differ),
                         job.kept.nbytes / 2**20)
+
+    def fault_hold(self, room: int) -> None:
+        """The test-only Residual hold (`FAULT_RESIDUAL_DELAY_ENV`): after a room's Anchor, or
+        after a windowed room's first segment; `fault_residual_release` ends it early."""
+        if self.fault_residual_delay_s:
+            logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
+                           FAULT_RESIDUAL_HOLD_LOG, self.fault_residual_delay_s)
+            self.fault_residual_release.wait(self.fault_residual_delay_s)
 
     def take_sent_bytes(self, room: int) -> int | None:
         """The Anchor + Residual bytes sent for `room` (every destination), once; None if the

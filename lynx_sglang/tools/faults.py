@@ -12,7 +12,8 @@ Axes (`Cell`):
   Residual held back by the prefill's fault-injection hold), `mid-residual` (the Residual on a link
   slowed to `RESIDUAL_RATE`; shaped link only), `during-verification` (the decode's scheduler held
   before its verification forward by the decode's fault-injection hold);
-- mode: `greedy` (a completed answer must equal the single server's), `sampled` (temperature 0.7),
+- mode: `greedy` (a completed answer must equal the single server's), `sampled` (temperature 0.7,
+  every one of the new tokens: its end of sequence ignored),
   `client-abort` (the client hangs up as the fault is injected).
 
 What each cell checks (`CellResult.checks`): the client got its answer or an error within the
@@ -30,6 +31,12 @@ by tests/sglang/test_fault_matrix.py (a sample of cells).
 Transports: `tcp` (default, here over the shaped link) or `verbs` (`--transport verbs`: inside the
 soft-RoCE guest of scripts/rdma_vm.sh, whose one rxe device is not inside the shaped link's
 namespaces, so only the process faults run there; its emulated CPU wants `--slow-factor`).
+
+Windowed (`--windowed`): both servers get less staging than the faulted request needs
+(`windowed_staging_mib`), so it goes in segments through windows of staging (`backend.window`);
+`between` is then after its first segment (where the prefill's hold sits for such a room), and
+`during-verification` does not exist (a windowed room does not speculate). The next request still
+fits whole.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from ..names import (
     FAULT_RESIDUAL_HOLD_LOG,
     FAULT_VERIFY_DELAY_ENV,
     FAULT_VERIFY_HOLD_LOG,
+    WINDOWED_ROOM_LOG,
 )
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec, process_tree
@@ -128,8 +136,11 @@ class Cell:
     def name(self) -> str:
         return f"{self.target}/{self.fault}/{self.phase}/{self.mode}"
 
-    def unsupported(self, link: bool, transport: str = "tcp") -> str | None:
+    def unsupported(self, link: bool, transport: str = "tcp",
+                    windowed: bool = False) -> str | None:
         """Why this cell cannot run here, or None."""
+        if windowed and self.phase == "during-verification":
+            return "windowed: a room sent in segments does not speculate, so it is not verified"
         if self.fault in LINK_FAULTS or self.phase == "mid-residual":
             if transport == "verbs":
                 return ("verbs: the soft-RoCE guest's RDMA device is not inside the shaped link's "
@@ -160,7 +171,7 @@ def all_cells() -> list[Cell]:
 
 def select_cells(cells: list[Cell], *, targets=TARGETS, faults=FAULTS, phases=PHASES,
                  modes=MODES, sample: int | None = None, seed: int = 0,
-                 link: bool = True, transport: str = "tcp") -> list[Cell]:
+                 link: bool = True, transport: str = "tcp", windowed: bool = False) -> list[Cell]:
     """The cells on the chosen axes; with `sample`, that many of those this machine can run,
     drawn with `seed` so that each target and fault comes up before any repeats."""
     chosen = [c for c in cells if c.target in targets and c.fault in faults
@@ -168,7 +179,7 @@ def select_cells(cells: list[Cell], *, targets=TARGETS, faults=FAULTS, phases=PH
     if sample is None:
         return chosen
     rng = random.Random(seed)
-    runnable = [c for c in chosen if c.unsupported(link, transport) is None]
+    runnable = [c for c in chosen if c.unsupported(link, transport, windowed) is None]
     rng.shuffle(runnable)
     picked: list[Cell] = []
     seen: set[tuple[str, str]] = set()
@@ -178,6 +189,26 @@ def select_cells(cells: list[Cell], *, targets=TARGETS, faults=FAULTS, phases=PH
             picked.append(c)
     picked += [c for c in runnable if c not in picked]
     return picked[:sample]
+
+
+def windowed_staging_mib(model: str, kv_dtype: str, prompt_tokens: int,
+                         next_tokens: int) -> int:
+    """`--lynx-staging-mib` for `--windowed`: the least that holds the next request whole (the
+    staging pool allocates whole ranges), which must be less than the faulted request needs."""
+    from lynx_kernels import CodecSpec, model_shape
+
+    from ..backend.plan import StreamPlan
+    from ..backend.staging import ALIGN
+
+    shape = model_shape(model, kv_dtype)
+    need = {n: StreamPlan.build(CodecSpec(target="exact"), shape, n, 256).staging_bytes
+            for n in (prompt_tokens, next_tokens)}
+    mib = -(-(-(-need[next_tokens] // ALIGN) * ALIGN) // 2**20)
+    if mib << 20 >= need[prompt_tokens]:
+        raise ValueError(f"--windowed: a {prompt_tokens}-token request fits the "
+                         f"{mib} MiB of staging a {next_tokens}-token one needs; give a longer "
+                         "--prompt-tokens")
+    return mib
 
 
 def _signal_tree(cluster: Cluster, name: str, sig: int) -> None:
@@ -197,7 +228,7 @@ class Matrix:
     def __init__(self, model: str, run_dir: Path, link: bool, server_args: tuple[str, ...] = (),
                  *, transport: str = "tcp", ib_device: str | None = None,
                  timing: Timing | None = None, prompt_tokens: int = PROMPT_TOKENS,
-                 new_tokens: int = NEW_TOKENS):
+                 new_tokens: int = NEW_TOKENS, staging_mib: int | None = None):
         from transformers import AutoTokenizer
 
         if transport not in TRANSPORTS:
@@ -206,6 +237,7 @@ class Matrix:
             raise ValueError("the verbs matrix runs without the shaped link (see Cell.unsupported)")
         self.t = t = timing or Timing()
         self.transport = transport
+        self.windowed = staging_mib is not None
         tokenizer = AutoTokenizer.from_pretrained(model)
         self.prompt = passkey_prompt(tokenizer, prompt_tokens)
         self.next_prompt = passkey_prompt(tokenizer, min(NEXT_PROMPT_TOKENS, prompt_tokens))
@@ -220,7 +252,8 @@ class Matrix:
                                    timeout_s=t.request_s + t.outage_s).output_ids
                 for p in (self.prompt, self.next_prompt)}
         lynx = ("--lynx-target", "exact", "--lynx-spec-policy", "always",
-                "--lynx-transfer-timeout-s", str(t.transfer_timeout_s))
+                "--lynx-transfer-timeout-s", str(t.transfer_timeout_s),
+                *(("--lynx-staging-mib", str(staging_mib)) if self.windowed else ()))
         if transport == "verbs":
             # bringing queue pairs up under CPU emulation takes far longer than a tcp connect
             lynx += ("--lynx-transport", "verbs", "--lynx-connect-timeout-s",
@@ -261,10 +294,11 @@ class Matrix:
     # ---- one cell -----------------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:
         res = CellResult(cell.name)
-        why = cell.unsupported(self.link, self.transport)
+        why = cell.unsupported(self.link, self.transport, self.windowed)
         if why is not None:
             res.skipped = why
             return res
+        segmented = self._log("decode").count(WINDOWED_ROOM_LOG)
         t0 = time.monotonic()
         outcome: dict = {}
         client_done = threading.Event()
@@ -288,6 +322,9 @@ class Matrix:
         if cell.mode == "greedy" and "ids" in outcome:
             res.checks["greedy answer equals the single server's"] = (
                 outcome["ids"] == self.reference[tuple(self.prompt)])
+        if self.windowed:
+            res.checks["the request went in segments"] = (
+                self._log("decode").count(WINDOWED_ROOM_LOG) > segmented)
         if restarted:
             self.cluster.restart(cell.target)
         self._settle(cell, res, restarted)
@@ -296,7 +333,9 @@ class Matrix:
 
     def _client(self, cell: Cell, out: dict, done: threading.Event,
                 hang_up: threading.Event) -> None:
-        sampling = {"temperature": 0.7} if cell.mode == "sampled" else None
+        # A sampled answer may draw its end of sequence early and finish before the fault: in
+        # the full run of 2026-12-01 the only cells that missed their phase were sampled ones.
+        sampling = {"temperature": 0.7, "ignore_eos": True} if cell.mode == "sampled" else None
         try:
             if cell.mode == "client-abort":
                 self._stream_until_hang_up(out, hang_up)
@@ -490,6 +529,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of the faulted request's prompt")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                         help="tokens each request generates")
+    parser.add_argument("--windowed", action="store_true",
+                        help="give both servers less staging than the faulted request needs, so "
+                             "that it goes in segments (between: after its first segment; "
+                             "during-verification is skipped: such a room does not speculate)")
     parser.add_argument("--out", type=Path, default=Path("out/faults.json"),
                         help="JSON report (default out/faults.json); the table goes to stdout")
     add_kv_dtype_argument(parser)
@@ -513,19 +556,28 @@ def run(args: argparse.Namespace) -> int:
             and os.geteuid() == 0)
     cells = select_cells(all_cells(), targets=args.targets, faults=args.faults,
                          phases=args.phases, modes=args.modes, sample=args.sample,
-                         seed=args.seed, link=link, transport=args.transport)
+                         seed=args.seed, link=link, transport=args.transport,
+                         windowed=args.windowed)
+    staging_mib = (windowed_staging_mib(str(embedded_model_dir()), args.kv_dtype,
+                                        args.prompt_tokens, min(NEXT_PROMPT_TOKENS,
+                                                                args.prompt_tokens))
+                   if args.windowed else None)
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     where = f"verbs on {args.ib_device or 'the first RDMA device'}" if verbs else (
         "tcp, shaped link" if link else "tcp, loopback")
+    if staging_mib is not None:
+        where += f", windowed: --lynx-staging-mib {staging_mib}"
     print(f"{len(cells)} cells ({where}; timing x{args.slow_factor:g})", flush=True)
     results = run_matrix(cells, link=link, run_dir=out.parent / (out.stem + "_runs"),
                          server_args=kv_dtype_server_args(args.kv_dtype),
                          transport=args.transport, ib_device=args.ib_device,
                          timing=Timing().scaled(args.slow_factor),
-                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                         staging_mib=staging_mib)
     clean = all(r.clean for r in results)
     out.write_text(json.dumps({"link": link, "transport": args.transport,
+                               "windowed_staging_mib": staging_mib,
                                "slow_factor": args.slow_factor,
                                "prompt_tokens": args.prompt_tokens, "clean": clean,
                                "cells": [dataclasses.asdict(r) for r in results]}, indent=1))

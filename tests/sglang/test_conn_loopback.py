@@ -46,7 +46,7 @@ from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.prefill import IDENTITY_REQUEST
 from lynx_sglang.backend.staging import ALIGN as STAGING_ALIGN
 from lynx_sglang.config import LynxConfig
-from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV, FAULT_RESIDUAL_HOLD_LOG
 from lynx_transport import Stream
 
 pytestmark = pytest.mark.sglang
@@ -729,6 +729,28 @@ def test_a_room_larger_than_decode_staging_is_sent_in_segments(sgl, make_pd, cap
     nxt = _start_request(sgl, pd, room=9101, seed=101)
     assert _poll_until_done(sgl, nxt.receiver) == sgl.KVPoll.Success
     _wait("the next room's final KV", lambda: _holds(pd, nxt, "full"))
+
+
+def test_the_residual_hold_of_a_windowed_room_sits_after_its_first_segment(sgl, make_pd, caplog):
+    """The fault-injection hold (`lynx-sglang faults --windowed`, phase `between`) of a room sent
+    in segments comes after its first segment, both streams of it: the decode has that segment
+    applied while the next one waits; released early, the room ends exact."""
+    pd = make_pd(_cfg(target="exact", staging_mib=1), residual_hold_s=LONG_HOLD_S)
+    applier, sender = pd.decode.mgr.applier, pd.prefill.mgr.sender
+    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill"):
+        req = _start_request(sgl, pd, room=9300, seed=105, tokens=WINDOWED_TOKENS)
+        _wait("the hold after the first segment",
+              lambda: f"room {req.room} {FAULT_RESIDUAL_HOLD_LOG}" in caplog.text)
+    room = applier._rooms[req.room]
+    _wait("the first segment applied at the decode", lambda: room.seg_applied == 1)
+    time.sleep(0.3)
+    assert room.seg_applied == 1  # the next segment waits for the hold
+    assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
+    sender.fault_residual_release.set()
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _holds(pd, req, "full")
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
 
 
 def test_a_room_dropped_between_segments_frees_the_prefill_worker_at_once(sgl, make_pd,
