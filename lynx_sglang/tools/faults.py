@@ -55,6 +55,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -539,7 +540,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_matrix(cells: list[Cell], *, link: bool, run_dir: Path,
-               server_args: tuple[str, ...] = (), **matrix_kw) -> list[CellResult]:
+               server_args: tuple[str, ...] = (),
+               on_result: Callable[[list[CellResult]], None] = lambda _: None,
+               **matrix_kw) -> list[CellResult]:
+    """Run CELLS in order; ON_RESULT gets the results so far after each cell."""
     model = str(embedded_model_dir())
     results = []
     with Matrix(model, run_dir, link, server_args, **matrix_kw) as matrix:
@@ -547,6 +551,7 @@ def run_matrix(cells: list[Cell], *, link: bool, run_dir: Path,
             logger.info("cell %d/%d: %s", i + 1, len(cells), cell.name)
             results.append(matrix.run_cell(cell))
             logger.info("cell %s: %s", cell.name, results[-1])
+            on_result(results)
     return results
 
 
@@ -569,18 +574,28 @@ def run(args: argparse.Namespace) -> int:
     if staging_mib is not None:
         where += f", windowed: --lynx-staging-mib {staging_mib}"
     print(f"{len(cells)} cells ({where}; timing x{args.slow_factor:g})", flush=True)
+
+    def write_report(results: list[CellResult]) -> None:
+        # Rewritten after every cell, so that a run stopped part-way (a guest past its
+        # deadline, an operator's ^C) keeps the cells it finished.
+        out.write_text(json.dumps({"link": link, "transport": args.transport,
+                                   "windowed_staging_mib": staging_mib,
+                                   "slow_factor": args.slow_factor,
+                                   "prompt_tokens": args.prompt_tokens,
+                                   "cells_planned": len(cells),
+                                   "clean": all(r.clean for r in results),
+                                   "cells": [dataclasses.asdict(r) for r in results]},
+                                  indent=1))
+
     results = run_matrix(cells, link=link, run_dir=out.parent / (out.stem + "_runs"),
                          server_args=kv_dtype_server_args(args.kv_dtype),
+                         on_result=write_report,
                          transport=args.transport, ib_device=args.ib_device,
                          timing=Timing().scaled(args.slow_factor),
                          prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                          staging_mib=staging_mib)
+    write_report(results)
     clean = all(r.clean for r in results)
-    out.write_text(json.dumps({"link": link, "transport": args.transport,
-                               "windowed_staging_mib": staging_mib,
-                               "slow_factor": args.slow_factor,
-                               "prompt_tokens": args.prompt_tokens, "clean": clean,
-                               "cells": [dataclasses.asdict(r) for r in results]}, indent=1))
     print(table(results))
     ran = [r for r in results if r.skipped is None]
     print(f"{sum(r.clean for r in ran)}/{len(ran)} cells clean, "
