@@ -113,6 +113,9 @@ class Timing:
     # SGLang's own scheduler watchdog (its default): a forward longer than this kills the server
     # (measured in the soft-RoCE guest: a 512-token prefill ran past 300 s)
     watchdog_s: float = 300.0
+    # SGLang's bootstrap and waiting timeouts (its defaults): a decode whose room waits longer for
+    # the prefill fails it (in the guest a 40-token warm-up request ran past 300 s)
+    sglang_wait_s: float = 300.0
 
     @property
     def outage_s(self) -> float:
@@ -268,7 +271,10 @@ class Matrix:
                        FAULT_VERIFY_DELAY_ENV: str(t.verify_hold_s),
                        # Restarts are handled by Lynx (see tests/sglang/test_pd_lynx.py), not by
                        # SGLang's heartbeat verdict on a dead prefill.
-                       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"})
+                       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000",
+                       **{name: str(int(t.sglang_wait_s)) for name in (
+                           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+                           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")}})
         self.cluster = Cluster(self.spec)
 
     def __enter__(self) -> Matrix:
