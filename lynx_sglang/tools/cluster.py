@@ -121,6 +121,14 @@ class _Proc:
     host_ip: str
 
 
+def sglang_pd_timeouts_env(seconds: float) -> dict[str, str]:
+    """Environment for SGLang's PD bootstrap and waiting timeouts (default 300 s each): a room
+    that waits longer for its prefill fails. For the tools' clusters that queue more work, or run
+    slower (the soft-RoCE guest), than those defaults allow."""
+    return {name: str(int(seconds)) for name in (
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

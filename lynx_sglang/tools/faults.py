@@ -71,7 +71,7 @@ from ..names import (
     WINDOWED_ROOM_LOG,
 )
 from .client import GenerateError, generate, generate_stream
-from .cluster import Cluster, ClusterMode, ClusterSpec, process_tree
+from .cluster import Cluster, ClusterMode, ClusterSpec, process_tree, sglang_pd_timeouts_env
 from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
 from .model import embedded_model_dir
 from .netns import RECEIVER_IP, SENDER_IP, netns_available
@@ -272,9 +272,7 @@ class Matrix:
                        # Restarts are handled by Lynx (see tests/sglang/test_pd_lynx.py), not by
                        # SGLang's heartbeat verdict on a dead prefill.
                        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000",
-                       **{name: str(int(t.sglang_wait_s)) for name in (
-                           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
-                           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")}})
+                       **sglang_pd_timeouts_env(t.sglang_wait_s)})
         self.cluster = Cluster(self.spec)
 
     def __enter__(self) -> Matrix:
@@ -582,17 +580,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(cells)} cells ({where}; timing x{args.slow_factor:g})", flush=True)
 
     def write_report(results: list[CellResult]) -> None:
-        # Rewritten after every cell, so that a run stopped part-way (a guest past its
-        # deadline, an operator's ^C) keeps the cells it finished.
+        # Written before the first cell and after every cell, so that a run stopped part-way
+        # (a guest past its deadline, an operator's ^C) keeps the cells it finished.
         out.write_text(json.dumps({"link": link, "transport": args.transport,
                                    "windowed_staging_mib": staging_mib,
                                    "slow_factor": args.slow_factor,
                                    "prompt_tokens": args.prompt_tokens,
                                    "cells_planned": len(cells),
-                                   "clean": all(r.clean for r in results),
+                                   # a report of a run stopped part-way is not clean
+                                   "clean": (len(results) == len(cells)
+                                             and all(r.clean for r in results)),
                                    "cells": [dataclasses.asdict(r) for r in results]},
                                   indent=1))
 
+    write_report([])
     results = run_matrix(cells, link=link, run_dir=out.parent / (out.stem + "_runs"),
                          server_args=kv_dtype_server_args(args.kv_dtype),
                          on_result=write_report,
@@ -600,7 +601,6 @@ def run(args: argparse.Namespace) -> int:
                          timing=Timing().scaled(args.slow_factor),
                          prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                          staging_mib=staging_mib)
-    write_report(results)
     clean = all(r.clean for r in results)
     print(table(results))
     ran = [r for r in results if r.skipped is None]

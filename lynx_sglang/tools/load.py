@@ -31,7 +31,14 @@ from pathlib import Path
 import requests
 
 from .client import GenerateError, generate, generate_stream
-from .cluster import TRANSFER_BACKENDS, Cluster, ClusterMode, ClusterSpec, Resources
+from .cluster import (
+    TRANSFER_BACKENDS,
+    Cluster,
+    ClusterMode,
+    ClusterSpec,
+    Resources,
+    sglang_pd_timeouts_env,
+)
 from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
 from .model import embedded_model_dir
 from .prompts import passkey_prompt
@@ -195,11 +202,9 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
     # A round queues far more work than 2 CPU cores do in SGLang's default 300 s: its bootstrap
     # and waiting timeouts (the same for every backend) would fail requests for capacity, which
     # is not what a round checks. They get the client's timeout instead.
-    sglang_timeouts = {name: str(int(timeout_s)) for name in (
-        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")}
     pd = ClusterSpec(model, ClusterMode.PD, transfer_backend=transfer_backend,
                      run_dir=run_dir / "pd", server_args=common, prefills=prefills,
-                     extra_env=sglang_timeouts)
+                     extra_env=sglang_pd_timeouts_env(timeout_s))
     reports = []
     with Cluster(pd) as cluster:
         baseline = cluster.decode_used_tokens()
