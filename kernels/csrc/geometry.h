@@ -96,5 +96,10 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t u16a __attribute__((may_alias, aligned(1)));
 
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
 INLINE v8f vload(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
 INLINE void vstore(float *p, v8f v) { memcpy(p, &v, 32); }
+INLINE v16f vload16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+INLINE void vstore16(float *p, v16f v) { memcpy(p, &v, 64); }

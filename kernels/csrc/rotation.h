@@ -12,25 +12,51 @@ INLINE v8f fwht8(v8f x) {
     return __builtin_shuffle(x, (v8i){4, 5, 6, 7, 0, 1, 2, 3}) + x * s4;
 }
 
-/* One head of D = 8 * nv values, in registers: rotate (FWHT(y * signs) * inv) or unrotate
- * (FWHT(y) * signs * inv). */
-INLINE void head_regs(float *y, const float *sg, float inv, const int nv, const int unrot) {
-    v8f r[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < nv; i++) r[i] = unrot ? vload(y + 8 * i) : vload(y + 8 * i) * vload(sg + 8 * i);
-#pragma GCC unroll 16
-    for (int i = 0; i < nv; i++) r[i] = fwht8(r[i]);
+/* fwht8's strides 1, 2, 4 and then 8, inside 16 values (one AVX-512 register; two AVX2 ones). */
+INLINE v16f fwht16(v16f x) {
+    const v16f s1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+    const v16f s2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+    const v16f s4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+    const v16f s8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+    x = __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}) + x * s1;
+    x = __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}) + x * s2;
+    x = __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}) + x * s4;
+    return __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}) + x * s8;
+}
+
+/* The FWHT of one head held in nv registers of 16 values (D = 16 * nv): the strides in the
+ * reference's order (1 to 8 inside a register, then across registers). */
+INLINE void fwht_regs(v16f *r, const int nv) {
+#pragma GCC unroll 8
+    for (int i = 0; i < nv; i++) r[i] = fwht16(r[i]);
 #pragma GCC unroll 4
     for (int h = 1; h < nv; h <<= 1)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int p = 0; p < nv / 2; p++) { /* the p-th pair (j, j + h) of this stride */
             const int j = p / h * 2 * h + p % h;
-            const v8f a = r[j], b = r[j + h];
+            const v16f a = r[j], b = r[j + h];
             r[j] = a + b;
             r[j + h] = a - b;
         }
-#pragma GCC unroll 16
-    for (int i = 0; i < nv; i++) vstore(y + 8 * i, (unrot ? r[i] * vload(sg + 8 * i) : r[i]) * inv);
+}
+
+/* One head of D = 16 * nv values, in registers: rotate (FWHT(y * signs) * inv) or unrotate
+ * (FWHT(y) * signs * inv). */
+INLINE void head_regs(float *y, const float *sg, float inv, const int nv, const int unrot) {
+    v16f r[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < nv; i++)
+        r[i] = unrot ? vload16(y + 16 * i) : vload16(y + 16 * i) * vload16(sg + 16 * i);
+    fwht_regs(r, nv);
+#pragma GCC unroll 8
+    for (int i = 0; i < nv; i++)
+        vstore16(y + 16 * i, (unrot ? r[i] * vload16(sg + 16 * i) : r[i]) * inv);
+}
+
+/* A head of 8 values: fwht8 alone. */
+INLINE void head8(float *y, const float *sg, float inv, const int unrot) {
+    const v8f r = fwht8(unrot ? vload(y) : vload(y) * vload(sg));
+    vstore(y, (unrot ? r * vload(sg) : r) * inv);
 }
 
 /* Heads wider than 128 values: the same butterflies through memory. */
@@ -56,11 +82,11 @@ INLINE void row_transform(const geo_t *G, float *x, const int unrot) {
     for (int h = 0; h < G->H; h++) {
         float *y = x + (int64_t)h * G->D;
         switch (G->D) {
-            case 128: head_regs(y, sg, inv, 16, unrot); break;
-            case 64: head_regs(y, sg, inv, 8, unrot); break;
-            case 32: head_regs(y, sg, inv, 4, unrot); break;
-            case 16: head_regs(y, sg, inv, 2, unrot); break;
-            case 8: head_regs(y, sg, inv, 1, unrot); break;
+            case 128: head_regs(y, sg, inv, 8, unrot); break;
+            case 64: head_regs(y, sg, inv, 4, unrot); break;
+            case 32: head_regs(y, sg, inv, 2, unrot); break;
+            case 16: head_regs(y, sg, inv, 1, unrot); break;
+            case 8: head8(y, sg, inv, unrot); break;
             default: head_mem(y, sg, inv, G->D, unrot);
         }
     }
