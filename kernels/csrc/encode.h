@@ -26,51 +26,33 @@ static void free_all(void **ptrs, int n) {
 INLINE v16f vmin16(v16f a, v16f b) { const v16i m = a < b; return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
 INLINE v16f vmax16(v16f a, v16f b) { const v16i m = a > b; return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
 
-/* Per-token groups of a row: min/max of each run of g values. Which of two equal zeros wins does
- * not matter (group_params turns -0 into +0), nor NaN (such a row is refused). */
+/* Per-token groups of a row: min/max of each run of g values (g is 32, 64 or 128: CodecSpec's
+ * GROUP_SIZES, whole 16-value vectors). Which of two equal zeros wins does not matter
+ * (group_params turns -0 into +0), nor NaN (such a row is refused). */
 INLINE void row_minmax(const float *restrict x, int64_t hd, int64_t g, float *restrict lo,
                        float *restrict hi) {
-    if (g % 16 == 0) {
-        const v16i f8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-        const v16i f4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-        const v16i f2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-        const v16i f1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-        for (int64_t j = 0; j < hd / g; j++) {
-            const float *xg = x + j * g;
-            v16f l = vload16(xg), h = l;
-            for (int64_t i = 16; i < g; i += 16) {
-                const v16f y = vload16(xg + i);
-                l = vmin16(y, l);
-                h = vmax16(y, h);
-            }
-            l = vmin16(l, __builtin_shuffle(l, f8));
-            h = vmax16(h, __builtin_shuffle(h, f8));
-            l = vmin16(l, __builtin_shuffle(l, f4));
-            h = vmax16(h, __builtin_shuffle(h, f4));
-            l = vmin16(l, __builtin_shuffle(l, f2));
-            h = vmax16(h, __builtin_shuffle(h, f2));
-            l = vmin16(l, __builtin_shuffle(l, f1));
-            h = vmax16(h, __builtin_shuffle(h, f1));
-            lo[j] = l[0];
-            hi[j] = h[0];
-        }
-        return;
-    }
+    const v16i f8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const v16i f4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const v16i f2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const v16i f1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
     for (int64_t j = 0; j < hd / g; j++) {
         const float *xg = x + j * g;
-        v8f l = vload(xg), h = l;
-        for (int64_t i = 8; i < g; i += 8) {
-            const v8f y = vload(xg + i);
-            l = (v8f)(((v8i)y & (y < l)) | ((v8i)l & ~(y < l)));
-            h = (v8f)(((v8i)y & (y > h)) | ((v8i)h & ~(y > h)));
+        v16f l = vload16(xg), h = l;
+        for (int64_t i = 16; i < g; i += 16) {
+            const v16f y = vload16(xg + i);
+            l = vmin16(y, l);
+            h = vmax16(y, h);
         }
-        float a = l[0], b = h[0];
-        for (int i = 1; i < 8; i++) {
-            a = l[i] < a ? l[i] : a;
-            b = h[i] > b ? h[i] : b;
-        }
-        lo[j] = a;
-        hi[j] = b;
+        l = vmin16(l, __builtin_shuffle(l, f8));
+        h = vmax16(h, __builtin_shuffle(h, f8));
+        l = vmin16(l, __builtin_shuffle(l, f4));
+        h = vmax16(h, __builtin_shuffle(h, f4));
+        l = vmin16(l, __builtin_shuffle(l, f2));
+        h = vmax16(h, __builtin_shuffle(h, f2));
+        l = vmin16(l, __builtin_shuffle(l, f1));
+        h = vmax16(h, __builtin_shuffle(h, f1));
+        lo[j] = l[0];
+        hi[j] = h[0];
     }
 }
 

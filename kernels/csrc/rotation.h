@@ -24,11 +24,14 @@ INLINE v16f fwht16(v16f x) {
     return __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}) + x * s8;
 }
 
-/* The FWHT of one head held in nv registers of 16 values (D = 16 * nv): the strides in the
- * reference's order (1 to 8 inside a register, then across registers). */
-INLINE void fwht_regs(v16f *r, const int nv) {
+/* One head of D = 16 * nv values, in registers: rotate (FWHT(y * signs) * inv) or unrotate
+ * (FWHT(y) * signs * inv); the strides in the reference's order (1 to 8 inside a register, then
+ * across registers). */
+INLINE void head_regs(float *y, const float *sg, float inv, const int nv, const int unrot) {
+    v16f r[8];
 #pragma GCC unroll 8
-    for (int i = 0; i < nv; i++) r[i] = fwht16(r[i]);
+    for (int i = 0; i < nv; i++)
+        r[i] = fwht16(unrot ? vload16(y + 16 * i) : vload16(y + 16 * i) * vload16(sg + 16 * i));
 #pragma GCC unroll 4
     for (int h = 1; h < nv; h <<= 1)
 #pragma GCC unroll 4
@@ -38,16 +41,6 @@ INLINE void fwht_regs(v16f *r, const int nv) {
             r[j] = a + b;
             r[j + h] = a - b;
         }
-}
-
-/* One head of D = 16 * nv values, in registers: rotate (FWHT(y * signs) * inv) or unrotate
- * (FWHT(y) * signs * inv). */
-INLINE void head_regs(float *y, const float *sg, float inv, const int nv, const int unrot) {
-    v16f r[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < nv; i++)
-        r[i] = unrot ? vload16(y + 16 * i) : vload16(y + 16 * i) * vload16(sg + 16 * i);
-    fwht_regs(r, nv);
 #pragma GCC unroll 8
     for (int i = 0; i < nv; i++)
         vstore16(y + 16 * i, (unrot ? r[i] * vload16(sg + 16 * i) : r[i]) * inv);
