@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 
@@ -73,6 +74,13 @@ class TlsConfig:
         ctx.check_hostname = self.check_hostname
         return ctx
 
-    def contexts(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-        """(server, client) contexts; TlsConfigError names a file that does not load."""
+    @cached_property
+    def _contexts(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
         return self.server_context(), self.client_context()
+
+    def contexts(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        """(server, client) contexts; TlsConfigError names a file that does not load. Built once
+        per config (the launch's check and the tcp backend share them: loading the key and CA
+        twice costs a few ms each and could read a file replaced in between); a failed load is
+        not kept, so a fixed file is read on the next call."""
+        return self._contexts

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,3 +248,16 @@ def test_config_errors_name_the_file(tmp_path, certs):
             str(certs["good"].cert_file), str(certs["good"].key_file), str(bad))})
     with pytest.raises(ValueError, match="TlsConfig"):
         Endpoint(name="x", backend_options={"tls": "yes"})
+
+
+def test_contexts_are_built_once_per_config(tmp_path, certs):
+    good = certs["good"]
+    key = tmp_path / "key.pem"
+    key.write_text("not a key")
+    tls = TlsConfig(str(good.cert_file), str(key), str(good.ca_file))
+    with pytest.raises(TlsConfigError, match=r"key\.pem"):
+        tls.contexts()
+    key.write_bytes(Path(good.key_file).read_bytes())
+    first = tls.contexts()
+    assert tls.contexts() is first
+    assert all(isinstance(c, ssl.SSLContext) for c in first)
