@@ -3,6 +3,8 @@ servers; tests/sglang/test_fault_matrix.py runs cells)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from lynx_kernels import CodecSpec, model_shape
@@ -15,7 +17,10 @@ from lynx_sglang.tools.faults import (
     Cell,
     CellResult,
     Timing,
+    add_arguments,
     all_cells,
+    check_arguments,
+    chosen_cells,
     select_cells,
     table,
     windowed_staging_mib,
@@ -98,3 +103,45 @@ def test_windowed_leaves_out_verification_and_sizes_staging_between_the_two_requ
     assert (mib - 1) << 20 < need[256]  # the least that holds the next request whole
     with pytest.raises(ValueError, match="longer --prompt-tokens"):
         windowed_staging_mib("SmolLM2-135M", "bfloat16", 260, 256)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lynx-sglang faults")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    return args
+
+
+def test_cells_by_name_run_as_given_and_every_name_parses_back():
+    assert all(Cell.parse(c.name) == c for c in all_cells())
+    args = _parse(["--cells", "decode/sigstop/between/greedy", "prefill/rst/mid-residual/sampled",
+                   "decode/sigstop/between/greedy"])
+    # in the order given, once each; a cell this machine cannot run stays (run_cell reports it
+    # skipped with its reason) instead of silently going missing
+    assert [c.name for c in chosen_cells(args, link=False)] == [
+        "decode/sigstop/between/greedy", "prefill/rst/mid-residual/sampled"]
+    assert chosen_cells(_parse([]), link=False) == all_cells()
+
+
+@pytest.mark.parametrize("name, says", [
+    ("decode/sigstop/between", "TARGET/FAULT/PHASE/MODE"),
+    ("decode/sigint/between/greedy", "faults 'sigint' is not one of"),
+    ("decode/sigkill/after/greedy", "phases 'after'"),
+])
+def test_a_bad_cell_name_says_which_part(name, says, capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--cells", name])
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--sample", "3"], "--sample"),
+    (["--targets", "decode"], "--targets"),
+    (["--modes", "greedy", "--phases", "between"], "--phases, --modes"),
+])
+def test_cells_refuse_the_options_that_would_choose_others(extra, says, capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--cells", "decode/sigkill/between/greedy", *extra])
+    assert says in capsys.readouterr().err
+    _parse(extra)  # each of them is fine without --cells

@@ -25,7 +25,8 @@ alive; and the next request equals the single server's.
 
 Phases are reached by observable events (the hold lines the two fault-injection knobs log) plus
 fixed offsets (`Timing`), so timing under heavy load can miss a phase; `CellResult.phase_hit` says
-whether the request was still in flight when the fault hit. Used by the `faults` CLI subcommand and
+whether the request was still in flight when the fault hit; `--cells` reruns cells by name. Used by
+the `faults` CLI subcommand and
 by tests/sglang/test_fault_matrix.py (a sample of cells).
 
 Transports: `tcp` (default, here over the shaped link) or `verbs` (`--transport verbs`: inside the
@@ -85,6 +86,8 @@ PHASES = ("before-anchor", "between", "mid-residual", "during-verification")
 MODES = ("greedy", "sampled", "client-abort")
 LINK_FAULTS = ("partition", "rst", "slow")
 
+AXES = {"targets": TARGETS, "faults": FAULTS, "phases": PHASES, "modes": MODES}
+
 TRANSPORTS = ("tcp", "verbs")
 
 PROMPT_TOKENS = 1500
@@ -139,6 +142,19 @@ class Cell:
     @property
     def name(self) -> str:
         return f"{self.target}/{self.fault}/{self.phase}/{self.mode}"
+
+    @classmethod
+    def parse(cls, name: str) -> Cell:
+        """The cell `name` names (TARGET/FAULT/PHASE/MODE, as the report writes it); ValueError
+        names the part that is not one of its axis' values."""
+        parts = name.split("/")
+        if len(parts) != 4:
+            raise ValueError(f"{name!r}: a cell is TARGET/FAULT/PHASE/MODE, "
+                             f"e.g. prefill/sigkill/between/greedy")
+        for part, (axis, values) in zip(parts, AXES.items(), strict=True):
+            if part not in values:
+                raise ValueError(f"{name!r}: {axis} {part!r} is not one of {', '.join(values)}")
+        return cls(*parts)
 
     def unsupported(self, link: bool, transport: str = "tcp",
                     windowed: bool = False) -> str | None:
@@ -509,10 +525,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", nargs="+", choices=values, default=list(values),
                             help=f"{name} to run (default: all of {', '.join(values)})")
 
-    axis("targets", TARGETS)
-    axis("faults", FAULTS)
-    axis("phases", PHASES)
-    axis("modes", MODES)
+    for name, values in AXES.items():
+        axis(name, values)
+
+    def cell(name: str) -> Cell:
+        try:
+            return Cell.parse(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parser.add_argument("--cells", nargs="+", type=cell, default=None, metavar="CELL",
+                        help="run exactly these cells, in this order, each named as the report "
+                             "names it (TARGET/FAULT/PHASE/MODE, e.g. decode/sigstop/between/"
+                             "greedy): to rerun the ones a run failed; not with --sample or the "
+                             "axis options")
     parser.add_argument("--sample", type=int, default=None,
                         help="run only this many cells, drawn with --seed (each target and fault "
                              "before any repeats; cells this machine cannot run are left out)")
@@ -543,6 +569,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_dtype_argument(parser)
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.cells is None:
+        return
+    narrowed = [f"--{name}" for name, values in AXES.items() if getattr(args, name) != list(values)]
+    if args.sample is not None:
+        narrowed.append("--sample")
+    if narrowed:
+        parser.error(f"--cells names its cells whole; {', '.join(narrowed)} would choose others: "
+                     "give one or the other")
+
+
+def chosen_cells(args: argparse.Namespace, *, link: bool) -> list[Cell]:
+    """--cells as given (a cell this machine cannot run is reported skipped, with its reason),
+    or the axes' cells, sampled with --sample."""
+    if args.cells is not None:
+        return list(dict.fromkeys(args.cells))
+    return select_cells(all_cells(), targets=args.targets, faults=args.faults,
+                        phases=args.phases, modes=args.modes, sample=args.sample,
+                        seed=args.seed, link=link, transport=args.transport,
+                        windowed=args.windowed)
+
+
 def run_matrix(cells: list[Cell], *, link: bool, run_dir: Path,
                server_args: tuple[str, ...] = (),
                on_result: Callable[[list[CellResult]], None] = lambda _: None,
@@ -563,10 +611,7 @@ def run(args: argparse.Namespace) -> int:
     verbs = args.transport == "verbs"
     link = (not verbs and not args.no_link and netns_available() is None
             and os.geteuid() == 0)
-    cells = select_cells(all_cells(), targets=args.targets, faults=args.faults,
-                         phases=args.phases, modes=args.modes, sample=args.sample,
-                         seed=args.seed, link=link, transport=args.transport,
-                         windowed=args.windowed)
+    cells = chosen_cells(args, link=link)
     staging_mib = (windowed_staging_mib(str(embedded_model_dir()), args.kv_dtype,
                                         args.prompt_tokens, min(NEXT_PROMPT_TOKENS,
                                                                 args.prompt_tokens))
