@@ -25,9 +25,8 @@ alive; and the next request equals the single server's.
 
 Phases are reached by observable events (the hold lines the two fault-injection knobs log) plus
 fixed offsets (`Timing`), so timing under heavy load can miss a phase; `CellResult.phase_hit` says
-whether the request was still in flight when the fault hit; `--cells` reruns cells by name. Used by
-the `faults` CLI subcommand and
-by tests/sglang/test_fault_matrix.py (a sample of cells).
+whether the request was still in flight when the fault hit; `--cells` reruns cells by name. Used
+by the `faults` CLI subcommand and by tests/sglang/test_fault_matrix.py (a sample of cells).
 
 Transports: `tcp` (default, here over the shaped link) or `verbs` (`--transport verbs`: inside the
 soft-RoCE guest of scripts/rdma_vm.sh, whose one rxe device is not inside the shaped link's
