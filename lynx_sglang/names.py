@@ -48,6 +48,9 @@ FAULT_RESIDUAL_HOLD_LOG = "Anchor finished; holding the Residual"  # windowed: t
 # Logged by the decode for a room that found no free staging and waits for a range.
 STAGING_QUEUED_LOG = "queued for staging"
 FAULT_VERIFY_HOLD_LOG = "holding the verification"
+# Logged by the decode when a speculating request is parked (taken out of the running batch, its
+# KV kept) to wait for its Residual (`lynx-sglang faults`, phase parked).
+SPEC_PARKED_LOG = "parked:"
 # Logged by the decode for a room it announces in segments (it needs more staging than the pool).
 WINDOWED_ROOM_LOG = "more than the pool"
 

@@ -12,6 +12,7 @@ from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.tools.faults import (
     FAULTS,
     MODES,
+    PARKED_NEW_TOKENS,
     PHASES,
     TARGETS,
     Cell,
@@ -89,12 +90,13 @@ def test_timing_scales_every_clock_for_a_slower_machine():
 
 
 def test_windowed_leaves_out_verification_and_sizes_staging_between_the_two_requests():
-    reason = Cell("decode", "sigkill", "during-verification", "greedy").unsupported(
-        link=True, windowed=True)
-    assert reason and "does not speculate" in reason
+    for phase in ("parked", "during-verification"):
+        reason = Cell("decode", "sigkill", phase, "greedy").unsupported(link=True, windowed=True)
+        assert reason and "does not speculate" in reason
     assert Cell("prefill", "sigstop", "between", "greedy").unsupported(True, windowed=True) is None
     sample = select_cells(all_cells(), sample=20, seed=5, link=True, windowed=True)
-    assert len(sample) == 20 and all(c.phase != "during-verification" for c in sample)
+    assert len(sample) == 20
+    assert all(c.phase not in ("parked", "during-verification") for c in sample)
     shape = model_shape("SmolLM2-135M", "bfloat16")
     need = {n: StreamPlan.build(CodecSpec(target="exact"), shape, n, 256).staging_bytes
             for n in (1500, 256)}
@@ -145,3 +147,12 @@ def test_cells_refuse_the_options_that_would_choose_others(extra, says, capsys):
         _parse(["--cells", "decode/sigkill/between/greedy", *extra])
     assert says in capsys.readouterr().err
     _parse(extra)  # each of them is fine without --cells
+
+
+def test_a_parked_cell_asks_fewer_tokens_so_that_its_request_parks():
+    parked = [c for c in all_cells() if c.phase == "parked"]
+    assert len(parked) == len(TARGETS) * len(FAULTS) * len(MODES)
+    assert all(c.new_tokens(24) == PARKED_NEW_TOKENS < 24 for c in parked)
+    assert all(c.new_tokens(2) == 2 for c in parked)  # never more than the matrix runs with
+    assert {c.new_tokens(24) for c in all_cells() if c.phase != "parked"} == {24}
+    assert Cell("decode", "sigkill", "parked", "greedy").unsupported(link=False) is None

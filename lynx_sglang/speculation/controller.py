@@ -34,7 +34,7 @@ from typing import Protocol
 from .. import metrics, trace
 from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
-from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_RECORD, record_line
+from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG, SPEC_RECORD, record_line
 from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
 from .stream import SpecStreamPublisher
 from .verify import apply_acceptance, decide, recount_reasoning, rollback, verify_forward
@@ -185,7 +185,7 @@ class SpecController:
         st.parked_reason = reason
         st.t_parked = time.monotonic()
         self.parked.append(req)
-        logger.info("lynx spec: %s parked: %s", req.rid, reason)
+        logger.info("lynx spec: %s %s %s", req.rid, SPEC_PARKED_LOG, reason)
 
     def _detach(self, req) -> SpecState:
         """The request stops speculating: drop its state here and the manager's room."""

@@ -9,7 +9,9 @@ Axes (`Cell`):
   TCP connection of the target to its peer reset: `ss -K`), `slow` (the link drops to
   `SLOW_RATE` for a while). The last three need the shaped link of two network namespaces (root);
 - phase: `before-anchor` (the prefill is still computing), `between` (the Anchor is out, the
-  Residual held back by the prefill's fault-injection hold), `mid-residual` (the Residual on a link
+  Residual held back by the prefill's fault-injection hold), `parked` (as `between`, the request
+  asking only `PARKED_NEW_TOKENS`, so that it reaches its length speculatively and speculation has
+  parked it to wait for the Residual: the fault hits a parked request), `mid-residual` (the Residual on a link
   slowed to `RESIDUAL_RATE`; shaped link only), `during-verification` (the decode's scheduler held
   before its verification forward by the decode's fault-injection hold);
 - mode: `greedy` (a completed answer must equal the single server's), `sampled` (temperature 0.7,
@@ -68,6 +70,7 @@ from ..names import (
     FAULT_RESIDUAL_HOLD_LOG,
     FAULT_VERIFY_DELAY_ENV,
     FAULT_VERIFY_HOLD_LOG,
+    SPEC_PARKED_LOG,
     WINDOWED_ROOM_LOG,
 )
 from .client import GenerateError, generate, generate_stream
@@ -81,7 +84,7 @@ logger = logging.getLogger(__name__)
 
 TARGETS = ("prefill", "decode")
 FAULTS = ("sigkill", "sigstop", "partition", "rst", "slow")
-PHASES = ("before-anchor", "between", "mid-residual", "during-verification")
+PHASES = ("before-anchor", "between", "parked", "mid-residual", "during-verification")
 MODES = ("greedy", "sampled", "client-abort")
 LINK_FAULTS = ("partition", "rst", "slow")
 
@@ -92,6 +95,9 @@ TRANSPORTS = ("tcp", "verbs")
 PROMPT_TOKENS = 1500
 NEXT_PROMPT_TOKENS = 256
 NEW_TOKENS = 24
+# A parked cell's request asks this few tokens: it reaches its length while the Residual is held,
+# and speculation holds that finish back by parking the request until verification.
+PARKED_NEW_TOKENS = 4
 SLOW_RATE = "2mbit"
 BASE_RATE = "1gbit"
 RESIDUAL_RATE = "20mbit"  # the exact Residual of PROMPT_TOKENS (~14 MB) then takes ~6 s
@@ -155,11 +161,16 @@ class Cell:
                 raise ValueError(f"{name!r}: {axis} {part!r} is not one of {', '.join(values)}")
         return cls(*parts)
 
+    def new_tokens(self, asked: int) -> int:
+        """The tokens this cell's request asks, of the `asked` the matrix runs with."""
+        return min(PARKED_NEW_TOKENS, asked) if self.phase == "parked" else asked
+
     def unsupported(self, link: bool, transport: str = "tcp",
                     windowed: bool = False) -> str | None:
         """Why this cell cannot run here, or None."""
-        if windowed and self.phase == "during-verification":
-            return "windowed: a room sent in segments does not speculate, so it is not verified"
+        if windowed and self.phase in ("parked", "during-verification"):
+            return ("windowed: a room sent in segments does not speculate, so it is neither "
+                    "parked nor verified")
         if self.fault in LINK_FAULTS or self.phase == "mid-residual":
             if transport == "verbs":
                 return ("verbs: the soft-RoCE guest's RDMA device is not inside the shaped link's "
@@ -341,7 +352,7 @@ class Matrix:
         res.checks["client answered or failed within the deadline"] = not client.is_alive()
         if cell.mode == "greedy" and "ids" in outcome:
             res.checks["greedy answer equals the single server's"] = (
-                outcome["ids"] == self.reference[tuple(self.prompt)])
+                outcome["ids"] == self.reference[tuple(self.prompt)][:cell.new_tokens(self.new_tokens)])
         if self.windowed:
             res.checks["the request went in segments"] = (
                 self._log("decode").count(WINDOWED_ROOM_LOG) > segmented)
@@ -358,10 +369,10 @@ class Matrix:
         sampling = {"temperature": 0.7, "ignore_eos": True} if cell.mode == "sampled" else None
         try:
             if cell.mode == "client-abort":
-                self._stream_until_hang_up(out, hang_up)
+                self._stream_until_hang_up(out, hang_up, cell.new_tokens(self.new_tokens))
                 return
             got = generate_stream(self.cluster.url, input_ids=self.prompt,
-                                  max_new_tokens=self.new_tokens, sampling=sampling,
+                                  max_new_tokens=cell.new_tokens(self.new_tokens), sampling=sampling,
                                   timeout_s=self.t.outage_s + self.t.request_s)
             out["ids"] = got.output_ids
             out["result"] = "answer"
@@ -372,14 +383,14 @@ class Matrix:
         finally:
             done.set()
 
-    def _stream_until_hang_up(self, out: dict, hang_up: threading.Event) -> None:
+    def _stream_until_hang_up(self, out: dict, hang_up: threading.Event, new_tokens: int) -> None:
         """A streaming client that closes its connection when `hang_up` is set, even while no
         byte arrives (the server side may be stopped or cut off)."""
         url = urlsplit(self.cluster.url)
         conn = http.client.HTTPConnection(url.hostname, url.port,
                                           timeout=self.t.outage_s + self.t.request_s)
         body = json.dumps({"input_ids": self.prompt, "stream": True,
-                           "sampling_params": {"max_new_tokens": self.new_tokens,
+                           "sampling_params": {"max_new_tokens": new_tokens,
                                                "temperature": 0.0}})
         conn.connect()
         closer = threading.Thread(
@@ -400,7 +411,8 @@ class Matrix:
 
     def _marks(self) -> dict[str, int]:
         return {"residual": self._log("prefill").count(FAULT_RESIDUAL_HOLD_LOG),
-                "verify": self._log("decode").count(FAULT_VERIFY_HOLD_LOG)}
+                "verify": self._log("decode").count(FAULT_VERIFY_HOLD_LOG),
+                "parked": self._log("decode").count(SPEC_PARKED_LOG)}
 
     def _log(self, name: str) -> str:
         return self.cluster.log_path(name).read_text(errors="replace")
@@ -423,6 +435,10 @@ class Matrix:
         if cell.phase == "during-verification":
             return self._wait_mark("decode", FAULT_VERIFY_HOLD_LOG, marks["verify"], done)
         hit = self._wait_mark("prefill", FAULT_RESIDUAL_HOLD_LOG, marks["residual"], done)
+        if cell.phase == "parked" and hit:
+            # parked while its Residual is held, and not yet verified
+            hit = (self._wait_mark("decode", SPEC_PARKED_LOG, marks["parked"], done)
+                   and self._log("decode").count(FAULT_VERIFY_HOLD_LOG) == marks["verify"])
         if cell.phase == "mid-residual" and hit:
             time.sleep(1.0)  # the Anchor lands at the base rate
             self.cluster.link.set_rate(RESIDUAL_RATE, self.spec.link_qdisc)
