@@ -11,9 +11,9 @@ Axes (`Cell`):
 - phase: `before-anchor` (the prefill is still computing), `between` (the Anchor is out, the
   Residual held back by the prefill's fault-injection hold), `parked` (as `between`, the request
   asking only `PARKED_NEW_TOKENS`, so that it reaches its length speculatively and speculation has
-  parked it to wait for the Residual: the fault hits a parked request), `mid-residual` (the Residual on a link
-  slowed to `RESIDUAL_RATE`; shaped link only), `during-verification` (the decode's scheduler held
-  before its verification forward by the decode's fault-injection hold);
+  parked it to wait for the Residual: the fault hits a parked request), `mid-residual` (the
+  Residual on a link slowed to `RESIDUAL_RATE`; shaped link only), `during-verification` (the
+  decode's scheduler held before its verification forward by the decode's fault-injection hold);
 - mode: `greedy` (a completed answer must equal the single server's), `sampled` (temperature 0.7,
   every one of the new tokens: its end of sequence ignored),
   `client-abort` (the client hangs up as the fault is injected).
@@ -367,12 +367,13 @@ class Matrix:
         # A sampled answer may draw its end of sequence early and finish before the fault: in
         # the full run of 2026-12-01 the only cells that missed their phase were sampled ones.
         sampling = {"temperature": 0.7, "ignore_eos": True} if cell.mode == "sampled" else None
+        new_tokens = cell.new_tokens(self.new_tokens)
         try:
             if cell.mode == "client-abort":
-                self._stream_until_hang_up(out, hang_up, cell.new_tokens(self.new_tokens))
+                self._stream_until_hang_up(out, hang_up, new_tokens)
                 return
             got = generate_stream(self.cluster.url, input_ids=self.prompt,
-                                  max_new_tokens=cell.new_tokens(self.new_tokens), sampling=sampling,
+                                  max_new_tokens=new_tokens, sampling=sampling,
                                   timeout_s=self.t.outage_s + self.t.request_s)
             out["ids"] = got.output_ids
             out["result"] = "answer"

@@ -18,7 +18,7 @@ import json
 import pytest
 from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 
-from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, SPEC_PARKED_LOG
 from lynx_sglang.speculation.stream import SpecStreamClient
 from lynx_sglang.tools.client import GenerateError, generate, generate_stream
 from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec, free_port
@@ -186,7 +186,7 @@ def test_abort_of_a_parked_request_frees_its_kv(spec_cluster, prompts):
     t = threading.Thread(target=client)
     t.start()
     deadline = time.monotonic() + 120
-    while f"lynx spec: {rid} parked" not in decode_log.read_text(errors="replace"):
+    while f"lynx spec: {rid} {SPEC_PARKED_LOG}" not in decode_log.read_text(errors="replace"):
         assert time.monotonic() < deadline, "the request never parked"
         assert t.is_alive(), f"the request ended before it parked: {result}"
         time.sleep(0.05)
