@@ -40,11 +40,15 @@ SECRET_ENV = "LYNX_SGLANG_SECRET"
 # Tests only (prefill): seconds to hold a request's Residual back after its Anchor is finished
 # (a windowed room's: its later segments, after the first).
 FAULT_RESIDUAL_DELAY_ENV = "LYNX_SGLANG_FAULT_RESIDUAL_DELAY_S"
+# Tests only (prefill): seconds to hold a request's Anchor back after the first half of its layers
+# is written, so a fault can hit a request whose Anchor is part landed (phase mid-anchor).
+FAULT_ANCHOR_DELAY_ENV = "LYNX_SGLANG_FAULT_ANCHOR_DELAY_S"
 # Tests only (decode): seconds to hold the scheduler before each verification forward, so a fault
 # can be injected while a verification is due (`lynx-sglang faults`, phase during-verification).
 FAULT_VERIFY_DELAY_ENV = "LYNX_SGLANG_FAULT_VERIFY_DELAY_S"
 # The prefill's and the decode's log lines when a fault-injection hold starts.
 FAULT_RESIDUAL_HOLD_LOG = "Anchor finished; holding the Residual"  # windowed: the first segment
+FAULT_ANCHOR_HOLD_LOG = "holding the rest of the Anchor"
 # Logged by the decode for a room that found no free staging and waits for a range.
 STAGING_QUEUED_LOG = "queued for staging"
 FAULT_VERIFY_HOLD_LOG = "holding the verification"

@@ -18,6 +18,7 @@ from lynx_sglang.tools.faults import (
     Cell,
     CellResult,
     Timing,
+    _brief,
     add_arguments,
     all_cells,
     check_arguments,
@@ -93,10 +94,12 @@ def test_windowed_leaves_out_verification_and_sizes_staging_between_the_two_requ
     for phase in ("parked", "during-verification"):
         reason = Cell("decode", "sigkill", phase, "greedy").unsupported(link=True, windowed=True)
         assert reason and "does not speculate" in reason
+    reason = Cell("prefill", "sigkill", "mid-anchor", "greedy").unsupported(True, windowed=True)
+    assert reason and "`between`" in reason  # which already hits a segmented Anchor mid-way
     assert Cell("prefill", "sigstop", "between", "greedy").unsupported(True, windowed=True) is None
     sample = select_cells(all_cells(), sample=20, seed=5, link=True, windowed=True)
     assert len(sample) == 20
-    assert all(c.phase not in ("parked", "during-verification") for c in sample)
+    assert all(c.phase not in ("parked", "during-verification", "mid-anchor") for c in sample)
     shape = model_shape("SmolLM2-135M", "bfloat16")
     need = {n: StreamPlan.build(CodecSpec(target="exact"), shape, n, 256).staging_bytes
             for n in (1500, 256)}
@@ -149,6 +152,15 @@ def test_cells_refuse_the_options_that_would_choose_others(extra, says, capsys):
     _parse(extra)  # each of them is fine without --cells
 
 
+def test_mid_anchor_cells_run_anywhere_a_process_fault_runs():
+    """The Anchor hold is the prefill's own, so mid-Anchor needs no shaped link (nor does it
+    leave the verbs guest out); its link faults still need the link."""
+    assert PHASES.index("before-anchor") < PHASES.index("mid-anchor") < PHASES.index("between")
+    assert Cell("decode", "sigkill", "mid-anchor", "sampled").unsupported(link=False) is None
+    assert Cell("prefill", "sigstop", "mid-anchor", "greedy").unsupported(False, "verbs") is None
+    assert Cell("prefill", "rst", "mid-anchor", "greedy").unsupported(link=False)
+
+
 def test_a_parked_cell_asks_fewer_tokens_so_that_its_request_parks():
     parked = [c for c in all_cells() if c.phase == "parked"]
     assert len(parked) == len(TARGETS) * len(FAULTS) * len(MODES)
@@ -156,3 +168,13 @@ def test_a_parked_cell_asks_fewer_tokens_so_that_its_request_parks():
     assert all(c.new_tokens(2) == 2 for c in parked)  # never more than the matrix runs with
     assert {c.new_tokens(24) for c in all_cells() if c.phase != "parked"} == {24}
     assert Cell("decode", "sigkill", "parked", "greedy").unsupported(link=False) is None
+
+
+def test_an_outcome_keeps_the_reason_at_the_end_of_a_long_abort_message():
+    message = ("request aborted: Decode transfer failed for request rank=0 rid='" + "9" * 300
+               + "' with exception KVTransferError(...): Anchor stream failed: peer_died")
+    brief = _brief(message)
+    assert len(brief) == 300
+    assert brief.startswith("request aborted: Decode transfer failed")
+    assert brief.endswith("Anchor stream failed: peer_died")
+    assert _brief("short") == "short"

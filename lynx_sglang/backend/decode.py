@@ -293,10 +293,17 @@ class DecodeApplier:
 
     # ---- SGLang's scheduler thread ------------------------------------------------------------
     def tracked(self) -> dict[str, int]:
-        """Rooms this applier still holds (0 on an idle decode; `lynx_tracked_requests`)."""
+        """Rooms this applier still holds (0 on an idle decode; `lynx_tracked_requests`): all,
+        those queued for staging, and those whose Anchor has part landed (`lynx-sglang faults`
+        reads this one to know that its fault hits a request mid-Anchor)."""
         with self._lock:
-            queued = sum(r.state is RoomState.AWAITING_STAGING for r in self._rooms.values())
-        return {"decode_rooms": len(self._rooms), "decode_rooms_awaiting_staging": queued}
+            rooms = list(self._rooms.values())
+        return {"decode_rooms": len(rooms),
+                "decode_rooms_awaiting_staging": sum(
+                    r.state is RoomState.AWAITING_STAGING for r in rooms),
+                "decode_rooms_anchor_landing": sum(
+                    r.state is RoomState.ANNOUNCED
+                    and 0 < r.anchor_layers_landed < r.plan.num_layers for r in rooms)}
 
     def register(self, room_id: int, prefill: tuple[str, int], kv_indices,
                  aux_index: int, rid: str | None = None) -> bool:

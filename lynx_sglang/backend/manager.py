@@ -26,7 +26,6 @@ Every status this backend decides reaches SGLang through one method, `report_sta
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import zmq
@@ -47,13 +46,12 @@ from .. import idle, metrics, trace
 from ..config import LynxConfig
 from ..errors import LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
 from ..failures import FailureKind, failure_kind_of
-from ..names import FAULT_RESIDUAL_DELAY_ENV
 from ..sglang_support import check_anchor_safety, check_sglang_version
 from .aux import check_aux_items, pack_aux
 from .decode import DecodeApplier, DecodeLink
 from .plan import StreamPlan, max_tokens_in_staging
 from .pool import KINDS, KVPoolView
-from .prefill import Destination, PrefillLink, PrefillSender
+from .prefill import Destination, FaultHolds, PrefillLink, PrefillSender
 from .staging import ALIGN as STAGING_ALIGN
 from .staging import StagingPool
 
@@ -127,7 +125,7 @@ class LynxKVManager(MooncakeKVManager):
                  "config": self.lynx.wire_settings()},
                 PrefillLink(self._room_live, self._destinations, self._read_aux,
                             self._report_prefill),
-                float(os.environ.get(FAULT_RESIDUAL_DELAY_ENV, "0") or 0))
+                FaultHolds.from_env())
             self._start_thread(self.sender.run, "lynx-send")
         else:
             self.applier = DecodeApplier(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -57,7 +58,12 @@ from .. import metrics, trace
 from ..config import LynxConfig
 from ..errors import KVStreamError, RoomDroppedError, SettingsMismatchError, StagingFullError
 from ..failures import failure_kind_of
-from ..names import FAULT_RESIDUAL_HOLD_LOG
+from ..names import (
+    FAULT_ANCHOR_DELAY_ENV,
+    FAULT_ANCHOR_HOLD_LOG,
+    FAULT_RESIDUAL_DELAY_ENV,
+    FAULT_RESIDUAL_HOLD_LOG,
+)
 from .layer_stream import LayerGate, LayerGateError
 from .plan import StreamPlan
 from .pool import KINDS, KVPoolView
@@ -270,7 +276,7 @@ class _RoomWriter:
         # layers leaves the time (and the link idle between Anchor layers), and the transport
         # still sends the Anchor first. Not with the test knob that holds the Residual back.
         self.stream_residual = (config.residual and job.gate is not None
-                                and not sender.fault_residual_delay_s)
+                                and not sender.faults.residual_s)
         self.one_pass = config.residual and (sender.spec.target is Target.INT8
                                              or self.stream_residual)
         job.trace.facts.update(one_pass=self.one_pass, residual_streamed=self.stream_residual)
@@ -314,6 +320,8 @@ class _RoomWriter:
                                       stream_offset=self.residual_at)
             self.residual_at += r_written
         job.trace.span("encode_anchor", layer, t0, time.time())
+        if layer + 1 == plan.num_layers // 2:
+            self.sender.fault_hold_anchor(room, layer + 1, plan.num_layers)
 
     def finish_anchor(self) -> None:
         """After every layer: the Anchor's end, with the aux (layer-streamed: once SGLang has
@@ -331,7 +339,7 @@ class _RoomWriter:
         sender, session, job, plan = self.sender, self.session, self.job, self.plan
         room, tr, config = job.room, job.trace, sender.config
         buf, region = sender.staging.buffer, sender.staging_region
-        sender.fault_hold(room)
+        sender.fault_hold_residual(room)
         if not config.residual:
             tr.mark("encode_end")
             self.posted = plan.anchor_bytes
@@ -408,7 +416,7 @@ class _WindowedWriter:
             self.inflight.append(_InFlight(request_id, session, staging, tr if last else None))
             self.posted += posted
             if j == 0 and not last:
-                sender.fault_hold(job.room)  # between the first segment and the next
+                sender.fault_hold_residual(job.room)  # between the first segment and the next
         tr.mark("encode_end")
         return self.posted
 
@@ -465,10 +473,34 @@ class _WindowedWriter:
         return plan.anchor_bytes + r_len
 
 
+@dataclass(frozen=True)
+class FaultHolds:
+    """The prefill's test-only holds (`lynx-sglang faults`; 0, the default, is off), in s:
+    `anchor_s` holds a room's Anchor after the first half of its layers, `residual_s` its
+    Residual after its Anchor (a windowed room's: after its first segment)."""
+
+    anchor_s: float = 0.0
+    residual_s: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> FaultHolds:
+        def seconds(name: str) -> float:
+            raw = os.environ.get(name, "") or "0"
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0 s, got {raw!r}")
+            return value
+
+        return cls(seconds(FAULT_ANCHOR_DELAY_ENV), seconds(FAULT_RESIDUAL_DELAY_ENV))
+
+
 class PrefillSender:
     def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
                  staging_region: Region, endpoint: Endpoint, identity: dict, link: PrefillLink,
-                 fault_residual_delay_s: float = 0.0):
+                 faults: FaultHolds = FaultHolds()):
         self.config = config
         self.spec: CodecSpec = config.codec
         self._pool = pool
@@ -477,10 +509,10 @@ class PrefillSender:
         self.endpoint = endpoint
         self.identity = identity
         self.link = link
-        self.fault_residual_delay_s = fault_residual_delay_s
-        # Ends that hold early once set: by in-process tests, which then need no timing margin,
+        self.faults = faults
+        # Ends the holds early once set: by in-process tests, which then need no timing margin,
         # and at shutdown.
-        self.fault_residual_release = threading.Event()
+        self.fault_release = threading.Event()
         self._queue: queue.Queue[list[_Chunk]] = queue.Queue()
         # Chunks submitted inside `batched` (scheduler thread only), queued together at its end.
         self._held: list[_Chunk] | None = None
@@ -613,13 +645,22 @@ class PrefillSender:
                         "forward's own KV there (%.1f MiB kept)", room, len(differ),
                         job.kept.nbytes / 2**20)
 
-    def fault_hold(self, room: int) -> None:
-        """The test-only Residual hold (`FAULT_RESIDUAL_DELAY_ENV`): after a room's Anchor, or
-        after a windowed room's first segment; `fault_residual_release` ends it early."""
-        if self.fault_residual_delay_s:
+    def fault_hold_residual(self, room: int) -> None:
+        """The test-only Residual hold (`FaultHolds.residual_s`): after a room's Anchor, or
+        after a windowed room's first segment; `fault_release` ends it early."""
+        if self.faults.residual_s:
             logger.warning("lynx: room %s %s %.1f s (test fault injection)", room,
-                           FAULT_RESIDUAL_HOLD_LOG, self.fault_residual_delay_s)
-            self.fault_residual_release.wait(self.fault_residual_delay_s)
+                           FAULT_RESIDUAL_HOLD_LOG, self.faults.residual_s)
+            self.fault_release.wait(self.faults.residual_s)
+
+    def fault_hold_anchor(self, room: int, written: int, layers: int) -> None:
+        """The test-only Anchor hold (`FaultHolds.anchor_s`): after `written` of a room's
+        `layers` Anchor layers are on the wire; `fault_release` ends it early."""
+        if self.faults.anchor_s:
+            logger.warning("lynx: room %s %s after %d of %d layers for %.1f s (test fault "
+                           "injection)", room, FAULT_ANCHOR_HOLD_LOG, written, layers,
+                           self.faults.anchor_s)
+            self.fault_release.wait(self.faults.anchor_s)
 
     def take_sent_bytes(self, room: int) -> int | None:
         """The Anchor + Residual bytes sent for `room` (every destination), once; None if the
@@ -654,7 +695,7 @@ class PrefillSender:
             for group in _by_decode(ready):
                 self._dispatch(group)
         self.stopping.set()
-        self.fault_residual_release.set()
+        self.fault_release.set()
         if self.encoder is not None:
             self.encoder.shutdown(wait=False, cancel_futures=True)
 

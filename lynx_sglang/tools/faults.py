@@ -8,7 +8,9 @@ Axes (`Cell`):
   `partition` (the link between the two goes down, no FIN or RST, then comes back), `rst` (every
   TCP connection of the target to its peer reset: `ss -K`), `slow` (the link drops to
   `SLOW_RATE` for a while). The last three need the shaped link of two network namespaces (root);
-- phase: `before-anchor` (the prefill is still computing), `between` (the Anchor is out, the
+- phase: `before-anchor` (the prefill is still computing), `mid-anchor` (the first half of the
+  Anchor's layers is out and part landed at the decode, the rest held by the prefill's Anchor
+  hold), `between` (the Anchor is out, the
   Residual held back by the prefill's fault-injection hold), `parked` (as `between`, the request
   asking only `PARKED_NEW_TOKENS`, so that it reaches its length speculatively and speculation has
   parked it to wait for the Residual: the fault hits a parked request), `mid-residual` (the
@@ -25,9 +27,11 @@ values; the threads and file descriptors of the servers that were not restarted 
 baseline (+`cluster.THREAD_SLACK`/`FD_SLACK`: SGLang's own pools start threads lazily); every server is
 alive; and the next request equals the single server's.
 
-Phases are reached by observable events (the hold lines the two fault-injection knobs log) plus
-fixed offsets (`Timing`), so timing under heavy load can miss a phase; `CellResult.phase_hit` says
-whether the request was still in flight when the fault hit; `--cells` reruns cells by name. Used
+Phases are reached by observable events (the hold lines the three fault-injection knobs log, the
+decode's count of requests whose Anchor has part landed) plus fixed offsets (`Timing`), so timing
+under heavy load can miss a phase; `CellResult.phase_hit` says whether the request was still in
+flight when the fault hit (and, mid-Anchor, whether the decode had part of its Anchor); `--cells`
+reruns cells by name. Used
 by the `faults` CLI subcommand and by tests/sglang/test_fault_matrix.py (a sample of cells).
 
 Transports: `tcp` (default, here over the shaped link) or `verbs` (`--transport verbs`: inside the
@@ -36,9 +40,9 @@ namespaces, so only the process faults run there; its emulated CPU wants `--slow
 
 Windowed (`--windowed`): both servers get less staging than the faulted request needs
 (`windowed_staging_mib`), so it goes in segments through windows of staging (`backend.window`);
-`between` is then after its first segment (where the prefill's hold sits for such a room), and
-`during-verification` does not exist (a windowed room does not speculate). The next request still
-fits whole.
+`between` is then after its first segment (where the prefill's hold sits for such a room, which
+is also mid-Anchor for the request: `mid-anchor` is not run), and `during-verification` does not
+exist (a windowed room does not speculate). The next request still fits whole.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ import psutil
 import requests
 
 from ..names import (
+    FAULT_ANCHOR_DELAY_ENV,
+    FAULT_ANCHOR_HOLD_LOG,
     FAULT_RESIDUAL_DELAY_ENV,
     FAULT_RESIDUAL_HOLD_LOG,
     FAULT_VERIFY_DELAY_ENV,
@@ -75,7 +81,13 @@ from ..names import (
 )
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec, process_tree, sglang_pd_timeouts_env
-from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
+from .measure import (
+    add_kv_dtype_argument,
+    all_zero,
+    kv_dtype_server_args,
+    metric_samples,
+    metric_sum,
+)
 from .model import embedded_model_dir
 from .netns import RECEIVER_IP, SENDER_IP, netns_available
 from .prompts import passkey_prompt
@@ -84,7 +96,8 @@ logger = logging.getLogger(__name__)
 
 TARGETS = ("prefill", "decode")
 FAULTS = ("sigkill", "sigstop", "partition", "rst", "slow")
-PHASES = ("before-anchor", "between", "parked", "mid-residual", "during-verification")
+PHASES = ("before-anchor", "mid-anchor", "between", "parked", "mid-residual",
+          "during-verification")
 MODES = ("greedy", "sampled", "client-abort")
 LINK_FAULTS = ("partition", "rst", "slow")
 
@@ -100,6 +113,8 @@ NEW_TOKENS = 24
 PARKED_NEW_TOKENS = 4
 SLOW_RATE = "2mbit"
 BASE_RATE = "1gbit"
+# The decode's `lynx_tracked_requests` entry counting requests whose Anchor has part landed.
+ANCHOR_LANDING_MAP = "decode_rooms_anchor_landing"
 RESIDUAL_RATE = "20mbit"  # the exact Residual of PROMPT_TOKENS (~14 MB) then takes ~6 s
 
 
@@ -110,6 +125,7 @@ class Timing:
 
     transfer_timeout_s: float = 15.0  # --lynx-transfer-timeout-s of both servers
     residual_hold_s: float = 4.0  # the prefill holds each Residual this long after its Anchor
+    anchor_hold_s: float = 3.0  # and each Anchor this long after the first half of its layers
     verify_hold_s: float = 3.0  # the decode holds each verification this long
     before_anchor_s: float = 0.3  # after the send: the prefill still computes
     slow_s: float = 4.0  # a `slow` fault's time at SLOW_RATE
@@ -171,6 +187,9 @@ class Cell:
         if windowed and self.phase in ("parked", "during-verification"):
             return ("windowed: a room sent in segments does not speculate, so it is neither "
                     "parked nor verified")
+        if windowed and self.phase == "mid-anchor":
+            return ("windowed: the room's Anchor goes out a segment at a time, so `between` "
+                    "(after the first segment) is mid-Anchor for it")
         if self.fault in LINK_FAULTS or self.phase == "mid-residual":
             if transport == "verbs":
                 return ("verbs: the soft-RoCE guest's RDMA device is not inside the shaped link's "
@@ -241,6 +260,14 @@ def windowed_staging_mib(model: str, kv_dtype: str, prompt_tokens: int,
     return mib
 
 
+def _brief(text: str, limit: int = 300) -> str:
+    """`text` cut to `limit` characters keeping its start and its end: SGLang's abort message
+    puts the request's ids first and the reason Lynx gave last."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:80]} … {text[-(limit - 83):]}"
+
+
 def _signal_tree(cluster: Cluster, name: str, sig: int) -> None:
     for proc in process_tree(cluster.proc(name)):
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -294,6 +321,7 @@ class Matrix:
             link=BASE_RATE if link else None, startup_timeout_s=t.startup_s,
             server_args=(*common, *lynx),
             extra_env={FAULT_RESIDUAL_DELAY_ENV: str(t.residual_hold_s),
+                       FAULT_ANCHOR_DELAY_ENV: str(t.anchor_hold_s),
                        FAULT_VERIFY_DELAY_ENV: str(t.verify_hold_s),
                        # Restarts are handled by Lynx (see tests/sglang/test_pd_lynx.py), not by
                        # SGLang's heartbeat verdict on a dead prefill.
@@ -378,9 +406,9 @@ class Matrix:
             out["ids"] = got.output_ids
             out["result"] = "answer"
         except (GenerateError, requests.RequestException) as exc:
-            out["result"] = f"error: {str(exc)[:200]}"
+            out["result"] = f"error: {_brief(str(exc))}"
         except Exception as exc:  # recorded, not lost with the thread
-            out["result"] = f"client failed: {type(exc).__name__}: {str(exc)[:200]}"
+            out["result"] = f"client failed: {type(exc).__name__}: {_brief(str(exc))}"
         finally:
             done.set()
 
@@ -411,7 +439,8 @@ class Matrix:
             conn.close()
 
     def _marks(self) -> dict[str, int]:
-        return {"residual": self._log("prefill").count(FAULT_RESIDUAL_HOLD_LOG),
+        return {"anchor": self._log("prefill").count(FAULT_ANCHOR_HOLD_LOG),
+                "residual": self._log("prefill").count(FAULT_RESIDUAL_HOLD_LOG),
                 "verify": self._log("decode").count(FAULT_VERIFY_HOLD_LOG),
                 "parked": self._log("decode").count(SPEC_PARKED_LOG)}
 
@@ -432,7 +461,10 @@ class Matrix:
         if cell.phase == "before-anchor":
             time.sleep(self.t.before_anchor_s)
             return (not done.is_set()
-                    and self._log("prefill").count(FAULT_RESIDUAL_HOLD_LOG) == marks["residual"])
+                    and self._log("prefill").count(FAULT_ANCHOR_HOLD_LOG) == marks["anchor"])
+        if cell.phase == "mid-anchor":
+            return (self._wait_mark("prefill", FAULT_ANCHOR_HOLD_LOG, marks["anchor"], done)
+                    and self._wait_anchor_landing(done))
         if cell.phase == "during-verification":
             return self._wait_mark("decode", FAULT_VERIFY_HOLD_LOG, marks["verify"], done)
         hit = self._wait_mark("prefill", FAULT_RESIDUAL_HOLD_LOG, marks["residual"], done)
@@ -446,6 +478,19 @@ class Matrix:
             time.sleep(self.t.residual_hold_s - 1.0 + 2.0)
             hit = not done.is_set()
         return hit
+
+    def _wait_anchor_landing(self, done: threading.Event) -> bool:
+        """Whether the decode counts a request whose Anchor has part landed within the Anchor
+        hold (its count is published about once a second)."""
+        deadline = time.monotonic() + self.t.anchor_hold_s
+        while not done.is_set() and time.monotonic() < deadline:
+            samples = metric_samples(self.cluster.decode_url, "lynx_tracked_requests",
+                                     timeout_s=self.t.anchor_hold_s)
+            if any(s.labels.get("map") == ANCHOR_LANDING_MAP and s.value > 0
+                   for s in samples or ()):
+                return True
+            time.sleep(0.1)
+        return False
 
     def _inject(self, cell: Cell) -> bool:
         """Apply the fault; True if the target was killed (to be restarted)."""

@@ -46,7 +46,13 @@ from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.prefill import IDENTITY_REQUEST
 from lynx_sglang.backend.staging import ALIGN as STAGING_ALIGN
 from lynx_sglang.config import LynxConfig
-from lynx_sglang.names import CONFIG_ENV, FAULT_RESIDUAL_DELAY_ENV, FAULT_RESIDUAL_HOLD_LOG
+from lynx_sglang.names import (
+    CONFIG_ENV,
+    FAULT_ANCHOR_DELAY_ENV,
+    FAULT_ANCHOR_HOLD_LOG,
+    FAULT_RESIDUAL_DELAY_ENV,
+    FAULT_RESIDUAL_HOLD_LOG,
+)
 from lynx_transport import Stream
 
 pytestmark = pytest.mark.sglang
@@ -70,7 +76,7 @@ TIMEOUTS = ({"connect_timeout_s": 60.0, "transfer_timeout_s": 120.0} if VERBS_DE
             {"connect_timeout_s": 2.0, "transfer_timeout_s": 10.0})
 # In the emulated guest, parsing and applying an Anchor alone takes seconds.
 RESIDUAL_HOLD_S = 30.0 if VERBS_DEVICE else 2.0
-# A hold the test ends itself (`PrefillSender.fault_residual_release`): only a backstop.
+# A hold the test ends itself (`PrefillSender.fault_release`): only a backstop.
 LONG_HOLD_S = 120.0
 WAIT_S = 240.0 if VERBS_DEVICE else 20.0
 
@@ -207,12 +213,12 @@ def _stop(mgr) -> None:
 
 @pytest.fixture
 def make_pd(sgl, monkeypatch):
-    """make_pd(prefill=LynxConfig, decode=LynxConfig, residual_hold_s=0) -> PD, on a fresh
-    bootstrap server; everything is stopped at the end of the test."""
+    """make_pd(prefill=LynxConfig, decode=LynxConfig, residual_hold_s=0, anchor_hold_s=0) -> PD,
+    on a fresh bootstrap server; everything is stopped at the end of the test."""
     started: list = []
 
     def _make(prefill: LynxConfig, decode: LynxConfig | None = None,
-              residual_hold_s: float = 0.0) -> PD:
+              residual_hold_s: float = 0.0, anchor_hold_s: float = 0.0) -> PD:
         port = sgl.get_free_port()
         sgl.context.override("test_conn_loopback", disaggregation_bootstrap_port=port)
         server = sgl.BootstrapServer(host=LOOPBACK, port=port)
@@ -220,10 +226,12 @@ def make_pd(sgl, monkeypatch):
         # SGLang's managers bind to, and announce, get_local_ip_auto().
         monkeypatch.setenv("SGLANG_HOST_IP", LOOPBACK)
         sides = []
-        for mode, cfg, hold in ((sgl.DisaggregationMode.PREFILL, prefill, residual_hold_s),
-                                (sgl.DisaggregationMode.DECODE, decode or prefill, 0.0)):
+        for mode, cfg, holds in (
+                (sgl.DisaggregationMode.PREFILL, prefill, (residual_hold_s, anchor_hold_s)),
+                (sgl.DisaggregationMode.DECODE, decode or prefill, (0.0, 0.0))):
             monkeypatch.setenv(CONFIG_ENV, json.dumps(cfg.flat()))
-            monkeypatch.setenv(FAULT_RESIDUAL_DELAY_ENV, str(hold))
+            monkeypatch.setenv(FAULT_RESIDUAL_DELAY_ENV, str(holds[0]))
+            monkeypatch.setenv(FAULT_ANCHOR_DELAY_ENV, str(holds[1]))
             side = _build_side(sgl, mode)
             started.append(lambda m=side.mgr: _stop(m))
             sides.append(side)
@@ -361,13 +369,13 @@ def _prefill_staging_free(pd: PD) -> bool:
 
 
 def _let_residual_go_after_release(pd: PD, req: Request) -> None:
-    """End the prefill's Residual hold (`fault_residual_release`) once the decode's release of
+    """End the prefill's Residual hold (`fault_release`) once the decode's release of
     `req` has reached it over the control plane: a Residual let go before that is written and
     reported Success (the decode drops its bytes), which is right, but not what the test checks."""
     sender = pd.prefill.mgr.sender
     _wait("the prefill to hear of the release", lambda: any(
         req.room in s._peer_released for s in list(sender._sessions.values())))
-    sender.fault_residual_release.set()
+    sender.fault_release.set()
 
 
 def _holds(pd: PD, req: Request, stage: str) -> bool:
@@ -746,10 +754,34 @@ def test_the_residual_hold_of_a_windowed_room_sits_after_its_first_segment(sgl, 
     time.sleep(0.3)
     assert room.seg_applied == 1  # the next segment waits for the hold
     assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
-    sender.fault_residual_release.set()
+    sender.fault_release.set()
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
         _failure_message(sgl, req.receiver)
     assert _holds(pd, req, "full")
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+
+
+def test_the_anchor_hold_sits_mid_anchor(sgl, make_pd, caplog):
+    """The fault-injection Anchor hold (`lynx-sglang faults`, phase `mid-anchor`) comes after the
+    first half of the Anchor's layers: the decode has that half landed and counts the room in
+    `decode_rooms_anchor_landing` while the rest waits; released early, the room ends exact."""
+    pd = make_pd(_cfg(target="exact"), anchor_hold_s=LONG_HOLD_S)
+    applier, sender = pd.decode.mgr.applier, pd.prefill.mgr.sender
+    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill"):
+        req = _start_request(sgl, pd, room=9400, seed=106)
+        _wait("the Anchor hold", lambda: f"room {req.room} {FAULT_ANCHOR_HOLD_LOG} after 1 of "
+                                         f"{LAYERS} layers" in caplog.text)
+    _wait("half the Anchor landed at the decode",
+          lambda: applier.tracked()["decode_rooms_anchor_landing"] == 1)
+    room = applier._rooms[req.room]
+    time.sleep(0.3)
+    assert room.anchor_layers_landed == 1  # the other layer waits for the hold
+    assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
+    sender.fault_release.set()
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _holds(pd, req, "full")
+    assert applier.tracked()["decode_rooms_anchor_landing"] == 0
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
 
 
@@ -821,12 +853,12 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     outcome is reported to the speculation controller (`residual_outcome`), not to SGLang."""
     from lynx_sglang.backend.outcome import ResidualState
 
-    # Held until the test lets it go (`fault_residual_release`), so no timing margin is needed
+    # Held until the test lets it go (`fault_release`), so no timing margin is needed
     # for the checks below, however loaded the machine; the hold's own bound is only a backstop.
     pd = make_pd(_cfg(target="exact", speculate=True, spec_policy="always",
                       transfer_timeout_s=LONG_HOLD_S + 30.0),
                  residual_hold_s=LONG_HOLD_S)
-    release = pd.prefill.mgr.sender.fault_residual_release
+    release = pd.prefill.mgr.sender.fault_release
     decode = pd.decode.mgr.applier
     req = _start_request(sgl, pd, room=6006, seed=7)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
