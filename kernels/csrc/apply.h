@@ -45,6 +45,8 @@ static void decode_int8_chunk(const geo_t *G, dec_scratch_t *W, const chunk_t *a
     int64_t np = 0, cur = -1;
     for (int64_t t = a->start; t < a->end; t++) {
         uint8_t *dst = pool + slots[t] * G->stride * G->vb;
+        if (t + PREFETCH_WRITE_AHEAD < a->end)
+            prefetch_row(pool_row(G, pool, slots[t + PREFETCH_WRITE_AHEAD]), rowb, 1);
         if (is_protected(G, t)) {
             memcpy(dst, prot + np++ * rowb, (size_t)rowb);
             continue;

@@ -154,6 +154,8 @@ static int encode_impl(const lynx_params *p, const uint8_t *pool, const int64_t 
             kept_range(&G, b0, b1, &k0, &k1);
             for (int64_t t = b0; t < b1; t++) {
                 float *x = W.x + (t - b0) * hd;
+                if (t + PREFETCH_READ_AHEAD < n)
+                    prefetch_row(pool_row(&G, pool, slots[t + PREFETCH_READ_AHEAD]), hd * G.vb, 0);
                 bad |= load_row(&G, pool_row(&G, pool, slots[t]), x);
                 if (G.rotate) row_transform(&G, x, 0);
                 if (!G.over) {

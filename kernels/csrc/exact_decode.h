@@ -267,8 +267,11 @@ static int apply_impl(const lynx_params *p, const uint8_t *abuf, int64_t alen, c
             for (int64_t i = 0; i < na && rc == LYNX_OK; i++)
                 rc = decode_exact_chunk(&G, &W, anchors + i, residuals + i, e);
             if (rc == LYNX_OK)
-                for (int64_t t = 0; t < G.n; t++)
+                for (int64_t t = 0; t < G.n; t++) {
+                    if (t + PREFETCH_WRITE_AHEAD < G.n)
+                        prefetch_row(pool_row(&G, pool, slots[t + PREFETCH_WRITE_AHEAD]), hd * G.vb, 1);
                     memcpy(pool + slots[t] * G.stride * G.vb, W.out + t * hd * G.vb, (size_t)(hd * G.vb));
+                }
         }
     }
     free_all(ptrs, np);

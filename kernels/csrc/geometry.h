@@ -64,6 +64,24 @@ INLINE const uint8_t *pool_row(const geo_t *G, const uint8_t *pool, int64_t slot
     return pool + slot * G->stride * G->vb;
 }
 
+/* How many rows ahead of the one it works on a run prefetches its pool rows: a pool is far larger
+ * than the caches, and without it each row's first loads (or, applying, its stores' line fills)
+ * waited on memory — 30 % of an int8 encode's samples sat on the row's first load. Measured
+ * on 2026-12-04 (one core, Llama-3.1-8B layer, 8192 rows; 1, 2, 4, 8 tried): encode +10-15 %
+ * at 2, Anchor and Residual apply +12-15 % at 4. */
+#define PREFETCH_READ_AHEAD 2
+#define PREFETCH_WRITE_AHEAD 4
+
+/* Every cache line of a pool row, for reading (write 0) or writing (1). */
+INLINE void prefetch_row(const uint8_t *row, int64_t nbytes, const int write) {
+    for (int64_t off = 0; off < nbytes; off += 64) {
+        if (write)
+            __builtin_prefetch(row + off, 1, 3);
+        else
+            __builtin_prefetch(row + off, 0, 3);
+    }
+}
+
 static void put_header(uint8_t *h, const geo_t *G, int stream, int flags, int64_t start, int64_t end,
                        int64_t payload_len) {
     const lynx_params *p = G->p;

@@ -35,6 +35,8 @@ void lynx_init(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+    have_vpclmul = have_clmul && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("vpclmulqdq");
 #endif
 }
 

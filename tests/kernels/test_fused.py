@@ -196,8 +196,14 @@ def test_auto_uses_c_and_falls_back_with_one_warning(monkeypatch):
 
 
 def test_c_crc32_is_zlibs():
+    """Every path: tables (< 64 B and the tail), 128-bit folds (64-255 B, or any length without
+    VPCLMULQDQ), 512-bit folds (>= 256 B on a CPU with AVX-512 and VPCLMULQDQ), at unaligned
+    starts too."""
     gen = np.random.default_rng(3)
-    for n in (0, 1, 15, 16, 63, 64, 65, 127, 128, 200, 1000, 4096 + 7, 100_000):
-        data = gen.integers(0, 256, n, dtype=np.uint8).tobytes()
-        for start in (0, 0x12345678):
-            assert ops_cpu.crc32(data, start) == zlib.crc32(data, start), n
+    buf = gen.integers(0, 256, 100_100, dtype=np.uint8).tobytes()
+    for n in (0, 1, 15, 16, 63, 64, 65, 127, 128, 200, 255, 256, 257, 271, 511, 512, 767, 1000,
+              4096 + 7, 100_000):
+        for offset in (0, 3):
+            data = buf[offset: offset + n]
+            for start in (0, 0x12345678):
+                assert ops_cpu.crc32(data, start) == zlib.crc32(data, start), (n, offset)
