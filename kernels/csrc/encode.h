@@ -27,15 +27,60 @@ INLINE v16f vmin16(v16f a, v16f b) { const v16i m = a < b; return (v16f)(((v16i)
 INLINE v16f vmax16(v16f a, v16f b) { const v16i m = a > b; return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
 
 /* Per-token groups of a row: min/max of each run of g values (g is 32, 64 or 128: CodecSpec's
- * GROUP_SIZES, whole 16-value vectors). Which of two equal zeros wins does not matter
- * (group_params turns -0 into +0), nor NaN (such a row is refused). */
+ * GROUP_SIZES, whole 16-value vectors). Each group's vectors are folded into one, then sixteen
+ * groups at a time are reduced together: each step halves the lanes left per group and packs two
+ * vectors' halves into one (4 steps for 16 groups, where one group at a time takes 4 steps of its
+ * own), and the last vector holds the 16 results in order. Which of two equal zeros wins does not
+ * matter (group_params turns -0 into +0), nor NaN (such a row is refused). */
+INLINE void minmax_step(v16f *l, v16f *h, int n, const v16i lo_half, const v16i hi_half) {
+    for (int i = 0; i < n; i++) {
+        const v16f la = __builtin_shuffle(l[2 * i], l[2 * i + 1], lo_half);
+        const v16f lb = __builtin_shuffle(l[2 * i], l[2 * i + 1], hi_half);
+        const v16f ha = __builtin_shuffle(h[2 * i], h[2 * i + 1], lo_half);
+        const v16f hb = __builtin_shuffle(h[2 * i], h[2 * i + 1], hi_half);
+        l[i] = vmin16(la, lb);
+        h[i] = vmax16(ha, hb);
+    }
+}
+
 INLINE void row_minmax(const float *restrict x, int64_t hd, int64_t g, float *restrict lo,
                        float *restrict hi) {
     const v16i f8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
     const v16i f4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
     const v16i f2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
     const v16i f1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    for (int64_t j = 0; j < hd / g; j++) {
+    /* the four steps' lane picks: each output lane takes one of two partners from (a, b) */
+    const v16i s8a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i s8b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i s4a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i s4b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i s2a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i s2b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16i s1a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i s1b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const int64_t groups = hd / g;
+    int64_t j = 0;
+    for (; j + 16 <= groups; j += 16) {
+        v16f l[16], h[16];
+        for (int k = 0; k < 16; k++) {
+            const float *xg = x + (j + k) * g;
+            v16f a = vload16(xg), b = a;
+            for (int64_t i = 16; i < g; i += 16) {
+                const v16f y = vload16(xg + i);
+                a = vmin16(y, a);
+                b = vmax16(y, b);
+            }
+            l[k] = a;
+            h[k] = b;
+        }
+        minmax_step(l, h, 8, s8a, s8b);
+        minmax_step(l, h, 4, s4a, s4b);
+        minmax_step(l, h, 2, s2a, s2b);
+        minmax_step(l, h, 1, s1a, s1b);
+        vstore16(lo + j, l[0]);
+        vstore16(hi + j, h[0]);
+    }
+    for (; j < groups; j++) {
         const float *xg = x + j * g;
         v16f l = vload16(xg), h = l;
         for (int64_t i = 16; i < g; i += 16) {

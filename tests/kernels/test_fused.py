@@ -82,6 +82,16 @@ def test_c_matches_torch_on_adversarial_values(dtype, rotate, kind, k_grouping):
         same_everywhere(make_run(x, spec, kind, 32))
 
 
+@pytest.mark.parametrize(("heads", "group_size"), [(8, 32), (8, 64), (5, 32), (3, 128)])
+def test_per_token_groups_sixteen_at_a_time_and_the_rest(heads, group_size):
+    """The C encoder reduces a row's per-token groups sixteen at a time, the rest one by one:
+    32, 16, 16 + 4 and 3 groups a row, each group's extremes at random lanes."""
+    x = torch.randn(40, heads, 128) * torch.rand(40, heads, 1) * 10
+    for target in ("int8", "exact"):
+        spec = CodecSpec(target=target, group_size=group_size)
+        same_everywhere(make_run(x.to(torch.bfloat16), spec, "v", 32))
+
+
 @pytest.mark.parametrize("head_dim", [8, 96, 256])
 def test_uncommon_head_dims(head_dim):
     x = torch.randn(50, 2, head_dim).to(torch.bfloat16)
