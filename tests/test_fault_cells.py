@@ -178,6 +178,9 @@ def test_an_outcome_keeps_the_reason_at_the_end_of_a_long_abort_message():
     assert brief.startswith("request aborted: Decode transfer failed")
     assert brief.endswith("Anchor stream failed: peer_died")
     assert _brief("short") == "short"
+    row = table([CellResult("prefill/sigkill/mid-anchor/greedy", outcome=f"error: {brief}",
+                            phase_hit=True, checks={"servers alive": True})])
+    assert "Anchor stream failed: peer_died |" in row  # the table keeps the reason too
 
 
 def test_the_prefill_reads_its_fault_holds_from_the_environment(monkeypatch):

@@ -265,7 +265,8 @@ def _brief(text: str, limit: int = 300) -> str:
     puts the request's ids first and the reason Lynx gave last."""
     if len(text) <= limit:
         return text
-    return f"{text[:80]} … {text[-(limit - 83):]}"
+    head = limit // 4
+    return f"{text[:head]} … {text[-(limit - head - 3):]}"
 
 
 def _signal_tree(cluster: Cluster, name: str, sig: int) -> None:
@@ -576,7 +577,7 @@ def table(results: list[CellResult]) -> str:
             continue
         failed = [k for k, v in r.checks.items() if not v]
         verdict = "clean" if not failed else "FAIL: " + "; ".join(failed)
-        lines.append(f"| {r.cell} | {r.outcome[:60]} | {'yes' if r.phase_hit else 'no'} | "
+        lines.append(f"| {r.cell} | {_brief(r.outcome, 100)} | {'yes' if r.phase_hit else 'no'} | "
                      f"{r.seconds:.0f} | {verdict} |")
     return "\n".join(lines)
 
