@@ -39,6 +39,7 @@ from sglang.srt.disaggregation.common.utils import AuxDataCodec
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.network import NetworkAddress
 
 from lynx_transport import Endpoint
 
@@ -316,16 +317,20 @@ class LynxKVManager(MooncakeKVManager):
 
     def _forget_prefill_rank(self, prefill: tuple[str, int]) -> None:
         """The prefill rank died or never connected: drop SGLang's cached bootstrap info that
-        points at it, so the next request asks the bootstrap server again. SGLang drops it only
-        after its heartbeat misses the prefill twice (5 s apart by default); a prefill restarted
-        faster than that came back on a new rank port while every request still went to the
-        dead one (and failed after the prefill's 300 s bootstrap timeout)."""
+        points at it, so the next request asks the bootstrap server again, and close the
+        receivers' cached PUSH socket to its rank port, as SGLang's own node-failure handler
+        does. SGLang drops the info only after its heartbeat misses the prefill twice (5 s apart
+        by default); a prefill restarted faster than that came back on a new rank port while
+        every request still went to the dead one (and failed after the prefill's 300 s bootstrap
+        timeout). The socket, left open, kept dialling the dead port for the life of the decode:
+        one zmq socket per prefill restart."""
         with self.connection_lock:
             stale = [key for key, infos in self.connection_pool.items()
                      if any((i.get("rank_ip"), int(i.get("rank_port") or 0)) == prefill
                             for i in infos)]
             for key in stale:
                 del self.connection_pool[key]
+        CommonKVReceiver.disconnect_endpoint(NetworkAddress(*prefill).to_tcp())
         if stale:
             logger.info("lynx: prefill rank %s:%s is gone; dropped its cached bootstrap info",
                         *prefill)

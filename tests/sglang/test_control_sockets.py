@@ -100,3 +100,38 @@ def test_a_socket_busy_sending_is_left_for_a_later_call(manager, new_peer):
         assert a_ep in manager._socket_cache
     _send(manager, b_ep, b)
     assert a_ep not in manager._socket_cache
+
+
+def test_a_dead_prefill_ranks_receiver_socket_closes_when_the_rank_is_forgotten(manager,
+                                                                               new_peer):
+    """The decode's side: SGLang's receivers share one PUSH socket per prefill rank endpoint
+    (`CommonKVReceiver._connect`, class-level), which SGLang closes only when its heartbeat
+    declares the prefill failed. Lynx forgets a dead rank itself (`_forget_prefill_rank`) and now
+    closes that socket with it: a prefill restarted again and again, on a new rank port each
+    time, leaves none behind (before: one socket per restart, for the life of the decode)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    manager.connection_lock = threading.Lock()
+    manager.connection_pool = {}
+
+    def restart_cycle() -> None:
+        peer, endpoint = new_peer()
+        port = int(endpoint.rsplit(":", 1)[1])
+        manager.connection_pool[f"bootstrap-{port}"] = [{"rank_ip": "127.0.0.1",
+                                                         "rank_port": port}]
+        sock, lock = CommonKVReceiver._connect(endpoint)
+        with lock:
+            sock.send_multipart([b"kv indices"])
+        assert peer.poll(5000) and peer.recv_multipart() == [b"kv indices"]
+        peer.close(linger=0)  # the prefill dies
+        manager._forget_prefill_rank(("127.0.0.1", port))
+        assert endpoint not in CommonKVReceiver._socket_cache
+        assert not manager.connection_pool
+
+    restart_cycle()  # the shared context's I/O thread starts at its first socket
+    time.sleep(0.5)
+    baseline = _fds()
+    for _ in range(8):
+        restart_cycle()
+    time.sleep(0.5)  # zmq's reaper closes sockets asynchronously
+    assert _fds() <= baseline + 2
