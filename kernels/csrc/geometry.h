@@ -68,7 +68,8 @@ INLINE const uint8_t *pool_row(const geo_t *G, const uint8_t *pool, int64_t slot
  * than the caches, and without it each row's first loads (or, applying, its stores' line fills)
  * waited on memory — 30 % of an int8 encode's samples sat on the row's first load. Measured
  * on 2026-12-04 (one core, Llama-3.1-8B layer, 8192 rows; 1, 2, 4, 8 tried): encode +10-15 %
- * at 2, Anchor and Residual apply +12-15 % at 4. */
+ * at 2; Anchor and Residual apply +12-15 % at 4 with the other core busy, within the noise on an
+ * idle box. */
 #define PREFETCH_READ_AHEAD 2
 #define PREFETCH_WRITE_AHEAD 4
 
