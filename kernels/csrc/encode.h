@@ -43,6 +43,18 @@ INLINE void minmax_step(v16f *l, v16f *h, int n, const v16i lo_half, const v16i 
     }
 }
 
+/* One group's g values folded into one vector of minima and one of maxima. */
+INLINE void fold_group(const float *restrict xg, int64_t g, v16f *l, v16f *h) {
+    v16f a = vload16(xg), b = a;
+    for (int64_t i = 16; i < g; i += 16) {
+        const v16f y = vload16(xg + i);
+        a = vmin16(y, a);
+        b = vmax16(y, b);
+    }
+    *l = a;
+    *h = b;
+}
+
 INLINE void row_minmax(const float *restrict x, int64_t hd, int64_t g, float *restrict lo,
                        float *restrict hi) {
     const v16i f8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -62,17 +74,7 @@ INLINE void row_minmax(const float *restrict x, int64_t hd, int64_t g, float *re
     int64_t j = 0;
     for (; j + 16 <= groups; j += 16) {
         v16f l[16], h[16];
-        for (int k = 0; k < 16; k++) {
-            const float *xg = x + (j + k) * g;
-            v16f a = vload16(xg), b = a;
-            for (int64_t i = 16; i < g; i += 16) {
-                const v16f y = vload16(xg + i);
-                a = vmin16(y, a);
-                b = vmax16(y, b);
-            }
-            l[k] = a;
-            h[k] = b;
-        }
+        for (int k = 0; k < 16; k++) fold_group(x + (j + k) * g, g, &l[k], &h[k]);
         minmax_step(l, h, 8, s8a, s8b);
         minmax_step(l, h, 4, s4a, s4b);
         minmax_step(l, h, 2, s2a, s2b);
@@ -81,13 +83,8 @@ INLINE void row_minmax(const float *restrict x, int64_t hd, int64_t g, float *re
         vstore16(hi + j, h[0]);
     }
     for (; j < groups; j++) {
-        const float *xg = x + j * g;
-        v16f l = vload16(xg), h = l;
-        for (int64_t i = 16; i < g; i += 16) {
-            const v16f y = vload16(xg + i);
-            l = vmin16(y, l);
-            h = vmax16(y, h);
-        }
+        v16f l, h;
+        fold_group(x + j * g, g, &l, &h);
         l = vmin16(l, __builtin_shuffle(l, f8));
         h = vmax16(h, __builtin_shuffle(h, f8));
         l = vmin16(l, __builtin_shuffle(l, f4));

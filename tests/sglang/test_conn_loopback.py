@@ -368,6 +368,16 @@ def _prefill_staging_free(pd: PD) -> bool:
     return pd.prefill.mgr.staging.free_bytes() == pd.prefill.mgr.staging.nbytes
 
 
+def _release_holds_and_expect_full_kv(sgl: _SGLang, pd: PD, req: Request) -> None:
+    """End the prefill's fault-injection hold early: the room then succeeds with its exact KV
+    in the decode's pool, and the prefill gives its staging back."""
+    pd.prefill.mgr.sender.fault_release.set()
+    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
+        _failure_message(sgl, req.receiver)
+    assert _holds(pd, req, "full")
+    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+
+
 def _let_residual_go_after_release(pd: PD, req: Request) -> None:
     """End the prefill's Residual hold (`fault_release`) once the decode's release of
     `req` has reached it over the control plane: a Residual let go before that is written and
@@ -744,7 +754,7 @@ def test_the_residual_hold_of_a_windowed_room_sits_after_its_first_segment(sgl, 
     in segments comes after its first segment, both streams of it: the decode has that segment
     applied while the next one waits; released early, the room ends exact."""
     pd = make_pd(_cfg(target="exact", staging_mib=1), residual_hold_s=LONG_HOLD_S)
-    applier, sender = pd.decode.mgr.applier, pd.prefill.mgr.sender
+    applier = pd.decode.mgr.applier
     with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill"):
         req = _start_request(sgl, pd, room=9300, seed=105, tokens=WINDOWED_TOKENS)
         _wait("the hold after the first segment",
@@ -754,11 +764,7 @@ def test_the_residual_hold_of_a_windowed_room_sits_after_its_first_segment(sgl, 
     time.sleep(0.3)
     assert room.seg_applied == 1  # the next segment waits for the hold
     assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
-    sender.fault_release.set()
-    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
-        _failure_message(sgl, req.receiver)
-    assert _holds(pd, req, "full")
-    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
+    _release_holds_and_expect_full_kv(sgl, pd, req)
 
 
 def test_the_anchor_hold_sits_mid_anchor(sgl, make_pd, caplog):
@@ -766,7 +772,7 @@ def test_the_anchor_hold_sits_mid_anchor(sgl, make_pd, caplog):
     first half of the Anchor's layers: the decode has that half landed and counts the room in
     `decode_rooms_anchor_landing` while the rest waits; released early, the room ends exact."""
     pd = make_pd(_cfg(target="exact"), anchor_hold_s=LONG_HOLD_S)
-    applier, sender = pd.decode.mgr.applier, pd.prefill.mgr.sender
+    applier = pd.decode.mgr.applier
     with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill"):
         req = _start_request(sgl, pd, room=9400, seed=106)
         _wait("the Anchor hold", lambda: f"room {req.room} {FAULT_ANCHOR_HOLD_LOG} after 1 of "
@@ -777,12 +783,8 @@ def test_the_anchor_hold_sits_mid_anchor(sgl, make_pd, caplog):
     time.sleep(0.3)
     assert room.anchor_layers_landed == 1  # the other layer waits for the hold
     assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
-    sender.fault_release.set()
-    assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
-        _failure_message(sgl, req.receiver)
-    assert _holds(pd, req, "full")
+    _release_holds_and_expect_full_kv(sgl, pd, req)
     assert applier.tracked()["decode_rooms_anchor_landing"] == 0
-    _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
 
 
 def test_a_room_dropped_between_segments_frees_the_prefill_worker_at_once(sgl, make_pd,
