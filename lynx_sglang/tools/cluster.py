@@ -15,6 +15,7 @@ Used by `lynx-sglang up` (`run`), the tests (tests/sglang/conftest.py) and the b
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -365,6 +366,18 @@ class Cluster:
                 rss += proc.memory_info().rss
         return Resources(threads, fds, round(rss / (1 << 20), 1))
 
+    def fd_kinds(self, name: str) -> collections.Counter[str]:
+        """One process tree's open fds by what they are ("socket", "anon_inode:[eventfd]", "pipe",
+        "file"), keyed by the process's name: says where a leak check's extra fds sit."""
+        kinds: collections.Counter[str] = collections.Counter()
+        for proc in process_tree(self.proc(name)):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                who = proc.name()
+                for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        kinds[f"{who} {fd_kind(os.readlink(f'/proc/{proc.pid}/fd/{fd}'))}"] += 1
+        return kinds
+
     def log_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.log"
 
@@ -452,6 +465,15 @@ def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> list[psutil.P
         if time.monotonic() >= deadline:
             break
     return alive
+
+
+def fd_kind(target: str) -> str:
+    """What an fd's /proc link names, without the part that differs per fd (inode numbers, paths)."""
+    if target.startswith("anon_inode:"):
+        return target
+    if ":" in target:
+        return target.split(":", 1)[0]
+    return "file"
 
 
 def process_tree(popen: subprocess.Popen) -> list[psutil.Process]:

@@ -48,6 +48,7 @@ exist (a windowed room does not speculate). The next request still fits whole.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import http.client
@@ -208,6 +209,9 @@ class CellResult:
     seconds: float = 0.0
     checks: dict[str, bool] = field(default_factory=dict)
     details: list[str] = field(default_factory=list)
+    # Each server's threads and fds once the cell settled: a slow leak shows as a trend across
+    # cells long before one cell crosses the slack.
+    resources: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -350,6 +354,7 @@ class Matrix:
             raise RuntimeError("the PD pair does not match the single server before any fault")
         self.slots = self.cluster.decode_used_tokens()
         self.resources = {n: self.cluster.resources(n) for n in TARGETS}
+        self.fd_baseline = {n: self.cluster.fd_kinds(n) for n in TARGETS}
 
     # ---- one cell -----------------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:
@@ -550,6 +555,10 @@ class Matrix:
         res.checks["no staging held"] = all_zero(staging)
         res.checks["no per-request map entries"] = all_zero(tracked)
         res.checks["threads and fds back to baseline"] = not grown
+        res.resources = {n: {"threads": r.threads, "fds": r.fds} for n, r in res_now.items()}
+        for n in grown:
+            growth = fd_growth(self.fd_baseline[n], self.cluster.fd_kinds(n))
+            res.details.append(f"{n} fds against its baseline: {growth}")
         if not ok:
             res.details.append(f"{loads_error} slots {slots} (idle {self.slots}), staging {staging}, "
                                f"tracked {tracked}, threads/fds {res_now} "
@@ -567,6 +576,15 @@ class Matrix:
             # A new process's baseline, taken once a request has gone through it: SGLang and
             # Lynx open sockets and start threads lazily (measured: +4 threads, +14-20 fds).
             self.resources[cell.target] = self.cluster.resources(cell.target)
+            self.fd_baseline[cell.target] = self.cluster.fd_kinds(cell.target)
+
+
+def fd_growth(baseline: collections.Counter[str], now: collections.Counter[str]) -> str:
+    """The kinds of fd a process tree gained or lost since its baseline, largest change first."""
+    delta = collections.Counter(now)
+    delta.subtract(baseline)
+    changed = sorted(((k, v) for k, v in delta.items() if v), key=lambda kv: -abs(kv[1]))
+    return ", ".join(f"{k} {v:+d}" for k, v in changed) or "no change by kind"
 
 
 def table(results: list[CellResult]) -> str:
