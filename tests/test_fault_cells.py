@@ -1,4 +1,4 @@
-"""`lynx_sglang.tools.faults`: the matrix's cells, what runs where and the sampled subset (no
+"""`lynx_sglang.tools.faults`: the matrix's cells, what runs where and the sampled subset (no SGLang
 servers; tests/sglang/test_fault_matrix.py runs cells)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from lynx_sglang.tools.faults import (
     TARGETS,
     Cell,
     CellResult,
+    Matrix,
     Timing,
     _brief,
     add_arguments,
@@ -197,3 +198,40 @@ def test_the_prefill_reads_its_fault_holds_from_the_environment(monkeypatch):
         monkeypatch.setenv(FAULT_ANCHOR_DELAY_ENV, bad)
         with pytest.raises(ValueError, match=FAULT_ANCHOR_DELAY_ENV):
             FaultHolds.from_env()
+
+
+def test_a_client_abort_that_ends_by_itself_leaves_no_thread_error(monkeypatch):
+    """The hang-up thread of a client-abort cell shuts the connection's socket; when the answer
+    ends first, the client closes the connection as the thread wakes (a real local HTTP server)."""
+    import http.server
+    import threading
+    import types
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"data\n")
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    matrix = types.SimpleNamespace(cluster=types.SimpleNamespace(url=f"http://127.0.0.1:{server.server_port}"),
+                                   t=Timing(), prompt=[1, 2, 3])
+    try:
+        for _ in range(30):
+            out: dict = {}
+            before = set(threading.enumerate())
+            Matrix._stream_until_hang_up(matrix, out, threading.Event(), 4)
+            assert out["result"] == "answer (before the hang-up)"
+            for t in set(threading.enumerate()) - before:
+                t.join(timeout=5)
+    finally:
+        server.shutdown()
+    assert errors == []

@@ -428,8 +428,10 @@ class Matrix:
                            "sampling_params": {"max_new_tokens": new_tokens,
                                                "temperature": 0.0}})
         conn.connect()
-        closer = threading.Thread(
-            target=lambda: hang_up.wait() and _shutdown(conn.sock), daemon=True)
+        # The socket itself, not `conn.sock`: the `finally` below sets hang_up and closes the
+        # connection, which sets conn.sock to None before the closer thread reads it.
+        sock = conn.sock
+        closer = threading.Thread(target=lambda: hang_up.wait() and _shutdown(sock), daemon=True)
         closer.start()
         try:
             conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
