@@ -234,4 +234,5 @@ def test_a_client_abort_that_ends_by_itself_leaves_no_thread_error(monkeypatch):
                 t.join(timeout=5)
     finally:
         server.shutdown()
+        server.server_close()
     assert errors == []

@@ -4,6 +4,7 @@ extra fds are and in which process, read from /proc of a real stand-in server (n
 from __future__ import annotations
 
 import collections
+import os
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lynx_sglang.tools import cluster as cluster_module
 from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc, fd_kind
 from lynx_sglang.tools.faults import fd_growth
 
@@ -61,3 +63,23 @@ def test_growth_lists_what_changed_largest_first():
     assert fd_growth(base, collections.Counter({"sched socket": 9, "sched anon_inode:[eventfd]": 4,
                                                 "http file": 2})) == "sched socket -1"
     assert fd_growth(base, base) == "no change by kind"
+
+
+
+def test_a_process_gone_while_it_is_counted_is_left_out(cluster, tmp_path, monkeypatch):
+    """A process that exits between psutil naming it and /proc listing its fds (the listing then
+    raises FileNotFoundError) is left out of the census instead of ending the matrix run. The
+    race cannot be timed from a test, so os.listdir is made to lose it for a real process."""
+    popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             start_new_session=True)
+    cluster._procs.append(_Proc("server", [], popen, tmp_path / "server.log", "", "127.0.0.1"))
+
+    listdir = os.listdir
+
+    def gone(path):
+        if str(path).endswith(f"/{popen.pid}/fd"):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return listdir(path)  # psutil lists /proc with it too
+
+    monkeypatch.setattr(cluster_module.os, "listdir", gone)
+    assert cluster.fd_kinds("server") == collections.Counter()

@@ -371,7 +371,8 @@ class Cluster:
         "file"), keyed by the process's name: says where a leak check's extra fds sit."""
         kinds: collections.Counter[str] = collections.Counter()
         for proc in process_tree(self.proc(name)):
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            # A process (or an fd) that is gone by the time /proc is read is left out.
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, OSError):
                 who = proc.name()
                 for fd in os.listdir(f"/proc/{proc.pid}/fd"):
                     with contextlib.suppress(OSError):
