@@ -9,7 +9,7 @@ Writes out/anchor_study.json (after every prompt) and out/anchor_study.png.
 
 import sys
 
-from lynx_sglang.tools.cli import main
+from lynx_tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["anchor-study", *sys.argv[1:]]))

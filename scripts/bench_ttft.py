@@ -9,7 +9,7 @@ Writes <out>/bench_ttft.json and <out>/bench_ttft.png; a few minutes per variant
 
 import sys
 
-from lynx_sglang.tools.cli import main
+from lynx_tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench-ttft", *sys.argv[1:]]))

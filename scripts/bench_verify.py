@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one verification forward costs, in ordinary decode steps of the same request, per
 speculation depth, through a real SGLang PD cluster: `lynx-sglang bench-verify` (see
-lynx_sglang/tools/bench_verify.py).
+tools/bench_verify.py).
 
     .venv/bin/python scripts/bench_verify.py --out out/bench_verify
 Writes <out>/bench_verify.json and prints a table; about two minutes per depth on 2 cores.
@@ -9,7 +9,7 @@ Writes <out>/bench_verify.json and prints a table; about two minutes per depth o
 
 import sys
 
-from lynx_sglang.tools.cli import main
+from lynx_tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench-verify", *sys.argv[1:]]))

@@ -23,7 +23,7 @@ stage "soft-RoCE guest (verbs backend)"
 # decode + router with --lynx-transport verbs: under CPU emulation each server takes minutes to
 # start: this stage took 18 min on an idle box, ~30 min under load). The guest's HOME is a tmpfs: it reads the
 # embedded model the host converted (read-only, through the guest's 9p view of the host).
-MODEL_CACHE=$("$PY" -c 'from lynx_sglang.tools.model import cache_dir, embedded_model_dir
+MODEL_CACHE=$("$PY" -c 'from lynx_tools.model import cache_dir, embedded_model_dir
 embedded_model_dir(); print(cache_dir())')
 scripts/rdma_vm.sh --timeout 3600 --mem 10240 -- env LYNX_SGLANG_CACHE="$MODEL_CACHE" \
   "$PY" -m pytest -m rdma_vm tests/transport tests/sglang/test_conn_loopback.py \

@@ -21,15 +21,14 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
-from lynx_sglang.tools.bench_ttft import (
+from lynx_tools.bench_ttft import (
     LAUNCH_DEFAULTS,
     LYNX_CLIENT,
     add_arguments,
     check_arguments,
     stream_byte_counters,
 )
-from lynx_sglang.tools.cli import main
+from lynx_tools.cli import main
 
 ANCHOR_BYTES, RESIDUAL_BYTES = 1000, 3000  # per streamed request, as the stub counts them
 
@@ -152,7 +151,7 @@ def test_bench_ttft_url_measures_a_running_cluster(stub_url, tokenizer_dir, tmp_
     url, stub = stub_url
     requests_n, new_tokens = 2, 6
     proc = subprocess.run(
-        [sys.executable, "-m", "lynx_sglang.tools.cli", "bench-ttft", "--url", url,
+        [sys.executable, "-m", "lynx_tools.cli", "bench-ttft", "--url", url,
          "--label", "stub", "--model", str(tokenizer_dir), "--no-bench-serving",
          "--prompt-tokens", "64", "--max-new-tokens", str(new_tokens),
          "--requests", str(requests_n), "--token-marks", "2,6", "--out", str(tmp_path),
@@ -202,7 +201,7 @@ def test_bench_ttft_concurrency_sends_rounds_at_once(stub_url, tokenizer_dir, tm
     url, stub = stub_url
     stub.together = threading.Barrier(2, timeout=10)
     proc = subprocess.run(
-        [sys.executable, "-m", "lynx_sglang.tools.cli", "bench-ttft", "--url", url,
+        [sys.executable, "-m", "lynx_tools.cli", "bench-ttft", "--url", url,
          "--label", "stub", "--model", str(tokenizer_dir), "--no-bench-serving",
          "--prompt-tokens", "64", "--max-new-tokens", "4", "--requests", "3",
          "--concurrency", "2", "--token-marks", "2,4", "--out", str(tmp_path),

@@ -4,8 +4,7 @@ hand, docs/benchmarks.md: a timed result is never asserted)."""
 from __future__ import annotations
 
 import pytest
-
-from lynx_sglang.tools.bench_verify import (
+from lynx_tools.bench_verify import (
     BenchVerifyError,
     DepthResult,
     VerifyRun,
@@ -13,7 +12,7 @@ from lynx_sglang.tools.bench_verify import (
     format_table,
     step_ms_after,
 )
-from lynx_sglang.tools.cli import main
+from lynx_tools.cli import main
 
 
 def test_a_step_is_the_median_gap_between_the_last_tokens():

@@ -24,7 +24,7 @@ def test_sigterm_unwinds_the_tool_and_exits_130(tmp_path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     mark = tmp_path / "mark"
     code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
-            "from lynx_sglang.tools import cli; "
+            "from lynx_tools import cli; "
             "cli.SUBCOMMANDS += (cli.Subcommand('sleeper', 'sleeper', 'test'),); "
             f"sys.exit(cli.main(['sleeper', '--mark', {str(mark)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

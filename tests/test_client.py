@@ -1,4 +1,4 @@
-"""lynx_sglang.tools.client against a small `http.server` stub on a real socket (a real SGLang
+"""lynx_tools.client against a small `http.server` stub on a real socket (a real SGLang
 server is too slow to start for the fast suite; tests/sglang use the client against real ones):
 incremental streams, and every failure surfacing as GenerateError with a message that says what
 went wrong — HTTP errors, an error or abort event, an empty stream, a read past the timeout, and a
@@ -13,8 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
-from lynx_sglang.tools.client import GenerateError, generate, generate_stream
+from lynx_tools.client import GenerateError, generate, generate_stream
 
 # The events the stub streams for POST /<mode>/generate.
 EVENTS = {

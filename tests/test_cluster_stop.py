@@ -13,8 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc
+from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc
 
 # The stand-in server: starts a child that ignores SIGTERM (SGLang's scheduler outliving its
 # parent) and a plain one, writes their pids, then sleeps (or exits at once with "exit").
@@ -68,7 +67,7 @@ def _start(cluster: Cluster, tmp_path: Path, mode: str = "stay") -> tuple[int, i
 def test_stop_ends_the_tree_and_kills_what_ignores_sigterm(cluster, tmp_path, caplog):
     pids = _start(cluster, tmp_path)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="lynx_sglang.tools.cluster"):
+    with caplog.at_level(logging.WARNING, logger="lynx_tools.cluster"):
         cluster.stop()
     assert all(_gone(pid) for pid in pids)
     assert time.monotonic() - t0 < 10

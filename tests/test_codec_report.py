@@ -1,4 +1,4 @@
-"""`lynx-sglang codec-report` (lynx_sglang.tools.codec_report).
+"""`lynx-sglang codec-report` (lynx_tools.codec_report).
 
 Fast tests run the synthetic path on a few hundred tokens: both targets' wire bytes against the
 codec's own size accounting, the exact target's bit identity and its ideal (entropy) bound, the
@@ -14,11 +14,11 @@ import math
 
 import pytest
 import torch
+from lynx_tools import codec_report
+from lynx_tools.cli import main as cli_main
 
 from lynx_kernels import CodecSpec, encode, preset, protected_positions, run_nbytes
 from lynx_kernels.codec import exact_parts
-from lynx_sglang.tools import codec_report
-from lynx_sglang.tools.cli import main as cli_main
 
 SMOL = preset("SmolLM2-135M")
 
@@ -141,7 +141,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_real_kv_of_the_embedded_model(tmp_path):
-    from lynx_sglang.tools.model import EmbeddedModelError
+    from lynx_tools.model import EmbeddedModelError
 
     try:
         report = codec_report.build_report(_args("--kv", "real", "--prompts", "2",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from lynx_sglang.tools import doctor
-from lynx_sglang.tools.cli import main
+from lynx_tools import doctor
+from lynx_tools.cli import main
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def test_this_install_is_found_and_the_exit_status_follows_failures(capsys):
 
 
 def test_tls_files_are_handshaken_as_peers_would(tmp_path):
-    from lynx_sglang.tools.tls_certs import make_certs
+    from lynx_tools.tls_certs import make_certs
 
     assert doctor.check_tls(None, None, None).verdict is doctor.Verdict.WARN
     good = make_certs(tmp_path / "ca1", ["10.0.0.1"])

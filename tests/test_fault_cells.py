@@ -1,4 +1,4 @@
-"""`lynx_sglang.tools.faults`: the matrix's cells, what runs where and the sampled subset (no SGLang
+"""`lynx_tools.faults`: the matrix's cells, what runs where and the sampled subset (no SGLang
 servers; tests/sglang/test_fault_matrix.py runs cells)."""
 
 from __future__ import annotations
@@ -6,10 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from lynx_kernels import CodecSpec, model_shape
-from lynx_sglang.backend.plan import StreamPlan
-from lynx_sglang.tools.faults import (
+from lynx_tools.faults import (
     FAULTS,
     MODES,
     PARKED_NEW_TOKENS,
@@ -28,6 +25,9 @@ from lynx_sglang.tools.faults import (
     table,
     windowed_staging_mib,
 )
+
+from lynx_kernels import CodecSpec, model_shape
+from lynx_sglang.backend.plan import StreamPlan
 
 
 def test_the_matrix_is_every_combination_of_its_axes():

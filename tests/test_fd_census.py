@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from lynx_sglang.tools import cluster as cluster_module
-from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc, fd_kind
-from lynx_sglang.tools.faults import fd_growth
+from lynx_tools import cluster as cluster_module
+from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc, fd_kind
+from lynx_tools.faults import fd_growth
 
 # Opens 3 eventfds and a socket pair, says so, then sleeps.
 SERVER = """

@@ -1,10 +1,10 @@
-"""`lynx_sglang.tools.load`: the request mix of a load round and what makes a round clean (no
+"""`lynx_tools.load`: the request mix of a load round and what makes a round clean (no
 servers)."""
 
 from __future__ import annotations
 
-from lynx_sglang.tools.cluster import FD_SLACK, THREAD_SLACK, Resources
-from lynx_sglang.tools.load import NEW_TOKENS, LoadReport, plan_requests
+from lynx_tools.cluster import FD_SLACK, THREAD_SLACK, Resources
+from lynx_tools.load import NEW_TOKENS, LoadReport, plan_requests
 
 
 def test_the_mix_covers_every_prompt_and_abandons_about_the_asked_fraction():

@@ -1,4 +1,4 @@
-"""The progress lines of `lynx-sglang demo` / `bench-ttft` (lynx_sglang.tools.progress), on a fake
+"""The progress lines of `lynx-sglang demo` / `bench-ttft` (lynx_tools.progress), on a fake
 clock: variant i/N, rate-limited start-up waits, request j/M, and the ETA once a variant is done."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import io
 
 import pytest
-
-from lynx_sglang.tools.progress import Progress
+from lynx_tools.progress import Progress
 
 
 class FakeClock:

@@ -12,6 +12,8 @@ import importlib.util
 import json
 
 import pytest
+from lynx_tools.client import generate
+from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
 from sampling_case import (
     SAMPLING_N,
     SAMPLING_NEW_TOKENS,
@@ -22,8 +24,6 @@ from sampling_case import (
 )
 
 from lynx_sglang.config import LynxConfig
-from lynx_sglang.tools.client import generate
-from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec
 
 # Short prompts keep CI time small; the long one spans several Lynx chunks (256 tokens each) and
 # a partial last group.
@@ -70,7 +70,7 @@ def sglang_model() -> str:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from lynx_sglang.tools.model import embedded_model_dir
+    from lynx_tools.model import embedded_model_dir
 
     return str(embedded_model_dir())
 
@@ -99,7 +99,7 @@ def pd_link() -> str | None:
     import os
     import shutil
 
-    from lynx_sglang.tools.netns import NETLAB
+    from lynx_tools.netns import NETLAB
 
     if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") and NETLAB.is_file():
         return "1gbit"
@@ -147,9 +147,10 @@ def references(tmp_path_factory) -> References:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
+    from lynx_tools.model import embedded_model_dir
+
     from lynx_sglang.names import CONFIG_ENV, REFERENCE_ENV
     from lynx_sglang.reference_kv import REQUEST_FLAG
-    from lynx_sglang.tools.model import embedded_model_dir
 
     spec = ClusterSpec(
         str(embedded_model_dir()), ClusterMode.SINGLE, run_dir=tmp_path_factory.mktemp("single"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lynx_sglang.tools.client import generate
+from lynx_tools.client import generate
 
 
 @dataclasses.dataclass(frozen=True)

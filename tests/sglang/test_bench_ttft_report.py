@@ -8,9 +8,7 @@ import itertools
 import json
 
 import pytest
-
-from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
-from lynx_sglang.tools.bench_ttft import (
+from lynx_tools.bench_ttft import (
     BENCH_SERVING,
     LYNX_CLIENT,
     BenchConfig,
@@ -32,10 +30,12 @@ from lynx_sglang.tools.bench_ttft import (
     spreads,
     token_times_from_itl,
 )
-from lynx_sglang.tools.client import StreamedGeneration
-from lynx_sglang.tools.measure import transfer_lines
-from lynx_sglang.tools.prompts import random_ids_prompts
-from lynx_sglang.tools.variants import VariantError, select_variants
+from lynx_tools.client import StreamedGeneration
+from lynx_tools.measure import transfer_lines
+from lynx_tools.prompts import random_ids_prompts
+from lynx_tools.variants import VariantError, select_variants
+
+from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
 
 MARKS = (2, 4)
 
@@ -207,7 +207,7 @@ def test_variants_by_name():
 def test_bench_serving_command_is_offline_and_sequential(tmp_path):
     cmd = bench_serving_command("http://r", tmp_path, 300, 4, 2, 7, tmp_path / "o.jsonl")
     flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
-    assert cmd[1:3] == ["-m", "lynx_sglang.tools.bench_serving_offline"]
+    assert cmd[1:3] == ["-m", "lynx_tools.bench_serving_offline"]
     assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd
     assert flag("--random-range-ratio") == "1" and flag("--max-concurrency") == "1"
     assert flag("--tokenizer") == str(tmp_path) and flag("--warmup-requests") == "0"

@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from lynx_sglang.tools.demo import (
+from lynx_tools.demo import (
     DemoError,
     DemoResult,
     SpecOutcome,
@@ -20,12 +19,12 @@ from lynx_sglang.tools.demo import (
     select_variants,
     token_match,
 )
-from lynx_sglang.tools.measure import (
+from lynx_tools.measure import (
     kv_dtype_server_args,
     model_kv_shape,
     spec_lines,
 )
-from lynx_sglang.tools.prompts import passkey_prompt
+from lynx_tools.prompts import passkey_prompt
 
 
 def _result(variant: str, ids: list[int], **kw) -> DemoResult:

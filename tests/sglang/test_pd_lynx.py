@@ -16,10 +16,10 @@ import threading
 import time
 
 import pytest
+from lynx_tools.client import GenerateError, generate
+from lynx_tools.cluster import ClusterMode, ClusterSpec
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, FAULT_RESIDUAL_HOLD_LOG
-from lynx_sglang.tools.client import GenerateError, generate
-from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -37,7 +37,10 @@ def lynx_cluster(sglang_model, start_cluster, pd_link):
         # (5 s apart); a prefill restarted faster than that used to leave it stale. Never
         # letting the heartbeat decide makes the restart below test Lynx's own handling.
         extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S),
-                   "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"},
+                   "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000",
+                   # every process of each server logs each module it imports (stderr, in the
+                   # server's log): what test_servers_import_no_tool reads
+                   "PYTHONPROFILEIMPORTTIME": "1"},
     ))
 
 
@@ -55,6 +58,18 @@ def test_lynx_exact_matches_single_server(lynx_cluster, reference_outputs, promp
     prefill_log = lynx_cluster.log_path("prefill").read_text(errors="replace")
     opened = re.search(r"first streamed forward opened (\d+) of (\d+) layers", prefill_log)
     assert opened is not None and opened[1] == opened[2], prefill_log[-2000:]
+
+
+def test_servers_import_no_tool(lynx_cluster):
+    """The runtime SGLang loads stays apart from the tools: no process of a serving prefill or
+    decode imported `lynx_tools` (tests/test_layout.py checks the source; this, what ran)."""
+    for role in ("prefill", "decode"):
+        imported = re.findall(r"^import time:.*\|\s*(\S+)$",
+                              lynx_cluster.log_path(role).read_text(errors="replace"), re.M)
+        # the log holds the servers' imports: the check can see a Lynx module when there is one
+        assert "lynx_sglang.backend.manager" in imported, role
+        tools = sorted({m for m in imported if m.split(".")[0] == "lynx_tools"})
+        assert not tools, f"the {role} server imported {tools}"
 
 
 def test_prefill_killed_between_anchor_and_residual(lynx_cluster, reference_outputs, prompts,

@@ -9,9 +9,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
-from lynx_sglang.tools.client import generate
-from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec
+from lynx_tools.client import generate
+from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -7,9 +7,8 @@ differ from it)."""
 from __future__ import annotations
 
 import pytest
-
-from lynx_sglang.tools.client import generate
-from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
+from lynx_tools.client import generate
+from lynx_tools.cluster import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -8,10 +8,9 @@ certificate). Greedy outputs must be token-identical to a single server's, specu
 from __future__ import annotations
 
 import pytest
-
-from lynx_sglang.tools.client import generate
-from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
-from lynx_sglang.tools.measure import transfer_lines
+from lynx_tools.client import generate
+from lynx_tools.cluster import ClusterMode, ClusterSpec
+from lynx_tools.measure import transfer_lines
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

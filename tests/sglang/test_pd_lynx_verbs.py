@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from lynx_sglang.tools.client import generate
-from lynx_sglang.tools.cluster import ClusterMode, ClusterSpec
+from lynx_tools.client import generate
+from lynx_tools.cluster import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.rdma_vm, pytest.mark.sglang, pytest.mark.slow]
 

@@ -15,12 +15,11 @@ import os
 import re
 
 import pytest
+from lynx_tools.client import generate
+from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
+from lynx_tools.measure import metric_sum, transfer_lines, wait_for
+from lynx_tools.prompts import passkey_prompt
 from transformers import AutoTokenizer
-
-from lynx_sglang.tools.client import generate
-from lynx_sglang.tools.cluster import Cluster, ClusterMode, ClusterSpec
-from lynx_sglang.tools.measure import metric_sum, transfer_lines, wait_for
-from lynx_sglang.tools.prompts import passkey_prompt
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from array import array
 
 import pytest
+from lynx_tools.cluster import free_port
 
 from lynx_sglang.speculation.stream import (
     SpecStreamClient,
@@ -14,7 +15,6 @@ from lynx_sglang.speculation.stream import (
     SpecStreamPublisher,
     SpecView,
 )
-from lynx_sglang.tools.cluster import free_port
 
 
 @pytest.fixture()

@@ -1,18 +1,18 @@
 """The stage breakdown of a request's network-exposed TTFT from trace records
-(`lynx_sglang.tools.trace_report`), and the trace sink that writes them (`lynx_sglang.trace`)."""
+(`lynx_tools.trace_report`), and the trace sink that writes them (`lynx_sglang.trace`)."""
 
 from __future__ import annotations
 
 import pytest
-
-from lynx_sglang import trace
-from lynx_sglang.tools.trace_report import (
+from lynx_tools.trace_report import (
     CLIENT_STAGE,
     breakdown,
     format_breakdown,
     parse_rate,
     records_by_request,
 )
+
+from lynx_sglang import trace
 
 
 def _write(tmp_path, speculate: bool) -> None:

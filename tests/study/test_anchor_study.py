@@ -1,4 +1,4 @@
-"""The Anchor quality study's machinery (lynx_sglang.tools.study.anchor_study, kv_variants, study_prompts).
+"""The Anchor quality study's machinery (lynx_tools.study.anchor_study, kv_variants, study_prompts).
 
 The model tests run the real measurement on two short prompts of the embedded model: the identity
 variant must reproduce exact decoding (agreement 1, KL ~0, every token accepted), a zeroed KV must
@@ -11,10 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from lynx_kernels import decode, encode
-from lynx_sglang.tools.study.anchor_study import PromptResult, VariantResult, measure_prompt, summarize
-from lynx_sglang.tools.study.kv_variants import (
+from lynx_tools.study.anchor_study import PromptResult, VariantResult, measure_prompt, summarize
+from lynx_tools.study.kv_variants import (
     NAIVE,
     STUDY_VARIANTS,
     KVVariant,
@@ -23,13 +21,15 @@ from lynx_sglang.tools.study.kv_variants import (
     variant_by_name,
 )
 
+from lynx_kernels import decode, encode
+
 SMOL_KV = (3, 64)  # SmolLM2-135M: kv heads, head_dim
 
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    from lynx_sglang.tools.model import EmbeddedModelError
-    from lynx_sglang.tools.study.anchor_study import load_model
+    from lynx_tools.model import EmbeddedModelError
+    from lynx_tools.study.anchor_study import load_model
 
     try:
         return load_model(threads=1)
@@ -39,7 +39,7 @@ def model_and_tokenizer():
 
 @pytest.fixture(scope="module")
 def measured(model_and_tokenizer):
-    from lynx_sglang.tools.study.prompts import build_prompts
+    from lynx_tools.study.prompts import build_prompts
 
     model, tok = model_and_tokenizer
     prompts = build_prompts(tok, 2, min_tokens=160, max_tokens=220)
@@ -51,7 +51,7 @@ def measured(model_and_tokenizer):
 
 
 def test_prompts_are_deterministic_and_sized(model_and_tokenizer):
-    from lynx_sglang.tools.study.prompts import build_prompts
+    from lynx_tools.study.prompts import build_prompts
 
     _, tok = model_and_tokenizer
     a = build_prompts(tok, 3, min_tokens=200, max_tokens=300)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from lynx_sglang.tools import bench_transfer as bt
+from lynx_tools import bench_transfer as bt
 
 
 @pytest.mark.timeout(60)

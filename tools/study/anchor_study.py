@@ -1,10 +1,10 @@
 """`lynx-sglang anchor-study`: how close decoding over an approximate prefix KV stays to exact decoding.
 
-For each prompt (`lynx_sglang.tools.study.prompts`) on the embedded model with transformers, fp32:
+For each prompt (`lynx_tools.study.prompts`) on the embedded model with transformers, fp32:
   1. one exact prefill -> the prefix KV (keys after RoPE, as the cache stores them; this is what the
      decode server's pool holds) and the first token t0 (exact: it comes from the prefill);
   2. the exact greedy continuation t1..tN (incremental decode; stops early at EOS, inclusive);
-  3. for each KV variant (`lynx_sglang.tools.study.kv_variants`), the prefix KV replaced by the variant's:
+  3. for each KV variant (`lynx_tools.study.kv_variants`), the prefix KV replaced by the variant's:
      (a) teacher-forced over [t0..t(N-1)]: top-1 agreement with the exact teacher-forced argmax and
          KL(exact || variant) at each of the N positions;
      (b) accepted speculative length: incremental greedy decode from the variant KV, counting the
@@ -14,7 +14,7 @@ Variants are run in batches over one forward (the batch rows are independent).
 Then paired bootstrap intervals over prompts of each variant's difference from the naive Anchor.
 
 Results go to a JSON file rewritten after every prompt (a killed run keeps the finished prompts;
-`--resume` skips them) and a PNG (`lynx_sglang.tools.study.plot`). Called by the CLI and
+`--resume` skips them) and a PNG (`lynx_tools.study.plot`). Called by the CLI and
 scripts/anchor_study.py; the test drives `measure_prompt` and `summarize` directly.
 """
 

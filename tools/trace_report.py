@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..trace import read_records
+from lynx_sglang.trace import read_records
 
 # The critical path's marks, in order: (record kind, mark, what the stage that ENDS here is).
 # Speculating requests go Anchor -> Success; the others wait for the Residual first.

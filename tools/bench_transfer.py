@@ -21,7 +21,7 @@ import json
 import logging
 from pathlib import Path
 
-log = logging.getLogger("lynx_sglang.tools.bench_transfer")
+log = logging.getLogger("lynx_tools.bench_transfer")
 
 
 def _rate_bps(rate: str) -> float:

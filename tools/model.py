@@ -23,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..errors import LynxError
+from lynx_sglang.errors import LynxError
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import LynxError
-from ..names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.errors import LynxError
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+
 from .client import generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .measure import add_kv_dtype_argument, kv_dtype_server_args, spec_lines, wait_for

@@ -19,9 +19,9 @@ the sample KV is encoded with the serving call (`lynx_kernels.fused.encode_run_i
     decode must be bit-identical to the KV (checked on every run: the report fails otherwise).
 
 Sample KV (`--kv`; the output says which):
-  real       the KV of the embedded SmolLM2-135M-Instruct (`lynx_sglang.tools.model`, transformers on
+  real       the KV of the embedded SmolLM2-135M-Instruct (`lynx_tools.model`, transformers on
              CPU, bf16, no hub access) over `--prompts` study prompts of about `--prompt-tokens`
-             tokens (`lynx_sglang.tools.study.prompts`), every layer. K is post-RoPE (transformers
+             tokens (`lynx_tools.study.prompts`), every layer. K is post-RoPE (transformers
              caches it after the rotary embedding), which is what SGLang's KV pool holds too.
              The default for SmolLM2-135M; other shapes have no model here.
   synthetic  `--sample-layers` layers of `--tokens` tokens of Gaussian values with per-channel

@@ -1,4 +1,4 @@
-"""The KV variants the Anchor quality study compares (`lynx_sglang.tools.study.anchor_study` calls `apply`).
+"""The KV variants the Anchor quality study compares (`lynx_tools.study.anchor_study` calls `apply`).
 
 A variant maps one layer's exact K or V, `[tokens, kv_heads, head_dim]` fp32 as the model caches it
 (K after RoPE), to what a decode server would attend over instead:

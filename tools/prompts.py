@@ -6,7 +6,7 @@ of the demo and bench-verify (`WARMUP_PROMPT`).
 
 from __future__ import annotations
 
-from ..errors import LynxError
+from lynx_sglang.errors import LynxError
 
 # A short request that warms a fresh cluster up (and opens Lynx's transport session).
 WARMUP_PROMPT = "The capital of France is"

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lynx_kernels import KVShape
+from lynx_sglang.errors import LynxError
+from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
 
-from ..errors import LynxError
-from ..names import TIMELINE_ENV, TRACE_DIR_ENV
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .measure import (
@@ -341,7 +341,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", "--backends", dest="variants",
                         default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {[v.name for v in VARIANTS]} "
-                             f"(lynx_sglang.tools.variants.VARIANTS; default "
+                             f"(lynx_tools.variants.VARIANTS; default "
                              f"{','.join(DEFAULT_VARIANTS)}); --backends is an alias")
     parser.add_argument("--link", default="auto", metavar="RATE|auto|none",
                         help="shaped link between prefill and decode (two network namespaces, "

@@ -3,8 +3,8 @@
 Left: top-1 agreement vs bytes / BF16 bytes at 2k tokens (points numbered, 95% CIs over prompts),
 with the byte budget and the goal (half the naive Anchor's disagreement). Middle: each variant's
 agreement minus the naive Anchor's (paired bootstrap CI). Right: mean KL(exact || variant), log
-scale. Called by `lynx_sglang.tools.study.anchor_study` with the summary dict it writes to JSON; also
-`python -m lynx_sglang.tools.study.plot RESULT.json OUT.png` redraws from a result file.
+scale. Called by `lynx_tools.study.anchor_study` with the summary dict it writes to JSON; also
+`python -m lynx_tools.study.plot RESULT.json OUT.png` redraws from a result file.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m lynx_sglang.tools.study.plot RESULT.json OUT.png", file=sys.stderr)
+        print("usage: python -m lynx_tools.study.plot RESULT.json OUT.png", file=sys.stderr)
         return 2
     plot(json.loads(Path(argv[0]).read_text())["summary"], Path(argv[1]))
     return 0

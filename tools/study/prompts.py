@@ -1,4 +1,4 @@
-"""Deterministic long-context prompts for the Anchor quality study (`lynx_sglang.tools.study.anchor_study`).
+"""Deterministic long-context prompts for the Anchor quality study (`lynx_tools.study.anchor_study`).
 
 Three families, all wrapped in the model's chat template:
   passkey     a five-digit pass key hidden at a given depth in repeated filler sentences;
@@ -19,7 +19,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import LynxError
+from lynx_sglang.errors import LynxError
 
 PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
                   "There and back again. ")

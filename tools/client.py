@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import requests
 
-from ..errors import LynxError
+from lynx_sglang.errors import LynxError
 
 
 class GenerateError(LynxError):

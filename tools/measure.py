@@ -15,8 +15,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from lynx_kernels import KVShape
-
-from ..names import SPEC_RECORD, TRANSFER_RECORD, parse_records
+from lynx_sglang.names import SPEC_RECORD, TRANSFER_RECORD, parse_records
 
 # Lynx timeline points of the decode's transfer record, in order.
 LYNX_EVENTS = ("anchor_landed", "anchor_applied", "residual_landed", "residual_applied")

@@ -59,10 +59,10 @@ from pathlib import Path
 import requests
 
 from lynx_kernels import KVShape
+from lynx_sglang.errors import LynxError
+from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
+from lynx_sglang.trace import read_records
 
-from ..errors import LynxError
-from ..names import TIMELINE_ENV, TRACE_DIR_ENV
-from ..trace import read_records
 from .client import GenerateError, StreamedGeneration, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .measure import (
@@ -80,7 +80,7 @@ from .trace_report import Breakdown, breakdown, parse_rate, records_by_request
 from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants, variant_names
 
 BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
-LYNX_CLIENT = "lynx_client"      # lynx_sglang.tools.client.generate_stream's per-request numbers
+LYNX_CLIENT = "lynx_client"      # lynx_tools.client.generate_stream's per-request numbers
 CLIENTS = (BENCH_SERVING, LYNX_CLIENT)
 
 
@@ -271,7 +271,7 @@ def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new
                           requests: int, seed: int, output_file: Path,
                           concurrency: int = 1) -> list[str]:
     return [
-        sys.executable, "-m", "lynx_sglang.tools.bench_serving_offline",
+        sys.executable, "-m", "lynx_tools.bench_serving_offline",
         "--backend", "sglang", "--base-url", url,
         "--model", str(model_dir), "--tokenizer", str(model_dir),
         "--dataset-name", "random-ids", "--tokenize-prompt",
@@ -389,7 +389,7 @@ def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
 def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], first: int,
                  cfg: BenchConfig) -> tuple[list[StreamedGeneration], list[str]]:
     """One round: `flush_url`'s prefix cache emptied, then the prompts of `round_` (prompt
-    numbers from `first`) sent at once with lynx_sglang.tools.client; their streams and request
+    numbers from `first`) sent at once with lynx_tools.client; their streams and request
     ids, in prompt order."""
     _flush_prefix_cache(flush_url)
     ids = [f"bench-{name}-{first + j}-{time.time_ns()}" for j in range(len(round_))]
@@ -411,7 +411,7 @@ def stream_prompts(url: str, flush_url: str, name: str, prompts: list[list[int]]
     n = cfg.concurrency
     for start in range(0, len(prompts), n):
         round_ = prompts[start: start + n]
-        progress.request(start + len(round_), len(prompts), "(lynx_sglang.tools.client)")
+        progress.request(start + len(round_), len(prompts), "(lynx_tools.client)")
         got, ids = stream_round(url, flush_url, name, round_, start, cfg)
         streamed.extend(got)
         rids.extend(ids)
@@ -535,7 +535,7 @@ def run_interleaved(variants: list[Variant], cfg: BenchConfig, *, prompts: list[
             for name in names:
                 m, cluster = up[name]
                 progress.note(f"{name}: request {start + len(round_)}/{len(prompts)} "
-                              "(lynx_sglang.tools.client)")
+                              "(lynx_tools.client)")
                 got, ids = stream_round(cluster.url, cluster.prefill_url, name, round_, start,
                                         cfg)
                 m.streamed.extend(got)
@@ -662,7 +662,7 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
             f"{name} {ok}" + ("" if exact[name] else " (lossy variant)")
             for name, ok in same.items()))
     lines.append("TTFT: send -> first token at that client; net TTFT: prefill forward done (prefill "
-                 "log) -> first token at lynx_sglang.tools.client (bench_serving keeps no wall-clock "
+                 "log) -> first token at lynx_tools.client (bench_serving keeps no wall-clock "
                  "send time); token k: send -> k-th streamed token; from prefill done: the same "
                  "minus the prefill's forward; (min-max) over the requests.")
     for r in results:
@@ -778,7 +778,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF model folder (default: the embedded SmolLM2-135M); with --url "
                              "only its tokenizer is read, so it must be the served model's")
     parser.add_argument("--no-bench-serving", dest="use_bench_serving", action="store_false",
-                        help="send only lynx_sglang.tools.client's requests, no sglang.bench_serving "
+                        help="send only lynx_tools.client's requests, no sglang.bench_serving "
                              "pass (half the requests; its token times then come from the client)")
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="folder for bench_ttft.json, bench_ttft.png and bench_ttft_runs/")
@@ -864,7 +864,7 @@ def run(args: argparse.Namespace) -> int:
                  "bench_serving": "sglang.bench_serving --backend sglang --dataset-name random-ids "
                                   "--tokenize-prompt --random-range-ratio 1 --max-concurrency "
                                   f"{cfg.concurrency} --warmup-requests 0 (via "
-                                  "lynx_sglang.tools.bench_serving_offline)"
+                                  "lynx_tools.bench_serving_offline)"
                                   if cfg.use_bench_serving else "not run (--no-bench-serving)"}
         (args.out / "bench_ttft.json").write_text(
             json.dumps(result_json(results, cfg, link_desc, ratio_table, extra), indent=1))

@@ -24,7 +24,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from ..errors import LynxError
+from lynx_sglang.errors import LynxError
 
 logger = logging.getLogger(__name__)
 

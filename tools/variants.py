@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import LynxError
-from ..names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
+from lynx_sglang.errors import LynxError
+from lynx_sglang.names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
 
 # The warm-up also opens the prefill -> decode transport session, whose set-up counts against the
 # Lynx connect timeout; on a loaded machine the first attempt can run out of it. Not measured.

@@ -70,7 +70,7 @@ from urllib.parse import urlsplit
 import psutil
 import requests
 
-from ..names import (
+from lynx_sglang.names import (
     FAULT_ANCHOR_DELAY_ENV,
     FAULT_ANCHOR_HOLD_LOG,
     FAULT_RESIDUAL_DELAY_ENV,
@@ -80,6 +80,7 @@ from ..names import (
     SPEC_PARKED_LOG,
     WINDOWED_ROOM_LOG,
 )
+
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster, ClusterMode, ClusterSpec, process_tree, sglang_pd_timeouts_env
 from .measure import (
@@ -249,9 +250,8 @@ def windowed_staging_mib(model: str, kv_dtype: str, prompt_tokens: int,
     """`--lynx-staging-mib` for `--windowed`: the least that holds the next request whole (the
     staging pool allocates whole ranges), which must be less than the faulted request needs."""
     from lynx_kernels import CodecSpec, model_shape
-
-    from ..backend.plan import StreamPlan
-    from ..backend.staging import ALIGN
+    from lynx_sglang.backend.plan import StreamPlan
+    from lynx_sglang.backend.staging import ALIGN
 
     shape = model_shape(model, kv_dtype)
     need = {n: StreamPlan.build(CodecSpec(target="exact"), shape, n, 256).staging_bytes
