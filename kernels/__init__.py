@@ -5,7 +5,8 @@
     enc = encode(x, spec, kind="k")          # x: [tokens, kv_heads, head_dim]
     approx = decode(enc, stage="anchor")      # same shape/dtype as x
     full = decode(enc, stage="full")          # target precision; bit-identical to x for "exact"
-    enc.nbytes("anchor"), enc.nbytes("residual")
+    enc.nbytes("anchor"), enc.nbytes("residual")   # bytes in memory (exact: uncoded)
+    wire_nbytes(enc, 256, stream="residual")        # bytes on the wire, headers and coding included
 
 Wire format: `to_chunks(enc, chunk_tokens, stream=...)` -> bytes chunks (or `write_chunks` straight
 into a buffer); `parse_chunk`, `assemble` on the receiving side; `refine_(pool_slots, enc)`
@@ -33,6 +34,7 @@ from .wire import (
     assemble,
     parse_chunk,
     to_chunks,
+    wire_nbytes,
     write_chunks,
 )
 
@@ -66,5 +68,6 @@ __all__ = [
     "run_nbytes",
     "stream_nbytes_per_token",
     "to_chunks",
+    "wire_nbytes",
     "write_chunks",
 ]

@@ -99,7 +99,10 @@ class EncodedKV:
         return self.anchor.device
 
     def nbytes(self, stream: str) -> int:
-        """Bytes this run puts on the wire for `stream` ("anchor" or "residual"), without headers."""
+        """Bytes of the tensors that hold `stream` ("anchor" or "residual") in memory. For the
+        Anchor and for the int8 target's Residual that is also the wire's payload (chunk headers
+        aside); for the exact target the Residual tensor holds the uncoded values, which the wire
+        codes into fewer bytes that depend on the data: `lynx_kernels.wire_nbytes` gives those."""
         if stream == "anchor":
             return sum(t.numel() * t.element_size()
                        for t in (self.anchor, self.zero, self.scale, self.protected))

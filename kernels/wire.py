@@ -411,6 +411,13 @@ def to_chunks(enc: EncodedKV, chunk_tokens: int, *, stream: str = "anchor",
     return chunks
 
 
+def wire_nbytes(enc: EncodedKV, chunk_tokens: int, *, stream: str) -> int:
+    """Bytes the wire carries for `stream` of `enc` cut into chunks of `chunk_tokens` tokens:
+    every chunk's header and payload, coded (what `to_chunks` returns, summed). Encodes to
+    measure, since an exact Residual's coded size depends on the data."""
+    return sum(len(c) for c in to_chunks(enc, chunk_tokens, stream=stream))
+
+
 def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:
     """Validate one chunk (header fields, lengths, CRC-32) and return it; raises CodecError."""
     view = memoryview(buf).cast("B")

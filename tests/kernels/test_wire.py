@@ -19,6 +19,7 @@ from lynx_kernels import (
     encode,
     parse_chunk,
     to_chunks,
+    wire_nbytes,
     write_chunks,
 )
 from lynx_kernels.wire import FORMAT_VERSION, HEADER
@@ -185,3 +186,22 @@ def test_write_chunks_places_the_to_chunks_bytes(run, stream):
     assert (buf[:7] == 0xAB).all() and (buf[7 + total:] == 0xAB).all()
     with pytest.raises(CodecError, match="too small"):
         write_chunks(enc, chunk_tokens, bytearray(total - 1), stream=stream)
+
+
+def test_wire_nbytes_is_what_the_wire_carries():
+    """`EncodedKV.nbytes` is the bytes in memory; `wire_nbytes` what `to_chunks` puts on the wire.
+    They agree for the int8 target (chunk headers aside); for exact the wire codes the Residual
+    into fewer bytes than the uncoded values (real KV is smooth; so is this ramp)."""
+    x = (torch.arange(256 * 2 * 64).reshape(256, 2, 64) % 97 / 32.0 - 1.5).to(torch.bfloat16)
+    headers = 4 * HEADER.size  # 256 tokens in chunks of 64
+    for target in ("int8", "exact"):
+        enc = encode(x, CodecSpec(anchor_bits=4, group_size=64, target=target), "v", layer=0)
+        for stream in ("anchor", "residual"):
+            assert wire_nbytes(enc, 64, stream=stream) == sum(
+                len(c) for c in to_chunks(enc, 64, stream=stream))
+        assert wire_nbytes(enc, 64, stream="anchor") == enc.nbytes("anchor") + headers
+        residual = wire_nbytes(enc, 64, stream="residual")
+        if target == "int8":
+            assert residual == enc.nbytes("residual") + headers
+        else:
+            assert residual < 0.7 * enc.nbytes("residual")
