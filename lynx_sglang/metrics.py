@@ -7,7 +7,7 @@ multiprocess collector. Metrics created here, in a scheduler process, therefore 
 call is a no-op.
 
 Recorded by `lynx_sglang.backend.decode` (bytes and times of each request's two streams, failed
-requests), `lynx_sglang.backend.prefill` (failed sends), `lynx_sglang.backend.staging` (staging
+requests), `lynx_sglang.backend.prefill_worker` (failed sends), `lynx_sglang.backend.staging` (staging
 memory in use) and `lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back,
 verification time, how each speculating request ended), and `lynx_sglang.idle` (the sizes of the
 per-request maps, about once a second). Every series carries SGLang's

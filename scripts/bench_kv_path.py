@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU cost of the Lynx KV data path of one request, as SGLang's `lynx` backend runs it.
 
-Prefill side (`backend.prefill._RoomWriter`, without the transport): every layer's Anchor
+Prefill side (`backend.prefill_writer.RoomWriter`, without the transport): every layer's Anchor
 encoded straight into a staging numpy buffer (one fused C call per layer and kind, K and V on two
 threads with `--encode-threads 2`), then the Residual: for target int8 in the same pass, for exact
 in a second pass. Decode side (`backend.decode`): every layer's Anchor applied into the decode

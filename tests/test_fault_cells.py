@@ -185,19 +185,21 @@ def test_an_outcome_keeps_the_reason_at_the_end_of_a_long_abort_message():
 
 
 def test_the_prefill_reads_its_fault_holds_from_the_environment(monkeypatch):
-    from lynx_sglang.backend.prefill import FaultHolds
+    from lynx_sglang.backend.faults import FaultPlan, Point
     from lynx_sglang.names import FAULT_ANCHOR_DELAY_ENV, FAULT_RESIDUAL_DELAY_ENV
 
     monkeypatch.delenv(FAULT_ANCHOR_DELAY_ENV, raising=False)
     monkeypatch.delenv(FAULT_RESIDUAL_DELAY_ENV, raising=False)
-    assert FaultHolds.from_env() == FaultHolds(0.0, 0.0)  # off unless a test asks
+    plan = FaultPlan.from_env()
+    assert plan == FaultPlan(0.0, 0.0)  # off unless a test asks
+    assert not any(plan.holds(point) for point in Point)
     monkeypatch.setenv(FAULT_ANCHOR_DELAY_ENV, "3")
     monkeypatch.setenv(FAULT_RESIDUAL_DELAY_ENV, "4.5")
-    assert FaultHolds.from_env() == FaultHolds(anchor_s=3.0, residual_s=4.5)
+    assert FaultPlan.from_env() == FaultPlan(anchor_s=3.0, residual_s=4.5)
     for bad in ("soon", "-1", "nan"):
         monkeypatch.setenv(FAULT_ANCHOR_DELAY_ENV, bad)
         with pytest.raises(ValueError, match=FAULT_ANCHOR_DELAY_ENV):
-            FaultHolds.from_env()
+            FaultPlan.from_env()
 
 
 def test_a_client_abort_that_ends_by_itself_leaves_no_thread_error(monkeypatch):

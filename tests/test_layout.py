@@ -1,7 +1,7 @@
 """The package boundaries, checked on the source: what SGLang loads never imports a tool, the codec
-and the transport never import SGLang (and the transport never needs torch), and no first-party
-module imports itself back through others. Imports inside functions count too: a lazy import is
-still a dependency."""
+and the transport never import SGLang (and the transport never needs torch), the backend's prefill
+and decode sides never import each other, and no first-party module imports itself back through
+others. Imports inside functions count too: a lazy import is still a dependency."""
 
 from __future__ import annotations
 
@@ -75,6 +75,35 @@ def test_codec_and_transport_stay_engine_free(name):
     if name.startswith("lynx_transport"):
         bad += [m for m in GRAPH[name] if m.split(".")[0] in ("torch", "lynx_kernels")]
     assert not bad, f"{name} imports {bad}"
+
+
+def _backend_side(name: str) -> str | None:
+    """The peer a backend module serves: the prefill's (`backend.prefill`, `backend.prefill_*`),
+    the decode's (`backend.decode`, its room state machine `backend.room`), or None for what both
+    use (the identity handshake, plans, staging, the codec's streams) and the manager above both."""
+    module = name.removeprefix("lynx_sglang.backend.")
+    if module == name:
+        return None
+    if module == "prefill" or module.startswith("prefill_"):
+        return "prefill"
+    return "decode" if module in ("decode", "room") else None
+
+
+def _reachable(name: str) -> set[str]:
+    """Every first-party module `name` imports, directly or through others."""
+    seen, todo = set(), [name]
+    while todo:
+        for m in _first_party(todo.pop()) - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _backend_side(n)))
+def test_prefill_and_decode_never_import_each_other(name):
+    side = _backend_side(name)
+    other = sorted(m for m in _reachable(name) if _backend_side(m) not in (None, side))
+    assert not other, f"{name} ({side} side) imports the other side: {other}"
 
 
 def test_no_first_party_import_cycle():

@@ -2,7 +2,16 @@
 
     manager   LynxKVManager (+ sender/receiver/bootstrap classes): the face SGLang sees; builds the
               role's worker and reports every status
-    prefill   PrefillSender: encode a finished request's KV into staging, write both streams
+    prefill   PrefillSender: take SGLang's KV slots of each request, hand the room to its decode's
+              worker (at the last chunk, or layer-streamed as its forward starts)
+    prefill_worker    DestinationWorker: one thread per decode; opens, writes and reports rooms
+    prefill_writer    RoomWriter / WindowedWriter: one room's two streams from prefill staging
+    prefill_staging   InFlightStaging: a worker's staging ranges until the transport delivered them
+    prefill_sessions  DecodeSessions: the prefill's transport session to each decode
+    prefill_job       Job: a room being sent (and KeptRows, StreamedJobs)
+    prefill_link      PrefillLink, Destination, SentBytes: the sender's interface with SGLang's side
+    identity  the identity handshake opening every session, both ends (IDENTITY_REQUEST)
+    faults    FaultPlan: the tests' holds at named points of a prefill transfer (no-op by default)
     decode    DecodeApplier: announce staging, apply the landed Anchor and Residual to the pool
     room      DecodeRoom: one request's decode-side state machine
     plan      StreamPlan: one request's stream sizes and per-layer offsets (both ends)

@@ -25,7 +25,8 @@ Per request ("room", a `backend.room.DecodeRoom`):
   Success only once every layer is final (and the prefill's own Success arrived), so nothing in
   SGLang sees Anchor-precision KV.
 - The accept thread (`accept_loop`): each prefill rank opens one transport session and announces
-  its SGLang identity (rank ip:port) as the empty request `IDENTITY_REQUEST`. A rank already
+  its SGLang identity (rank ip:port) as the empty request `IDENTITY_REQUEST` (`backend.identity`,
+  the handshake's both ends), answered accepted or refused. A rank already
   served by a live session is never silently taken over by another.
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
@@ -41,7 +42,6 @@ until `_release`, which first withdraws the announcement (no byte lands after it
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -49,7 +49,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -62,10 +61,10 @@ from ..errors import KVStreamError, RoomDroppedError, StagingFullError
 from ..failures import FailureKind, failure_kind_of, stream_failure_kind
 from ..names import STAGING_QUEUED_LOG, TRANSFER_RECORD, WINDOWED_ROOM_LOG, record_line
 from .aux import unpack_aux
+from .identity import IDENTITY_REQUEST, Identity, answer
 from .outcome import ResidualOutcome
 from .plan import StreamPlan
 from .pool import KVPoolView
-from .prefill import IDENTITY_REQUEST
 from .room import TRANSFERRING, DecodeRoom, RoomState
 from .staging import ALIGN as STAGING_ALIGN
 from .staging import StagingPool
@@ -209,14 +208,14 @@ class DecodeApplier:
                          s.peer_address, IDENTITY_TIMEOUT_S)
             s.close()
             return True
-        who = _identity(ann.meta)
+        who = Identity.parse(ann.meta)
         if who is None:
             logger.error("lynx: session from %s sent a malformed identity %r; closed",
                          s.peer_address, bytes(ann.meta[:200]))
             s.close()
             return True
-        key, settings = who
-        differ = wire_mismatch(self.config.wire_settings(), settings)
+        key = who.rank
+        differ = wire_mismatch(self.config.wire_settings(), who.settings)
         if differ:
             why = (f"prefill rank {key[0]}:{key[1]} runs other --lynx-* settings than this decode "
                    f"({'; '.join(differ)}): give both servers the same flags")
@@ -227,7 +226,7 @@ class DecodeApplier:
                 self._refused_ranks[key] = why
             # Closed a little later, so the answer arrives before the connection drops (the
             # prefill closes it itself once it has read the answer).
-            _answer(s, why)
+            answer(s, why)
             self._closing.append((s, time.monotonic() + REFUSED_CLOSE_DELAY_S))
             self._wake.set()
             return True
@@ -244,7 +243,7 @@ class DecodeApplier:
                          "already serves; closed", s.peer_address, *key)
             s.close()
             return True
-        _answer(s, None)
+        answer(s, None)
         logger.info("lynx: transport session from prefill rank %s:%d", *key)
         self._wake.set()
         return True
@@ -851,31 +850,6 @@ class DecodeApplier:
             # SGLang already has Success and no longer polls: the speculation controller aborts
             # the running request when it reads this outcome.
             self.link.progress()
-
-
-def _answer(s: Session, refused: str | None) -> None:
-    """Answer a prefill's identity announcement: accepted, or refused and why (the prefill waits
-    for this answer when it opens a session, `PrefillSender._session_to`)."""
-    answer = {"accepted": True} if refused is None else {"refused": refused[:1000]}
-    try:
-        s.announce(IDENTITY_REQUEST, {}, meta=json.dumps(answer).encode())
-    except (TransportError, ValueError) as exc:
-        logger.debug("lynx: could not answer %s: %s", s.peer_address, exc)
-
-
-def _identity(meta: bytes) -> tuple[tuple[str, int], Any] | None:
-    """A prefill rank's announced identity `{"rank_ip": str, "rank_port": int, "config": {...}}`
-    as ((ip, port), its wire settings), or None if malformed."""
-    try:
-        who = json.loads(bytes(meta))
-        ip, port = who["rank_ip"], who["rank_port"]
-    except (ValueError, TypeError, KeyError):
-        return None
-    if not isinstance(ip, str) or not ip or len(ip) > 255:
-        return None
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        return None
-    return (ip, port), who.get("config")
 
 
 def _release_request(room: DecodeRoom, request_id: int) -> None:

@@ -16,8 +16,9 @@ A forward that raises fails the gate, and the rooms waiting on it fail with the 
 pools are bound: there `set_kv_buffer` has written the rows when it returns; on CUDA it has only
 queued the kernel (per-layer events would be needed: not implemented, see `bind`).
 
-The gate belongs to one forward; the sender's destination worker (`backend.prefill`) waits on it
-before reading a layer's pool rows, which the forward never writes again for these requests.
+The gate belongs to one forward; the room writer of the sender's destination worker
+(`backend.prefill_writer`) waits on it before reading a layer's pool rows, which the forward never
+writes again for these requests.
 """
 
 from __future__ import annotations

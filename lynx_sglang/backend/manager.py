@@ -50,9 +50,12 @@ from ..failures import FailureKind, failure_kind_of
 from ..sglang_support import check_anchor_safety, check_sglang_version
 from .aux import check_aux_items, pack_aux
 from .decode import DecodeApplier, DecodeLink
+from .faults import FaultPlan
+from .identity import Identity
 from .plan import StreamPlan, max_tokens_in_staging
 from .pool import KINDS, KVPoolView
-from .prefill import Destination, FaultHolds, PrefillLink, PrefillSender
+from .prefill import PrefillSender
+from .prefill_link import Destination, PrefillLink
 from .staging import ALIGN as STAGING_ALIGN
 from .staging import StagingPool
 
@@ -122,11 +125,10 @@ class LynxKVManager(MooncakeKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.sender = PrefillSender(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
-                {"rank_ip": self.local_ip, "rank_port": self.rank_port,
-                 "config": self.lynx.wire_settings()},
+                Identity(self.local_ip, self.rank_port, self.lynx.wire_settings()),
                 PrefillLink(self._room_live, self._destinations, self._read_aux,
                             self._report_prefill),
-                FaultHolds.from_env())
+                FaultPlan.from_env())
             self._start_thread(self.sender.run, "lynx-send")
         else:
             self.applier = DecodeApplier(

@@ -9,7 +9,7 @@ plan gives each layer's bound (`residual_layer_bytes`), and the decode finds the
 the self-describing chunks. A request's staging range holds the Anchor stream then room for the
 Residual stream's bound (`staging_bytes`). The decode sizes and announces its staging range from the plan
 (`backend.decode`), the prefill checks the announcement against its own plan and writes each layer
-at the plan's offsets (`backend.prefill`), and the decode parses the landed streams with it.
+at the plan's offsets (`backend.prefill_writer`), and the decode parses the landed streams with it.
 """
 
 from __future__ import annotations

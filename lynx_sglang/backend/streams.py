@@ -6,13 +6,13 @@ chunks then the V run's. Every call here is one fused codec call per (layer, kin
 straight into staging, and landed staging bytes are applied straight into pool rows, with no
 intermediate tensors or chunk objects.
 
-Prefill (`backend.prefill`, sender thread): `encode_layer_into` writes a layer's Anchor (and, when
-given a buffer, its Residual) into staging. Decode (`backend.decode`, applier thread): the Anchor
-of layer l lies at the plan's fixed offset (`anchor_layer`); an exact Residual's size depends on
-the values, so a `ResidualReader` walks the chunk headers of the landed Residual bytes to find
-each layer's K and V runs; `apply_anchor_layer` / `apply_full_layer` then validate every chunk of
-the layer (header, CRC, tiling, and for the exact Residual every correction) before writing
-anything, and write only the request's slots.
+Prefill (`backend.prefill_writer`, a destination worker's thread): `encode_layer_into` writes a
+layer's Anchor (and, when given a buffer, its Residual) into staging. Decode (`backend.decode`,
+applier thread): the Anchor of layer l lies at the plan's fixed offset (`anchor_layer`); an exact
+Residual's size depends on the values, so a `ResidualReader` walks the chunk headers of the landed
+Residual bytes to find each layer's K and V runs; `apply_anchor_layer` / `apply_full_layer` then
+validate every chunk of the layer (header, CRC, tiling, and for the exact Residual every
+correction) before writing anything, and write only the request's slots.
 
 Buffers: the `LayerRuns` views point into the decode's staging range; they are valid until the
 room's staging range is freed, which the applier does only after the room is concluded or failed.

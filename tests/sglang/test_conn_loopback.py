@@ -42,8 +42,8 @@ import pytest
 import torch
 
 from lynx_kernels import decode, encode
+from lynx_sglang.backend.identity import IDENTITY_REQUEST
 from lynx_sglang.backend.plan import StreamPlan
-from lynx_sglang.backend.prefill import IDENTITY_REQUEST
 from lynx_sglang.backend.staging import ALIGN as STAGING_ALIGN
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.names import (
@@ -76,7 +76,7 @@ TIMEOUTS = ({"connect_timeout_s": 60.0, "transfer_timeout_s": 120.0} if VERBS_DE
             {"connect_timeout_s": 2.0, "transfer_timeout_s": 10.0})
 # In the emulated guest, parsing and applying an Anchor alone takes seconds.
 RESIDUAL_HOLD_S = 30.0 if VERBS_DEVICE else 2.0
-# A hold the test ends itself (`PrefillSender.fault_release`): only a backstop.
+# A hold the test ends itself (`FaultPlan.release`): only a backstop.
 LONG_HOLD_S = 120.0
 WAIT_S = 240.0 if VERBS_DEVICE else 20.0
 
@@ -371,7 +371,7 @@ def _prefill_staging_free(pd: PD) -> bool:
 def _release_holds_and_expect_full_kv(sgl: _SGLang, pd: PD, req: Request) -> None:
     """End the prefill's fault-injection hold early: the room then succeeds with its exact KV
     in the decode's pool, and the prefill gives its staging back."""
-    pd.prefill.mgr.sender.fault_release.set()
+    pd.prefill.mgr.sender.faults.release()
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success, \
         _failure_message(sgl, req.receiver)
     assert _holds(pd, req, "full")
@@ -379,13 +379,13 @@ def _release_holds_and_expect_full_kv(sgl: _SGLang, pd: PD, req: Request) -> Non
 
 
 def _let_residual_go_after_release(pd: PD, req: Request) -> None:
-    """End the prefill's Residual hold (`fault_release`) once the decode's release of
+    """End the prefill's Residual hold (`FaultPlan.release`) once the decode's release of
     `req` has reached it over the control plane: a Residual let go before that is written and
     reported Success (the decode drops its bytes), which is right, but not what the test checks."""
     sender = pd.prefill.mgr.sender
     _wait("the prefill to hear of the release", lambda: any(
-        req.room in s._peer_released for s in list(sender._sessions.values())))
-    sender.fault_release.set()
+        req.room in s._peer_released for s in list(sender.sessions._sessions.values())))
+    sender.faults.release()
 
 
 def _holds(pd: PD, req: Request, stage: str) -> bool:
@@ -755,7 +755,7 @@ def test_the_residual_hold_of_a_windowed_room_sits_after_its_first_segment(sgl, 
     applied while the next one waits; released early, the room ends exact."""
     pd = make_pd(_cfg(target="exact", staging_mib=1), residual_hold_s=LONG_HOLD_S)
     applier = pd.decode.mgr.applier
-    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill"):
+    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.faults"):
         req = _start_request(sgl, pd, room=9300, seed=105, tokens=WINDOWED_TOKENS)
         _wait("the hold after the first segment",
               lambda: f"room {req.room} {FAULT_RESIDUAL_HOLD_LOG}" in caplog.text)
@@ -773,7 +773,7 @@ def test_the_anchor_hold_sits_mid_anchor(sgl, make_pd, caplog):
     `decode_rooms_anchor_landing` while the rest waits; released early, the room ends exact."""
     pd = make_pd(_cfg(target="exact"), anchor_hold_s=LONG_HOLD_S)
     applier = pd.decode.mgr.applier
-    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill"):
+    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.faults"):
         req = _start_request(sgl, pd, room=9400, seed=106)
         _wait("the Anchor hold", lambda: f"room {req.room} {FAULT_ANCHOR_HOLD_LOG} after 1 of "
                                          f"{LAYERS} layers" in caplog.text)
@@ -855,12 +855,12 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     outcome is reported to the speculation controller (`residual_outcome`), not to SGLang."""
     from lynx_sglang.backend.outcome import ResidualState
 
-    # Held until the test lets it go (`fault_release`), so no timing margin is needed
+    # Held until the test lets it go (`FaultPlan.release`), so no timing margin is needed
     # for the checks below, however loaded the machine; the hold's own bound is only a backstop.
     pd = make_pd(_cfg(target="exact", speculate=True, spec_policy="always",
                       transfer_timeout_s=LONG_HOLD_S + 30.0),
                  residual_hold_s=LONG_HOLD_S)
-    release = pd.prefill.mgr.sender.fault_release
+    faults = pd.prefill.mgr.sender.faults
     decode = pd.decode.mgr.applier
     req = _start_request(sgl, pd, room=6006, seed=7)
     assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
@@ -875,7 +875,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     decode.link = replace(decode.link, progress=lambda: woken.append(req.room))
 
     if then == "applied":
-        release.set()
+        faults.release()
         outcome = _wait("the Residual outcome", lambda: (
             o if (o := decode.residual_outcome(req.room)).state is not ResidualState.PENDING
             else None))

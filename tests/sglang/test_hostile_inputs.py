@@ -16,8 +16,8 @@ import torch
 
 from lynx_sglang.backend import decode as decode_mod
 from lynx_sglang.backend.aux import check_aux_items, pack_aux, unpack_aux
-from lynx_sglang.backend.decode import DecodeApplier, DecodeLink, _identity
-from lynx_sglang.backend.prefill import IDENTITY_REQUEST
+from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
+from lynx_sglang.backend.identity import IDENTITY_REQUEST, Identity
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.errors import KVStreamError
 
@@ -36,7 +36,7 @@ def test_aux_items_that_do_not_fit_are_refused():
                                   b'{"rank_ip": "a", "rank_port": 70000}', b'{"rank_port": 80}',
                                   b'{"rank_ip": "a", "rank_port": true}'])
 def test_malformed_identities_are_refused(meta):
-    assert _identity(meta) is None
+    assert Identity.parse(meta) is None
 
 
 def _who(port: int = 4000, config: LynxConfig | None = None) -> bytes:
@@ -170,7 +170,8 @@ def test_unpack_aux_never_reads_past_the_blob():
 def _start_sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
     """A PrefillSender on `endpoint` whose room r goes to `where[r]`, reporting into `reports`
     (room -> (when, failure)); returns the event that stops its thread."""
-    from lynx_sglang.backend.prefill import Destination, PrefillLink, PrefillSender
+    from lynx_sglang.backend.prefill import PrefillSender
+    from lynx_sglang.backend.prefill_link import Destination, PrefillLink
 
     link = PrefillLink(
         is_live=lambda room: True,
@@ -179,7 +180,7 @@ def _start_sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
         report=lambda room, failure, targets: reports.setdefault(
             room, (time.monotonic(), failure)))
     sender = PrefillSender(cfg, lambda: pool, staging, region, endpoint,
-                           {"rank_ip": "127.0.0.1", "rank_port": 1}, link)
+                           Identity("127.0.0.1", 1), link)
     stop = threading.Event()
     threading.Thread(target=sender.run, args=(stop,), daemon=True).start()
     return sender, stop

@@ -1,0 +1,61 @@
+"""The prefill's interface with SGLang's side of the manager (`backend.manager.LynxKVManager`):
+what the sender asks it (`PrefillLink`, `Destination`) and what SGLang reads back after a room's
+Success (`SentBytes`). Built by the manager; used by `backend.prefill.PrefillSender` and its
+destination workers (`backend.prefill_worker`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Rooms whose sent-byte count waits for SGLang to read it (it reads right after Success).
+SENT_BYTES_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class Destination:
+    """One decode rank a room goes to: its transport address, how many KV slots it allocated, and
+    SGLang's (endpoint, port) to notify."""
+
+    session_address: str
+    num_slots: int
+    notify: tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PrefillLink:
+    """What the sender needs from SGLang's side of the manager (all thread-safe callables)."""
+
+    # False once SGLang has failed or cleared the room: drop its work.
+    is_live: Callable[[int], bool]
+    # The room's decode destinations (dummy ranks excluded).
+    destinations: Callable[[int], list[Destination]]
+    # SGLang's aux data of the room (first output token, ...), packed for the wire.
+    read_aux: Callable[[int], bytes]
+    # The one status report: (room, None | failure reason, notify targets).
+    report: Callable[[int, str | None, list[tuple[str, int]]], None]
+
+
+class SentBytes:
+    """Bytes each successful room put on the wire, for SGLang's transfer metrics: recorded by the
+    destination worker before it reports Success, read once by SGLang (`take`). Capped, since an
+    aborted request's entry is never read. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._bytes: OrderedDict[int, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(self, room: int, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[room] = nbytes
+            while len(self._bytes) > SENT_BYTES_KEPT:
+                self._bytes.popitem(last=False)
+
+    def take(self, room: int) -> int | None:
+        """The Anchor + Residual bytes sent for `room` (every destination), once; None if the
+        room was not sent (failed, or already taken)."""
+        with self._lock:
+            return self._bytes.pop(room, None)

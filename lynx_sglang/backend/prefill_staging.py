@@ -1,0 +1,125 @@
+"""The prefill staging ranges one destination worker holds (`InFlightStaging`): allocated for a
+room (or a windowed room's segment) before its encode, handed to the transport with its streams,
+freed once the transport has delivered both (`reap`) or when the streams fail before they were
+all written (`undo`).
+
+Owned by a `backend.prefill_worker.DestinationWorker` (one each; only its thread calls it);
+its room writers (`backend.prefill_writer`) encode into the ranges. Buffer ownership: a range is
+the worker's from `allocate` until `reap` or `undo` frees it, after `Session.release` guarantees
+no byte of it is read again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from lynx_transport import Session, Stream, TransportError
+
+from .. import trace
+from ..config import LynxConfig
+from ..errors import StagingFullError
+from .staging import StagingPool, StagingRange
+
+logger = logging.getLogger(__name__)
+
+# How often a room waiting for prefill staging reaps its worker's delivered rooms.
+STAGING_POLL_S = 0.05
+
+
+@dataclass
+class InFlight:
+    """A sent room (or a windowed room's segment, by its request id) whose staging range must
+    live until the transport has delivered it. `trace`: the record to complete and emit then
+    (None for a windowed room's segments but its last)."""
+
+    room: int
+    session: Session
+    staging: StagingRange
+    trace: trace.Trace | None
+
+
+class InFlightStaging:
+    """One worker's staging ranges in the transport's hands (see the module)."""
+
+    def __init__(self, staging: StagingPool, config: LynxConfig):
+        self.staging = staging
+        self.config = config
+        self._entries: list[InFlight] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def allocate(self, nbytes: int) -> StagingRange:
+        """A staging range, waiting up to the transfer timeout. While it waits, this worker's own
+        delivered rooms are reaped: their ranges are what it waits for (the worker reaps only
+        between groups, so a plain wait held them until it timed out)."""
+        timeout = self.config.transfer_timeout_s
+        deadline = time.monotonic() + timeout
+        # try_allocate raises at once for a request larger than the whole pool.
+        while (staging := self.staging.try_allocate(nbytes)) is None:
+            self.reap()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StagingFullError(
+                    f"no {nbytes} B of staging free within {timeout:g} s "
+                    f"({self.staging.free_bytes()} B free): raise --lynx-staging-mib on the "
+                    "prefill, or admit fewer concurrent requests")
+            self.staging.wait_for_free(min(left, STAGING_POLL_S))
+        return staging
+
+    def add(self, f: InFlight) -> None:
+        """`f`'s streams are (being) written: its range lives until they are delivered."""
+        self._entries.append(f)
+
+    def undo(self, f: InFlight | None) -> None:
+        """A room whose streams failed before they were all written: a stream never written
+        stays pending for the transport, so the reaper would never free its range. (None: a
+        windowed room, whose writer gives back its own unfinished segment.)"""
+        if f is None:
+            return
+        self._entries.remove(f)
+        release_request(f.session, f.room)
+        self.staging.free(f.staging)
+
+    def reap(self) -> None:
+        """Free the staging of rooms the transport has delivered (or failed)."""
+        streams = (Stream.ANCHOR, Stream.RESIDUAL) if self.config.residual else (Stream.ANCHOR,)
+        keep = []
+        for f in self._entries:
+            try:
+                done = all(f.session.send_state(f.room, s).done for s in streams)
+            except TransportError:
+                done = True
+            if not done:
+                keep.append(f)
+                continue
+            release_request(f.session, f.room)
+            self.staging.free(f.staging)
+            if f.trace is not None:
+                _trace_streams(f, streams)
+                trace.emit(f.trace)
+        self._entries[:] = keep
+
+
+def _trace_streams(f: InFlight, streams: tuple[Stream, ...]) -> None:
+    for stream in streams:
+        name = "anchor" if stream is Stream.ANCHOR else "residual"
+        try:
+            st = f.session.send_state(f.room, stream)
+        except TransportError:
+            continue
+        f.trace.mark_mono(f"{name}_first_sent", st.t_first_byte)
+        if st.ok:
+            f.trace.mark_mono(f"{name}_acked", st.t_done)
+        elif st.reason is not None:
+            f.trace.facts[f"{name}_failure"] = f"{st.reason.value} {st.detail}"
+
+
+def release_request(session: Session, request_id: int) -> None:
+    """Withdraw one request's streams from the transport (no byte of its range is read after)."""
+    try:
+        session.release(request_id)
+    except TransportError as exc:
+        logger.debug("lynx: release of room %s: %s", request_id, exc)

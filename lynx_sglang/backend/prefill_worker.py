@@ -1,0 +1,233 @@
+"""The prefill's destination workers: one thread per decode address (`DestinationWorker`), which
+sends the rooms bound there, one group at a time, so that a dead or slow decode (connect,
+announcement and staging waits are bounded, but long) holds up only its own rooms.
+`DestinationWorkers` starts them on demand (`dispatch`) and lets an idle one exit.
+
+Per room, the worker opens the session (`backend.prefill_sessions`), checks the decode's
+announcement against this prefill's `StreamPlan`, allocates the room's staging
+(`backend.prefill_staging`), has a room writer (`backend.prefill_writer`) encode and write both
+streams, and reports the room to SGLang (`PrefillLink.report`): Success once everything still to
+be sent is in staging, or its failure, which fails that room only. Everything a worker needs
+comes in `WorkerDeps`, given by `backend.prefill.PrefillSender`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lynx_transport import TransportError
+
+from .. import metrics, trace
+from ..errors import SettingsMismatchError
+from ..failures import failure_kind_of
+from .layer_stream import LayerGateError
+from .plan import StreamPlan
+from .pool import KVPoolView
+from .prefill_job import Job, StreamedJobs
+from .prefill_link import Destination, PrefillLink, SentBytes
+from .prefill_sessions import DecodeSessions
+from .prefill_staging import InFlight, InFlightStaging
+from .prefill_writer import RoomWriter, WindowedWriter, WriterDeps, check_announcement
+from .window import Segments
+
+logger = logging.getLogger(__name__)
+
+_Writer = RoomWriter | WindowedWriter
+
+
+@dataclass(frozen=True)
+class WorkerDeps:
+    """What every destination worker of a prefill shares."""
+
+    writer: WriterDeps
+    pool: Callable[[], KVPoolView]
+    link: PrefillLink
+    sessions: DecodeSessions
+    # Layer-streamed rooms awaiting SGLang's hand-over: a room sent or failed is forgotten there.
+    streamed: StreamedJobs
+    sent: SentBytes
+    # Set when the sender's dispatcher ends: every worker exits.
+    stopping: threading.Event
+
+
+class DestinationWorker:
+    """Sends the rooms bound for one decode address, one group at a time (`send_group`), in its
+    own thread. Exits after `IDLE_EXIT_S` without work (if `retire` agrees)."""
+
+    IDLE_EXIT_S = 60.0
+
+    def __init__(self, deps: WorkerDeps, address: str,
+                 retire: Callable[[DestinationWorker], bool]):
+        self.deps = deps
+        self.address = address
+        self._retire = retire
+        self.jobs: queue.Queue[list[Job]] = queue.Queue()
+        self.inflight = InFlightStaging(deps.writer.staging, deps.writer.config)
+        self.thread = threading.Thread(target=self._run, name=f"lynx-send-{address[-12:]}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while not self.deps.stopping.is_set():
+            try:
+                group = self.jobs.get(timeout=0.05)
+            except queue.Empty:
+                group = None
+            try:
+                if group is not None:
+                    idle_since = time.monotonic()
+                    self.send_group(group)
+                self.inflight.reap()
+            except Exception:
+                logger.exception("lynx: prefill sender error (continuing)")
+            if (group is None and not self.inflight and self.jobs.empty()
+                    and time.monotonic() - idle_since > self.IDLE_EXIT_S
+                    and self._retire(self)):
+                return
+
+    def send_group(self, jobs: list[Job]) -> None:
+        """Send a group of rooms: one, or the rooms of one forward bound for this decode
+        (`PrefillSender.start_early`, `PrefillSender.batched`). A failure fails its own room
+        only."""
+        if len(jobs) == 1:
+            self.send_job(jobs[0])
+            return
+        # One decode each: open every room, then send layer l of every room before layer l + 1
+        # of any, so that each room's Anchor goes out as the forward writes it (one room after
+        # another, the second's whole encode came after the forward); then end every room's
+        # Anchor before any room's Residual (an exact one is encoded then).
+        writers: list[tuple[_Writer, InFlight | None]] = []
+        for job in jobs:
+            job.trace.mark("dequeued")
+            try:
+                writers.append(self._open(job, job.destinations[0]))
+            except Exception as exc:
+                self._fail_room(job, exc)
+        for layer in range(self.deps.pool().shape.num_layers):
+            self._each(writers, lambda w, layer=layer: w.layer(layer))
+        self._each(writers, lambda w: w.finish_anchor())
+        self._each(writers, lambda w: w.finish_residual())
+        for w, _ in writers:
+            try:
+                self._done(w.job, w.posted, w.job.destinations)
+            except Exception as exc:
+                self._fail_room(w.job, exc)
+        for job in jobs:
+            self.deps.streamed.forget(job)
+
+    def _each(self, writers: list[tuple[_Writer, InFlight | None]],
+              step: Callable[[_Writer], object]) -> None:
+        """One step of every room of a group; a room whose step raises gives its staging and
+        announcement back, fails, and leaves the group."""
+        for w, f in list(writers):
+            try:
+                step(w)
+            except Exception as exc:
+                self.inflight.undo(f)
+                self._fail_room(w.job, exc)
+                writers.remove((w, f))
+
+    def send_job(self, job: Job) -> None:
+        """Send one room (its failure fails that room only)."""
+        job.trace.mark("dequeued")
+        try:
+            self._send(job)
+        except Exception as exc:
+            self._fail_room(job, exc)
+        finally:
+            self.deps.streamed.forget(job)
+
+    def _fail_room(self, job: Job, exc: Exception) -> None:
+        logger.error("lynx: sending room %s failed: %s", job.room, exc,
+                     exc_info=not isinstance(exc, (TransportError, LayerGateError)))
+        job.trace.facts["failure"] = str(exc)
+        metrics.record_failure(failure_kind_of(exc))
+        trace.emit(job.trace)
+        self.deps.link.report(job.room, f"lynx prefill send failed: {exc}", [])
+        self.deps.streamed.forget(job)
+
+    def _send(self, job: Job) -> None:
+        sent = 0
+        for dst in job.destinations:
+            writer, f = self._open(job, dst)
+            try:
+                sent += writer.run()
+            except Exception:
+                self.inflight.undo(f)
+                raise
+        self._done(job, sent, job.destinations)
+
+    def _open(self, job: Job, dst: Destination
+              ) -> tuple[RoomWriter, InFlight] | tuple[WindowedWriter, None]:
+        """Ready `job`'s streams to `dst`: the session, the decode's announcement (checked
+        against this prefill's plan) and a staging range, held in `inflight` from here on; or,
+        when the decode announced the room in segments, its `WindowedWriter`."""
+        deps = self.deps
+        config = deps.writer.config
+        room, tr = job.room, job.trace
+        pool = deps.pool()
+        num_tokens = len(job.slots)
+        plan = StreamPlan.build(config.codec, pool.shape, num_tokens, config.chunk_tokens)
+        tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
+                        residual_bytes=plan.residual_bytes if config.residual else 0)
+        if dst.num_slots != num_tokens:
+            raise SettingsMismatchError(f"decode allocated {dst.num_slots} KV slots for a "
+                                        f"request of {num_tokens} tokens")
+        session = deps.sessions.open(dst.session_address)
+        ann = session.wait_announcement(room, timeout=config.connect_timeout_s)
+        tr.mark("announcement")
+        segments = Segments.parse(ann.meta, plan.num_layers)
+        if segments is not None:
+            tr.facts.update(segments=segments.count)
+            return WindowedWriter(deps.writer, session, job, pool, plan, segments,
+                                  self.inflight), None
+        check_announcement(ann, plan)
+        staging = self.inflight.allocate(plan.staging_bytes)
+        f = InFlight(room, session, staging, tr)
+        writer = RoomWriter(deps.writer, session, job, pool, staging, plan)
+        self.inflight.add(f)
+        return writer, f
+
+    def _done(self, job: Job, sent: int, destinations: list[Destination]) -> None:
+        self.deps.sent.record(job.room, sent)
+        self.deps.link.report(job.room, None, [d.notify for d in destinations])
+        job.trace.mark("reported")
+
+
+class DestinationWorkers:
+    """The prefill's destination workers by decode address, started on demand. Thread-safe."""
+
+    def __init__(self, deps: WorkerDeps):
+        self.deps = deps
+        self._workers: dict[str, DestinationWorker] = {}
+        self._lock = threading.Lock()
+
+    def dispatch(self, jobs: list[Job]) -> None:
+        """Queue rooms bound for one decode address to its worker, as one group."""
+        address = jobs[0].destinations[0].session_address
+        with self._lock:
+            worker = self._workers.get(address)
+            if worker is None:
+                worker = self._workers[address] = DestinationWorker(self.deps, address,
+                                                                    self._retire)
+            worker.jobs.put(jobs)
+
+    def in_flight(self) -> int:
+        """Rooms queued to a worker or holding its staging."""
+        with self._lock:
+            workers = list(self._workers.values())
+        return sum(len(w.inflight) + w.jobs.qsize() for w in workers)
+
+    def _retire(self, worker: DestinationWorker) -> bool:
+        """An idle worker asks to exit; False if a job raced in."""
+        with self._lock:
+            if not worker.jobs.empty():
+                return False
+            self._workers.pop(worker.address, None)
+            return True
