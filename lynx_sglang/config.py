@@ -16,7 +16,10 @@ import argparse
 import dataclasses
 import enum
 import json
+import logging
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,8 @@ from lynx_transport.verbs import VerbsOptions
 
 from .errors import LynxConfigError
 from .names import CONFIG_ENV, SECRET_ENV
+
+logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("tcp", "verbs")
 MIN_SECRET_BYTES = 16
@@ -70,14 +75,19 @@ class LynxConfig:
     ib_residual_tc: int = _opt(VerbsOptions.residual_tc, "verbs: traffic class of the Residual "
                                                          "queue pair; 32 = DSCP 8 (CS1)")
     secret_file: str | None = _opt(
-        None, "file whose bytes (at least 16, e.g. `head -c 32 /dev/urandom`) authenticate every "
-              "Lynx transport session: give every prefill and decode of the deployment the same "
-              f"file (or the secret in ${SECRET_ENV}, hex); `lynx-sglang up` makes one. Without a "
-              "secret Lynx listens on loopback only, unless --lynx-insecure")
+        None, "file holding the secret (at least 16 bytes) that authenticates every Lynx transport "
+              "session: give every prefill and decode of the deployment the same file (or the "
+              f"secret in ${SECRET_ENV}, hex); `lynx-sglang up` makes one. The secret is the "
+              "file's bytes as they are (e.g. `head -c 32 /dev/urandom`), or, for a file of only "
+              "hex digits and at most one trailing newline, the bytes they spell (e.g. `openssl "
+              "rand -hex 32`). The file must be a regular file (not a symbolic link) that only "
+              "its owner may access (chmod 600), unless --lynx-insecure. Without a secret Lynx "
+              "listens on loopback only, unless --lynx-insecure")
     insecure: bool = _opt(
         False, "allow unauthenticated transport sessions on a non-loopback address: anyone who "
                "can reach the port could write into KV memory; only on an isolated, trusted "
-               "network")
+               "network. Also accepts, with a warning, a --lynx-secret-file that others than its "
+               "owner may access, or a symbolic link")
     tls_cert: str | None = _opt(
         None, "tcp transport: PEM certificate (chain) of this server; with --lynx-tls-key and "
               "--lynx-tls-ca every data connection runs TLS 1.3 with certificates checked both "
@@ -244,14 +254,19 @@ class LynxConfig:
         return tls
 
     def load_secret(self) -> bytes | None:
-        """The transport secret: the file's bytes, else the hex in the environment, else None."""
+        """The transport secret: from the file (`read_secret_file`; one that is not safe is
+        refused unless --lynx-insecure), else the hex in the environment, else None."""
         if self.secret_file:
-            try:
-                secret = Path(self.secret_file).read_bytes().strip()
-            except OSError as exc:
-                raise LynxConfigError(f"{flag_name('secret_file')}: cannot read "
-                                      f"{self.secret_file}: {exc}") from None
-            where = flag_name("secret_file")
+            read = read_secret_file(self.secret_file)
+            if read.unsafe and not self.insecure:
+                raise LynxConfigError(f"{flag_name('secret_file')}: {read.unsafe}, or pass "
+                                      f"{flag_name('insecure')} to use it anyway")
+            if read.unsafe:
+                logger.warning("lynx: %s: %s; used anyway (%s)", flag_name("secret_file"),
+                               read.unsafe, flag_name("insecure"))
+            secret = read.secret
+            where = f"{flag_name('secret_file')} {self.secret_file}" + (
+                " (hex digits)" if read.hex else "")
         elif os.environ.get(SECRET_ENV):
             try:
                 secret = bytes.fromhex(os.environ[SECRET_ENV].strip())
@@ -304,6 +319,55 @@ class LynxConfig:
             return cls.build(**json.loads(raw))
         except (TypeError, json.JSONDecodeError) as exc:
             raise LynxConfigError(f"bad {CONFIG_ENV}={raw!r}: {exc}") from exc
+
+
+# A secret file holding the secret as text: hex digits and at most one trailing newline. Random
+# binary secrets are read as they are: 16 random bytes are all hex digits with odds 1e-17.
+_HEX_SECRET = re.compile(rb"([0-9A-Fa-f]+)(?:\r?\n)?")
+
+
+@dataclass(frozen=True)
+class SecretFile:
+    secret: bytes
+    hex: bool  # the file held the secret as hex digits
+    # Why the file is not safe to trust, with the fix (a symbolic link, or access beyond its
+    # owner), or None.
+    unsafe: str | None
+
+
+def read_secret_file(path: str) -> SecretFile:
+    """The secret in file `path`: its bytes as they are (no whitespace stripped: that refused or
+    changed binary secrets), or the bytes its hex digits spell when it holds only those and at
+    most one trailing newline. Says what makes the file unsafe, for the caller to refuse: a
+    symbolic link (whoever may change the link picks the secret), or any permission for the
+    file's group or others."""
+    where = flag_name("secret_file")
+    try:
+        link = os.readlink(path) if os.path.islink(path) else None
+        # O_NOFOLLOW for a file that was not a link: the mode checked is that of the file read,
+        # not of one a link was swapped in for meanwhile.
+        fd = os.open(path, os.O_RDONLY | (0 if link is not None else os.O_NOFOLLOW))
+        with os.fdopen(fd, "rb") as f:
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+            data = f.read()
+    except OSError as exc:
+        raise LynxConfigError(f"{where}: cannot read {path}: {exc}") from None
+    if link is not None:
+        unsafe = (f"{path} is a symbolic link (to {link}): give the file itself, readable by its "
+                  "owner only (chmod 600)")
+    elif mode & 0o077:
+        unsafe = (f"{path} has mode {mode:04o}: its group or others may access it; "
+                  f"`chmod 600 {path}`")
+    else:
+        unsafe = None
+    text = _HEX_SECRET.fullmatch(data)
+    if text is None:
+        return SecretFile(data, False, unsafe)
+    digits = text.group(1)
+    if len(digits) % 2:
+        raise LynxConfigError(f"{where}: {path} holds {len(digits)} hex digits, an odd number: "
+                              "write whole bytes (e.g. `openssl rand -hex 32`)")
+    return SecretFile(bytes.fromhex(digits.decode("ascii")), True, unsafe)
 
 
 def _dest(name: str) -> str:

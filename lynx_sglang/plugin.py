@@ -180,8 +180,9 @@ def _check_secret(config: LynxConfig) -> None:
         raise LynxConfigError(
             f"Lynx transport sessions need a shared secret on a non-loopback address "
             f"({get_local_ip_auto()}): pass --lynx-secret-file FILE (the same file on every "
-            f"prefill and decode; e.g. `head -c 32 /dev/urandom > FILE`) or set ${SECRET_ENV} "
-            "(hex), or --lynx-insecure on an isolated, trusted network")
+            f"prefill and decode, readable by its owner only; e.g. "
+            f"`(umask 077; head -c 32 /dev/urandom > FILE)`) or set ${SECRET_ENV} (hex), or "
+            "--lynx-insecure on an isolated, trusted network")
 
 
 def _init_kv_manager_after(kv_manager, queue):

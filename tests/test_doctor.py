@@ -32,8 +32,33 @@ def test_secret(tmp_path, monkeypatch):
     assert doctor.check_secret(None).verdict is doctor.Verdict.WARN
     key = tmp_path / "k"
     key.write_bytes(b"x" * 32)
+    key.chmod(0o600)
     assert doctor.check_secret(str(key)).verdict is doctor.Verdict.OK
     assert doctor.check_secret(str(tmp_path / "missing")).verdict is doctor.Verdict.FAIL
+
+
+def test_a_secret_file_others_may_access_fails_as_the_servers_would_refuse_it(tmp_path):
+    key = tmp_path / "k"
+    key.write_text("ab" * 16 + "\n")
+    key.chmod(0o600)
+    ok = doctor.check_secret(str(key))
+    assert ok.verdict is doctor.Verdict.OK and ok.detail == f"16 bytes from {key} (hex digits)"
+    key.chmod(0o644)
+    loose = doctor.check_secret(str(key))
+    assert loose.verdict is doctor.Verdict.FAIL, loose
+    assert f"{key} has mode 0644" in loose.detail and f"`chmod 600 {key}`" in loose.detail
+    allowed = doctor.check_secret(str(key), insecure=True)
+    assert allowed.verdict is doctor.Verdict.WARN and "mode 0644" in allowed.detail, allowed
+    link = tmp_path / "link"
+    link.symlink_to(key)
+    key.chmod(0o600)
+    linked = doctor.check_secret(str(link))
+    assert linked.verdict is doctor.Verdict.FAIL and "symbolic link" in linked.detail, linked
+    assert doctor.check_secret(str(link), insecure=True).verdict is doctor.Verdict.WARN
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    args = parser.parse_args(["--secret-file", str(link), "--insecure"])
+    assert {c.name: c for c in doctor.run_checks(args)}["secret"].verdict is doctor.Verdict.WARN
 
 
 def test_this_install_is_found_and_the_exit_status_follows_failures(capsys):

@@ -3,9 +3,10 @@
 Each check is one line: OK, WARN (works, but not as it should for serving) or FAIL (Lynx cannot run
 this way), with what was found and what to do. Checks: the installed SGLang against the supported
 release, the plugin's entry point (how SGLang finds Lynx), the C codec, pyverbs and the RDMA devices
-it sees, the transport secret, the TLS files (`--tls-cert/--tls-key/--tls-ca`: they load, chain
-to the CA, and how long they stay valid), and, with `--model`, the staging memory one request of
-`--context-tokens` needs against `--staging-mib`. Exit status 1 if any check fails.
+it sees, the transport secret (its file's mode too, as the servers check it), the TLS files
+(`--tls-cert/--tls-key/--tls-ca`: they load, chain to the CA, and how long they stay valid), and,
+with `--model`, the staging memory one request of `--context-tokens` needs against
+`--staging-mib`. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -82,19 +83,27 @@ def check_rdma() -> Check:
     return Check("rdma", Verdict.OK, f"devices {', '.join(devices)}")
 
 
-def check_secret(secret_file: str | None) -> Check:
-    from lynx_sglang.config import SECRET_ENV, LynxConfig
+def check_secret(secret_file: str | None, insecure: bool = False) -> Check:
+    """The secret as the servers would load it: a secret file that is a symbolic link or that
+    others than its owner may access fails, or is a warning with `insecure`."""
+    from lynx_sglang.config import SECRET_ENV, LynxConfig, read_secret_file
     from lynx_sglang.errors import LynxConfigError
 
     try:
-        secret = LynxConfig(secret_file=secret_file).load_secret()
+        secret = LynxConfig(secret_file=secret_file, insecure=insecure).load_secret()
     except LynxConfigError as exc:
         return Check("secret", Verdict.FAIL, str(exc))
     if secret is None:
         return Check("secret", Verdict.WARN, f"none (--lynx-secret-file or ${SECRET_ENV}): the "
                      "servers will only listen on loopback unless --lynx-insecure")
-    return Check("secret", Verdict.OK, f"{len(secret)} bytes"
-                 + (f" from {secret_file}" if secret_file else f" from ${SECRET_ENV}"))
+    if not secret_file:
+        return Check("secret", Verdict.OK, f"{len(secret)} bytes from ${SECRET_ENV}")
+    read = read_secret_file(secret_file)
+    found = f"{len(secret)} bytes from {secret_file}" + (" (hex digits)" if read.hex else "")
+    if read.unsafe:
+        return Check("secret", Verdict.WARN, f"{found}, accepted by --lynx-insecure, but "
+                     f"{read.unsafe}")
+    return Check("secret", Verdict.OK, found)
 
 
 def check_tls(cert: str | None, key: str | None, ca: str | None) -> Check:
@@ -200,7 +209,7 @@ def check_staging(model: str, context_tokens: int, staging_mib: int) -> Check:
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
     checks = [check_sglang(), check_plugin(), check_codec(), check_rdma(),
-              check_secret(args.secret_file),
+              check_secret(args.secret_file, args.insecure),
               check_tls(args.tls_cert, args.tls_key, args.tls_ca)]
     if args.model:
         checks.append(check_staging(args.model, args.context_tokens, args.staging_mib))
@@ -217,6 +226,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the --lynx-staging-mib you intend (default: %(default)s)")
     parser.add_argument("--secret-file", default=None,
                         help="the --lynx-secret-file you intend (default: $LYNX_SGLANG_SECRET)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="you intend --lynx-insecure: a secret file that is a symbolic link "
+                             "or that others than its owner may access is then a warning, not a "
+                             "failure")
     for what in ("cert", "key", "ca"):
         parser.add_argument(f"--tls-{what}", default=None,
                             help=f"the --lynx-tls-{what} you intend")

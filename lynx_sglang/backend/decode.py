@@ -155,8 +155,9 @@ class DecodeApplier:
         # Prefill ranks whose wire settings differ from ours: their rooms fail at once, saying so.
         self._refused_ranks: dict[tuple[str, int], str] = {}
         self._closing: list[tuple[Session, float]] = []  # refused sessions (accept thread only)
-        # Every room not yet forgotten: transferring, awaiting the prefill's Success, or reported
-        # at Anchor time and not yet consumed by the speculation controller.
+        # Every room not yet forgotten: transferring, awaiting the prefill's Success, reported at
+        # Anchor time and not yet consumed by the speculation controller, or failed and its
+        # Failed not yet reported.
         self._rooms: dict[int, DecodeRoom] = {}
         # Rooms that found no staging range, in arrival order (ids of rooms dropped meanwhile are
         # skipped when they come up).
@@ -395,8 +396,9 @@ class DecodeApplier:
 
     def on_prefill_success(self, room_id: int) -> bool:
         """The prefill reported Success for the room. Returns True if that status must not
-        reach SGLang now (the final KV is not in the pool yet, or Success was already reported at
-        Anchor time); False to let it through (the room is done, or not Lynx's)."""
+        reach SGLang now (the final KV is not in the pool yet, Success was already reported at
+        Anchor time, or the room failed and its Failed is on its way: `_fail`); False to let it
+        through (the room is done, or not Lynx's; SGLang keeps a Failed it has over it)."""
         with self._lock:
             room = self._rooms.get(room_id)
             if room is None:
@@ -840,16 +842,23 @@ class DecodeApplier:
         with self._lock:
             room.fail(reason)
             reported = room.reported_at_anchor
-            if not reported:
-                self._rooms.pop(room.room, None)
         self._release(room)
         trace.emit(room.trace)
-        if not reported:
-            self.link.report(room.room, reason)
-        else:
+        if reported:
             # SGLang already has Success and no longer polls: the speculation controller aborts
             # the running request when it reads this outcome.
             self.link.progress()
+            return
+        # Failed reaches SGLang before the room is forgotten: until then a prefill Success finds
+        # the failed room and is held back (`on_prefill_success`), afterwards it finds SGLang's
+        # Failed, which SGLang never lets a later Success replace. Forgotten first, a Success in
+        # between reached SGLang first and its receiver's poll kept it (issue 42: 1 room in 60).
+        try:
+            self.link.report(room.room, reason)
+        finally:
+            with self._lock:
+                if self._rooms.get(room.room) is room:  # not dropped by its receiver meanwhile
+                    del self._rooms[room.room]
 
 
 def _release_request(room: DecodeRoom, request_id: int) -> None:
