@@ -31,12 +31,12 @@ import sys
 from pathlib import Path
 
 import torch
-from lynx_tools import codec_report
 
 from lynx_kernels import CodecSpec, preset
 from lynx_kernels import exact as exact_coding
 from lynx_kernels.codec import protected_positions
 from lynx_kernels.wire import HEADER
+from lynx_tools import codec_report
 
 BLOCKS = (8, 32, 128)
 WIDTH_HEADER_BITS = 5  # widths 0..16

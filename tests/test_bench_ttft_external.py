@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from lynx_tools.bench_ttft import (
     LAUNCH_DEFAULTS,
     LYNX_CLIENT,

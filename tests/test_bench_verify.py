@@ -4,6 +4,7 @@ hand, docs/benchmarks.md: a timed result is never asserted)."""
 from __future__ import annotations
 
 import pytest
+
 from lynx_tools.bench_verify import (
     BenchVerifyError,
     DepthResult,

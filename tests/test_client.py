@@ -13,6 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from lynx_tools.client import GenerateError, generate, generate_stream
 
 # The events the stub streams for POST /<mode>/generate.

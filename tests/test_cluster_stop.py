@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc
 
 # The stand-in server: starts a child that ignores SIGTERM (SGLang's scheduler outliving its

@@ -14,11 +14,11 @@ import math
 
 import pytest
 import torch
-from lynx_tools import codec_report
-from lynx_tools.cli import main as cli_main
 
 from lynx_kernels import CodecSpec, encode, preset, protected_positions, run_nbytes
 from lynx_kernels.codec import exact_parts
+from lynx_tools import codec_report
+from lynx_tools.cli import main as cli_main
 
 SMOL = preset("SmolLM2-135M")
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
+from lynx_kernels import CodecSpec, model_shape
+from lynx_sglang.backend.plan import StreamPlan
 from lynx_tools.faults import (
     FAULTS,
     MODES,
@@ -25,9 +28,6 @@ from lynx_tools.faults import (
     table,
     windowed_staging_mib,
 )
-
-from lynx_kernels import CodecSpec, model_shape
-from lynx_sglang.backend.plan import StreamPlan
 
 
 def test_the_matrix_is_every_combination_of_its_axes():

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from lynx_tools import cluster as cluster_module
 from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc, fd_kind
 from lynx_tools.faults import fd_growth

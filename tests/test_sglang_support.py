@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from lynx_tools.cli import main
 
 from lynx_sglang.errors import UnsupportedSGLangError
 from lynx_sglang.sglang_support import check_sglang_version, supported_sglang
+from lynx_tools.cli import main
 
 
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.23.post1", "0.5.23.post2+cu126",

@@ -8,6 +8,8 @@ import itertools
 import json
 
 import pytest
+
+from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
 from lynx_tools.bench_ttft import (
     BENCH_SERVING,
     LYNX_CLIENT,
@@ -34,8 +36,6 @@ from lynx_tools.client import StreamedGeneration
 from lynx_tools.measure import transfer_lines
 from lynx_tools.prompts import random_ids_prompts
 from lynx_tools.variants import VariantError, select_variants
-
-from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
 
 MARKS = (2, 4)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from lynx_tools.faults import (
     NEXT_PROMPT_TOKENS,
     PROMPT_TOKENS,

@@ -8,10 +8,10 @@ server's, and the decode's KV slots and every server's staging must be back to i
 from __future__ import annotations
 
 import pytest
-from lynx_tools.load import PROMPT_LENGTHS, run_load
-from lynx_tools.measure import kv_dtype_server_args
 
 from lynx_sglang.names import STAGING_QUEUED_LOG
+from lynx_tools.load import PROMPT_LENGTHS, run_load
+from lynx_tools.measure import kv_dtype_server_args
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from lynx_tools.client import generate
 from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
 

@@ -7,6 +7,7 @@ differ from it)."""
 from __future__ import annotations
 
 import pytest
+
 from lynx_tools.client import generate
 from lynx_tools.cluster import ClusterMode, ClusterSpec
 

@@ -8,6 +8,7 @@ certificate). Greedy outputs must be token-identical to a single server's, specu
 from __future__ import annotations
 
 import pytest
+
 from lynx_tools.client import generate
 from lynx_tools.cluster import ClusterMode, ClusterSpec
 from lynx_tools.measure import transfer_lines

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from lynx_tools.client import generate
 from lynx_tools.cluster import ClusterMode, ClusterSpec
 

@@ -15,11 +15,12 @@ import os
 import re
 
 import pytest
+from transformers import AutoTokenizer
+
 from lynx_tools.client import generate
 from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
 from lynx_tools.measure import metric_sum, transfer_lines, wait_for
 from lynx_tools.prompts import passkey_prompt
-from transformers import AutoTokenizer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

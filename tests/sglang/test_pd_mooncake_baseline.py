@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import pytest
+
 from lynx_tools.client import generate
 from lynx_tools.cluster import ClusterMode, ClusterSpec
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from array import array
 
 import pytest
-from lynx_tools.cluster import free_port
 
 from lynx_sglang.speculation.stream import (
     SpecStreamClient,
@@ -15,6 +14,7 @@ from lynx_sglang.speculation.stream import (
     SpecStreamPublisher,
     SpecView,
 )
+from lynx_tools.cluster import free_port
 
 
 @pytest.fixture()

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+
+from lynx_sglang import trace
 from lynx_tools.trace_report import (
     CLIENT_STAGE,
     breakdown,
@@ -11,8 +13,6 @@ from lynx_tools.trace_report import (
     parse_rate,
     records_by_request,
 )
-
-from lynx_sglang import trace
 
 
 def _write(tmp_path, speculate: bool) -> None:

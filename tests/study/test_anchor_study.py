@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from lynx_kernels import decode, encode
 from lynx_tools.study.anchor_study import PromptResult, VariantResult, measure_prompt, summarize
 from lynx_tools.study.kv_variants import (
     NAIVE,
@@ -20,8 +22,6 @@ from lynx_tools.study.kv_variants import (
     minmax_quantize,
     variant_by_name,
 )
-
-from lynx_kernels import decode, encode
 
 SMOL_KV = (3, 64)  # SmolLM2-135M: kv heads, head_dim
 

@@ -14,6 +14,7 @@ import json
 import os
 
 import pytest
+
 from lynx_tools import linkbench as lb
 from lynx_tools.netns import ShapedLink, netns_available
 
