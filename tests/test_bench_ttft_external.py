@@ -22,14 +22,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lynx_tools.bench_ttft import (
-    LAUNCH_DEFAULTS,
-    LYNX_CLIENT,
-    add_arguments,
-    check_arguments,
-    stream_byte_counters,
-)
+from lynx_tools.bench_ttft import LAUNCH_DEFAULTS, add_arguments, check_arguments
 from lynx_tools.cli import main
+from lynx_tools.ttft_clients import stream_byte_counters
+from lynx_tools.ttft_results import LYNX_CLIENT
 
 ANCHOR_BYTES, RESIDUAL_BYTES = 1000, 3000  # per streamed request, as the stub counts them
 

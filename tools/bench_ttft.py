@@ -49,44 +49,45 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
-
 from lynx_kernels import KVShape
-from lynx_sglang.errors import LynxError
 from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
 from lynx_sglang.trace import read_records
 
-from .client import GenerateError, StreamedGeneration, generate, generate_stream
+from .client import StreamedGeneration
 from .cluster import Cluster, ClusterMode, ClusterSpec
 from .measure import (
     DEFAULT_KV_DTYPE,
-    LYNX_EVENTS,
     add_kv_dtype_argument,
     kv_dtype_server_args,
-    metric_samples,
     model_kv_shape,
     wait_for,
 )
 from .progress import Progress
 from .prompts import passkey_prompt, random_ids_prompts
-from .trace_report import Breakdown, breakdown, parse_rate, records_by_request
-from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, select_variants, variant_names
-
-BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
-LYNX_CLIENT = "lynx_client"      # lynx_tools.client.generate_stream's per-request numbers
-CLIENTS = (BENCH_SERVING, LYNX_CLIENT)
-
-
-class BenchError(LynxError):
-    pass
-
+from .trace_report import breakdown, parse_rate, records_by_request
+from .ttft_clients import (
+    run_bench_serving,
+    settled_stream_byte_counters,
+    stream_prompts,
+    stream_round,
+    warm_up,
+)
+from .ttft_report import format_table, plot, result_json
+from .ttft_results import (
+    BenchConfig,
+    BenchError,
+    RequestTiming,
+    VariantResult,
+    client_timing,
+    medians,
+    ratios,
+)
+from .variants import VARIANTS, Variant, select_variants, variant_names
 
 DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
 # Options that only apply when this tool starts the clusters, with their defaults: argparse's own
@@ -97,325 +98,6 @@ LAUNCH_DEFAULTS = {"variants": ",".join(DEFAULT_VARIANTS), "baseline": "mooncake
 # Options that only apply to an already running cluster (--url).
 EXTERNAL_OPTIONS = ("label", "metrics_url")
 DEFAULT_LABEL = "external"
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """One request as one client saw it; seconds since that client sent it."""
-
-    client: str
-    index: int
-    prompt_tokens: int
-    output_tokens: int
-    ttft_s: float
-    # 1-based output token number (the marks, e.g. 16 and 64) -> seconds; None if fewer tokens.
-    token_s: dict[int, float | None]
-    # lynx_client only: the prefill's "prefill forward done" line, and first token - that.
-    prefill_done_s: float | None = None
-    network_ttft_s: float | None = None
-    # lynx_client, Lynx variants: bytes per stream and Anchor/Residual landed/applied times.
-    stream_bytes: dict[str, int] | None = None
-    lynx_events_s: dict[str, float | None] = field(default_factory=dict)
-    # lynx_client: where the network-exposed TTFT went (tools.trace_report).
-    stages: Breakdown | None = None
-    text: str = ""
-
-
-def token_times_from_itl(ttft_s: float, itl_s: list[float], output_tokens: int,
-                         marks: tuple[int, ...]) -> dict[int, float | None]:
-    """Arrival of output token k from bench_serving's TTFT and per-token inter-token latencies.
-
-    bench_serving spreads each streamed chunk's gap evenly over the chunk's new tokens and keeps
-    no ITL for the tokens of the first chunk, so the first `output_tokens - len(itl_s)` tokens
-    arrived at TTFT and token k after that at TTFT + the first k - c ITLs (exact at chunk ends;
-    with SGLang's default one token per chunk, exact for every token).
-    """
-    first_chunk = output_tokens - len(itl_s)
-    if first_chunk < 1:
-        raise BenchError(f"{len(itl_s)} inter-token latencies for {output_tokens} output tokens")
-    times: dict[int, float | None] = {}
-    for k in marks:
-        if k > output_tokens:
-            times[k] = None
-        elif k <= first_chunk:
-            times[k] = ttft_s
-        else:
-            times[k] = ttft_s + sum(itl_s[:k - first_chunk])
-    return times
-
-
-def parse_bench_serving(result: dict, marks: tuple[int, ...]) -> list[RequestTiming]:
-    """Per-request timings from bench_serving's `--output-details` result (one JSONL line)."""
-    errors = [e for e in result.get("errors", []) if e]
-    if errors:
-        raise BenchError(f"bench_serving: {len(errors)} failed request(s): {errors[0][-2000:]}")
-    rows = zip(result["input_lens"], result["output_lens"], result["ttfts"], result["itls"],
-               result["generated_texts"], strict=True)
-    return [RequestTiming(BENCH_SERVING, i, p, o, ttft, token_times_from_itl(ttft, itl, o, marks),
-                          text=text)
-            for i, (p, o, ttft, itl, text) in enumerate(rows)]
-
-
-def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
-                  prefill_done: float | None, transfer: dict | None,
-                  stages: Breakdown | None = None) -> RequestTiming:
-    """Per-request timing of one streamed request, with the prefill's `prefill_done` time and
-    (Lynx) the decode's transfer record (bytes per stream, landed/applied times) and its stage
-    breakdown."""
-    rel = lambda t: None if t is None else round(t - got.t_send, 6)  # noqa: E731
-    ttft = rel(got.t_first_token)
-    done = rel(prefill_done)
-    return RequestTiming(
-        LYNX_CLIENT, index, got.prompt_tokens, len(got.output_ids), ttft,
-        {k: rel(got.t_tokens[k - 1]) if k <= len(got.t_tokens) else None for k in marks},
-        prefill_done_s=done,
-        network_ttft_s=None if done is None else round(ttft - done, 6),
-        stream_bytes=None if transfer is None else {"anchor": transfer["anchor_bytes"],
-                                                    "residual": transfer["residual_bytes"]},
-        lynx_events_s={} if transfer is None else {k: rel(transfer.get(k)) for k in LYNX_EVENTS},
-        stages=stages, text=got.text)
-
-
-def metric_values(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, list[float]]:
-    """`<client>.<metric>` -> the requests' values (None left out): ttft_s, t<k>_s for each
-    token mark k, and for the lynx client (which knows when the prefill's forward ended)
-    net_ttft_s, t<k>_from_done_s (token k counted from prefill done: what the issue's goals
-    compare, without the prefill's own time) and tpot_s (time per output token between the
-    first and the last mark: the decode's pace once the first tokens are out)."""
-    out: dict[str, list[float]] = {}
-
-    def add(key: str, value: float | None) -> None:
-        if value is not None:
-            out.setdefault(key, []).append(value)
-
-    for r in requests:
-        add(f"{r.client}.ttft_s", r.ttft_s)
-        if r.client == LYNX_CLIENT:
-            add(f"{r.client}.net_ttft_s", r.network_ttft_s)
-        for k in marks:
-            add(f"{r.client}.t{k}_s", r.token_s.get(k))
-        if r.client != LYNX_CLIENT:
-            continue
-        if r.prefill_done_s is not None:
-            for k in marks:
-                t = r.token_s.get(k)
-                add(f"{r.client}.t{k}_from_done_s", None if t is None else t - r.prefill_done_s)
-        first, last = min(marks, default=0), max(marks, default=0)
-        t_first, t_last = r.token_s.get(first), r.token_s.get(last)
-        if last > first and t_first is not None and t_last is not None:
-            add(f"{r.client}.tpot_s", (t_last - t_first) / (last - first))
-    return out
-
-
-def medians(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, float]:
-    return {k: round(statistics.median(v), 6) for k, v in metric_values(requests, marks).items()}
-
-
-def spreads(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, list[float]]:
-    """`<client>.<metric>` -> [min, max] over the requests (the medians' spread)."""
-    return {k: [round(min(v), 6), round(max(v), 6)]
-            for k, v in metric_values(requests, marks).items()}
-
-
-def same_text_as_baseline(results: list[VariantResult], baseline: str) -> dict[str, bool | None]:
-    """Per variant: whether the lynx client got the baseline's text for every prompt (same
-    prompts, greedy; a bit-exact variant must). None where either side has no requests."""
-    def texts(r: VariantResult) -> list[str]:
-        return [q.text for q in sorted(r.requests, key=lambda q: q.index)
-                if q.client == LYNX_CLIENT]
-
-    base = next((texts(r) for r in results if r.variant.name == baseline), [])
-    out: dict[str, bool | None] = {}
-    for r in results:
-        if r.variant.name != baseline:
-            mine = texts(r)
-            out[r.variant.name] = mine == base if mine and base else None
-    return out
-
-
-def ratios(medians_by_variant: dict[str, dict[str, float]], baseline: str) -> dict[str, dict]:
-    """`<baseline>/<variant>` -> metric -> baseline median ÷ variant median (> 1: the variant is
-    faster). Metrics missing on either side, or zero at the variant, are left out; no ratios
-    before the baseline has been measured."""
-    if baseline not in medians_by_variant:
-        return {}
-    base = medians_by_variant[baseline]
-    out = {}
-    for name, med in medians_by_variant.items():
-        if name == baseline:
-            continue
-        out[f"{baseline}/{name}"] = {k: round(base[k] / med[k], 4) for k in med
-                                     if k in base and med[k] > 0}
-    return out
-
-
-@dataclass(frozen=True)
-class VariantResult:
-    variant: Variant
-    requests: list[RequestTiming]
-    # Bytes per stream of one request: {"anchor", "residual"} (measured, Lynx) or {"kv"}.
-    stream_bytes: dict[str, int]
-    bytes_measured: bool
-    # Whether both clients got the same text for each prompt (same prompts, greedy); None when
-    # bench_serving did not run.
-    same_text_both_clients: bool | None
-    run_dir: str
-    warmup_attempts: int = 1
-    # Lynx: the decode's effective configuration as it logged it at start-up.
-    server_config: dict | None = None
-    # What could not be measured and why (an external cluster's trace records are out of reach).
-    unavailable: tuple[str, ...] = ()
-
-
-def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new_tokens: int,
-                          requests: int, seed: int, output_file: Path,
-                          concurrency: int = 1) -> list[str]:
-    return [
-        sys.executable, "-m", "lynx_tools.bench_serving_offline",
-        "--backend", "sglang", "--base-url", url,
-        "--model", str(model_dir), "--tokenizer", str(model_dir),
-        "--dataset-name", "random-ids", "--tokenize-prompt",
-        "--random-input-len", str(prompt_tokens), "--random-output-len", str(max_new_tokens),
-        "--random-range-ratio", "1", "--num-prompts", str(requests), "--seed", str(seed),
-        # Latency, not throughput: one request at a time unless asked for more. The caller warms
-        # the cluster up with a different prompt; bench_serving's own warm-up would send the
-        # first measured prompt and put it in the prefix cache.
-        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--warmup-requests", "0",
-        "--output-file", str(output_file), "--output-details", "--disable-tqdm",
-    ]
-
-
-def _flush_prefix_cache(server_url: str, timeout_s: float = 60.0) -> None:
-    """Empty a server's prefix cache (waits until it is idle), so a repeated prompt is prefilled
-    and transferred in full again. A router passes it on to all its servers."""
-    try:
-        r = requests.post(f"{server_url}/flush_cache", params={"timeout": f"{timeout_s:.0f}"},
-                          timeout=timeout_s + 10)
-    except requests.RequestException as exc:
-        raise BenchError(f"flush_cache on {server_url} failed: {exc}") from exc
-    if r.status_code != 200:
-        raise BenchError(f"flush_cache on {server_url}: HTTP {r.status_code}: {r.text[:500]!r}")
-
-
-def stream_byte_counters(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float] | None:
-    """Lynx's `lynx_stream_bytes_total` per stream from a Prometheus `/metrics` page (a decode
-    server with SGLang's --enable-metrics), summed over its series; None when the page cannot
-    be read or has no such counter (metrics off, not Lynx, or a router's page)."""
-    samples = metric_samples(metrics_url, "lynx_stream_bytes_total", timeout_s)
-    totals: dict[str, float] = {}
-    for sample in samples or ():
-        stream = sample.labels.get("stream", "")
-        totals[stream] = totals.get(stream, 0.0) + sample.value
-    return totals or None
-
-
-def settled_stream_byte_counters(metrics_url: str, timeout_s: float = 10.0) -> dict | None:
-    """`stream_byte_counters` once two reads in a row agree: the decode counts a transfer when
-    its KV is final, which with speculation can be a moment after the request's last token."""
-    last = [stream_byte_counters(metrics_url)]
-
-    def unchanged() -> bool:
-        last.append(stream_byte_counters(metrics_url))
-        return last[-1] == last[-2]
-
-    wait_for(unchanged, timeout_s=timeout_s, poll_s=0.5)
-    return last[-1]
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    link: str | None
-    model: str
-    prompt_tokens: int
-    max_new_tokens: int
-    requests: int
-    seed: int
-    token_marks: tuple[int, ...]
-    variants: tuple[str, ...]
-    baseline: str
-    startup_timeout_s: float | None  # None for an external cluster
-    request_timeout_s: float
-    # None for an external cluster: it runs with whatever KV dtype it was started with.
-    kv_dtype: str | None = DEFAULT_KV_DTYPE
-    # The router of an already running cluster that was measured (--url), instead of variants.
-    url: str | None = None
-    # False (--no-bench-serving): only this project's streaming client sends requests.
-    use_bench_serving: bool = True
-    # Requests each client sends at once (--concurrency); 1: one after the other.
-    concurrency: int = 1
-    # --interleave: all clusters up at once, each round sent to one variant after another.
-    interleave: bool = False
-
-    @property
-    def pacing(self) -> str:
-        pacing = ("one at a time" if self.concurrency == 1 else
-                  f"in rounds of {self.concurrency} sent at once")
-        return pacing + (", variants interleaved round by round" if self.interleave else "")
-
-
-def warm_up(url: str, warmup_ids: list[int], cfg: BenchConfig, progress: Progress) -> int:
-    """One full-length request; returns the attempt that succeeded."""
-    for attempt in range(1, WARMUP_ATTEMPTS + 1):
-        progress.note(f"warm-up request ({len(warmup_ids)} tokens), attempt {attempt}")
-        try:
-            generate(url, input_ids=warmup_ids, max_new_tokens=4, timeout_s=cfg.request_timeout_s)
-        except GenerateError as exc:
-            progress.note(f"warm-up failed: {exc}")
-            if attempt == WARMUP_ATTEMPTS:
-                raise
-        else:
-            return attempt
-
-
-def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
-                      progress: Progress) -> list[RequestTiming]:
-    out_file = run_dir / "bench_serving.jsonl"
-    out_file.unlink(missing_ok=True)  # bench_serving appends
-    cmd = bench_serving_command(url, Path(cfg.model), cfg.prompt_tokens, cfg.max_new_tokens,
-                                cfg.requests, cfg.seed, out_file, cfg.concurrency)
-    (run_dir / "bench_serving.cmd").write_text(" ".join(cmd) + "\n")
-    progress.note(f"sglang.bench_serving: {cfg.requests} request(s), {cfg.pacing} "
-                  f"(log {run_dir / 'bench_serving.log'})")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(run_dir / "bench_serving.log", "wb") as bs_log:
-        proc = subprocess.run(cmd, stdout=bs_log, stderr=subprocess.STDOUT, env=env,
-                              timeout=cfg.request_timeout_s * cfg.requests + 300)
-    if proc.returncode != 0 or not out_file.is_file():
-        raise BenchError(f"{name}: bench_serving exited with {proc.returncode}; "
-                         f"log {run_dir / 'bench_serving.log'}")
-    return parse_bench_serving(json.loads(out_file.read_text().splitlines()[-1]), cfg.token_marks)
-
-
-def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], first: int,
-                 cfg: BenchConfig) -> tuple[list[StreamedGeneration], list[str]]:
-    """One round: `flush_url`'s prefix cache emptied, then the prompts of `round_` (prompt
-    numbers from `first`) sent at once with lynx_tools.client; their streams and request
-    ids, in prompt order."""
-    _flush_prefix_cache(flush_url)
-    ids = [f"bench-{name}-{first + j}-{time.time_ns()}" for j in range(len(round_))]
-    with ThreadPoolExecutor(len(round_)) as pool:
-        futures = [pool.submit(generate_stream, url, input_ids=p,
-                               max_new_tokens=cfg.max_new_tokens,
-                               timeout_s=cfg.request_timeout_s,
-                               sampling={"ignore_eos": True}, rid=rid)
-                   for p, rid in zip(round_, ids, strict=True)]
-        return [f.result() for f in futures], ids
-
-
-def stream_prompts(url: str, flush_url: str, name: str, prompts: list[list[int]],
-                   cfg: BenchConfig, progress: Progress) -> tuple[list[StreamedGeneration], list[str]]:
-    """The prompts in rounds of `cfg.concurrency` sent at once (one at a time by default), each
-    round after a flush (`stream_round`); returns the streams and their request ids, in prompt
-    order."""
-    streamed, rids = [], []
-    n = cfg.concurrency
-    for start in range(0, len(prompts), n):
-        round_ = prompts[start: start + n]
-        progress.request(start + len(round_), len(prompts), "(lynx_tools.client)")
-        got, ids = stream_round(url, flush_url, name, round_, start, cfg)
-        streamed.extend(got)
-        rids.extend(ids)
-    return streamed, rids
 
 
 def interleaved_order(names: list[str], rounds: int) -> list[list[str]]:
@@ -601,130 +283,6 @@ def run_external(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]]
     return VariantResult(variant, bench + client, stream_bytes, bool(stream_bytes),
                          _same_text(bench, client), str(run_dir), attempt,
                          unavailable=tuple(unavailable))
-
-
-def _mib(b: int) -> str:
-    return f"{b / 2**20:.2f} MiB"
-
-
-def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
-                 ratio_table: dict[str, dict]) -> str:
-    marks = cfg.token_marks
-    tokens_from = BENCH_SERVING if cfg.use_bench_serving else LYNX_CLIENT
-    cols = [(f"{BENCH_SERVING}.ttft_s", "TTFT (bench_serving)"),
-            (f"{LYNX_CLIENT}.ttft_s", "TTFT (client)"),
-            (f"{LYNX_CLIENT}.net_ttft_s", "net TTFT (client)"),
-            *[(f"{tokens_from}.t{k}_s", f"token {k} ({tokens_from})") for k in marks],
-            *[(f"{LYNX_CLIENT}.t{k}_from_done_s", f"token {k} from prefill done") for k in marks],
-            (f"{LYNX_CLIENT}.tpot_s", f"per token, tokens {min(marks, default=0)}-"
-                                      f"{max(marks, default=0)}")]
-    # The client's own measures get their spread: the goals compare them, and one shared box
-    # varies a lot from request to request.
-    spread_of = {f"{LYNX_CLIENT}.net_ttft_s", f"{LYNX_CLIENT}.tpot_s",
-                 *[f"{LYNX_CLIENT}.t{k}_from_done_s" for k in marks]}
-    ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
-    values = [metric_values(r.requests, marks) for r in results]
-    # A measure no variant has (bench_serving not run, no prefill line) gets no column.
-    cols = [c for c in cols if any(c[0] in vals for vals in values)]
-    head = ("variant", *[c[1] for c in cols], "bytes per stream")
-    rows = []
-    for r, vals in zip(results, values, strict=True):
-        cells = [("-" if k not in vals else
-                  f"{ms(statistics.median(vals[k]))} ms" if k not in spread_of or len(vals[k]) < 2
-                  else f"{ms(statistics.median(vals[k]))} ms ({ms(min(vals[k]))}-{ms(max(vals[k]))})")
-                 for k, _ in cols]
-        b = r.stream_bytes
-        if not b:
-            nbytes = "unavailable"
-        elif "kv" in b:
-            nbytes = f"KV {_mib(b['kv'])} (computed)"
-        else:
-            nbytes = f"Anchor {_mib(b['anchor'])} / Residual {_mib(b['residual'])}"
-        rows.append((r.variant.name, *cells, nbytes))
-    widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))  # noqa: E731
-    lines = [f"link: {link_desc}; {cfg.requests} request(s) per client per variant, "
-             f"{cfg.pacing}; {cfg.prompt_tokens}-token prompts, {cfg.max_new_tokens} new tokens, "
-             "greedy; medians",
-             fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
-    for pair, vals in ratio_table.items():
-        shown = ", ".join(f"{k} {v:.2f}" for k, v in vals.items()
-                          if k.endswith(("ttft_s", f"t{marks[-1]}_s",
-                                         f"t{marks[-1]}_from_done_s")))
-        lines.append(f"{pair} (> 1: faster than {cfg.baseline}): {shown}")
-    if cfg.use_bench_serving:
-        same = {r.variant.name: r.same_text_both_clients for r in results}
-        lines.append(f"same output text from both clients (same prompts): {same}")
-    same = same_text_as_baseline(results, cfg.baseline)
-    if same:
-        exact = {r.variant.name: r.variant.exact for r in results}
-        lines.append(f"same output text as {cfg.baseline}, prompt by prompt: " + ", ".join(
-            f"{name} {ok}" + ("" if exact[name] else " (lossy variant)")
-            for name, ok in same.items()))
-    lines.append("TTFT: send -> first token at that client; net TTFT: prefill forward done (prefill "
-                 "log) -> first token at lynx_tools.client (bench_serving keeps no wall-clock "
-                 "send time); token k: send -> k-th streamed token; from prefill done: the same "
-                 "minus the prefill's forward; (min-max) over the requests.")
-    for r in results:
-        if r.unavailable:
-            lines.append(f"{r.variant.name}: unavailable for an already running cluster "
-                         "(only HTTP reaches it):")
-            lines += [f"  - {why}" for why in r.unavailable]
-    return "\n".join(lines)
-
-
-def plot(results: list[VariantResult], cfg: BenchConfig, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # The network-exposed TTFT gets its own panel: it is far smaller than the end-to-end times.
-    values = [metric_values(r.requests, cfg.token_marks) for r in results]
-    # A client that sent nothing (`--no-bench-serving`) gets no empty groups.
-    panels = [[f"{LYNX_CLIENT}.net_ttft_s"],
-              [k for k in (f"{BENCH_SERVING}.ttft_s", f"{LYNX_CLIENT}.ttft_s",
-                           *[f"{c}.t{m}_s" for m in cfg.token_marks for c in CLIENTS],
-                           *[f"{LYNX_CLIENT}.t{m}_from_done_s" for m in cfg.token_marks])
-               if any(vals.get(k) for vals in values)]]
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(panels[1]), 4.5),
-                             gridspec_kw={"width_ratios": [1.6, 1.6 * len(panels[1])]})
-    width = 0.8 / len(results)
-    for ax, keys in zip(axes, panels, strict=True):
-        for i, (r, vals) in enumerate(zip(results, values, strict=True)):
-            xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(keys))]
-            meds = [statistics.median(vals[k]) if vals.get(k) else 0.0 for k in keys]
-            ax.bar(xs, meds, width, label=r.variant.name)
-            for x, k in zip(xs, keys, strict=True):  # each request as a dot over its median bar
-                ax.plot([x] * len(vals.get(k, [])), vals.get(k, []), "k.", markersize=3)
-        ax.set_xticks(range(len(keys)),
-                      [k.removesuffix("_s").replace(".", "\n") for k in keys], fontsize=8)
-    axes[0].set_ylabel("seconds (median; dots: requests)")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def result_json(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
-                ratio_table: dict[str, dict], extra: dict) -> dict:
-    same = same_text_as_baseline(results, cfg.baseline)
-    return {
-        "config": asdict(cfg) | {"link_desc": link_desc,
-                                 "variant_specs": [asdict(r.variant) for r in results]} | extra,
-        "variants": {r.variant.name: {
-            "stream_bytes": r.stream_bytes, "bytes_measured": r.bytes_measured,
-            "same_text_both_clients": r.same_text_both_clients, "run_dir": r.run_dir,
-            "warmup_attempts": r.warmup_attempts, "server_config": r.server_config,
-            "unavailable": list(r.unavailable),
-            "medians": medians(r.requests, cfg.token_marks),
-            "spreads": spreads(r.requests, cfg.token_marks),
-            "same_text_as_baseline": same.get(r.variant.name),
-            "requests": {c: [asdict(q) for q in r.requests if q.client == c] for c in CLIENTS},
-        } for r in results},
-        "ratios": ratio_table,
-    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

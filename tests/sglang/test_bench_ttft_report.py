@@ -10,31 +10,27 @@ import json
 import pytest
 
 from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
-from lynx_tools.bench_ttft import (
+from lynx_tools.bench_ttft import cluster_spec, interleaved_order, lynx_stream_bytes
+from lynx_tools.client import StreamedGeneration
+from lynx_tools.measure import transfer_lines
+from lynx_tools.prompts import random_ids_prompts
+from lynx_tools.ttft_clients import bench_serving_command
+from lynx_tools.ttft_report import format_table, plot, result_json
+from lynx_tools.ttft_results import (
     BENCH_SERVING,
     LYNX_CLIENT,
     BenchConfig,
     BenchError,
     RequestTiming,
     VariantResult,
-    bench_serving_command,
     client_timing,
-    cluster_spec,
-    format_table,
-    interleaved_order,
-    lynx_stream_bytes,
     medians,
     parse_bench_serving,
-    plot,
     ratios,
-    result_json,
     same_text_as_baseline,
     spreads,
     token_times_from_itl,
 )
-from lynx_tools.client import StreamedGeneration
-from lynx_tools.measure import transfer_lines
-from lynx_tools.prompts import random_ids_prompts
 from lynx_tools.variants import VariantError, select_variants
 
 MARKS = (2, 4)
