@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install everything (scripts/install.sh) and run the whole test suite: lint, then every test this
+# Install everything (scripts/install.sh) and run the test suite: lint, then the tests this
 # machine can run. Tests that need what the machine lacks (a GPU, root for network namespaces)
 # skip with the reason; the soft-RoCE stage boots its own QEMU guest.
 # pytest's "no tests collected" (exit 5) is a failure here, like any other non-zero exit.

@@ -9,7 +9,7 @@ import pytest
 
 from lynx_kernels import CodecSpec, model_shape
 from lynx_sglang.backend.plan import StreamPlan
-from lynx_tools.faults import (
+from lynx_tools.fault_cells import (
     FAULTS,
     MODES,
     PARKED_NEW_TOKENS,
@@ -17,17 +17,14 @@ from lynx_tools.faults import (
     TARGETS,
     Cell,
     CellResult,
-    Matrix,
     Timing,
-    _brief,
-    add_arguments,
     all_cells,
-    check_arguments,
-    chosen_cells,
+    brief,
     select_cells,
     table,
     windowed_staging_mib,
 )
+from lynx_tools.faults import Matrix, add_arguments, check_arguments, chosen_cells
 
 
 def test_the_matrix_is_every_combination_of_its_axes():
@@ -174,12 +171,12 @@ def test_a_parked_cell_asks_fewer_tokens_so_that_its_request_parks():
 def test_an_outcome_keeps_the_reason_at_the_end_of_a_long_abort_message():
     message = ("request aborted: Decode transfer failed for request rank=0 rid='" + "9" * 300
                + "' with exception KVTransferError(...): Anchor stream failed: peer_died")
-    brief = _brief(message)
-    assert len(brief) == 300
-    assert brief.startswith("request aborted: Decode transfer failed")
-    assert brief.endswith("Anchor stream failed: peer_died")
-    assert _brief("short") == "short"
-    row = table([CellResult("prefill/sigkill/mid-anchor/greedy", outcome=f"error: {brief}",
+    short = brief(message)
+    assert len(short) == 300
+    assert short.startswith("request aborted: Decode transfer failed")
+    assert short.endswith("Anchor stream failed: peer_died")
+    assert brief("short") == "short"
+    row = table([CellResult("prefill/sigkill/mid-anchor/greedy", outcome=f"error: {short}",
                             phase_hit=True, checks={"servers alive": True})])
     assert "Anchor stream failed: peer_died |" in row  # the table keeps the reason too
 

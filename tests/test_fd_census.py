@@ -1,4 +1,4 @@
-"""The fault matrix's fd census (`Cluster.fd_kinds`, `faults.fd_growth`): what a leak check's
+"""The fault matrix's fd census (`Cluster.fd_kinds`, `fault_cells.fd_growth`): what a leak check's
 extra fds are and in which process, read from /proc of a real stand-in server (no SGLang)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from lynx_tools import cluster as cluster_module
 from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc, fd_kind
-from lynx_tools.faults import fd_growth
+from lynx_tools.fault_cells import fd_growth
 
 # Opens 3 eventfds and a socket pair, says so, then sleeps.
 SERVER = """

@@ -14,15 +14,15 @@ import os
 
 import pytest
 
-from lynx_tools.faults import (
+from lynx_tools.fault_cells import (
     NEXT_PROMPT_TOKENS,
     PROMPT_TOKENS,
-    Matrix,
     all_cells,
     select_cells,
     table,
     windowed_staging_mib,
 )
+from lynx_tools.faults import Matrix
 from lynx_tools.measure import kv_dtype_server_args
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
