@@ -90,17 +90,32 @@ secret) must stay inside what was announced to its own session. Confidentiality 
 the KV bytes against an attacker on the path: the tcp backend's TLS (``backend_options={"tls":
 TlsConfig(...)}``, `lynx_transport.tls`: TLS 1.3 on every data connection, certificates checked
 both ways); without it the data connections carry checksums, not MACs, and travel in clear. Not
-covered: confidentiality of the control messages (authenticated, in clear; they carry ids, sizes
-and settings, no stream bytes), the verbs backend's bytes (use a fabric only the cluster
-reaches), and denial of service by exhausting the network, file descriptors or the handshake
-caps.
+covered: confidentiality of the control messages without a secret (authenticated, in clear; they
+carry ids, sizes and settings, no stream bytes; with a secret CURVE encrypts them), the verbs
+backend's bytes (use a fabric only the cluster
+reaches), and denial of service by exhausting the network or file descriptors (a connection that
+has not authenticated holds one fd until its deadline: ``Limits.auth_timeout_s`` on the control
+port, ``preamble_timeout_s`` on the tcp data listener). The caps on what unauthenticated peers
+hold never refuse a newcomer: it evicts an older pending handshake or data connection (its own
+address's oldest at that address's cap, else the oldest of the address holding the most), so
+peers that never authenticate, from any number of addresses, cannot lock an honest one out.
 
 Protocol (version 2; an endpoint refuses any other version at connect, naming both):
 
+0. The control connection. With a secret every zmq connection runs CURVE (libzmq's CurveZMQ): the
+   acceptor's ROUTER is a CURVE server whose key is derived from the secret
+   (``lynx_transport.auth.control_key``), and since CurveZMQ never sends the server's public key,
+   only a peer holding the secret completes the ZMTP handshake; nothing anyone else sends is
+   buffered or reaches the control thread. The initiator watches its DEALER until the handshake
+   ends and reports a failed one at once ("do not share the same secret (or one has none)"); the
+   acceptor does not count them (libzmq drops them). Without a secret: ZMTP's NULL mechanism. A
+   connection whose ZMTP handshake is not done within ``handshake_timeout_s`` is closed.
+   (Endpoints with a secret from before CURVE speak NULL: they and these cannot reach each other.)
 1. HELLO, initiator → acceptor: session id (16 random bytes), version, backend, nonce_i (32
    random bytes). The acceptor keeps a small pending record — no thread, no backend resource —
-   within its caps (`Limits`: HELLOs per second per address, handshakes in progress, in all and per
-   address, sessions) and drops it after ``handshake_timeout_s``.
+   within its caps (`Limits`: HELLOs per second per address; handshakes in progress, in all and
+   per address, where a newcomer evicts an older record rather than being refused; sessions) and
+   drops it after ``auth_timeout_s``.
 2. CHALLENGE, acceptor → initiator: nonce_a. Both ends derive the session keys:
    ``K = HMAC-SHA256(secret, "lynx-transport/2 session\0" ‖ sid ‖ nonce_i ‖ nonce_a)``, and from it
    ``K_i = HMAC(K, "initiator")``, ``K_a = HMAC(K, "acceptor")``, ``K_data = HMAC(K, "data")``.
@@ -135,9 +150,13 @@ Every field a peer sends is checked before use (``lynx_transport.wire``; a bad m
 and dropped, never raised into a thread). Caps: `Limits` (sessions, handshakes, HELLO rate,
 bring-up threads, a session's pending announcements, zmq frame size) and the tcp listener's
 preamble deadline and pending-connection caps (``lynx_transport.tcp``). Known limit: libzmq bounds
-each frame (ZMQ_MAXMSGSIZE) but not the number of frames of one message, so a peer that never
-ends a multipart message can make libzmq buffer it (until its connection closes); only an
-authentication below the message layer (CURVE) would stop that.
+each frame (ZMQ_MAXMSGSIZE, ``Limits.max_message_bytes``) but not the number of frames of one
+message, and it buffers every frame of a message until its last one arrives (pyzmq never sees a
+part of it). So a peer that completes the ZMTP handshake and never ends a multipart message makes
+the endpoint's libzmq buffer it until the connection closes: ~64 B per empty frame, each frame's
+bytes otherwise; measured on loopback, +300 MiB in 1.3 s. With a secret only holders of the secret
+complete that handshake (step 0); without one (loopback only, unless ``allow_insecure``) any local
+process can.
 """
 
 from .backend import BACKENDS, Backend, FinOp, PriorityPolicy, Refused, WriteOp, load_backend

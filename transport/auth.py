@@ -3,11 +3,12 @@
 Owns the cryptography of the protocol described in the package docstring ("Security"): deriving a
 session's keys from the endpoints' shared secret and the two handshake nonces (`SessionKeys`), the
 MAC and sequence number on every authenticated control message (`Channel`), the proof a tcp data
-connection opens with (`data_proof`) and the rule that an endpoint reachable from other hosts needs
-a secret (`check_exposure`). Pure functions and small value types: the control plane
+connection opens with (`data_proof`), the key of the control connections' zmq CURVE layer
+(`control_key`) and the rule that an endpoint reachable from other hosts needs a secret
+(`check_exposure`). Pure functions and small value types: the control plane
 (`lynx_transport.control`) decides when each check runs, `lynx_transport.wire` owns the message
 formats. Called by the Endpoint (`check_secret`, `check_exposure`), the control plane
-(`SessionKeys`, `Channel`) and the tcp backend (`data_proof`).
+(`SessionKeys`, `Channel`, `control_key`) and the tcp backend (`data_proof`).
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ def data_proof(key: bytes, sid: bytes, stream: int) -> bytes:
     """What a tcp data connection of session `sid` for `stream` opens with: proves the dialer holds
     the session's data key (only the two ends of the handshake do)."""
     return _hmac(key, b"lynx-transport/2 tcp data\0", sid, bytes([stream]))
+
+
+def control_key(secret: bytes) -> bytes:
+    """The Curve25519 secret key of every control plane's zmq CURVE server in a deployment (32
+    bytes), derived from the shared secret. CurveZMQ never sends the server's public key: a client
+    must know it to open its HELLO box, so only holders of the secret complete a control
+    connection's handshake, and nobody else gets a single zmq frame buffered."""
+    return _hmac(secret, b"lynx-transport/2 zmq curve server\0")
 
 
 def check_secret(secret: bytes | None) -> bytes | None:

@@ -1,11 +1,14 @@
 """`ControlPlane`: the zmq control plane of one Endpoint, run by one thread.
 
 Owns every zmq socket (a ROUTER bound at the endpoint's address; one DEALER per session this
-endpoint initiated), the link of each session (`_Link`: the connection its messages must arrive on
-and its message authentication), the acceptor's half of the handshake (HELLO admission, CHALLENGE,
-AUTH verification, WELCOME, the bounded bring-up threads; `_Pending` handshakes), the out-queue and
-wake-up socketpair through which other threads hand it outgoing messages, heartbeats, the
-peer-timeout verdict and the deadline checks, and the helper threads it or a session starts.
+endpoint initiated, watched through a zmq monitor until its ZMTP handshake ends) and their CURVE
+layer when the endpoint has a secret (keyed by it: a peer without it completes no handshake, so
+libzmq buffers nothing it sends), the link of each session (`_Link`: the connection its messages
+must arrive on and its message authentication), the acceptor's half of the handshake (HELLO
+admission, CHALLENGE, AUTH verification, WELCOME, the bounded bring-up threads; `_Pending`
+handshakes), the out-queue and wake-up socketpair through which other threads hand it outgoing
+messages, heartbeats, the peer-timeout verdict and the deadline checks, and the helper threads it
+or a session starts.
 
 Every message a peer sends passes one gate before a Session sees it: framing (`wire.decode`), the
 route (a session's messages must arrive on the connection the session was opened on), the MAC
@@ -21,6 +24,7 @@ keys and MACs `lynx_transport.auth`'s, the caps `lynx_transport.limits`'.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -34,8 +38,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
-from .auth import NONCE_BYTES, Channel, SessionKeys
+from .auth import NO_SECRET, NONCE_BYTES, Channel, SessionKeys, control_key
 from .backend import Backend
 from .limits import Limits, RateLimiter
 from .types import FailureReason
@@ -69,6 +75,15 @@ CONTROL_TOS = 0x10
 # Messages taken from one socket per loop turn: a flood on one socket cannot hold off the
 # heartbeats and deadline checks of every session.
 RECV_BATCH = 256
+# CURVE carries each frame in a MESSAGE command (name, nonce, flags and MAC: 33 B more): the frame
+# cap leaves room for that around the largest legitimate frame.
+CURVE_FRAME_OVERHEAD = 64
+# What an initiator's DEALER reports until its control connection is up: a ZMTP handshake the peer
+# fails (another secret; CURVE against none) is otherwise retried in silence until connect's
+# timeout.
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_DISCONNECTED)
 
 
 @dataclass
@@ -79,6 +94,7 @@ class _Link:
     session: Session
     route: bytes | None = None  # acceptor: the peer's ROUTER routing id
     dealer: zmq.Socket | None = None  # initiator: the session's own DEALER
+    monitor: zmq.Socket | None = None  # initiator: the DEALER's events until its handshake ends
     nonce: bytes = b""  # initiator: its HELLO nonce, needed when the CHALLENGE comes
     channel: Channel | None = None  # None until both nonces are known
 
@@ -156,6 +172,14 @@ class ControlPlane:
         self._on_accepted = on_accepted
         self._count = count
         self._hello_rate = RateLimiter(limits.hello_rate, limits.hello_burst)
+        self._sessions_full = f"busy: {limits.max_sessions} sessions open (Limits.max_sessions)"
+        self._curve: tuple[bytes, bytes] | None = None  # the CURVE server's (public, secret) key
+        if secret != NO_SECRET:
+            if not zmq.has("curve"):
+                raise RuntimeError("an Endpoint with a secret needs a libzmq with CURVE support "
+                                   "for its control connections (pyzmq's wheels have it)")
+            key = z85.encode(control_key(secret))
+            self._curve = (zmq.curve_public(key), key)
         self._ctx = zmq.Context()
         self._router = self._socket(zmq.ROUTER)
         if port:
@@ -168,6 +192,7 @@ class ControlPlane:
         self._sessions: dict[bytes, Session] = {}  # read by any thread; changed under _lock
         self._links: dict[bytes, _Link] = {}  # control thread only, as are the two below
         self._dealer_links: dict[zmq.Socket, _Link] = {}
+        self._monitors: dict[zmq.Socket, _Link] = {}
         self._pending: dict[bytes, _Pending] = {}
         self._bring_ups = 0  # under _lock
         self._outq: queue.SimpleQueue = queue.SimpleQueue()
@@ -183,7 +208,30 @@ class ControlPlane:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.TOS, CONTROL_TOS)
         # A frame larger than this closes the peer's connection before zmq allocates it.
-        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+        overhead = CURVE_FRAME_OVERHEAD if self._curve is not None else 0
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes + overhead)
+        if kind == zmq.ROUTER:
+            # A connection that has not finished its ZMTP handshake (with CURVE: proven the
+            # secret) by then is closed: an idle one holds an fd and zmq's buffers no longer.
+            sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(self._limits.auth_timeout_s * 1000)))
+            # A ROUTER cannot close one peer's connection, and a half-open peer (stopped, or
+            # behind a cut link) never closes its own: libzmq drops a connection whose peer
+            # answers no ZMTP PING for peer_timeout_s, after our own verdict on its sessions.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self._heartbeat_s * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self._peer_timeout_s * 1000)))
+        if self._curve is not None:
+            # CURVE below the message layer: without the secret a peer cannot complete the
+            # handshake, so it cannot make libzmq buffer a single frame (ZMQ_MAXMSGSIZE bounds one
+            # frame, not how many frames an unfinished multipart message has)
+            public, secret = self._curve
+            if kind == zmq.ROUTER:
+                sock.curve_server = True
+                sock.curve_publickey = public
+                sock.curve_secretkey = secret
+            else:
+                sock.curve_serverkey = public
+                # the acceptor checks no client key: knowing its public key proves the secret
+                sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         return sock
 
     def start(self) -> None:
@@ -252,6 +300,8 @@ class ControlPlane:
             self._router.close(0)
             for d in self._dealer_links:
                 d.close(0)
+            for m in self._monitors:
+                m.close(0)
             self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
@@ -283,6 +333,9 @@ class ControlPlane:
                 for d, link in list(self._dealer_links.items()):
                     if d in events:
                         self._receive(d, link)
+                for m, link in list(self._monitors.items()):
+                    if m in events:
+                        self._on_monitor(link, poller)
                 t = time.monotonic()
                 if t - last_hb >= self._heartbeat_s:
                     last_hb = t
@@ -306,8 +359,12 @@ class ControlPlane:
                 stop = True
             elif isinstance(item, _Open) and not final:
                 d = self._socket(zmq.DEALER)
-                d.connect(item.address)
                 link = _Link(item.session, dealer=d, nonce=item.nonce)
+                link.monitor = d.get_monitor_socket(
+                    HANDSHAKE_EVENTS, addr=f"inproc://lynx-ctrl-{item.session.id.hex()}")
+                self._monitors[link.monitor] = link
+                poller.register(link.monitor, zmq.POLLIN)
+                d.connect(item.address)
                 self._links[item.session.id] = link
                 self._dealer_links[d] = link
                 poller.register(d, zmq.POLLIN)
@@ -318,6 +375,7 @@ class ControlPlane:
             elif isinstance(item, _Drop):
                 link = self._links.pop(item.sid, None)
                 if link is not None and link.dealer is not None:
+                    self._unmonitor(link, poller)
                     self._dealer_links.pop(link.dealer, None)
                     with contextlib.suppress(Exception):
                         poller.unregister(link.dealer)
@@ -447,6 +505,31 @@ class ControlPlane:
             link.channel = Channel(keys, initiator=True)
             s.challenged(keys.data, message.endpoint)
 
+    def _on_monitor(self, link: _Link, poller: zmq.Poller) -> None:
+        """The ZMTP handshake of a session's control connection ended: up, or failed (the peer
+        closed it: with CURVE keyed by the secret, that is what another secret or none does)."""
+        while link.monitor is not None:
+            try:
+                event = parse_monitor_message(link.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.session.refused("the control connection's handshake failed: the two "
+                                     "endpoints do not share the same secret (or one has none)")
+            self._unmonitor(link, poller)
+
+    def _unmonitor(self, link: _Link, poller: zmq.Poller) -> None:
+        m = link.monitor
+        if m is None:
+            return
+        link.monitor = None
+        del self._monitors[m]
+        with contextlib.suppress(KeyError):
+            poller.unregister(m)
+        with contextlib.suppress(zmq.ZMQError):
+            link.dealer.disable_monitor()
+        m.close(0)
+
     # ------------------------------------------------------------------ acceptor handshake
     def _on_hello(self, route: bytes, peer: str, env: Envelope) -> None:
         if env.sid in self._links or env.sid in self._pending:
@@ -466,19 +549,35 @@ class ControlPlane:
             return
         lim = self._limits
         if hello.backend != self._backend_name:
-            problem = f"backend {hello.backend!r} != {self._backend_name!r}"
-        elif len(self._links) + len(self._pending) >= lim.max_sessions:
-            problem = f"busy: {lim.max_sessions} sessions open (Limits.max_sessions)"
-        elif (len(self._pending) >= lim.max_handshakes
-              or sum(p.peer == peer for p in self._pending.values()) >= lim.max_handshakes_per_peer):
-            problem = "busy: too many handshakes in progress; retry"
-        else:
-            nonce = os.urandom(NONCE_BYTES)
-            keys = SessionKeys.derive(self._secret, env.sid, hello.nonce, nonce)
-            self._pending[env.sid] = _Pending(route, peer, hello, keys, t + lim.handshake_timeout_s)
-            self._send_unauthenticated(route, env.sid, Challenge(self._endpoint_id, nonce))
+            self._reject(route, env.sid, f"backend {hello.backend!r} != {self._backend_name!r}")
             return
-        self._reject(route, env.sid, problem)
+        if len(self._links) >= lim.max_sessions:
+            self._reject(route, env.sid, self._sessions_full)
+            return
+        # The pre-authentication budget is never full for a newcomer: refusing it would let
+        # unanswered HELLOs from a few addresses lock every honest peer out
+        if sum(p.peer == peer for p in self._pending.values()) >= lim.max_handshakes_per_peer:
+            self._evict_pending(peer)
+        while len(self._pending) >= min(lim.max_handshakes, lim.max_sessions - len(self._links)):
+            self._evict_pending(None)
+        nonce = os.urandom(NONCE_BYTES)
+        keys = SessionKeys.derive(self._secret, env.sid, hello.nonce, nonce)
+        self._pending[env.sid] = _Pending(route, peer, hello, keys, t + lim.auth_timeout_s)
+        self._send_unauthenticated(route, env.sid, Challenge(self._endpoint_id, nonce))
+
+    def _evict_pending(self, peer: str | None) -> None:
+        """Drop one pending handshake (the oldest of address `peer`, or with None the oldest of the
+        address holding the most) and tell its initiator, which may retry."""
+        if peer is None:
+            held = collections.Counter(p.peer for p in self._pending.values())
+            most = max(held.values())
+            sid = next(sid for sid, p in self._pending.items() if held[p.peer] == most)
+        else:
+            sid = next(sid for sid, p in self._pending.items() if p.peer == peer)
+        route = self._pending.pop(sid).route
+        self._count("handshake_evicted")
+        self._send_unauthenticated(route, sid, Reject("busy: too many handshakes in progress; "
+                                                      "retry"))
 
     def _on_auth(self, route: bytes, pending: _Pending, env: Envelope) -> None:
         if pending.route != route:  # someone else naming this handshake: the real one goes on
@@ -495,6 +594,9 @@ class ControlPlane:
             auth = Auth.parse(env.header, env.payload)
         except WireError as exc:
             self._reject(route, env.sid, f"malformed AUTH: {exc}")
+            return
+        if len(self._links) >= self._limits.max_sessions:  # filled since its HELLO
+            self._reject(route, env.sid, self._sessions_full)
             return
         with self._lock:
             busy = self._bring_ups >= self._limits.max_bring_ups

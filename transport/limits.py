@@ -20,23 +20,33 @@ class Limits:
     """Caps on what peers can make an Endpoint hold (defaults suit a PD cluster of a few hundred
     ranks; raise `max_sessions` for more).
 
-    max_sessions: sessions at once, in handshake or established, both roles.
-    max_handshakes / max_handshakes_per_peer: handshakes answered with a CHALLENGE and not yet
-    authenticated, in all and per peer IP address; they are dropped after `handshake_timeout_s`.
-    handshake_timeout_s: how long an accepted session may take from HELLO to READY.
+    max_sessions: authenticated sessions at once, both roles (a HELLO or AUTH beyond it is
+    refused, busy); handshakes not yet authenticated count against it too, and give way.
+    max_handshakes / max_handshakes_per_peer: the pre-authentication budget: handshakes answered
+    with a CHALLENGE and not yet authenticated, in all and per peer IP address. A HELLO beyond
+    either is answered all the same: it evicts (REJECT, busy) the oldest pending handshake of its
+    own address when that address is at its cap, else the oldest of the address holding the most.
+    Unanswered HELLOs from any number of addresses can then not lock an honest peer out (its AUTH
+    follows its CHALLENGE within a round trip); they only shorten how long theirs are kept.
+    auth_timeout_s: the pre-authentication deadline: how long a pending handshake waits for the
+    initiator's AUTH, and a control connection for the end of its ZMTP handshake
+    (ZMQ_HANDSHAKE_IVL; with a secret, the CURVE proof).
+    handshake_timeout_s: how long an authenticated session may take to bring its data path up
+    (AUTH to READY).
     hello_rate / hello_burst: HELLOs per second a peer address may send (token bucket); the
     excess is dropped unanswered.
     max_bring_ups: authenticated sessions whose data path is being brought up at once (one
     thread each); more are refused (busy) until one finishes.
     max_peer_announcements: announcements a session's peer may have pending with us (the
     sender); beyond it an ANNOUNCE is answered with ABORT.
-    max_message_bytes: the largest zmq frame a peer may send (ZMQ_MAXMSGSIZE: a larger one
-    closes its connection before anything is allocated).
+    max_message_bytes: the largest zmq frame a peer may send (ZMQ_MAXMSGSIZE, plus CURVE's
+    framing with a secret: a larger one closes its connection before anything is allocated).
     """
 
     max_sessions: int = 1024
     max_handshakes: int = 64
     max_handshakes_per_peer: int = 16
+    auth_timeout_s: float = 2.0
     handshake_timeout_s: float = 10.0
     hello_rate: float = 20.0
     hello_burst: int = 40
@@ -49,8 +59,8 @@ class Limits:
                      "max_bring_ups", "max_peer_announcements"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1")
-        if self.handshake_timeout_s <= 0 or self.hello_rate <= 0:
-            raise ValueError("Limits.handshake_timeout_s and hello_rate must be > 0")
+        if self.auth_timeout_s <= 0 or self.handshake_timeout_s <= 0 or self.hello_rate <= 0:
+            raise ValueError("Limits.auth_timeout_s, handshake_timeout_s and hello_rate must be > 0")
         if self.max_message_bytes < MAX_HEADER_BYTES:
             raise ValueError(f"Limits.max_message_bytes must be >= {MAX_HEADER_BYTES} (the "
                              "largest header this protocol sends)")

@@ -18,8 +18,11 @@ back), the proof an HMAC of the channel with the session's data key
 stream to a session. One listener thread reads every preamble through a selector, each under its
 own deadline (`preamble_timeout_s`) and within caps on connections whose preamble is pending
 (`max_pending_preambles`, `..._per_peer`): a peer that trickles bytes or never sends holds one
-slot for a bounded time and never delays anyone else. The TLS handshake runs in the same selector
-under the same deadline.
+slot for a bounded time and never delays anyone else. The caps never refuse a newcomer: it
+evicts an older pending connection (its own address's oldest when that address is at its cap,
+else the oldest of the address holding the most), so idle connections from any number of
+addresses cannot keep an honest session's data connections out (they send their preamble at
+once). The TLS handshake runs in the same selector under the same deadline.
 
 Checksums: an endpoint with `checksum=True` (the default) refuses a DATA chunk without one (its
 stream fails CORRUPTION, nothing lands) and says so in its `local_info`, so a sender checksums
@@ -87,6 +90,9 @@ _OUTQ_BUF = bytes(4)
 TLS_WRITE_BYTES = 256 * 1024
 
 
+# poll(2) events on which the sender tries a send: room, or an error the send will report
+_SEND_READY = select.POLLOUT | select.POLLERR | select.POLLHUP | select.POLLNVAL
+
 # what a receiver's bounded read raises when no byte came in time: SO_RCVTIMEO (plain) or the
 # socket timeout (TLS); the loop looks at its stop flag and reads again
 _NO_BYTE_YET = (BlockingIOError, InterruptedError, TimeoutError, ssl.SSLWantReadError)
@@ -118,7 +124,8 @@ DEFAULT_OPTIONS = {
     "rcvbuf": 0,
     "io_timeout_s": 0.2,  # how often blocked threads look at their stop flags
     # data connections whose preamble has not fully arrived: each is closed after this long, and
-    # beyond these counts (in all, per peer address) new connections are closed at once
+    # beyond these counts (in all, per peer address) a new one closes an older one: the oldest of
+    # its own address when that address is at its cap, else the oldest of the address with most
     "preamble_timeout_s": 2.0,
     "max_pending_preambles": 64,
     "max_pending_preambles_per_peer": 16,
@@ -248,7 +255,7 @@ class TcpBackend(Backend):
         self._lock = threading.Lock()
         self._closed = False
         self._counters = {"preambles_refused": 0, "preambles_expired": 0,
-                          "connections_refused": 0,
+                          "preambles_evicted": 0,
                           "tls_handshakes_failed": 0}  # written by the listener thread only
         self._last_tls_failure = ""  # listener thread: why the last TLS handshake failed
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -401,12 +408,14 @@ class TcpBackend(Backend):
                 log.debug("data listener accept failed: %s", exc)
                 return
             peer = addr[0]
-            if (len(pending) >= o["max_pending_preambles"]
-                    or sum(p.peer == peer for p in pending.values())
-                    >= o["max_pending_preambles_per_peer"]):
-                self._counters["connections_refused"] += 1
-                sock.close()
-                continue
+            # The caps never close the newcomer: idle connections from a few addresses would
+            # then hold every honest session's data connections out. An honest preamble follows
+            # its connect at once, so making room by dropping an older one costs honest peers
+            # nothing.
+            if sum(p.peer == peer for p in pending.values()) >= o["max_pending_preambles_per_peer"]:
+                self._evict_preamble(sel, pending, peer)
+            while len(pending) >= o["max_pending_preambles"]:
+                self._evict_preamble(sel, pending, None)
             sock.setblocking(False)
             if self._tls_server is not None:
                 try:
@@ -469,6 +478,18 @@ class TcpBackend(Backend):
             self._counters["preambles_refused"] += 1
             with contextlib.suppress(OSError):
                 p.sock.close()
+
+    def _evict_preamble(self, sel: selectors.BaseSelector, pending: dict, peer: str | None) -> None:
+        """Close one pending data connection: the oldest from address `peer`, or with None the
+        oldest from the address holding the most."""
+        if peer is None:
+            held = collections.Counter(p.peer for p in pending.values())
+            most = max(held.values())
+            victim = next(p for p in pending.values() if held[p.peer] == most)
+        else:
+            victim = next(p for p in pending.values() if p.peer == peer)
+        self._counters["preambles_evicted"] += 1
+        self._drop_preamble(sel, pending, victim)
 
     @staticmethod
     def _drop_preamble(sel: selectors.BaseSelector, pending: dict, p: _Preamble) -> None:
@@ -700,17 +721,23 @@ class TcpBackend(Backend):
                 pass
 
     def _wait_wake(self, ts: _TcpSession, timeout: float) -> None:
-        readable, _, _ = select.select([ts.wake_r], [], [], timeout)
-        if readable:
-            self._clear_wake(ts)
+        self._wait_writable(ts, [], timeout)
 
     def _wait_writable(self, ts: _TcpSession, order: list, timeout: float) -> Stream | None:
-        """First stream of `order` whose socket polls writable within `timeout`, else None."""
-        readable, writable, _ = select.select([ts.wake_r], [ts.tx[s] for s in order], [],
-                                              timeout)
-        if readable:
+        """First stream of `order` whose socket polls writable within `timeout`, else None; a
+        wake-up (new work) ends the wait early. poll(2), not select(2): select refuses any fd
+        above 1023, which a process with many sessions or files open reaches. poll's timeout is
+        whole milliseconds (rounded up), so the sender's short waits last at least 1 ms."""
+        poller = select.poll()
+        poller.register(ts.wake_r, select.POLLIN)
+        fds = {ts.tx[s].fileno(): s for s in order}
+        for fd in fds:
+            poller.register(fd, select.POLLOUT)
+        ready = dict(poller.poll(timeout * 1000))
+        if ts.wake_r.fileno() in ready:
             self._clear_wake(ts)
-        return next((s for s in order if ts.tx[s] in writable), None)
+        # an error counts as writable (as in select): the send then raises and says what it is
+        return next((s for fd, s in fds.items() if ready.get(fd, 0) & _SEND_READY), None)
 
     def _send_some(self, sock: socket.socket, ch: _Chunk, limit: int) -> int | None:
         pos = ch.pos

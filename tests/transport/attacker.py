@@ -1,8 +1,9 @@
-"""Hostile peers for the regression tests of test_hostile_peer.py: a raw zmq DEALER that sends
-whatever frames it is told to an Endpoint's control address, a raw ZMTP client (below pyzmq, to
-send frame headers no zmq library would), a fake acceptor that records what a real initiator
-sends, and raw TCP connections to a tcp data listener. Each speaks just enough of the protocol to
-attack; none uses lynx_transport's own sockets."""
+"""Hostile peers for the regression tests of test_hostile_peer.py and test_hostile_load.py: a raw
+zmq DEALER that sends whatever frames it is told to an Endpoint's control address (given the
+secret, it passes the control connections' CURVE layer as an insider would), a raw ZMTP client
+(below pyzmq, to send frame headers no zmq library would), a fake acceptor that records what a
+real initiator sends, and raw TCP connections to a tcp data listener. Each speaks just enough of
+the protocol to attack; none uses lynx_transport's own sockets."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import zmq
+from zmq.utils import z85
 
-from lynx_transport.auth import NONCE_BYTES
+from lynx_transport.auth import NONCE_BYTES, control_key
 from lynx_transport.wire import PROTOCOL_VERSION
 
 
@@ -43,16 +45,25 @@ def hello(sid: bytes | None = None, **override) -> list[bytes]:
     return frames("HELLO", sid or os.urandom(16), header)
 
 
+def curve_server_key(secret: bytes) -> bytes:
+    """The public CURVE key (z85) of the control planes of a deployment with `secret`."""
+    return zmq.curve_public(z85.encode(control_key(secret)))
+
+
 class RawPeer:
     """A zmq DEALER connected to `address`, from local address `source` if given (another
-    loopback address: the endpoint sees another peer). Sends block once zmq's queue is full, so
-    a flood goes as fast as the endpoint reads it; one that blocks 5 s raises zmq.Again."""
+    loopback address: the endpoint sees another peer); with `secret`, through the endpoints' CURVE
+    layer (a peer that holds the secret). Sends block once zmq's queue is full, so a flood goes as
+    fast as the endpoint reads it; one that blocks 5 s raises zmq.Again."""
 
-    def __init__(self, address: str, source: str | None = None):
+    def __init__(self, address: str, source: str | None = None, secret: bytes | None = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 5000)
+        if secret is not None:
+            self.sock.curve_serverkey = curve_server_key(secret)
+            self.sock.curve_publickey, self.sock.curve_secretkey = zmq.curve_keypair()
         target = address if source is None else address.replace("tcp://", f"tcp://{source}:0;")
         self.sock.connect(target)
 
@@ -76,20 +87,49 @@ class RawPeer:
         self.ctx.term()
 
 
+# ZMTP 3.0: the greeting of a client of the NULL mechanism, and its READY command as a DEALER
+NULL_GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
+_READY_BODY = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+READY_DEALER = bytes([0x04, len(_READY_BODY)]) + _READY_BODY
+
+
 def zmtp_dealer(address: str) -> socket.socket:
     """A raw TCP connection that has done ZMTP 3.0's NULL handshake as a DEALER: what follows
     are message frames, written by hand."""
     sock = socket.create_connection(host_port(address), timeout=5)
-    sock.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
-                 + b"\0" + b"\0" * 31)
+    sock.sendall(NULL_GREETING)
     got = b""
     while len(got) < 64:
         chunk = sock.recv(64 - len(got))
         assert chunk, "the endpoint closed the connection during the ZMTP greeting"
         got += chunk
-    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    sock.sendall(bytes([0x04, len(body)]) + body)
+    sock.sendall(READY_DEALER)
     return sock
+
+
+def endless_multipart(address: str, seconds: float, watch: Callable[[], bool],
+                      frame_bytes: int = 64 * 1024) -> tuple[int, int]:
+    """For `seconds`, send one multipart message that never ends (every frame has MORE set) as a
+    raw ZMTP NULL client: greeting, READY, then frames, without waiting for the endpoint. A closed
+    connection is opened again. `watch()` is called after every MiB sent; True stops the attack
+    early. Returns (bytes of frames sent, connections opened)."""
+    frame = bytes([0x03]) + struct.pack(">Q", frame_bytes) + b"m" * frame_bytes  # MORE | LONG
+    batch = frame * max(1, (1 << 20) // len(frame))
+    sent = opened = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        opened += 1
+        try:
+            with socket.create_connection(host_port(address), timeout=1) as sock:
+                sock.sendall(NULL_GREETING + READY_DEALER)
+                while time.monotonic() < end:
+                    sock.sendall(batch)
+                    sent += len(batch)
+                    if watch():
+                        return sent, opened
+        except OSError:  # closed (or timed out) by the endpoint: try again
+            time.sleep(0.01)
+    return sent, opened
 
 
 def claim_frame(sock: socket.socket, size: int) -> None:
@@ -114,17 +154,34 @@ def closed_within(sock: socket.socket, timeout: float) -> bool:
 
 
 @contextmanager
-def fake_acceptor() -> Iterator[tuple[str, zmq.Socket]]:
-    """A zmq ROUTER on loopback standing in for an acceptor: (its address, the socket)."""
+def fake_acceptor(secret: bytes | None = None) -> Iterator[tuple[str, zmq.Socket]]:
+    """A zmq ROUTER on loopback standing in for an acceptor: (its address, the socket); with
+    `secret`, behind the CURVE layer of the endpoints that hold it."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    if secret is not None:
+        router.curve_server = True
+        router.curve_secretkey = z85.encode(control_key(secret))
     port = router.bind_to_random_port("tcp://127.0.0.1")
     try:
         yield f"tcp://127.0.0.1:{port}", router
     finally:
         router.close(0)
         ctx.term()
+
+
+def idle_connections(address: tuple[str, int], n: int, sources: list[str]) -> list[socket.socket]:
+    """`n` TCP connections to `address`, from the `sources` addresses in turn, that never send a
+    byte. The connects do not wait (non-blocking): a full accept queue delays none of them."""
+    socks = []
+    for i in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.bind((sources[i % len(sources)], 0))
+        s.connect_ex(address)  # EINPROGRESS: the kernel completes it
+        socks.append(s)
+    return socks
 
 
 class Trickle:

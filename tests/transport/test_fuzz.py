@@ -46,3 +46,30 @@ def test_seeds_are_valid_messages():
         data = seed.read_bytes()
         parse = verbs.parse_notice if seed.name.startswith("notice") else tcp.parse_frame_header
         parse(data[1:], Stream(data[0] & 1))
+
+
+FIN_TOTAL_MAX = CORPUS / "frames" / "fin_total_max"  # found by fuzz_frames.py after ~0.5M runs
+
+
+def test_fin_with_the_largest_total_is_refused_by_the_receiver():
+    """A FIN's offset field is its stream's total: 2^64-1 (with aux bytes) is a well-formed header,
+    and the receiver refuses that total (beyond what it announced) without arithmetic on it."""
+    from lynx_transport import Stream, tcp
+    from lynx_transport.receiver import RxStream
+
+    data = FIN_TOTAL_MAX.read_bytes()
+    h = tcp.parse_frame_header(data[1:], Stream(data[0] & 1))
+    assert h.kind == tcp.KIND_FIN and h.offset == (1 << 64) - 1 and h.length > 0
+    for counts_incoming in (True, False):  # tcp counts landed chunks; verbs trusts the FIN
+        rs = RxStream(expected=1 << 20)
+        with rs.lock:
+            assert "FIN says" in rs.fin_locked(h.offset, b"token", counts_incoming)
+
+
+def test_frames_harness_accepts_a_fin_with_the_largest_total():
+    """fuzz_frames.py asserted offset + length < 2^64 for FINs too, whose offset is a total: it
+    failed on this well-formed header, which the receiver handles (test above)."""
+    pytest.importorskip("atheris")
+    from fuzz_frames import check
+
+    check(FIN_TOTAL_MAX.read_bytes())
