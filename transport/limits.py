@@ -39,6 +39,10 @@ class Limits:
     thread each); more are refused (busy) until one finishes.
     max_peer_announcements: announcements a session's peer may have pending with us (the
     sender); beyond it an ANNOUNCE is answered with ABORT.
+    max_peer_announcement_bytes: the memory those announcements may hold, per session
+    (`Announcement.footprint`, an estimate): one ANNOUNCE of the largest size holds ~0.9 MiB, so
+    the count alone let one authenticated peer make us hold ~3.6 GiB a session. Released ones
+    kept for late writes are forgotten first; past it an ANNOUNCE is answered with ABORT.
     max_message_bytes: the largest zmq frame a peer may send (ZMQ_MAXMSGSIZE, plus CURVE's
     framing with a secret: a larger one closes its connection before anything is allocated).
     """
@@ -52,11 +56,12 @@ class Limits:
     hello_burst: int = 40
     max_bring_ups: int = 16
     max_peer_announcements: int = 4096
+    max_peer_announcement_bytes: int = 32 << 20
     max_message_bytes: int = MAX_HEADER_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_handshakes", "max_handshakes_per_peer", "hello_burst",
-                     "max_bring_ups", "max_peer_announcements"):
+                     "max_bring_ups", "max_peer_announcements", "max_peer_announcement_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1")
         if self.auth_timeout_s <= 0 or self.handshake_timeout_s <= 0 or self.hello_rate <= 0:

@@ -87,6 +87,8 @@ class SenderRole(SessionBase):
         # "no live announcement") until this side releases the request or more pile up than
         # Limits.max_peer_announcements.
         self._peer_released: dict[int, None] = {}
+        # Sum of the footprints of `_peer_ann` (Limits.max_peer_announcement_bytes).
+        self._peer_ann_bytes = 0
 
     # ------------------------------------------------------------------ public API
     def announcement(self, request_id: int) -> Announcement | None:
@@ -246,19 +248,40 @@ class SenderRole(SessionBase):
 
     # ------------------------------------------------------------------ control messages
     def _on_announce(self, m: Announce) -> None:
-        cap = self._host.limits.max_peer_announcements
+        limits = self._host.limits
+        ann = m.announcement()
+        why = None
         with self._cond:
             live = len(self._peer_ann) - len(self._peer_released)
-            refuse = m.request_id not in self._peer_ann and live >= cap
-            if not refuse:
-                self._peer_ann[m.request_id] = m.announcement()
+            old = self._peer_ann.get(m.request_id)
+            need = ann.footprint - (old.footprint if old is not None else 0)
+            while (self._peer_ann_bytes + need > limits.max_peer_announcement_bytes
+                   and self._peer_released):
+                self._forget_oldest_released()
+            if old is None and live >= limits.max_peer_announcements:
+                why = (f"the sender already holds {limits.max_peer_announcements} pending "
+                       "announcements of this session (Limits.max_peer_announcements)")
+            elif self._peer_ann_bytes + need > limits.max_peer_announcement_bytes:
+                why = (f"the session's pending announcements would hold more than "
+                       f"{limits.max_peer_announcement_bytes} B on the sender "
+                       "(Limits.max_peer_announcement_bytes)")
+            else:
+                self._peer_ann[m.request_id] = ann
+                self._peer_ann_bytes += need
                 self._peer_released.pop(m.request_id, None)
                 self._cond.notify_all()
-        if refuse:
+        if why is not None:
             self._host.count("peer_announcements_refused")
-            self._send(Abort(m.request_id, None, FailureReason.ABORTED,
-                             f"the sender already holds {cap} pending announcements of this "
-                             "session (Limits.max_peer_announcements)"))
+            self._send(Abort(m.request_id, None, FailureReason.ABORTED, why))
+
+    def _forget_oldest_released(self) -> None:
+        """Drop the oldest released announcement (a write to it then fails as unknown rather than
+        as released). Called with the lock held."""
+        oldest = next(iter(self._peer_released))
+        del self._peer_released[oldest]
+        gone = self._peer_ann.pop(oldest, None)
+        if gone is not None:
+            self._peer_ann_bytes -= gone.footprint
 
     def _on_release(self, m: Release) -> None:
         req = m.request_id
@@ -266,9 +289,7 @@ class SenderRole(SessionBase):
             if req in self._peer_ann:  # only a known request: a peer cannot grow the map
                 self._peer_released[req] = None
                 while len(self._peer_released) > self._host.limits.max_peer_announcements:
-                    oldest = next(iter(self._peer_released))
-                    del self._peer_released[oldest]
-                    self._peer_ann.pop(oldest, None)
+                    self._forget_oldest_released()
             self._cond.notify_all()
         if self._tx_fail(req, None, FailureReason.RELEASED, "receiver released the request"):
             self._drain(req, 0.0)
@@ -311,7 +332,9 @@ class SenderRole(SessionBase):
     def _take_tx(self, request_id: int) -> TxRequest | None:
         """Forget the request and the peer's announcement of it (caller holds the session lock);
         returns the send record."""
-        self._peer_ann.pop(request_id, None)
+        gone = self._peer_ann.pop(request_id, None)
+        if gone is not None:
+            self._peer_ann_bytes -= gone.footprint
         self._peer_released.pop(request_id, None)
         return self._tx.pop(request_id, None)
 

@@ -17,6 +17,7 @@ from lynx_transport import (
     UnknownRequestError,
 )
 from lynx_transport.auth import AUTH_BYTES
+from lynx_transport.types import MAX_EXTENTS
 from lynx_transport.wire import (
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
@@ -268,6 +269,38 @@ def test_pending_announcements_are_capped():
         t.on_message(_announce(req))
         t.on_message(Release(req))
     assert list(t._peer_released) == [7, 8, 9] and set(t._peer_ann) == {7, 8, 9}
+
+
+def _large_announce(req: int) -> Announce:
+    """The largest ANNOUNCE the parser takes: MAX_EXTENTS extents per stream, verbs-like targets."""
+    bounds = {st: tuple(Extent(3, i * 64, 64) for i in range(MAX_EXTENTS)) for st in (A, R)}
+    targets = {st: tuple({"addr": 2**40 + i, "rkey": 7} for i in range(MAX_EXTENTS)) for st in (A, R)}
+    return Announce(req, bounds, targets, 30.0, b"m")
+
+
+def test_pending_announcements_have_a_memory_budget():
+    """One maximum-size ANNOUNCE holds ~0.9 MiB on the sender: under the count cap alone (4096 a
+    session) an authenticated peer could make it hold ~3.6 GiB. The byte budget refuses the excess,
+    forgets released ones first, and gives the bytes back when a request is released here."""
+    one = _large_announce(0).announcement().footprint
+    assert 0.7 * 2**20 < one < 1.2 * 2**20  # the calibrated estimate, near what tracemalloc saw
+    s, control, host = _session(limits=Limits(max_peer_announcement_bytes=3 * one + 100))
+    for req in range(5):
+        s.on_message(_large_announce(req))
+    assert [s.announcement(r) is not None for r in range(5)] == [True] * 3 + [False] * 2
+    aborts = [m for m in control.sent if isinstance(m, Abort)]
+    assert [m.request_id for m in aborts] == [3, 4]
+    assert "max_peer_announcement_bytes" in aborts[0].detail
+    assert host.counters["peer_announcements_refused"] == 2
+    assert s._peer_ann_bytes == 3 * one
+    s.on_message(Release(1))  # released by the peer, kept for late writes: forgotten first
+    s.on_message(_large_announce(3))
+    assert s.announcement(3) is not None and s.announcement(1) is None
+    s.release(0)  # released here: its bytes are given back
+    assert s._peer_ann_bytes == 2 * one
+    for req in range(100, 200):  # small ones still fit beside the large ones
+        s.on_message(_announce(req))
+    assert all(s.announcement(r) is not None for r in range(100, 200))
 
 
 def test_released_only_for_a_fence_we_wait_for():
