@@ -40,8 +40,6 @@ logger = logging.getLogger(__name__)
 STUBBED_PACKAGES = ("sgl_kernel", "torchvision")
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 
-_active = False
-
 
 def cpu_engine_selected() -> bool:
     return os.environ.get(CPU_ENGINE_ENV, "0") == "1"
@@ -53,18 +51,14 @@ def cuda_device_present() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def is_active() -> bool:
-    return _active
-
-
 def activate() -> bool:
     """Install the fallbacks and guards if SGLang runs on its CPU engine with no CUDA device.
 
-    Idempotent; returns whether they are active. Cheap when the CPU engine is not selected
-    (one environment lookup, torch is not imported).
+    Idempotent (the import system is process-wide: our finder on `sys.meta_path` is the mark
+    that they are installed); returns whether they are active. Cheap when the CPU engine is not
+    selected (one environment lookup, torch is not imported).
     """
-    global _active
-    if _active:
+    if any(isinstance(finder, _FallbackStubFinder) for finder in sys.meta_path):
         return True
     if not cpu_engine_selected() or cuda_device_present():
         return False
@@ -78,7 +72,6 @@ def activate() -> bool:
     )
     sys.meta_path.insert(0, post_import)
     post_import.patch_already_loaded()
-    _active = True
     logger.info("lynx cpu_compat: sgl_kernel/torchvision fallbacks and CPU guards active")
     return True
 

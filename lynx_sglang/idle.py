@@ -8,14 +8,16 @@ transfer runs in C++ threads and does not notice; Lynx encodes and applies the K
 process, and on a small CPU the two spinning schedulers (prefill and decode) took the cores the
 codec and the prefill's forward needed.
 
-The AROUND hook on `on_idle` (registered by `lynx_sglang.plugin` in Lynx scheduler processes)
-sleeps in one poll until something the loop would act on happens: a message on the scheduler's
-input sockets (a new request, an abort, an RPC: the same sockets SGLang's own `IdleSleeper`
-watches) or the backend's progress (`notify`: every status change of a transfer, a Residual
-applied under a speculative request), or `max_wait_s()` at the latest, which bounds the loop's
-time-based work (SGLang's bootstrap and waiting timeouts, heartbeats, metrics). Polling at a fixed
-2 ms instead cost the decode's scheduler 0.15-0.2 of a core during every prefill forward, taken
-from that forward where prefill and decode share a box.
+`IdleWaiter` is one scheduler's wait, built with its KV manager (`runtime.LynxRuntime.idle`). The
+AROUND hook on `on_idle` (`hooks.on_idle_around`, registered by `lynx_sglang.plugin` in Lynx
+scheduler processes) finds it through the scheduler's KV manager; it sleeps in one poll until
+something the loop would act on happens: a message on the scheduler's input sockets (a new
+request, an abort, an RPC: the same sockets SGLang's own `IdleSleeper` watches) or the backend's
+progress (`IdleWaiter.notify`: every status change of a transfer, a Residual applied under a
+speculative request), or `max_wait_s()` at the latest, which bounds the loop's time-based work
+(SGLang's bootstrap and waiting timeouts, heartbeats, metrics). Polling at a fixed 2 ms instead
+cost the decode's scheduler 0.15-0.2 of a core during every prefill forward, taken from that
+forward where prefill and decode share a box.
 
 With tensor parallelism the wait is `WAIT_S` at most on every rank: ranks > 0 have no input
 sockets to watch (their requests come by broadcast from rank 0), and SGLang agrees a transfer's
@@ -24,23 +26,23 @@ wakes only the peer.
 
 With IDLE_WAIT_ENV=1 the hook is registered in the schedulers of any transfer backend too: a
 benchmark baseline (`mooncake-nospin`) whose decode then no longer takes a core from a prefill
-computing on the same box. There an AFTER hook on SGLang's `CommonKVManager.update_status`, through
-which every backend's transfer statuses pass, calls `notify` (`status_updated_after`).
+computing on the same box. There the plugin attaches a runtime holding only the waiter to that
+backend's KV manager, and an AFTER hook on SGLang's `CommonKVManager.update_status`, through which
+every backend's transfer statuses pass, calls its `notify` (`hooks.status_updated_after`).
 
 About once a second (`REPORT_EVERY_S`), before SGLang's idle path may put the loop to sleep, the
-hook also calls every function given to `report_tracked` (the backend's and speculation's map
-sizes -> `lynx_tracked_requests`), so a leak checker reading /metrics of an idle server sees
-current values.
+waiter also calls every function given to `IdleWaiter.report_tracked` (the backend's and
+speculation's map sizes -> `lynx_tracked_requests`), so a leak checker reading /metrics of an idle
+server sees current values.
 
-Called by SGLang's scheduler thread (`on_idle_around`) and by the backends' threads (`notify`,
-`status_updated_after`).
+Called by SGLang's scheduler thread (`IdleWaiter.on_idle`) and by the backends' threads
+(`IdleWaiter.notify`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -57,8 +59,6 @@ WAIT_S = 0.002
 # transfer wakes a few dozen times a second, short against SGLang's time-based checks (seconds).
 MAX_WAIT_S = 0.05
 REPORT_EVERY_S = 1.0
-_reporters: list[Callable[[], dict[str, int]]] = []
-_last_report = 0.0
 
 
 def wait_for_all_backends() -> bool:
@@ -82,11 +82,9 @@ def max_wait_s() -> float:
 
 class _Wakeup:
     """A pipe any thread can write one byte to, so that a poll on its read end returns: the
-    scheduler's poll watches zmq sockets, which a threading.Event cannot join. One per process
-    (a forked child makes its own)."""
+    scheduler's poll watches zmq sockets, which a threading.Event cannot join."""
 
     def __init__(self):
-        self.pid = os.getpid()
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
@@ -102,49 +100,6 @@ class _Wakeup:
                 pass
 
 
-_wakeup: _Wakeup | None = None
-_wakeup_lock = threading.Lock()
-
-
-def _the_wakeup() -> _Wakeup:
-    global _wakeup
-    w = _wakeup
-    if w is None or w.pid != os.getpid():
-        with _wakeup_lock:
-            if _wakeup is None or _wakeup.pid != os.getpid():
-                _wakeup = _Wakeup()
-            w = _wakeup
-    return w
-
-
-def prepare() -> None:
-    """At hook registration, in the scheduler's process: check IDLE_MAX_WAIT_ENV (a malformed
-    value fails the server's start, not its loop) and open the wake-up pipe (its two fds belong to
-    the process's baseline, not to its first request)."""
-    max_wait_s()
-    _the_wakeup()
-
-
-def notify() -> None:
-    """A transfer's status changed: wake a waiting scheduler loop now."""
-    _the_wakeup().set()
-
-
-def report_tracked(sizes: Callable[[], dict[str, int]]) -> None:
-    """Publish `sizes()` (map name -> entries) from the scheduler loop about once a second."""
-    _reporters.append(sizes)
-
-
-def _maybe_report() -> None:
-    global _last_report
-    now = time.monotonic()
-    if not _reporters or now - _last_report < REPORT_EVERY_S:
-        return
-    _last_report = now
-    for sizes in _reporters:
-        metrics.record_tracked(sizes())
-
-
 def _input_sockets(scheduler) -> list[zmq.Socket]:
     channels = getattr(scheduler, "ipc_channels", None)
     found = [getattr(channels, name, None) for name in ("recv_from_tokenizer", "recv_from_rpc")]
@@ -152,11 +107,11 @@ def _input_sockets(scheduler) -> list[zmq.Socket]:
 
 
 class _IdlePoll:
-    """One scheduler's poll over its input sockets and the process's wake-up pipe."""
+    """One scheduler's poll over its input sockets and its waiter's wake-up pipe."""
 
-    def __init__(self, scheduler, timeout_s: float):
+    def __init__(self, scheduler, wakeup: _Wakeup, timeout_s: float):
         self.scheduler = weakref.ref(scheduler)
-        self.wakeup = _the_wakeup()
+        self.wakeup = wakeup
         self.poller = zmq.Poller()
         sockets = _input_sockets(scheduler)
         for s in sockets:
@@ -173,24 +128,43 @@ class _IdlePoll:
         self.wakeup.clear()
 
 
-_poll: _IdlePoll | None = None
+class IdleWaiter:
+    """One scheduler's idle wait: the wake-up pipe its backend notifies (`notify`, any thread),
+    the poll over the scheduler's input sockets and that pipe (`on_idle`, the scheduler thread),
+    and the map sizes it publishes from there. Built at start-up, with its KV manager: the pipe's
+    two fds belong to the process's baseline, not to its first request."""
 
+    def __init__(self):
+        self.max_wait_s = max_wait_s()
+        self._wakeup = _Wakeup()
+        self._reporters: list[Callable[[], dict[str, int]]] = []
+        self._last_report = 0.0
+        self._poll: _IdlePoll | None = None
 
-def on_idle_around(original, scheduler, *args, **kwargs):
-    """Wait for input or a transfer's progress, `max_wait_s()` at most, once SGLang's `on_idle`
-    has run, unless the scheduler is fully idle (SGLang's own idle path then sleeps)."""
-    global _poll
-    _maybe_report()
-    if scheduler.is_fully_idle():
-        return original(scheduler, *args, **kwargs)
-    result = original(scheduler, *args, **kwargs)  # SGLang only yields with sleep(0)
-    if _poll is None or _poll.scheduler() is not scheduler or _poll.wakeup is not _the_wakeup():
-        _poll = _IdlePoll(scheduler, max_wait_s())
-    _poll.wait()
-    return result
+    def notify(self) -> None:
+        """A transfer's status changed: wake a waiting scheduler loop now."""
+        self._wakeup.set()
 
+    def report_tracked(self, sizes: Callable[[], dict[str, int]]) -> None:
+        """Publish `sizes()` (map name -> entries) from the scheduler loop about once a second."""
+        self._reporters.append(sizes)
 
-def status_updated_after(result, manager, *args, **kwargs):
-    """Another backend's KV manager (IDLE_WAIT_ENV=1) changed a transfer's status."""
-    notify()
-    return result
+    def on_idle(self, original, scheduler, *args, **kwargs):
+        """SGLang's `on_idle`, then a wait for input or a transfer's progress, `max_wait_s` at
+        most, unless the scheduler is fully idle (SGLang's own idle path then sleeps)."""
+        self._maybe_report()
+        if scheduler.is_fully_idle():
+            return original(scheduler, *args, **kwargs)
+        result = original(scheduler, *args, **kwargs)  # SGLang only yields with sleep(0)
+        if self._poll is None or self._poll.scheduler() is not scheduler:
+            self._poll = _IdlePoll(scheduler, self._wakeup, self.max_wait_s)
+        self._poll.wait()
+        return result
+
+    def _maybe_report(self) -> None:
+        now = time.monotonic()
+        if not self._reporters or now - self._last_report < REPORT_EVERY_S:
+            return
+        self._last_report = now
+        for sizes in self._reporters:
+            metrics.record_tracked(sizes())

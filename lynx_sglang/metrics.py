@@ -6,7 +6,7 @@ multiprocess collector. Metrics created here, in a scheduler process, therefore 
 `/metrics` page as SGLang's, with no endpoint of our own. Without `--enable-metrics` every record
 call is a no-op.
 
-Recorded by `lynx_sglang.backend.decode` (bytes and times of each request's two streams, failed
+Recorded by `lynx_sglang.backend.decode_report` (bytes and times of each request's two streams, failed
 requests), `lynx_sglang.backend.prefill_worker` (failed sends), `lynx_sglang.backend.staging` (staging
 memory in use) and `lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back,
 verification time, how each speculating request ended), and `lynx_sglang.idle` (the sizes of the
@@ -17,6 +17,7 @@ process by the KV manager (`configure`).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,9 +45,10 @@ class _Instruments:
     tracked: Any
 
 
-_instruments: _Instruments | None = None
-_disabled = False
-# The process's own labels (configure); the same values on every series.
+# The process's own labels (configure); the same values on every series. Process-wide state,
+# kept on purpose: these are the scheduler process's identity, set once by its KV manager before
+# anything is recorded and constant after, and the recorders (the decode applier among them) call
+# this module's functions without a handle to anything.
 _PROCESS_LABELS = ("model_name", "role", "tp_rank")
 _process = {"model_name": "", "role": "", "tp_rank": "0"}
 
@@ -64,19 +66,19 @@ def enabled() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
+@functools.cache
 def _get() -> _Instruments | None:
-    global _instruments, _disabled
-    if _instruments is not None or _disabled:
-        return _instruments
+    """This process's instruments, made at the first record (None without --enable-metrics).
+    Once per process, as Prometheus wants: its registry is process-wide and refuses a second
+    instrument of one name."""
     if not enabled():
-        _disabled = True
         return None
     # Imported only now: prometheus_client picks its multiprocess mode from the environment at
     # import time.
     from prometheus_client import Counter, Gauge, Histogram
 
     p = list(_PROCESS_LABELS)
-    _instruments = _Instruments(
+    return _Instruments(
         failures=Counter("lynx_request_failures_total",
                          "Requests whose Lynx transfer failed, by kind of reason", [*p, "kind"]),
         staging_used=Gauge("lynx_staging_used_bytes", "Staging memory held by requests in flight",
@@ -103,7 +105,6 @@ def _get() -> _Instruments | None:
                       "Entries of Lynx's per-request maps (0 on an idle server; see lynx_sglang.idle)",
                       [*p, "map"], multiprocess_mode="livesum"),
     )
-    return _instruments
 
 
 def record_transfer(anchor_bytes: int, residual_bytes: int, anchor_wait_s: float | None,

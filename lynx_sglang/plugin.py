@@ -14,8 +14,9 @@ lynx chosen: (launcher process, from the `from_cli_args` hook) check the SGLang 
              `get_kv_class` mapping.
 worker with the Lynx config in its environment: install the backend, and in a scheduler process
              (where SGLang's prefill/decode queue modules are already imported) hook the two
-             `_init_kv_manager` methods to hand the KV pool tensors to the Lynx KV manager (and,
-             on a speculative decode, bind a `SpecController` to the speculation hooks); with
+             `_init_kv_manager` methods to hand the KV pool to the Lynx KV manager (which then
+             completes the `runtime.LynxRuntime` every other hook finds), and register those
+             hooks (`hooks`, `request_trace`, `speculation.hooks`); with
              `LYNX_SGLANG_REFERENCE_KV=1` also the codec reference mode (reference_kv).
 any scheduler with `LYNX_SGLANG_TIMELINE=1` (any backend): log when each prefill forward is done
              (timeline, for the demo).
@@ -26,13 +27,12 @@ Every hook is listed with its target, kind and reason in patches/README.md.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from . import cpu_compat, idle, reference_kv, request_trace, timeline
 from .config import LynxConfig, add_lynx_arguments
 from .errors import LynxConfigError
-from .names import BACKEND_SELECTED, FAULT_VERIFY_DELAY_ENV, SECRET_ENV
+from .names import BACKEND_SELECTED, SECRET_ENV
 from .sglang_support import check_server_options, check_sglang_version
 
 logger = logging.getLogger(__name__)
@@ -67,9 +67,6 @@ def hook_targets() -> tuple[str, ...]:
             *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
 
 
-_backend_installed = False
-
-
 def register() -> None:
     from sglang.srt.arg_groups.choices import (
         DISAGG_TRANSFER_BACKEND_CHOICES,
@@ -83,46 +80,52 @@ def register() -> None:
     HookRegistry.register(ADD_CLI_ARGS, _add_cli_args_after, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _from_cli_args_around, HookType.AROUND)
     config = LynxConfig.from_env()
+    in_scheduler = all(name in sys.modules for name in _SCHEDULER_MODULES)
     if config is not None:
         install_backend()
-        if all(name in sys.modules for name in _SCHEDULER_MODULES):
+        if in_scheduler:
+            from . import hooks
+
             HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
                                   HookType.AFTER)
             HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
-            idle.prepare()
-            HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
+            # A malformed value fails the server's start, not its loop.
+            idle.max_wait_s()
+            HookRegistry.register(SCHEDULER_ON_IDLE, hooks.on_idle_around, HookType.AROUND)
             if "sglang.srt.managers.scheduler" in sys.modules:
-                from .backend import batch_handover
-
-                HookRegistry.register(PROCESS_BATCH_RESULT,
-                                      batch_handover.process_batch_result_around, HookType.AROUND)
+                HookRegistry.register(PROCESS_BATCH_RESULT, hooks.process_batch_result_around,
+                                      HookType.AROUND)
             _register(request_trace.HOOKS)
             if config.layer_stream:
-                from .backend import layer_stream
-
-                HookRegistry.register(RUN_BATCH, layer_stream.run_batch_around, HookType.AROUND)
-                HookRegistry.register(SET_KV_BUFFER, layer_stream.set_kv_buffer_after,
-                                      HookType.AFTER)
+                HookRegistry.register(RUN_BATCH, hooks.run_batch_around, HookType.AROUND)
+                HookRegistry.register(SET_KV_BUFFER, hooks.set_kv_buffer_after, HookType.AFTER)
             if config.speculate:
                 _register_speculation_hooks()
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
             HookRegistry.register(PROCESS_BATCH_RESULT,
                                   reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
-    elif idle.wait_for_all_backends() and "sglang.srt.managers.scheduler" in sys.modules:
+    elif (idle.wait_for_all_backends() and in_scheduler
+          and "sglang.srt.managers.scheduler" in sys.modules):
         # Another backend's scheduler (a benchmark baseline): only the idle wait, Lynx's own
-        # schedulers have it above. Its transfers' statuses all pass through SGLang's common
-        # manager, whose every change then wakes the wait as Lynx's backend does.
-        idle.prepare()
-        HookRegistry.register(SCHEDULER_ON_IDLE, idle.on_idle_around, HookType.AROUND)
-        HookRegistry.register(UPDATE_STATUS, idle.status_updated_after, HookType.AFTER)
+        # schedulers have it above. Its KV manager gets a runtime holding only the waiter; its
+        # transfers' statuses all pass through SGLang's common manager, whose every change then
+        # wakes the wait as Lynx's backend does.
+        from . import hooks
+
+        idle.max_wait_s()
+        HookRegistry.register(PREFILL_INIT_KV_MANAGER, _attach_idle_wait_after, HookType.AFTER)
+        HookRegistry.register(DECODE_INIT_KV_MANAGER, _attach_idle_wait_after, HookType.AFTER)
+        HookRegistry.register(SCHEDULER_ON_IDLE, hooks.on_idle_around, HookType.AROUND)
+        HookRegistry.register(UPDATE_STATUS, hooks.status_updated_after, HookType.AFTER)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
         HookRegistry.register(PROCESS_BATCH_RESULT, timeline.prefill_done_before,
                               HookType.BEFORE)
 
 
 def _register_speculation_hooks() -> None:
-    """Scheduler process: the speculation hooks act only once a controller is bound (decode, in
-    `_init_kv_manager_after`), so a prefill scheduler pays one attribute check per call."""
+    """Scheduler process: the speculation hooks act only where the process's runtime has a
+    controller (a decode, once its KV manager has the pool), so a prefill scheduler pays a few
+    attribute reads per call."""
     from .speculation.hooks import HOOKS
 
     _register(HOOKS)
@@ -186,60 +189,43 @@ def _check_secret(config: LynxConfig) -> None:
 
 
 def _init_kv_manager_after(kv_manager, queue):
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
+    """Hand the KV pool to the Lynx manager SGLang just built; it completes the process's runtime
+    (`LynxKVManager.attach_kv_pool`)."""
     from .backend.manager import LynxKVManager
 
-    if not isinstance(kv_manager, LynxKVManager):
-        return kv_manager
-    kv_manager.attach_kv_pool(queue.token_to_kv_pool)
-    idle.report_tracked(kv_manager.tracked)
-    if kv_manager.disaggregation_mode == DisaggregationMode.PREFILL:
-        from .backend import batch_handover
+    if isinstance(kv_manager, LynxKVManager):
+        kv_manager.attach_kv_pool(queue.token_to_kv_pool)
+    return kv_manager
 
-        batch_handover.bind(kv_manager.sender)
-    if kv_manager.disaggregation_mode == DisaggregationMode.PREFILL and kv_manager.lynx.layer_stream:
-        from .backend import layer_stream
 
-        pool = kv_manager.pool
-        if layer_stream.bind(kv_manager.sender, pool.shape.num_layers, pool.device.type):
-            logger.info("lynx: layer streaming on: each layer's Anchor is sent while the prefill "
-                        "forward computes the later layers (--no-lynx-layer-stream: after it)")
-    if kv_manager.disaggregation_mode == DisaggregationMode.DECODE and kv_manager.lynx.speculate:
-        from .speculation import hooks
-        from .speculation.controller import SpecController
-        from .speculation.stream import scheduler_publisher
+def _attach_idle_wait_after(kv_manager, queue):
+    """Another backend's KV manager (`names.IDLE_WAIT_ENV`): a runtime with only the idle wait,
+    found by the `on_idle` and `update_status` hooks."""
+    from .idle import IdleWaiter
+    from .runtime import LynxRuntime, attach
 
-        publisher = scheduler_publisher(kv_manager.lynx.spec_stream_port, kv_manager.bootstrap_host,
-                                        getattr(kv_manager, "attn_tp_rank", 0),
-                                        getattr(kv_manager, "system_dp_rank", 0) or 0)
-        controller = SpecController(
-            kv_manager.applier, kv_manager.lynx, publisher,
-            fault_verify_delay_s=float(os.environ.get(FAULT_VERIFY_DELAY_ENV, "0") or 0))
-        hooks.bind(controller)
-        idle.report_tracked(controller.tracked)
+    attach(kv_manager, LynxRuntime(idle=IdleWaiter()))
     return kv_manager
 
 
 def install_backend() -> None:
     """Make `TransferBackend("lynx")` and `get_kv_class(TransferBackend.LYNX, ...)` work.
 
-    Idempotent. The enum gains a member in place (SGLang compares members by identity and builds
-    them with `TransferBackend(name)`); `get_kv_class` gets an AROUND hook that answers for the
-    new member and defers to SGLang for every other backend.
+    Idempotent: the enum's member is the mark that it is done, so no flag of ours records it.
+    The enum gains a member in place (SGLang compares members by identity and builds them with
+    `TransferBackend(name)`); `get_kv_class` gets an AROUND hook that answers for the new member
+    and defers to SGLang for every other backend.
     """
-    global _backend_installed
-    if _backend_installed:
-        return
     from sglang.srt.disaggregation.utils import TransferBackend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if BACKEND_NAME in TransferBackend._value2member_map_:
+        return
     _extend_enum(TransferBackend, BACKEND_MEMBER, BACKEND_NAME)
     HookRegistry.register(GET_KV_CLASS, _get_kv_class_around, HookType.AROUND)
     # Plugins registered during load_plugins() are applied by SGLang right after; this call
     # covers the launcher process, where the backend is chosen later (at argument parsing).
     HookRegistry.apply_hooks()
-    _backend_installed = True
 
 
 def _get_kv_class_around(original, transfer_backend, class_type):
@@ -265,8 +251,6 @@ def _get_kv_class_around(original, transfer_backend, class_type):
 
 
 def _extend_enum(enum_cls, member_name: str, value: str) -> None:
-    if value in enum_cls._value2member_map_:
-        return
     member = object.__new__(enum_cls)
     member._name_ = member_name
     member._value_ = value

@@ -4,18 +4,16 @@ step on it) and streamed its first token (`first_token_out`); and the request id
 receiver SGLang makes for it (the decode's transfer record carries it).
 
 Hook adapters registered by `plugin` in every decode scheduler of a Lynx server (speculative or
-not); scheduler thread only. A request that is committed but never streams (aborted first) is
-forgotten after `MAX_PENDING` newer ones.
+not); scheduler thread only. The record rides on SGLang's request (`ATTR`) from its commit to its
+first token out, so a request that never streams (aborted first) takes it along when it goes.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from .trace import Trace, emit
 
-MAX_PENDING = 4096
-_pending: OrderedDict[int, Trace] = OrderedDict()
+# The attribute of SGLang's Req holding its `request` record between the two marks.
+ATTR = "lynx_request_trace"
 
 
 def create_receiver_after(result, queue, req, *args, **kwargs):
@@ -34,16 +32,15 @@ def commit_transfer_after(result, queue, decode_req):
         tr = Trace("request", room)
         tr.mark("committed")
         tr.facts["rid"] = req.rid
-        _pending[room] = tr
-        while len(_pending) > MAX_PENDING:
-            _pending.popitem(last=False)
+        setattr(req, ATTR, tr)
     return result
 
 
 def process_batch_result_prebuilt_after(result, processor, batch):
     for req in batch.reqs:
-        tr = _pending.pop(getattr(req, "bootstrap_room", None), None)
+        tr = getattr(req, ATTR, None)
         if tr is not None:
+            setattr(req, ATTR, None)
             tr.mark("first_token_out")
             emit(tr)
     return result

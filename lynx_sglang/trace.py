@@ -129,6 +129,10 @@ class TraceSink:
                 self._dir = None
 
 
+# This process's sink. Process-wide state, kept on purpose: one trace file per process, its
+# directory set once by the KV manager at start (`configure`) and constant after, and the producers
+# (the decode applier, the prefill's workers, the timeline of any backend) emit through `emit`
+# without a handle to anything.
 _sink: TraceSink | None = None
 
 

@@ -2,9 +2,10 @@
 returns at once while a transfer is in flight, so the loop would spin; the hook sleeps in one poll
 over the scheduler's input sockets (real zmq sockets here) and the backend's wake-up, until one of
 them has something or the longest wait has passed. A stand-in because SGLang's Scheduler is only
-built inside a server process with a model; the hook in real servers is exercised by the PD tests
-(tests/sglang/test_pd_lynx*.py) and measured by `bench-ttft` (variants `lynx-poll2ms` and
-`mooncake-nospin`)."""
+built inside a server process with a model; the hook finds the `IdleWaiter` the way it does there
+(the runtime of the KV manager of the scheduler's PD queue). The hook in real servers is exercised
+by the PD tests (tests/sglang/test_pd_lynx*.py) and measured by `bench-ttft` (variants
+`lynx-poll2ms` and `mooncake-nospin`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 import pytest
 import zmq
 
-from lynx_sglang import idle
+from lynx_sglang import hooks, idle
 from lynx_sglang.names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
+from lynx_sglang.runtime import LynxRuntime, attach
 
 
 @dataclass
@@ -25,9 +27,20 @@ class Channels:
     recv_from_rpc: object = None
 
 
+class KVManager:
+    """Stands in for the KV manager SGLang built (another backend's: the runtime is attached)."""
+
+
+@dataclass
+class Queue:
+    kv_manager: KVManager
+
+
 class Scheduler:
-    def __init__(self, fully_idle: bool, channels: Channels | None = None, tp_size: int = 1):
+    def __init__(self, fully_idle: bool, manager: KVManager | None = None,
+                 channels: Channels | None = None, tp_size: int = 1):
         self.fully_idle = fully_idle
+        self.disagg_decode_prealloc_queue = Queue(manager or _manager())
         self.ipc_channels = channels or Channels()
         self.tp_size = tp_size
         self.calls = 0
@@ -53,6 +66,16 @@ def tokenizer_link():
     ctx.term()
 
 
+def _manager() -> KVManager:
+    manager = KVManager()
+    attach(manager, LynxRuntime(idle=idle.IdleWaiter()))
+    return manager
+
+
+def _waiter(s: Scheduler) -> idle.IdleWaiter:
+    return s.disagg_decode_prealloc_queue.kv_manager.lynx_runtime.idle
+
+
 def _timed(fn, *args) -> float:
     t0 = time.monotonic()
     fn(*args)
@@ -60,13 +83,13 @@ def _timed(fn, *args) -> float:
 
 
 def _on_idle(scheduler: Scheduler) -> str:
-    return idle.on_idle_around(Scheduler.on_idle, scheduler)
+    return hooks.on_idle_around(Scheduler.on_idle, scheduler)
 
 
 def test_a_transfer_in_flight_sleeps_until_the_longest_wait(monkeypatch, tokenizer_link):
     monkeypatch.setenv(IDLE_MAX_WAIT_ENV, "0.2")
     s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
-    idle.notify()
+    _waiter(s).notify()
     _on_idle(s)  # a wake-up left over from before is consumed, not carried into the next wait
     assert s.calls == 1
     # one 0.2 s poll, where the old loop woke every 2 ms (and a spinning one every microsecond)
@@ -87,15 +110,17 @@ def test_a_new_request_wakes_the_wait_at_once(monkeypatch, tokenizer_link):
 def test_the_backends_progress_wakes_the_wait_at_once(monkeypatch, tokenizer_link):
     monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
     s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
-    threading.Timer(0.05, idle.notify).start()
+    threading.Timer(0.05, _waiter(s).notify).start()
     assert _timed(_on_idle, s) < 10.0
 
 
 def test_a_progress_before_the_wait_is_not_lost(monkeypatch, tokenizer_link):
     monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
-    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
-    _on_idle(Scheduler(fully_idle=True))
-    idle.notify()  # e.g. a Success decided while the loop was still polling its queues
+    manager = _manager()
+    s = Scheduler(fully_idle=False, manager=manager,
+                  channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
+    _on_idle(Scheduler(fully_idle=True, manager=manager))
+    _waiter(s).notify()  # e.g. a Success decided while the loop was still polling its queues
     assert _timed(_on_idle, s) < 10.0
 
 
@@ -121,11 +146,22 @@ def test_with_tp_peers_the_wait_stays_short(monkeypatch, tokenizer_link):
 
 def test_another_backends_status_change_wakes_the_wait(monkeypatch, tokenizer_link):
     monkeypatch.setattr(idle, "MAX_WAIT_S", 30.0)
-    s = Scheduler(fully_idle=False, channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
-    manager = object()
-    threading.Timer(0.05, idle.status_updated_after, args=("result", manager, 7, "Success")).start()
+    manager = _manager()
+    s = Scheduler(fully_idle=False, manager=manager,
+                  channels=Channels(recv_from_tokenizer=tokenizer_link[0]))
+    threading.Timer(0.05, hooks.status_updated_after,
+                    args=("result", manager, 7, "Success")).start()
     assert _timed(_on_idle, s) < 10.0
-    assert idle.status_updated_after("result", manager) == "result"
+    assert hooks.status_updated_after("result", manager) == "result"
+
+
+def test_a_scheduler_without_a_runtime_is_left_to_sglang():
+    """Another backend's scheduler without the idle wait, or one whose KV manager is not built."""
+    s = Scheduler(fully_idle=False)
+    s.disagg_decode_prealloc_queue = None
+    assert _on_idle(s) == "idle"
+    assert s.calls == 1
+    assert hooks.status_updated_after("result", KVManager()) == "result"
 
 
 def test_a_fully_idle_scheduler_is_left_to_sglang(monkeypatch):
@@ -139,7 +175,7 @@ def test_a_fully_idle_scheduler_is_left_to_sglang(monkeypatch):
 def test_a_bad_longest_wait_fails_at_registration(monkeypatch, value):
     monkeypatch.setenv(IDLE_MAX_WAIT_ENV, value)
     with pytest.raises(ValueError, match=IDLE_MAX_WAIT_ENV):
-        idle.prepare()
+        idle.max_wait_s()
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("0", False), (None, False)])

@@ -79,14 +79,17 @@ def test_codec_and_transport_stay_engine_free(name):
 
 def _backend_side(name: str) -> str | None:
     """The peer a backend module serves: the prefill's (`backend.prefill`, `backend.prefill_*`),
-    the decode's (`backend.decode`, its room state machine `backend.room`), or None for what both
-    use (the identity handshake, plans, staging, the codec's streams) and the manager above both."""
+    the decode's (`backend.decode`, `backend.decode_*`, its room state machine `backend.room`), or
+    None for what both use (the identity handshake, plans, staging, the codec's streams) and the
+    manager above both."""
     module = name.removeprefix("lynx_sglang.backend.")
     if module == name:
         return None
     if module == "prefill" or module.startswith("prefill_"):
         return "prefill"
-    return "decode" if module in ("decode", "room") else None
+    if module in ("decode", "room") or module.startswith("decode_"):
+        return "decode"
+    return None
 
 
 def _reachable(name: str) -> set[str]:

@@ -12,7 +12,15 @@
     prefill_link      PrefillLink, Destination, SentBytes: the sender's interface with SGLang's side
     identity  the identity handshake opening every session, both ends (IDENTITY_REQUEST)
     faults    FaultPlan: the tests' holds at named points of a prefill transfer (no-op by default)
-    decode    DecodeApplier: announce staging, apply the landed Anchor and Residual to the pool
+    decode    DecodeApplier: the decode's applier loop and SGLang's interface to the parts below
+    decode_rooms      RoomTable: the decode's rooms, and which one the applier is working on
+    decode_sessions   PrefillSessions: the decode's transport session from each prefill rank
+    decode_admission  StagingAdmission: a room's staging range (or queue), announcement, release
+    decode_progress   TransferProgress: a room's landed and applied layers and segments
+    decode_apply      StreamApplier: apply a room's landed Anchor and Residual to the pool
+    decode_windowed   WindowedApplier: the same, segment by segment, for a windowed room
+    decode_policy     Estimates, decide_speculation: whether a room speculates on its Anchor
+    decode_report     StatusReporter, DecodeLink: every decode status that reaches SGLang
     room      DecodeRoom: one request's decode-side state machine
     plan      StreamPlan: one request's stream sizes and per-layer offsets (both ends)
     streams   encode a pool's slots into chunks / parse and apply landed chunks

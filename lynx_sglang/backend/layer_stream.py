@@ -2,19 +2,20 @@
 forward computes the later layers, so that when the forward ends only its last layers are still
 to send (without it, the whole Anchor's encode and wire time came after the forward).
 
-Two SGLang hooks drive it (registered by `lynx_sglang.plugin` in scheduler processes; they act
-only once a prefill manager is bound here by `bind`):
-- `run_batch_around` (`Scheduler.run_batch`, the scheduler thread): before an extend forward, each
+`LayerStreamer` is one prefill scheduler's layer streaming, built by the KV manager for a CPU pool
+(`LayerStreamer.for_pool`, held in the process's `runtime.LynxRuntime`). Two SGLang hooks drive it
+(adapters in `lynx_sglang.hooks`):
+- `run_batch` (`Scheduler.run_batch`, the scheduler thread): before an extend forward, each
   request of the batch whose prompt this forward completes (its only or last chunk; earlier
   chunks and a cached prefix are in the pool already) is handed to the sender at once, all in
   one call (`PrefillSender.start_early`, which sends the rooms bound for one decode layer by
   layer together) with the forward's `LayerGate`; after the forward, every layer is open.
-- `set_kv_buffer_after` (`MHATokenToKVPool.set_kv_buffer`, inside the forward): layer l's KV of
-  every request in the batch is in the pool: open layer l.
+- `layer_written` (`MHATokenToKVPool.set_kv_buffer`, inside the forward): layer l's KV of every
+  request in the batch is in the pool: open layer l.
 
 A forward that raises fails the gate, and the rooms waiting on it fail with the reason. Only CPU
-pools are bound: there `set_kv_buffer` has written the rows when it returns; on CUDA it has only
-queued the kernel (per-layer events would be needed: not implemented, see `bind`).
+pools stream: there `set_kv_buffer` has written the rows when it returns; on CUDA it has only
+queued the kernel (per-layer events would be needed: not implemented, see `for_pool`).
 
 The gate belongs to one forward; the room writer of the sender's destination worker
 (`backend.prefill_writer`) waits on it before reading a layer's pool rows, which the forward never
@@ -84,26 +85,6 @@ class LayerGate:
                 self._cond.wait(left)
 
 
-# The bound prefill sender (`bind`) and the gate of the forward now running (scheduler thread).
-_sender = None
-_num_layers = 0
-_gate: LayerGate | None = None
-_said_how_layers_open = False
-
-
-def bind(sender, num_layers: int, device_type: str) -> bool:
-    """Stream layers for this prefill's `sender` (a `PrefillSender`); False where the pool
-    cannot be read during the forward (not a CPU pool)."""
-    global _sender, _num_layers
-    if device_type != "cpu":
-        logger.info("lynx: layer streaming off: the KV pool is on %s, where a layer's rows are "
-                    "written only when its queued kernels run (per-layer events: not "
-                    "implemented); each request's Anchor is sent after its forward", device_type)
-        return False
-    _sender, _num_layers = sender, num_layers
-    return True
-
-
 def _prompt_slots(scheduler, req) -> np.ndarray | None:
     """The KV slots of `req`'s whole prompt if this forward completes it (its last or only
     chunk), else None. Whatever came before this forward (earlier chunks, a cached prefix) is in
@@ -118,51 +99,71 @@ def _prompt_slots(scheduler, req) -> np.ndarray | None:
     return row.to("cpu", copy=True).numpy().astype(np.int64, copy=False)
 
 
-def run_batch_around(original, scheduler, batch, *args, **kwargs):
-    global _gate
-    sender = _sender
-    if (sender is None or _gate is not None or not batch.forward_mode.is_extend()
-            or getattr(scheduler, "enable_overlap", False)):
-        return original(scheduler, batch, *args, **kwargs)
-    gate = LayerGate(_num_layers)
-    rooms = []
-    for req in batch.reqs:
-        slots = _prompt_slots(scheduler, req)
-        if slots is not None:
-            rooms.append((req.bootstrap_room, slots))
-    if not rooms or not sender.start_early(rooms, gate):
-        return original(scheduler, batch, *args, **kwargs)
-    _gate = gate
-    try:
-        result = original(scheduler, batch, *args, **kwargs)
-    except BaseException as exc:
-        gate.fail(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        _gate = None
-    _say_how_layers_opened(gate.opened, gate.num_layers)
-    gate.finish()
-    return result
+class LayerStreamer:
+    """Layer streaming of one prefill scheduler: its sender (a `PrefillSender`) and the gate of the
+    forward now running. Scheduler thread only (the gate itself is waited on by the workers)."""
 
+    def __init__(self, sender, num_layers: int):
+        self.sender = sender
+        self.num_layers = num_layers
+        self.gate: LayerGate | None = None
+        self._said_how_layers_open = False
 
-def _say_how_layers_opened(opened: int, num_layers: int) -> None:
-    """Once per process: whether the first streamed forward opened its layers one by one."""
-    global _said_how_layers_open
-    if _said_how_layers_open:
-        return
-    _said_how_layers_open = True
-    if opened:
-        logger.info("lynx: layer streaming: the first streamed forward opened %d of %d layers "
-                    "before it ended", opened, num_layers)
-    else:
-        logger.warning("lynx: layer streaming: the forward wrote no layer through "
-                       "MHATokenToKVPool.set_kv_buffer (a KV pool class that overrides it?): "
-                       "each Anchor is sent after its forward")
+    @classmethod
+    def for_pool(cls, sender, num_layers: int, device_type: str) -> LayerStreamer | None:
+        """Layer streaming for `sender` over a pool on `device_type`; None where the pool cannot
+        be read during the forward (not a CPU pool)."""
+        if device_type != "cpu":
+            logger.info("lynx: layer streaming off: the KV pool is on %s, where a layer's rows are "
+                        "written only when its queued kernels run (per-layer events: not "
+                        "implemented); each request's Anchor is sent after its forward", device_type)
+            return None
+        logger.info("lynx: layer streaming on: each layer's Anchor is sent while the prefill "
+                    "forward computes the later layers (--no-lynx-layer-stream: after it)")
+        return cls(sender, num_layers)
 
+    def run_batch(self, original, scheduler, batch, *args, **kwargs):
+        """SGLang's `run_batch`, with the rooms whose prompt an extend forward completes handed
+        to the sender as it starts, behind this forward's gate."""
+        if (self.gate is not None or not batch.forward_mode.is_extend()
+                or getattr(scheduler, "enable_overlap", False)):
+            return original(scheduler, batch, *args, **kwargs)
+        gate = LayerGate(self.num_layers)
+        rooms = []
+        for req in batch.reqs:
+            slots = _prompt_slots(scheduler, req)
+            if slots is not None:
+                rooms.append((req.bootstrap_room, slots))
+        if not rooms or not self.sender.start_early(rooms, gate):
+            return original(scheduler, batch, *args, **kwargs)
+        self.gate = gate
+        try:
+            result = original(scheduler, batch, *args, **kwargs)
+        except BaseException as exc:
+            gate.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.gate = None
+        self._say_how_layers_opened(gate.opened)
+        gate.finish()
+        return result
 
-def set_kv_buffer_after(result, pool, layer, *args, layer_id_override=None, **kwargs):
-    gate = _gate
-    if gate is not None:
-        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-        gate.written(layer_id - getattr(pool, "start_layer", 0))
-    return result
+    def layer_written(self, pool, layer, layer_id_override: int | None) -> None:
+        """Inside the forward: `layer`'s KV rows of the batch are in `pool`."""
+        gate = self.gate
+        if gate is not None:
+            layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+            gate.written(layer_id - getattr(pool, "start_layer", 0))
+
+    def _say_how_layers_opened(self, opened: int) -> None:
+        """Once: whether the first streamed forward opened its layers one by one."""
+        if self._said_how_layers_open:
+            return
+        self._said_how_layers_open = True
+        if opened:
+            logger.info("lynx: layer streaming: the first streamed forward opened %d of %d layers "
+                        "before it ended", opened, self.num_layers)
+        else:
+            logger.warning("lynx: layer streaming: the forward wrote no layer through "
+                           "MHATokenToKVPool.set_kv_buffer (a KV pool class that overrides it?): "
+                           "each Anchor is sent after its forward")

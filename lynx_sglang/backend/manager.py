@@ -18,7 +18,11 @@ SGLang-facing methods (the engine hooks of MooncakeKVManager):
   update_status (decode, status from the prefill)
       a prefill Success is held until the Residual is in the KV pool (the applier decides).
   record_failure                        a reason this side found itself is never overwritten.
-  attach_kv_pool                        the plugin hands over SGLang's KV pool after start-up.
+  attach_kv_pool                        the plugin hands over SGLang's KV pool after start-up;
+                                        the process's `runtime.LynxRuntime` is completed then.
+
+The manager builds the composition its hooks act on (`lynx_runtime`, a `runtime.LynxRuntime`): the
+idle waiter at construction, the role's components once it has the pool.
 
 Every status this backend decides reaches SGLang through one method, `report_status`.
 """
@@ -26,7 +30,9 @@ Every status this backend decides reaches SGLang through one method, `report_sta
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from dataclasses import replace
 
 import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferMetric
@@ -43,15 +49,21 @@ from sglang.srt.utils.network import NetworkAddress
 
 from lynx_transport import Endpoint
 
-from .. import idle, metrics, trace
+from .. import metrics, runtime, trace
 from ..config import LynxConfig
 from ..errors import LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
 from ..failures import FailureKind, failure_kind_of
+from ..idle import IdleWaiter
+from ..names import FAULT_VERIFY_DELAY_ENV
+from ..runtime import LynxRuntime
 from ..sglang_support import check_anchor_safety, check_sglang_version
+from ..speculation.controller import SpecController
+from ..speculation.stream import scheduler_publisher
 from .aux import check_aux_items, pack_aux
 from .decode import DecodeApplier, DecodeLink
 from .faults import FaultPlan
 from .identity import Identity
+from .layer_stream import LayerStreamer
 from .plan import StreamPlan, max_tokens_in_staging
 from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
@@ -121,6 +133,8 @@ class LynxKVManager(MooncakeKVManager):
         # Decode: failure reasons this side found itself, by room, until the receiver has read
         # them (`record_failure`).
         self._own_failures: dict[int, str] = {}
+        # Before SGLang's constructor: the status threads it starts notify the idle wait.
+        self.lynx_runtime = LynxRuntime(idle=IdleWaiter())
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.sender = PrefillSender(
@@ -134,10 +148,11 @@ class LynxKVManager(MooncakeKVManager):
             self.applier = DecodeApplier(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
                 DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank,
-                           idle.notify),
+                           self.lynx_runtime.idle.notify),
                 self.waiting_timeout)
             self._start_thread(self.applier.accept_loop, "lynx-accept")
             self._start_thread(self.applier.run, "lynx-apply")
+        self.lynx_runtime.idle.report_tracked(self.tracked)
         logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
                     self.endpoint.address, self.lynx)
         started = trace.Trace("server", 0)
@@ -191,7 +206,9 @@ class LynxKVManager(MooncakeKVManager):
         return self.endpoint.address
 
     def attach_kv_pool(self, pool) -> None:
-        """Called (plugin hook) right after SGLang built this manager, with its KV pool."""
+        """Called (plugin hook) right after SGLang built this manager, with its KV pool: checks
+        it, completes the process's runtime and attaches that to the pool too, where the hooks
+        inside the model and the KV cache find it (`runtime.of_kv_pool`)."""
         self.pool = KVPoolView.from_sglang_pool(pool)
         # GPUDirect (registering device memory with the NIC) is not implemented: say so, so an
         # operator comparing with Mooncake knows the encoded bytes leave from host memory.
@@ -205,6 +222,29 @@ class LynxKVManager(MooncakeKVManager):
                 f"--lynx-rotate needs a power-of-two head_dim, this model's is {head_dim}: "
                 "pass --no-lynx-rotate on prefill and decode"
             )
+        self.lynx_runtime = self._complete_runtime()
+        runtime.attach(pool, self.lynx_runtime)
+
+    def _complete_runtime(self) -> LynxRuntime:
+        """The runtime with this role's components, which need the pool: the prefill's sender and
+        (CPU pool) layer streamer, the speculative decode's controller."""
+        rt = self.lynx_runtime
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            streamer = None
+            if self.lynx.layer_stream:
+                streamer = LayerStreamer.for_pool(self.sender, self.pool.shape.num_layers,
+                                                  self.pool.device.type)
+            return replace(rt, sender=self.sender, layer_stream=streamer)
+        if not self.lynx.speculate:
+            return rt
+        publisher = scheduler_publisher(self.lynx.spec_stream_port, self.bootstrap_host,
+                                        getattr(self, "attn_tp_rank", 0),
+                                        getattr(self, "system_dp_rank", 0) or 0)
+        controller = SpecController(
+            self.applier, self.lynx, publisher,
+            fault_verify_delay_s=float(os.environ.get(FAULT_VERIFY_DELAY_ENV, "0") or 0))
+        rt.idle.report_tracked(controller.tracked)
+        return replace(rt, spec=controller)
 
     def _check_staging_size(self) -> None:
         """Say at start-up how long a request the staging memory holds whole: a longer one is
@@ -308,7 +348,7 @@ class LynxKVManager(MooncakeKVManager):
         if failure is not None:
             self.record_own_failure(room, failure)
         super().update_status(room, KVPoll.Failed if failure is not None else KVPoll.Success)
-        idle.notify()
+        self.lynx_runtime.idle.notify()
 
     def _write_aux(self, aux_index: int, items: list[tuple[int, bytes]]) -> None:
         """Write the peer's aux items into the room's aux slot, each checked first: SGLang's own
@@ -368,7 +408,7 @@ class LynxKVManager(MooncakeKVManager):
             self._own_failures.pop(room, None)
 
     def update_status(self, bootstrap_room: int, status: KVPoll):
-        idle.notify()
+        self.lynx_runtime.idle.notify()
         if (self.disaggregation_mode == DisaggregationMode.DECODE and status == KVPoll.Success
                 and self.applier.on_prefill_success(bootstrap_room)):
             return

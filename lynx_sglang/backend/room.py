@@ -5,17 +5,23 @@ and logs at debug level.
     AWAITING_STAGING --staged--> AWAITING_SESSION              (a staging range came free; only
                                                                 a room that found none at register)
     AWAITING_SESSION --announced--> ANNOUNCED                  (bytes land; layers are applied)
-    ANNOUNCED --anchor_complete--> AWAITING_RESIDUAL           (SGLang not told)
-    ANNOUNCED --anchor_complete(reported)--> SPECULATING       (Success reported at Anchor time)
+    ANNOUNCED --anchor_complete--> AWAITING_RESIDUAL           (decided not to speculate)
+    ANNOUNCED --anchor_complete--> SPECULATING                 (decided to: Success reported now)
     ANNOUNCED | AWAITING_RESIDUAL --final_kv--> AWAITING_PREFILL   (every layer final, or the
                                                                   Anchor-only baseline)
     AWAITING_PREFILL --done--> DONE                            (the prefill's Success arrived too)
     SPECULATING --refined--> REFINED                           (the speculation controller verifies)
     any live state --fail--> FAILED;  --cancel--> CANCELLED
 
-The prefill's own Success status may arrive in any state (`prefill_success` remembers it). Owned
-by `backend.decode.DecodeApplier`: transitions happen under its lock; the per-layer progress
-fields belong to the applier thread while the room is `busy`.
+Beside its state a room holds what does not follow from it: the prefill's own Success status,
+which may arrive in any state (`prefill_success`), its speculation decision, made once
+(`decide`; `backend.decode_policy`), which says after a failure too whether SGLang heard Success
+at Anchor time, and how far its bytes have come (`progress`, a `TransferProgress`).
+
+Owned by `backend.decode.DecodeApplier` and the parts it drives: rooms are kept in its
+`RoomTable`; a transition that SGLang's threads may meet (staged, announced, anchor_complete, done,
+fail, cancel) happens under that table's lock, and the progress belongs to the applier thread
+while it works on the room (`RoomTable.start_applying`).
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ import torch
 from lynx_transport import Session
 
 from .. import trace as tracing
+from .decode_policy import UNDECIDED, SpeculationDecision
+from .decode_progress import TransferProgress
 from .outcome import ResidualOutcome, ResidualState
 from .plan import StreamPlan
 from .staging import StagingRange
-from .streams import LayerRuns, ResidualReader
 from .window import Segments, Windows
 
 logger = logging.getLogger(__name__)
@@ -64,7 +71,8 @@ class RoomStateError(RuntimeError):
     """A transition from a state it does not start from: a bug, never a peer's doing."""
 
 
-@dataclass
+# Compared by identity: two rooms are never the same because their fields are equal.
+@dataclass(eq=False)
 class DecodeRoom:
     room: int
     prefill: tuple[str, int]
@@ -72,6 +80,10 @@ class DecodeRoom:
     aux_index: int
     plan: StreamPlan
     staging: StagingRange | None
+    # A windowed room (`backend.window`; larger than the whole staging pool): its windows and
+    # segments.
+    windows: Windows | None = None
+    segments: Segments | None = None
     state: RoomState = RoomState.AWAITING_SESSION
     created: float = field(default_factory=time.monotonic)
     # Since when the room waits for what it needs next (a staging range, then the prefill's
@@ -79,38 +91,19 @@ class DecodeRoom:
     waiting_since: float = field(default_factory=time.monotonic)
     session: Session | None = None
     prefill_success: bool = False
-    reported_at_anchor: bool = False
     failure: str | None = None
-    # The applier is working on the room (cancel/drop wait for it to end).
-    busy: bool = False
-    # The speculation decision (None until the whole Anchor is in).
-    speculating: bool | None = None
-    # Per-layer progress (applier thread): Anchor layers landed (their byte views) / applied to the pool,
-    # layers at full precision, and the Residual stream's reader and its complete layers.
-    anchor_layers: list[LayerRuns | None] = field(default_factory=list)
-    anchor_layers_landed: int = 0
-    anchor_written: int = 0
-    final_layers: int = 0
-    residual_reader: ResidualReader | None = None
-    residual_ready: list[tuple[int, LayerRuns]] = field(default_factory=list)
+    decision: SpeculationDecision = UNDECIDED
     t_anchor_landed: float | None = None
-    residual_at_anchor: int | None = None  # Residual bytes landed when the Anchor was complete
     t_residual_applied: float | None = None
-    trace: tracing.Trace | None = None
-    # A windowed room (`backend.window`; larger than the whole staging pool): its windows and
-    # segments, and the segment cursor: segments [seg_applied, seg_announced) are announced and
-    # not yet applied (at most one per window).
-    windows: Windows | None = None
-    segments: Segments | None = None
-    seg_announced: int = 0
-    seg_applied: int = 0
-    seg_residual_bytes: int = 0  # Residual bytes of the segments applied so far
+    trace: tracing.Trace = field(init=False)
+    progress: TransferProgress = field(init=False)
 
     def __post_init__(self) -> None:
         if self.staging is None:
             self.state = RoomState.AWAITING_STAGING
         self.waiting_since = self.created
-        self.anchor_layers = [None] * self.plan.num_layers
+        self.progress = TransferProgress(self.plan.num_layers, self.plan.num_tokens,
+                                         windowed=self.segments is not None)
         self.trace = tracing.Trace("decode", self.room)
         self.trace.mark_mono("registered", self.created)
         self.trace.facts.update(tokens=self.plan.num_tokens, anchor_bytes=self.plan.anchor_bytes)
@@ -135,13 +128,25 @@ class DecodeRoom:
         self.session = session
         self.trace.mark("announced")
 
-    def anchor_complete(self, t_landed: float | None, *, reported: bool) -> None:
-        """The whole Anchor is in; `reported`: Success went to SGLang now (speculation)."""
+    def decide(self, decision: SpeculationDecision) -> None:
+        """Record the speculation decision, made once (not a transition: a windowed Anchor-only
+        room decides and then goes on as the baseline does)."""
+        if self.decision.decided or not decision.decided:
+            raise RoomStateError(f"room {self.room}: speculation decided "
+                                 f"{self.decision.mode.value}, then {decision.mode.value}")
+        self.decision = decision
+        self.trace.facts.update(decision.trace_facts())
+
+    def anchor_complete(self, t_landed: float | None) -> None:
+        """The whole Anchor is in, and the room has decided: speculating, Success goes to SGLang
+        now."""
+        if not self.decision.decided:
+            raise RoomStateError(f"room {self.room}: Anchor complete, speculation undecided")
+        reported = self.decision.speculating
         self._move({RoomState.ANNOUNCED},
                    RoomState.SPECULATING if reported else RoomState.AWAITING_RESIDUAL,
                    "Anchor complete" + (", Success reported" if reported else ""))
         self.t_anchor_landed = t_landed
-        self.reported_at_anchor = reported
 
     def final_kv(self, *, anchor_only: bool = False) -> None:
         """The final KV (every layer Residual-refined, or the Anchor alone as the lossy baseline)
@@ -175,21 +180,22 @@ class DecodeRoom:
         """Bytes of staging the room holds: its windows, or its whole plan."""
         return self.windows.staging_bytes if self.windows else self.plan.staging_bytes
 
-    @property
-    def residual_bytes(self) -> int:
-        """Residual bytes landed and parsed so far."""
-        return self.seg_residual_bytes if self.segments else self.residual_reader.pos
-
     def segment_ids(self) -> list[int]:
         """Transport request ids announced for the room and not yet released."""
         if self.segments is None:
             return [self.room]
         return [self.segments.request_id(self.room, j)
-                for j in range(self.seg_applied, self.seg_announced)]
+                for j in range(self.progress.seg_applied, self.progress.seg_announced)]
 
     @property
     def live(self) -> bool:
         return self.state not in TERMINAL
+
+    @property
+    def reported_at_anchor(self) -> bool:
+        """Success goes to SGLang at Anchor time: the room decided to speculate (whatever its
+        state is now)."""
+        return self.decision.speculating
 
     def outcome(self) -> ResidualOutcome:
         """The speculation controller's view of a room reported at Anchor time."""

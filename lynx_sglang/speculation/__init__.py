@@ -4,7 +4,7 @@
     state       SpecState and friends: per-request bookkeeping, who may speculate
     verify      the verification forward, acceptance, rollback (SGLang internals)
     acceptance  the acceptance rules (greedy, speculative sampling), pure torch
-    hooks       the SGLang hook adapters, forwarding to the bound controller
+    hooks       the SGLang hook adapters, forwarding to the controller of the process's runtime
     stream      the opt-in stream of speculative tokens and rollbacks (ZMQ PUB) and its client
 
 The decode applier (`lynx_sglang.backend.decode`) produces each request's Residual outcome;

@@ -19,8 +19,9 @@ commits the request and decodes it like any other, reading Anchor-precision prom
 - A Residual that fails aborts the request; a request released early (client abort, a first token
   that already finishes it) cancels its transfer before its slots can be reused (`on_release`).
 
-Handed, at creation (`plugin`, when the decode KV manager gets its pool): the applier's
-`Transfers` interface, the config and the spec-stream publisher. Single scheduler thread: no
+Built by the decode KV manager when it gets its pool (`LynxKVManager.attach_kv_pool`, held in the
+process's `runtime.LynxRuntime`), with the applier's `Transfers` interface, the config and the
+spec-stream publisher. Single scheduler thread: no
 locking here (the applier's calls are thread-safe).
 """
 
@@ -68,6 +69,9 @@ class SpecController:
         # Speculating sampled requests by their req_to_token row, for the sampler hook (which
         # sees batch rows, not requests).
         self.sampled_by_pool_idx: dict[int, SpecState] = {}
+        # True while a verification forward runs: the attention hook then attends as decode steps
+        # did (`speculation.hooks.extend_attention_around`).
+        self.verifying = False
         self._fault_verify_delay_s = fault_verify_delay_s
 
     def tracked(self) -> dict[str, int]:
@@ -248,7 +252,7 @@ class SpecController:
             time.sleep(self._fault_verify_delay_s)
         bonus = [not r.lynx_spec.finish_pending
                  and len(r.output_ids) < r.sampling_params.max_new_tokens for r in to_check]
-        logits = verify_forward(scheduler, to_check, bonus) if to_check else []
+        logits = self._verify_forward(scheduler, to_check, bonus) if to_check else []
         verify_s = time.monotonic() - t0
         passes = runner.forward_pass_id - passes_before
         if to_check:
@@ -289,6 +293,13 @@ class SpecController:
                 scheduler.running_batch = batch
             else:
                 scheduler.running_batch.merge_batch(batch)
+
+    def _verify_forward(self, scheduler, reqs: list, bonus: list[bool]) -> list:
+        self.verifying = True
+        try:
+            return verify_forward(scheduler, reqs, bonus)
+        finally:
+            self.verifying = False
 
     def _record(self, req, st: SpecState, result: VerifyResult, verify_s: float,
                 model_passes: int, batch_size: int, verify_start: float | None) -> None:

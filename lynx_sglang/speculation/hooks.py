@@ -1,31 +1,26 @@
 """The SGLang hook adapters of speculation: thin functions SGLang's HookRegistry calls in a decode
-scheduler process, each forwarding to the process's `SpecController` once one is bound.
+scheduler process, each forwarding to the process's `SpecController` (`runtime.LynxRuntime.spec`).
 
 `HOOKS` lists every target with the adapter and the hook kind (`plugin` registers them; each is
-documented in patches/README.md). The controller is bound by `bind` when the decode KV manager gets
-its pool (`plugin`); before that, and in a prefill scheduler, every adapter is a no-op.
+documented in patches/README.md). Each adapter finds the controller from the SGLang object it was
+given: the scheduler's KV manager (`runtime.of_scheduler`), or, inside the model and the KV cache,
+the KV pool the manager was handed (`runtime.of_kv_pool`). Before the decode KV manager has its
+pool, and in a prefill scheduler, there is none and every adapter is a no-op.
 """
 
 from __future__ import annotations
 
+from .. import runtime
 from .controller import SpecController
 from .verify import extend_attention_as_decode
 
-_controller: SpecController | None = None
 
-
-def bind(controller: SpecController | None) -> None:
-    """Make `controller` the one every hook of this process forwards to (None: unbind)."""
-    global _controller
-    _controller = controller
-
-
-def controller() -> SpecController | None:
-    return _controller
+def _spec(rt: runtime.LynxRuntime | None) -> SpecController | None:
+    return None if rt is None else rt.spec
 
 
 def process_decode_queue_before(scheduler):
-    ctl = controller()
+    ctl = _spec(runtime.of_scheduler(scheduler))
     if ctl is not None:
         ctl.step(scheduler)
 
@@ -33,28 +28,28 @@ def process_decode_queue_before(scheduler):
 def is_fully_idle_around(original, scheduler, *args, **kwargs):
     # Parked requests hold KV outside SGLang's queues: the scheduler is not idle (its idle path
     # would report their slots as a leak, or sleep until the next request arrives).
-    ctl = controller()
+    ctl = _spec(runtime.of_scheduler(scheduler))
     if ctl is not None and ctl.parked and not kwargs.get("for_health_check", False):
         return False
     return original(scheduler, *args, **kwargs)
 
 
 def abort_request_after(result, scheduler, recv_req):
-    ctl = controller()
+    ctl = _spec(runtime.of_scheduler(scheduler))
     if ctl is not None and ctl.parked:
         ctl.abort_parked(scheduler, recv_req)
     return result
 
 
 def commit_transfer_after(result, queue, decode_req):
-    ctl = controller()
+    ctl = _spec(runtime.of_scheduler(queue.scheduler))
     if ctl is not None and decode_req.req.finished_reason is None:
         ctl.on_commit(decode_req.req)
     return result
 
 
 def process_batch_result_prebuilt_after(result, processor, batch):
-    ctl = controller()
+    ctl = _spec(runtime.of_kv_pool(processor.token_to_kv_pool_allocator.get_kvcache()))
     if ctl is not None:
         ctl.on_prebuilt(batch)
     return result
@@ -63,7 +58,7 @@ def process_batch_result_prebuilt_after(result, processor, batch):
 def sample_before(runner, logits_output, forward_batch):
     """Record the logits each speculative token of a sampled request is drawn from, before the
     sampler turns them into probabilities in place."""
-    ctl = controller()
+    ctl = _spec(runtime.of_kv_pool(runner.token_to_kv_pool))
     if ctl is None or not ctl.sampled_by_pool_idx or not forward_batch.forward_mode.is_decode():
         return None
     ctl.record_draft_logits(forward_batch.req_pool_indices.tolist(),
@@ -97,9 +92,19 @@ def accept_around(original, accumulator, *, req):
 
 
 def release_kv_cache_before(req, tree_cache, *, checkpoint: bool):
-    ctl = controller()
+    ctl = _spec(runtime.of_kv_pool(tree_cache.token_to_kv_pool_allocator.get_kvcache()))
     if ctl is not None:
         ctl.on_release(req)
+
+
+def extend_attention_around(original, backend, *args, **kwargs):
+    """SGLang's CPU (torch-native) extend attention: during a verification forward, the
+    speculative positions attend as their decode steps did (`verify.extend_attention_as_decode`);
+    every other extend runs SGLang's code."""
+    ctl = _spec(runtime.of_kv_pool(backend.token_to_kv_pool))
+    if ctl is None or not ctl.verifying:
+        return original(backend, *args, **kwargs)
+    return extend_attention_as_decode(original, backend, *args, **kwargs)
 
 
 # (SGLang target, adapter, HookRegistry kind)
@@ -120,5 +125,5 @@ HOOKS = (
     ("sglang.srt.model_executor.model_runner.ModelRunner.sample", sample_before, "BEFORE"),
     ("sglang.srt.managers.scheduler.Scheduler.abort_request", abort_request_after, "AFTER"),
     ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
-     "_run_sdpa_forward_extend", extend_attention_as_decode, "AROUND"),
+     "_run_sdpa_forward_extend", extend_attention_around, "AROUND"),
 )

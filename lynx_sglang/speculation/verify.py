@@ -19,11 +19,6 @@ from .state import REASONING_STATE, SpecState, VerifyResult
 
 logger = logging.getLogger(__name__)
 
-# True while the verification forward runs (scheduler thread): the torch-native attention hook
-# then computes the extend's attention as decode steps would (`extend_attention_as_decode`).
-_verifying = False
-
-
 def extend_attention_as_decode(original, backend, query, output, k_cache, v_cache, req_to_token,
                                req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
                                encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
@@ -33,9 +28,10 @@ def extend_attention_as_decode(original, backend, query, output, k_cache, v_cach
     prompt of P tokens that is O((P+n)^2) per layer, a prefill's worth of attention (measured: ten
     decode steps for 2 positions on 1.5k tokens). During a verification forward the n speculative
     positions attend to their prefixes in one masked SDPA call per request and layer, O(n * P),
-    each position seeing exactly the keys its decode step saw. Any other extend goes to SGLang's
-    own code."""
-    if (not _verifying or encoder_lens is not None or is_cross_attn or not causal
+    each position seeing exactly the keys its decode step saw. Called during a verification
+    forward only (`speculation.hooks.extend_attention_around`); an extend this does not cover
+    (cross attention, a sliding window, ...) goes to SGLang's own code."""
+    if (encoder_lens is not None or is_cross_attn or not causal
             or (sliding_window_size is not None and sliding_window_size > -1)):
         return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                         seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens,
@@ -123,13 +119,8 @@ def verify_forward(scheduler, reqs: list, bonus: list[bool]) -> list[torch.Tenso
     batch.multimodal_inputs = [None] * len(reqs)
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch,
                                                                 scheduler.model_config.vocab_size)
-    global _verifying
-    _verifying = True
-    try:
-        result = scheduler.tp_worker.forward_batch_generation(
-            batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
-    finally:
-        _verifying = False
+    result = scheduler.tp_worker.forward_batch_generation(
+        batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
     hidden = result.logits_output.hidden_states
     model = scheduler.tp_worker.model_runner.model
     logits = model.logits_processor._get_logits(

@@ -12,8 +12,6 @@ import importlib.util
 import json
 
 import pytest
-from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
 from sampling_case import (
     SAMPLING_N,
     SAMPLING_NEW_TOKENS,
@@ -24,6 +22,8 @@ from sampling_case import (
 )
 
 from lynx_sglang.config import LynxConfig
+from lynx_tools.client import generate
+from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
 
 # Short prompts keep CI time small; the long one spans several Lynx chunks (256 tokens each) and
 # a partial last group.
@@ -147,10 +147,9 @@ def references(tmp_path_factory) -> References:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from lynx_tools.model import embedded_model_dir
-
     from lynx_sglang.names import CONFIG_ENV, REFERENCE_ENV
     from lynx_sglang.reference_kv import REQUEST_FLAG
+    from lynx_tools.model import embedded_model_dir
 
     spec = ClusterSpec(
         str(embedded_model_dir()), ClusterMode.SINGLE, run_dir=tmp_path_factory.mktemp("single"),

@@ -397,8 +397,8 @@ def _anchor_in(pd: PD, req: Request) -> bool:
     bytes can land before the end does: a fault injected between the two is not "after the
     Anchor"). Non-speculative rooms never write the Anchor into the pool (nothing would read it
     before the Residual), so the pool cannot tell."""
-    room = pd.decode.mgr.applier._rooms.get(req.room)
-    return (room is not None and room.anchor_layers_landed == LAYERS
+    room = pd.decode.mgr.applier.rooms.get(req.room)
+    return (room is not None and room.progress.anchor_layers_landed == LAYERS
             and room.t_anchor_landed is not None)
 
 
@@ -692,14 +692,14 @@ def test_queued_rooms_leave_the_queue_when_aborted_or_past_the_waiting_budget(sg
     assert first.receiver.poll() == sgl.KVPoll.Failed
     assert _queued(pd) == 1
     # The budget is SGLang's waiting timeout (300 s by default): shortened on the live applier.
-    pd.decode.mgr.applier.waiting_s = 0.3
+    pd.decode.mgr.applier.admission.waiting_s = 0.3
     assert _poll_until_done(sgl, second.receiver) == sgl.KVPoll.Failed
     msg = _failure_message(sgl, second.receiver)
     assert "of staging came free within 0.3 s" in msg and "--lynx-staging-mib" in msg, msg
     # The prefill hears of it now, not after its own bootstrap timeout.
     assert _poll_until_done(sgl, second.sender) == sgl.KVPoll.Failed
     assert _queued(pd) == 0
-    pd.decode.mgr.applier.waiting_s = 300.0
+    pd.decode.mgr.applier.admission.waiting_s = 300.0
     for req, rg in holders:
         _forward_and_send(pd, req, rg)
     for req, _ in holders:
@@ -726,7 +726,7 @@ def test_a_room_larger_than_decode_staging_is_sent_in_segments(sgl, make_pd, cap
     plan = StreamPlan.build(decode.lynx.codec, decode.pool.shape, WINDOWED_TOKENS,
                             decode.lynx.chunk_tokens)
     assert plan.staging_bytes > decode.staging.nbytes
-    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode"):
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode_admission"):
         req = _start_request(sgl, pd, room=9100, seed=100, tokens=WINDOWED_TOKENS)
         assert _poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
     assert "sent in 2 segments of 1 layers through 1 windows" in caplog.text
@@ -740,7 +740,7 @@ def test_a_room_larger_than_decode_staging_is_sent_in_segments(sgl, make_pd, cap
     _wait("the prefill staging to be freed", lambda: _prefill_staging_free(pd))
     assert decode.staging.free_bytes() == decode.staging.nbytes
     assert decode.applier.tracked()["decode_rooms"] == 0
-    for session in decode.applier._prefill_sessions.values():
+    for session in decode.applier.sessions._sessions.values():
         assert session.pending_requests() == [IDENTITY_REQUEST]  # the session's own answer
     # The session goes on serving ordinary rooms (speculative: Success at Anchor time, the
     # Residual after it).
@@ -759,10 +759,10 @@ def test_the_residual_hold_of_a_windowed_room_sits_after_its_first_segment(sgl, 
         req = _start_request(sgl, pd, room=9300, seed=105, tokens=WINDOWED_TOKENS)
         _wait("the hold after the first segment",
               lambda: f"room {req.room} {FAULT_RESIDUAL_HOLD_LOG}" in caplog.text)
-    room = applier._rooms[req.room]
-    _wait("the first segment applied at the decode", lambda: room.seg_applied == 1)
+    room = applier.rooms.get(req.room)
+    _wait("the first segment applied at the decode", lambda: room.progress.seg_applied == 1)
     time.sleep(0.3)
-    assert room.seg_applied == 1  # the next segment waits for the hold
+    assert room.progress.seg_applied == 1  # the next segment waits for the hold
     assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
     _release_holds_and_expect_full_kv(sgl, pd, req)
 
@@ -779,9 +779,9 @@ def test_the_anchor_hold_sits_mid_anchor(sgl, make_pd, caplog):
                                          f"{LAYERS} layers" in caplog.text)
     _wait("half the Anchor landed at the decode",
           lambda: applier.tracked()["decode_rooms_anchor_landing"] == 1)
-    room = applier._rooms[req.room]
+    room = applier.rooms.get(req.room)
     time.sleep(0.3)
-    assert room.anchor_layers_landed == 1  # the other layer waits for the hold
+    assert room.progress.anchor_layers_landed == 1  # the other layer waits for the hold
     assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
     _release_holds_and_expect_full_kv(sgl, pd, req)
     assert applier.tracked()["decode_rooms_anchor_landing"] == 0
@@ -797,12 +797,12 @@ def test_a_room_dropped_between_segments_frees_the_prefill_worker_at_once(sgl, m
     cfg = _cfg(target="exact", staging_mib=1, speculate=True, transfer_timeout_s=60.0)
     pd = make_pd(cfg)
     applier = pd.decode.mgr.applier
-    step = type(applier)._step_windowed
-    monkeypatch.setattr(type(applier), "_step_windowed", lambda self, room: None)
+    step = type(applier.windowed).step
+    monkeypatch.setattr(type(applier.windowed), "step", lambda self, room: None)
     req = _start_request(sgl, pd, room=9200, seed=102, tokens=WINDOWED_TOKENS)
 
     def first_segment_in() -> bool:
-        room = applier._rooms.get(req.room)
+        room = applier.rooms.get(req.room)
         return (room is not None and room.session is not None
                 and room.session.recv_state(req.room, Stream.RESIDUAL).ok)
 
@@ -816,7 +816,7 @@ def test_a_room_dropped_between_segments_frees_the_prefill_worker_at_once(sgl, m
     assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
     assert applier.tracked()["decode_rooms"] == 0
     # The prefill's worker for this decode is free again: the next rooms go through.
-    monkeypatch.setattr(type(applier), "_step_windowed", step)
+    monkeypatch.setattr(type(applier.windowed), "step", step)
     for room, seed, tokens in ((9201, 103, NUM_TOKENS), (9202, 104, WINDOWED_TOKENS)):
         nxt = _start_request(sgl, pd, room=room, seed=seed, tokens=tokens)
         assert _poll_until_done(sgl, nxt.receiver) == sgl.KVPoll.Success
@@ -869,10 +869,12 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
                        pd.prefill.meta.output_ids[req.prefill_aux])
     assert decode.residual_outcome(req.room).state is ResidualState.PENDING
     req.receiver.clear()  # SGLang commits the request to its running batch
-    assert decode.staging.free_bytes() < decode.staging.nbytes  # the Residual is still expected
+    staging = pd.decode.mgr.staging
+    assert staging.free_bytes() < staging.nbytes  # the Residual is still expected
     # SGLang no longer polls the room: the outcome must wake the scheduler's idle wait itself.
     woken: list[int] = []
-    decode.link = replace(decode.link, progress=lambda: woken.append(req.room))
+    reporter = decode.reporter
+    reporter.link = replace(reporter.link, progress=lambda: woken.append(req.room))
 
     if then == "applied":
         faults.release()
@@ -903,7 +905,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
         _let_residual_go_after_release(pd, req)
         assert _poll_until_done(sgl, req.sender) == sgl.KVPoll.Failed  # its Residual is refused
         assert _holds(pd, req, "anchor")
-    assert decode.staging.free_bytes() == decode.staging.nbytes
+    assert staging.free_bytes() == staging.nbytes
 
 
 def test_a_decode_setup_failure_reaches_the_prefill_at_once(sgl, make_pd):
@@ -926,6 +928,33 @@ def test_a_decode_setup_failure_reaches_the_prefill_at_once(sgl, make_pd):
     assert time.monotonic() - t0 < 10.0
 
 
+# ---- the runtime the manager composes for its hooks (lynx_sglang.runtime) ---------------------
+
+
+def test_the_manager_composes_the_runtime_its_hooks_find(sgl, make_pd):
+    """Once SGLang hands it the KV pool, each manager holds its role's components in one
+    `LynxRuntime`, attached to that pool too: where the hooks inside the model and the KV cache
+    find it (here the pool's own `set_kv_buffer` hook, opening a layer-streamed forward's gate)."""
+    from types import SimpleNamespace
+
+    from lynx_sglang import hooks, runtime
+    from lynx_sglang.backend.layer_stream import LayerGate
+
+    pd = make_pd(_cfg(), _cfg(speculate=True))
+    for side in (pd.prefill, pd.decode):
+        assert runtime.of_kv_pool(side.pool) is side.mgr.lynx_runtime
+    prefill, decode = pd.prefill.mgr.lynx_runtime, pd.decode.mgr.lynx_runtime
+    assert prefill.sender is pd.prefill.mgr.sender and prefill.spec is None
+    assert prefill.layer_stream is not None  # a CPU pool
+    assert decode.sender is None and decode.layer_stream is None
+    assert decode.spec is not None and decode.spec.transfers is pd.decode.mgr.applier
+    assert prefill.idle is not decode.idle
+    prefill.layer_stream.gate = gate = LayerGate(LAYERS)
+    hooks.set_kv_buffer_after(None, pd.prefill.pool, SimpleNamespace(layer_id=1))
+    assert gate.opened == 2
+    prefill.layer_stream.gate = None
+
+
 # ---- layer streaming (backend.layer_stream): the Anchor goes out while the forward runs -------
 
 
@@ -943,8 +972,8 @@ def _start_streamed_request(sgl: _SGLang, pd: PD, room: int, seed: int):
 
 
 def _anchor_layers_landed(pd: PD, room: int) -> int:
-    r = pd.decode.mgr.applier._rooms.get(room)
-    return 0 if r is None else r.anchor_layers_landed
+    r = pd.decode.mgr.applier.rooms.get(room)
+    return 0 if r is None else r.progress.anchor_layers_landed
 
 
 @pytest.mark.parametrize("target", ["exact", "int8"])
@@ -961,11 +990,11 @@ def test_a_layer_streamed_anchor_lands_before_the_forward_ends(sgl, make_pd, tar
           lambda: _anchor_layers_landed(pd, req.room) == LAYERS - 1)
     # Their Residual went with them: those layers are at full precision in the pool already.
     _wait("the first layers' Residual applied at the decode",
-          lambda: pd.decode.mgr.applier._rooms[req.room].final_layers == LAYERS - 1)
+          lambda: pd.decode.mgr.applier.rooms.get(req.room).progress.final_layers == LAYERS - 1)
     # Not a layer more than the forward wrote, and no Success before the hand-over.
     time.sleep(0.2)
     assert _anchor_layers_landed(pd, req.room) == LAYERS - 1
-    assert pd.decode.mgr.applier._rooms[req.room].final_layers == LAYERS - 1
+    assert pd.decode.mgr.applier.rooms.get(req.room).progress.final_layers == LAYERS - 1
     assert req.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
     _forward_layer(pd, req, LAYERS - 1, g)
     gate.finish()
@@ -1079,7 +1108,7 @@ def test_a_windowed_room_in_a_layer_streamed_group_goes_after_the_forward(sgl, m
     pd = make_pd(_cfg(target="exact", staging_mib=1))
     decode = pd.decode.mgr
     gate = LayerGate(LAYERS)
-    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode"):
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode_admission"):
         # 800 tokens: past the 781 that 1 MiB of staging holds whole; both fit the test's pool.
         a, ga = _open_request(sgl, pd, room=1131, seed=51, tokens=200)
         b, gb = _open_request(sgl, pd, room=1132, seed=52, beside=(a,), tokens=800)
@@ -1111,24 +1140,34 @@ def test_a_windowed_room_in_a_layer_streamed_group_goes_after_the_forward(sgl, m
 
 
 def _residual_in(pd: PD, req: Request) -> bool:
-    room = pd.decode.mgr.applier._rooms.get(req.room)
-    return room is not None and room.final_layers == LAYERS
+    room = pd.decode.mgr.applier.rooms.get(req.room)
+    return room is not None and room.progress.final_layers == LAYERS
 
 
 def test_rooms_handed_over_together_send_every_anchor_before_a_residual(sgl, make_pd):
     """Rooms SGLang hands over while handling one forward's results (`PrefillSender.batched`,
-    as the batch_handover hook runs it) go to their decode's worker as one group: the second
-    room's Anchor does not wait for the first room's Residual (here held back 2 s)."""
+    as the `process_batch_result` hook runs it, finding the sender through the scheduler's
+    prefill queue) go to their decode's worker as one group: the second room's Anchor does not
+    wait for the first room's Residual (here held back 2 s)."""
+    from types import SimpleNamespace
+
+    from lynx_sglang import hooks
+
     pd = make_pd(_cfg(target="exact"), residual_hold_s=RESIDUAL_HOLD_S)
     a, ga = _open_request(sgl, pd, room=1121, seed=41)
     b, gb = _open_request(sgl, pd, room=1122, seed=42, beside=(a,))
     for req, g in ((a, ga), (b, gb)):
         for layer in range(LAYERS):
             _forward_layer(pd, req, layer, g)
-    with pd.prefill.mgr.sender.batched():
+
+    def process_batch_result(scheduler):
         for req in (a, b):
             req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None,
                             num_kv_tokens=NUM_TOKENS)
+
+    scheduler = SimpleNamespace(
+        disagg_prefill_bootstrap_queue=SimpleNamespace(kv_manager=pd.prefill.mgr))
+    hooks.process_batch_result_around(process_batch_result, scheduler)
     _wait("both Anchors at the decode", lambda: _anchor_in(pd, a) and _anchor_in(pd, b))
     assert not _residual_in(pd, a), "the first room's Residual came before the second's Anchor"
     _all_succeed(sgl, pd, (a, b))

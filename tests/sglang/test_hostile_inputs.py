@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lynx_sglang.backend import decode as decode_mod
+from lynx_sglang.backend import decode_sessions
 from lynx_sglang.backend.aux import check_aux_items, pack_aux, unpack_aux
 from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
 from lynx_sglang.backend.identity import IDENTITY_REQUEST, Identity
@@ -81,7 +81,7 @@ def _applier(endpoint) -> DecodeApplier:
 
 
 def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
-    monkeypatch.setattr(decode_mod, "IDENTITY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(decode_sessions, "IDENTITY_TIMEOUT_S", 0.5)
     silent = [_Session(None) for _ in range(3)]
     bad = _Session(b"[]")
     real = _Session(_who())
@@ -91,10 +91,10 @@ def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
     t0 = time.monotonic()
     t.start()
     try:
-        while ("1.2.3.4", 4000) not in applier._prefill_sessions:
+        while applier.sessions.get(("1.2.3.4", 4000)) is None:
             assert time.monotonic() - t0 < 0.4, "a real prefill waited for silent strangers"
             time.sleep(0.01)
-        assert bad.closed and applier._prefill_sessions[("1.2.3.4", 4000)] is real
+        assert bad.closed and applier.sessions.get(("1.2.3.4", 4000)) is real
         while not all(s.closed for s in silent):  # past the identity deadline
             assert time.monotonic() - t0 < 3.0
             time.sleep(0.01)
@@ -107,38 +107,38 @@ def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
 def test_a_live_rank_is_never_taken_over():
     first = _Session(_who())
     thief = _Session(_who(), "tcp://6.6.6.6:1")
-    applier = _applier(_Endpoint([]))
-    assert applier._identify(first, time.monotonic() + 1)
-    assert applier._identify(thief, time.monotonic() + 1)
+    sessions = _applier(_Endpoint([])).sessions
+    assert sessions._identify(first, time.monotonic() + 1)
+    assert sessions._identify(thief, time.monotonic() + 1)
     assert thief.closed and not first.closed
-    assert applier._prefill_sessions[("1.2.3.4", 4000)] is first
+    assert sessions.get(("1.2.3.4", 4000)) is first
     first.closed = True  # once the first is gone, a restarted prefill may take the rank
     again = _Session(_who())
-    assert applier._identify(again, time.monotonic() + 1) and not again.closed
+    assert sessions._identify(again, time.monotonic() + 1) and not again.closed
 
 
 def test_other_wire_settings_are_refused_at_connect_naming_the_flags(caplog):
     """A prefill started with other --lynx-* codec flags is refused once, when its session opens,
     with the differing flags named; a prefill without settings (an older version) likewise."""
-    applier = _applier(_Endpoint([]))
+    sessions = _applier(_Endpoint([])).sessions
     other = LynxConfig.build(target="int8", chunk_tokens=128)
     s = _Session(_who(config=other))
     with caplog.at_level("ERROR"):
-        assert applier._identify(s, time.monotonic() + 1)
+        assert sessions._identify(s, time.monotonic() + 1)
     assert "--lynx-target" in s.answer["refused"]  # told before its session is closed
-    assert ("1.2.3.4", 4000) not in applier._prefill_sessions
-    why = applier._refused_ranks[("1.2.3.4", 4000)]
+    assert sessions.get(("1.2.3.4", 4000)) is None
+    why = sessions.refused(("1.2.3.4", 4000))
     assert "--lynx-target: prefill 'int8', decode 'exact'" in why
     assert "--lynx-chunk-tokens: prefill 128, decode 256" in why
     assert "--lynx-anchor-bits" not in why
     assert sum("other --lynx-* settings" in r.message for r in caplog.records) == 1
     bare = _Session(b'{"rank_ip": "1.2.3.5", "rank_port": 4000}')
-    assert applier._identify(bare, time.monotonic() + 1) and "refused" in bare.answer
-    assert "(not sent)" in applier._refused_ranks[("1.2.3.5", 4000)]
+    assert sessions._identify(bare, time.monotonic() + 1) and "refused" in bare.answer
+    assert "(not sent)" in sessions.refused(("1.2.3.5", 4000))
     fixed = _Session(_who())  # restarted with the same flags: accepted, the refusal forgotten
-    assert applier._identify(fixed, time.monotonic() + 1) and not fixed.closed
+    assert sessions._identify(fixed, time.monotonic() + 1) and not fixed.closed
     assert fixed.answer == {"accepted": True}
-    assert ("1.2.3.4", 4000) not in applier._refused_ranks
+    assert sessions.refused(("1.2.3.4", 4000)) is None
 
 
 def test_draft_logits_of_an_aborted_sampled_request_are_forgotten():

@@ -1,12 +1,22 @@
-"""When the decode expects a request's Residual (`backend.decode.Estimates`), which decides
-whether speculating on the Anchor pays: from the rate recent Residuals came in at, once one long
-enough has been seen, else from this request's Anchor rate."""
+"""When the decode expects a request's Residual (`backend.decode_policy.Estimates`): from the rate
+recent Residuals came in at, once one long enough has been seen, else from this request's Anchor
+rate; and the decision it feeds, whether speculating on the Anchor pays
+(`backend.decode_policy.decide_speculation`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from lynx_sglang.backend.decode import LEARN_RESIDUAL_RATE_MIN_BYTES, Estimates
+from lynx_sglang.backend.decode_policy import (
+    LEARN_RESIDUAL_RATE_MIN_BYTES,
+    Estimates,
+    Speculation,
+    decide_speculation,
+)
+from lynx_sglang.config import LynxConfig
+from lynx_transport import Status, Stream, StreamState
 
 MIB = 1 << 20
 
@@ -39,3 +49,54 @@ def test_the_rate_is_a_moving_average():
     est.learn_residual_rate(10 * MIB, 1.0)
     est.learn_residual_rate(20 * MIB, 1.0)
     assert 10 * MIB < est.residual_rate < 20 * MIB
+
+
+# ---- the decision -------------------------------------------------------------------------------
+
+# A 4-layer room: 1 MiB of Anchor, 8 MiB of Residual expected.
+PLAN = SimpleNamespace(num_layers=4, anchor_bytes=MIB, residual_bytes_expected=8 * MIB)
+
+
+def _anchor(seconds: float = 0.01) -> StreamState:
+    """The whole Anchor, in after `seconds` on the wire (100 MiB/s at the default)."""
+    return StreamState(1, Stream.ANCHOR, Status.COMPLETE, MIB, t_first_byte=10.0,
+                       t_done=10.0 + seconds)
+
+
+def _residual(nbytes: int = 0, status: Status = Status.PENDING) -> StreamState:
+    return StreamState(1, Stream.RESIDUAL, status, nbytes, t_first_byte=10.0 if nbytes else None)
+
+
+def _decide(config: LynxConfig, anchor: StreamState | None = None,
+            residual: StreamState | None = None, final_layers: int = 0,
+            estimates: Estimates | None = None):
+    return decide_speculation(config, PLAN, anchor or _anchor(), residual or _residual(),
+                              final_layers=final_layers, anchor_written=4,
+                              estimates=estimates or Estimates(0.05))
+
+
+def test_no_speculation_without_the_flag_or_once_the_residual_is_in():
+    assert _decide(LynxConfig.build(speculate=False)).mode is Speculation.NOT_SPECULATING
+    on = LynxConfig.build(speculate=True)
+    for decision in (_decide(on, residual=_residual(8 * MIB, Status.COMPLETE)),
+                     _decide(on, final_layers=4)):
+        assert decision.mode is Speculation.NOT_SPECULATING
+        assert decision.why == "the Residual is already in"
+
+
+def test_policy_always_speculates_without_weighing():
+    decision = _decide(LynxConfig.build(speculate=True, spec_policy="always"))
+    assert decision.speculating and decision.residual_eta_s is None
+    assert decision.trace_facts() == {"speculate": True, "why": "--lynx-spec-policy always"}
+
+
+def test_auto_speculates_only_when_the_residual_is_due_after_what_speculating_costs():
+    on = LynxConfig.build(speculate=True)
+    late = _decide(on)  # 8 MiB at the Anchor's 100 MiB/s: 80 ms against one 50 ms verification
+    assert late.speculating and late.residual_eta_s == pytest.approx(0.08)
+    soon = _decide(on, residual=_residual(6 * MIB))  # 2 MiB left: 20 ms
+    assert soon.mode is Speculation.NOT_SPECULATING and "sooner than" in soon.why
+    assert list(soon.trace_facts()) == ["residual_eta_s", "speculation_cost_s", "speculate", "why"]
+    slow = Estimates(0.05)
+    slow.note_verification(1.0)  # verifications turned out slow: 0.335 s each now
+    assert not _decide(on, estimates=slow).speculating

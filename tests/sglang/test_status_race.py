@@ -79,6 +79,10 @@ def _decode_manager(sgl):
     mgr._deferred_ack_targets = {}
     mgr._deferred_ack_poisoned_rooms = set()
     mgr.deferred_bootstrap = None
+    from lynx_sglang.idle import IdleWaiter
+    from lynx_sglang.runtime import LynxRuntime
+
+    mgr.lynx_runtime = LynxRuntime(idle=IdleWaiter())
     return mgr
 
 

@@ -1,0 +1,186 @@
+"""Applying an announced decode room's two streams into the KV pool as they land
+(`StreamApplier`; a windowed room's segments are `backend.decode_windowed`'s).
+
+Each step works on what has landed so far. Each Anchor layer is validated as soon as its bytes are
+in; when speculation is on (or there is no Residual) it is also dequantized into the room's KV
+slots right away. Each Residual layer is validated and written at full precision as soon as its
+chunks are in. With `--lynx-apply-threads 2` a layer's V run is applied on a helper thread
+(`apply_helper`) while this thread applies its K run; the layer's call returns only when both have
+ended. When the whole Anchor is in, SGLang's aux data (the first token) is written and the room
+decides whether speculating pays (`backend.decode_policy`): speculating, Success is reported now
+and SGLang decodes on the Anchor; otherwise SGLang hears Success only once every layer is final
+(and the prefill's own Success arrived), so nothing in SGLang sees Anchor-precision KV.
+
+Called by `DecodeApplier.run` on the applier thread, for a room it marked applying; reads the
+room's staging range, which stays allocated until the room is concluded or failed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import torch
+
+from lynx_transport import Stream, StreamState
+
+from ..config import LynxConfig
+from ..errors import KVStreamError
+from .aux import unpack_aux
+from .decode_policy import Estimates, decide_speculation
+from .decode_report import DecodeLink, StatusReporter
+from .decode_rooms import RoomTable
+from .pool import KVPoolView
+from .room import DecodeRoom, RoomState
+from .staging import StagingPool
+from .streams import apply_anchor_layer, apply_full_layer
+
+
+class StreamApplier:
+    def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
+                 rooms: RoomTable, link: DecodeLink, reporter: StatusReporter,
+                 estimates: Estimates, apply_helper: Executor | None, wake: Callable[[], None]):
+        self.config = config
+        self.spec = config.codec
+        self._pool = pool
+        self.staging = staging
+        self.rooms = rooms
+        self.link = link
+        self.reporter = reporter
+        self.estimates = estimates
+        self.apply_helper = apply_helper
+        self._wake = wake  # the applier thread: look again, more may have landed
+
+    def step(self, room: DecodeRoom) -> None:
+        """Apply what has landed of an announced room (not windowed) since the last step."""
+        anchor = self.reporter.stream_or_fail(room, Stream.ANCHOR)
+        if anchor is None:
+            return
+        residual = None
+        if self.config.residual:
+            residual = self.reporter.stream_or_fail(room, Stream.RESIDUAL)
+            if residual is None:
+                return
+        pool = self._pool()
+        progressed = self._land_anchor_layers(room, anchor)
+        progressed |= self._write_final_layers(room, residual, pool)
+        if room.state is RoomState.ANNOUNCED:
+            progressed |= self._write_anchor_layers(room, pool)
+        if room.state is RoomState.ANNOUNCED and anchor.ok:
+            self._anchor_complete(room, anchor, residual, pool)
+        # Every layer may be in the pool before the stream's end reaches us (on tcp the bytes
+        # can overtake the completion message). Concluding releases the announcement, and a
+        # prefill whose finish of the Residual came after that found no live announcement and
+        # failed a request whose KV was complete (seen at 64 concurrent requests): wait for it.
+        if room.progress.all_final and (residual is None or residual.ok) \
+                and room.state in (RoomState.SPECULATING, RoomState.AWAITING_RESIDUAL):
+            sync_pool(pool)
+            if room.state is RoomState.SPECULATING:
+                room.refined()
+            else:
+                room.final_kv()
+            self.reporter.conclude(room)
+        if progressed:
+            self._wake()  # more may have landed meanwhile
+
+    def _land_anchor_layers(self, room: DecodeRoom, st: StreamState) -> bool:
+        plan = room.plan
+        landed = landed_prefix(st, plan.anchor_bytes)
+        if room.progress.anchor_layers_landed == 0 and landed:
+            room.trace.mark_mono("anchor_first_byte", st.t_first_byte)
+        return room.progress.land_anchor(self.staging.view(room.staging), plan, landed)
+
+    def _write_anchor_layers(self, room: DecodeRoom, pool: KVPoolView) -> bool:
+        """Dequantize the landed Anchor layers that are not final yet into the pool."""
+        if not (self.config.speculate or not self.config.residual):
+            return False  # nothing would read Anchor-precision KV before the Residual's
+        wrote = False
+        for layer, runs in room.progress.take_unwritten_anchor():
+            t0 = time.time()
+            if room.trace.marks.get("anchor_apply_start") is None:
+                room.trace.mark("anchor_apply_start", t0)
+            apply_anchor_layer(runs, pool, layer, room.slots, self.spec, room.room,
+                               self.apply_helper)
+            t1 = time.time()
+            room.trace.span("anchor_apply", layer, t0, t1)
+            self.estimates.note_anchor_layer(t1 - t0)
+            wrote = True
+        return wrote
+
+    def _write_final_layers(self, room: DecodeRoom, st: StreamState | None,
+                            pool: KVPoolView) -> bool:
+        """Write the full-precision values of every layer whose Residual is complete (and whose
+        Anchor has landed)."""
+        if st is None:
+            return False
+        progress = room.progress
+        view = self.staging.view(room.staging)[room.plan.anchor_bytes:]
+        landed = landed_prefix(st, len(view))
+        if landed and "residual_first_byte" not in room.trace.marks:
+            room.trace.mark_mono("residual_first_byte", st.t_first_byte)
+        wrote = False
+        for layer, anchor, chunks in progress.take_residual(view, landed):
+            t0 = time.time()
+            if room.trace.marks.get("residual_apply_start") is None:
+                room.trace.mark("residual_apply_start", t0)
+            apply_full_layer(anchor, chunks, pool, layer, room.slots, self.spec, room.room,
+                             self.apply_helper)
+            room.trace.span("residual_apply", layer, t0, time.time())
+            progress.finalized(layer)
+            wrote = True
+        if progress.residual_done and "residual_landed" not in room.trace.marks:
+            # Every layer's bytes are in; on tcp that can be seen before the stream's completion
+            # message, and the room may conclude before it: mark the landing now.
+            landed_at = st.t_done if st.ok else time.monotonic()
+            room.trace.mark_mono("residual_landed", landed_at)
+            since_anchor = progress.residual_since_anchor
+            if room.t_anchor_landed is not None and since_anchor is not None:
+                self.estimates.learn_residual_rate(since_anchor, landed_at - room.t_anchor_landed)
+        if st.ok and progress.residual_done and progress.residual_parsed != landed:
+            raise KVStreamError(f"the Residual stream has {landed - progress.residual_parsed} B "
+                                "after its last layer")
+        if st.ok and not progress.residual_done:
+            raise KVStreamError(f"the Residual stream ended after {progress.residual_parsed} B "
+                                f"with layer {progress.residual_next_layer} incomplete")
+        return wrote
+
+    def _anchor_complete(self, room: DecodeRoom, st: StreamState, residual: StreamState | None,
+                         pool: KVPoolView) -> None:
+        """The whole Anchor is in the pool (or validated): write SGLang's aux data and decide
+        whether SGLang decodes on it now."""
+        room.trace.mark_mono("anchor_landed", st.t_done)
+        self.link.write_aux(room.aux_index, unpack_aux(st.aux or b""))
+        if not self.config.residual:
+            # Anchor-only baseline: the Anchor is the final KV.
+            self._write_anchor_layers(room, pool)
+            sync_pool(pool)
+            room.trace.mark("anchor_applied")
+            room.final_kv(anchor_only=True)
+            self.reporter.conclude(room)
+            return
+        room.progress.anchor_complete(residual.nbytes)
+        decision = decide_speculation(
+            self.config, room.plan, st, residual, final_layers=room.progress.final_layers,
+            anchor_written=room.progress.anchor_written, estimates=self.estimates)
+        if decision.speculating:
+            self._write_anchor_layers(room, pool)
+            sync_pool(pool)
+            room.trace.mark("anchor_applied")
+        with self.rooms.lock:
+            room.decide(decision)
+            room.anchor_complete(st.t_done)
+        if decision.speculating:
+            self.reporter.success_at_anchor(room)
+
+
+def landed_prefix(st: StreamState, bound: int) -> int:
+    """Bytes of a stream that are in: a prefix, as each stream lands in order on tcp; backends that
+    cannot tell (RDMA writes) report the total once the stream is complete."""
+    return min(st.nbytes, bound)
+
+
+def sync_pool(pool: KVPoolView) -> None:
+    """Wait for the writes queued on the pool's device (before SGLang may read the KV)."""
+    if pool.device.type == "cuda":
+        torch.cuda.current_stream(pool.device).synchronize()

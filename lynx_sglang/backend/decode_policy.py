@@ -1,0 +1,144 @@
+"""Whether a decode room speculates (SGLang decodes on its Anchor before the Residual is in): the
+running costs the decision weighs (`Estimates`), the decision a room records once
+(`SpeculationDecision`), and the decision itself (`decide_speculation`, a pure function of one
+room's transfer so far).
+
+Called by `backend.decode_apply.StreamApplier` when a room's whole Anchor is in; a windowed room
+(`backend.decode_windowed`) never speculates and records `not_speculating`. `Estimates` is fed by
+the applying (each Anchor layer's write, each Residual's arrival) and by the speculation controller
+(each verification, through `DecodeApplier.note_verification`); it is used by the applier thread
+only, but for `note_verification` (a float assignment).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from lynx_transport import StreamState
+
+from ..config import LynxConfig
+from .plan import StreamPlan
+
+# What one verification is assumed to cost before the first one was measured (a GPU's order of
+# magnitude; on a CPU the first measurement replaces it).
+INITIAL_VERIFY_ESTIMATE_S = 0.05
+# Residuals shorter than this say little about the rate of long ones (see `learn_residual_rate`).
+LEARN_RESIDUAL_RATE_MIN_BYTES = 1 << 20
+
+
+class Estimates:
+    """Running costs the speculation decision weighs (exponential moving averages)."""
+
+    def __init__(self, verify_s: float):
+        self.verify_s = verify_s
+        self.anchor_layer_s: float | None = None
+        # Bytes/s at which earlier Residuals came in after their Anchor was complete. The Anchor's
+        # own rate underestimates the Residual's arrival when the prefill codes the Residual
+        # slower than it sends (the exact target: measured 610 ms to land where the Anchor's rate
+        # predicted 181 ms).
+        self.residual_rate: float | None = None
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else 0.7 * old + 0.3 * new
+
+    def note_anchor_layer(self, seconds: float) -> None:
+        """One Anchor layer took `seconds` to write into the pool."""
+        self.anchor_layer_s = self._ema(self.anchor_layer_s, seconds)
+
+    def note_verification(self, seconds: float) -> None:
+        """One verification took `seconds` (the speculation controller measured it)."""
+        self.verify_s = self._ema(self.verify_s, seconds)
+
+    def learn_residual_rate(self, nbytes: int, seconds: float) -> None:
+        """A Residual's `nbytes` landed `seconds` after its Anchor was complete. Small ones are
+        not learned from: their time is the fixed cost of a request (a 5-token warm-up's
+        Residual would set the rate of the long prompt after it)."""
+        if nbytes >= LEARN_RESIDUAL_RATE_MIN_BYTES and seconds > 0:
+            self.residual_rate = self._ema(self.residual_rate, nbytes / seconds)
+
+    def residual_eta(self, remaining: int, anchor_rate: float) -> tuple[float, str]:
+        """Seconds until `remaining` Residual bytes are in, and what rate said so: that of recent
+        Residuals, else (the first request) this request's Anchor's."""
+        if self.residual_rate is not None:
+            return remaining / self.residual_rate, "at recent Residuals' rate"
+        return remaining / anchor_rate, "at this Anchor's rate"
+
+
+class Speculation(enum.Enum):
+    # The room's whole Anchor is not in yet; an Anchor-only room (the lossy baseline) never leaves
+    # it: its Anchor is its final KV.
+    UNDECIDED = "undecided"
+    # Success was reported at Anchor time: SGLang decodes on the Anchor, and the room stays with
+    # the applier until the speculation controller has read its Residual outcome.
+    SPECULATING = "speculating"
+    # SGLang hears Success only once every layer is final.
+    NOT_SPECULATING = "not_speculating"
+
+
+@dataclass(frozen=True)
+class SpeculationDecision:
+    """A room's speculation decision, and why; with the estimate it weighed when it weighed one."""
+
+    mode: Speculation
+    why: str = ""
+    residual_eta_s: float | None = None  # seconds until the Residual was expected in
+    cost_s: float | None = None  # what speculating costs before it can pay back
+
+    @property
+    def speculating(self) -> bool:
+        return self.mode is Speculation.SPECULATING
+
+    @property
+    def decided(self) -> bool:
+        return self.mode is not Speculation.UNDECIDED
+
+    def trace_facts(self) -> dict[str, object]:
+        """What the room's trace records of the decision (`lynx_sglang.trace`)."""
+        facts: dict[str, object] = {}
+        if self.residual_eta_s is not None and self.cost_s is not None:
+            facts.update(residual_eta_s=round(self.residual_eta_s, 6),
+                         speculation_cost_s=round(self.cost_s, 6))
+        facts.update(speculate=self.speculating, why=self.why)
+        return facts
+
+
+UNDECIDED = SpeculationDecision(Speculation.UNDECIDED)
+
+
+def speculating(why: str, **estimate: float) -> SpeculationDecision:
+    return SpeculationDecision(Speculation.SPECULATING, why, **estimate)
+
+
+def not_speculating(why: str, **estimate: float) -> SpeculationDecision:
+    return SpeculationDecision(Speculation.NOT_SPECULATING, why, **estimate)
+
+
+def decide_speculation(config: LynxConfig, plan: StreamPlan, anchor: StreamState,
+                       residual: StreamState | None, *, final_layers: int, anchor_written: int,
+                       estimates: Estimates) -> SpeculationDecision:
+    """Whether decoding on the complete Anchor now beats waiting for the Residual: the Residual's
+    expected arrival (its bytes still to come, at the rate recent Residuals came in, else at the
+    rate this Anchor came in) against what speculating costs first (the Anchor layers still to
+    write into the pool, one verification). `final_layers`/`anchor_written`: the room's layers
+    at full precision / with their Anchor in the pool so far."""
+    if not config.speculate:
+        return not_speculating("--no-lynx-speculate")
+    if final_layers == plan.num_layers or (residual is not None and residual.ok):
+        return not_speculating("the Residual is already in")
+    if config.spec_policy == "always":
+        return speculating("--lynx-spec-policy always")
+    if anchor.t_first_byte is None or anchor.t_done is None:
+        return speculating("no rate measured")
+    seconds = max(anchor.t_done - anchor.t_first_byte, 1e-6)
+    remaining = max(plan.residual_bytes_expected - residual.nbytes, 0)
+    eta, basis = estimates.residual_eta(remaining, plan.anchor_bytes / seconds)
+    layers_left = plan.num_layers - max(anchor_written, final_layers)
+    cost = layers_left * (estimates.anchor_layer_s or 0.0) + estimates.verify_s
+    if eta <= cost:
+        return not_speculating(f"the Residual is due in {eta * 1e3:.0f} ms ({basis}), sooner than "
+                               f"speculating would pay back ({cost * 1e3:.0f} ms)",
+                               residual_eta_s=eta, cost_s=cost)
+    return speculating(f"the Residual is due in {eta * 1e3:.0f} ms ({basis})",
+                       residual_eta_s=eta, cost_s=cost)
