@@ -16,10 +16,10 @@ Serving path, one call per (layer, kind) of a request, pool rows straight to wir
 (C kernels on CPU, Triton on CUDA): `encode_run_into`, `apply_anchor_run`, `apply_residual_run`,
 sized by `run_nbytes`.
 
-Modules: spec (parameters), codec (encode/decode), wire (chunks), exact (the exact Residual's
-format), fused (the serving calls), sizes (byte accounting), shapes (model KV presets), rotation,
-ops_torch (reference), ops_cpu (C kernels), ops_triton (CUDA kernels). This package never imports
-SGLang.
+Modules: spec (parameters), codec (encode/decode), wire (the chunk format, reading chunks),
+wire_write (writing them), exact (the exact Residual's format), fused (the serving calls), sizes
+(byte accounting), shapes (model KV presets), rotation, ops_torch (reference), ops_cpu (C kernels),
+ops_triton (CUDA kernels). This package never imports SGLang.
 """
 
 from .codec import EncodedKV, decode, encode, protected_positions, refine_
@@ -33,10 +33,8 @@ from .wire import (
     WireStream,
     assemble,
     parse_chunk,
-    to_chunks,
-    wire_nbytes,
-    write_chunks,
 )
+from .wire_write import to_chunks, wire_nbytes, write_chunks
 
 __all__ = [
     "PRESETS",

@@ -43,8 +43,8 @@ from .wire import (
     assemble,
     parse_chunk,
     spec_flags,
-    write_chunks,
 )
+from .wire_write import write_chunks
 
 IMPLS = ("auto", "torch", "cpu", "triton")
 _U16, _U32, _U64 = 2**16, 2**32, 2**64
