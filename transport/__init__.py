@@ -149,7 +149,7 @@ it; each connection carries one direction (``lynx_transport.tls`` says why).
 Every field a peer sends is checked before use (``lynx_transport.wire``; a bad message is counted
 and dropped, never raised into a thread). Caps: `Limits` (sessions, handshakes, HELLO rate,
 bring-up threads, a session's pending announcements, zmq frame size) and the tcp listener's
-preamble deadline and pending-connection caps (``lynx_transport.tcp``). Known limit: libzmq bounds
+preamble deadline and pending-connection caps (``lynx_transport.tcp_accept``). Known limit: libzmq bounds
 each frame (ZMQ_MAXMSGSIZE, ``Limits.max_message_bytes``) but not the number of frames of one
 message, and it buffers every frame of a message until its last one arrives (pyzmq never sees a
 part of it). So a peer that completes the ZMTP handshake and never ends a multipart message makes

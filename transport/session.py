@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .handshake import Handshake, HandshakeEvent
 from .receiver import ReceiverRole
 from .sender import SenderRole
 from .sessionbase import SessionControl, SessionHost, now
@@ -151,21 +152,22 @@ class Session(ReceiverRole, SenderRole):
     # ---- handshake (Endpoint.connect on the initiator, ControlPlane on the acceptor)
     @property
     def welcomed(self) -> bool:
-        return self._welcomed
+        """The peer's backend info is known: the initiator got its WELCOME; always on the acceptor
+        (the initiator's AUTH carried it)."""
+        return self._handshake.welcomed
 
     @property
     def wants_heartbeats(self) -> bool:
         """The initiator heartbeats only after WELCOME: until then the acceptor does not know the
         session (it learns of it from the AUTH)."""
-        return self._welcomed or not self.initiator
+        return self.welcomed or not self.initiator
 
     def challenged(self, data_key: bytes, peer_endpoint: str) -> None:
         """Initiator: the acceptor's CHALLENGE came; the session's keys are known."""
         with self._cond:
-            self.data_key = data_key
-            self.peer_endpoint_id = peer_endpoint
-            self._challenged = True
-            self._cond.notify_all()
+            if self._advance(HandshakeEvent.CHALLENGE):
+                self.data_key = data_key
+                self.peer_endpoint_id = peer_endpoint
 
     def refused(self, reason: str) -> None:
         """Initiator: the handshake failed (REJECT, another protocol version, a peer that could not
@@ -183,12 +185,12 @@ class Session(ReceiverRole, SenderRole):
     def wait_challenge(self, end: float) -> bool:
         """Initiator: wait until the CHALLENGE came or the handshake failed (`handshake_error`),
         at most until monotonic `end`; False on timeout."""
-        return self._wait_handshake(lambda: self._challenged, end)
+        return self._wait_handshake(lambda: self._handshake is not Handshake.NEW, end)
 
     def wait_welcome(self, end: float) -> bool:
         """Initiator: wait until the peer's WELCOME came or the handshake failed
         (`handshake_error`), at most until monotonic `end`; False on timeout."""
-        return self._wait_handshake(lambda: self._welcomed, end)
+        return self._wait_handshake(lambda: self._handshake.welcomed, end)
 
     def _wait_handshake(self, reached: Callable[[], bool], end: float) -> bool:
         with self._cond:
@@ -201,14 +203,26 @@ class Session(ReceiverRole, SenderRole):
 
     def data_path_up(self) -> None:
         """This side's data path is connected: tell the peer (READY)."""
-        self._local_ready = True
+        with self._cond:
+            if not self._advance(HandshakeEvent.DATA_PATH_UP):
+                raise RuntimeError(f"data path up in handshake state {self._handshake.name}")
         self._send(Ready())
+
+    def _advance(self, event: HandshakeEvent) -> bool:
+        """Move the handshake on by `event` (session lock held); False, changing nothing, if
+        `event` does not apply in the current state (see `handshake.Handshake`)."""
+        after = self._handshake.after(event)
+        if after is None:
+            return False
+        self._handshake = after
+        self._cond.notify_all()
+        return True
 
     def wait_peer_ready(self, end: float) -> bool:
         """Wait until the peer's READY arrived or the session closed, at most until monotonic
         `end`; returns `ready`."""
         with self._cond:
-            while not self._peer_ready and not self.closed:
+            while self._handshake not in (Handshake.PEER_READY, Handshake.READY) and not self.closed:
                 left = end - now()
                 if left <= 0:
                     break
@@ -226,17 +240,16 @@ class Session(ReceiverRole, SenderRole):
 
     def _on_welcome(self, m: Welcome) -> None:
         with self._cond:
-            if not self.initiator or self._welcomed:
-                return
-            self.remote_info = m.info
-            self.remote_prepare = m.prepare
-            self._welcomed = True
-            self._cond.notify_all()
+            # a second WELCOME, or one to the acceptor, changes nothing
+            if self.initiator and self._advance(HandshakeEvent.WELCOME):
+                self.remote_info = m.info
+                self.remote_prepare = m.prepare
 
     def _on_ready(self, m: Ready) -> None:
         with self._cond:
-            self._peer_ready = True
-            self._cond.notify_all()
+            # a second READY, or one before the WELCOME (out of order: never from an honest
+            # acceptor, which sends WELCOME first on the same connection), changes nothing
+            self._advance(HandshakeEvent.PEER_READY)
 
     def _on_heartbeat(self, m: Heartbeat) -> None:
         pass  # on_message already noted that the peer is alive

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from .backend import Backend
+from .handshake import Handshake
 from .limits import Limits
 from .memory import Region
 from .types import FailureReason, SessionClosedError, Stream, StreamState
@@ -77,10 +78,7 @@ class SessionBase(ABC):
         self.data_key = b""  # proves this session's data connections (from the handshake)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._challenged = False
-        self._welcomed = False
-        self._local_ready = False
-        self._peer_ready = False
+        self._handshake = Handshake.initial(initiator)  # moved by `Session` under _lock
         self.closed = False
         self.close_reason: FailureReason | None = None
         self.close_detail = ""
@@ -89,7 +87,7 @@ class SessionBase(ABC):
 
     @property
     def ready(self) -> bool:
-        return self._local_ready and self._peer_ready and not self.closed
+        return self._handshake is Handshake.READY and not self.closed
 
     def check_open(self) -> None:
         """Raise SessionClosedError (with the close reason) if the session is closed."""

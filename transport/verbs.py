@@ -19,6 +19,12 @@ What it owns (one `VerbsBackend` per Endpoint):
 * one progress thread that schedules queued writes (strict or weighted priority, chunked),
   posts work requests, polls completions, lands notices and probes idle peers.
 
+`VerbsBackend` (here) owns the device, the memory registrations, the sessions and the progress
+thread, and composes the parts, each in its own module: the options (`verbs_options`), the
+choice of device and GID (`verbs_device`), the notice format (`verbs_wire`), the QPs and their
+exchange with the peer (`verbs_qp`), the send side (`verbs_send`: scheduling and posting) and the
+completions and incoming notices (`verbs_recv`).
+
 Wire protocol on each QP: data moves by RDMA WRITE straight into the peer's extent; every chunk is
 followed, on the same QP, by a SEND carrying a DATA notice (request, stream, region, offset,
 length, CRC32 of the chunk). RC delivers the SEND after the WRITE's bytes are placed, so when the
@@ -67,145 +73,22 @@ then the extents' registrations are dropped (a late WRITE would now fail at the 
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import logging
-import struct
 import threading
 import time
-import zlib
 from collections import deque
-from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .backend import MAX_CHUNK_BYTES, Backend, BackendHooks, FinOp, PriorityPolicy, Refused, WriteOp
+from .backend import Backend, BackendHooks, FinOp, PriorityPolicy, WriteOp
 from .memory import Region
-from .types import (
-    MAX_AUX_BYTES,
-    BackendUnavailableError,
-    FailureReason,
-    Stream,
-    TransportError,
-)
+from .types import BackendUnavailableError, FailureReason, Stream, TransportError
+from .verbs_device import pick_device, pick_gid
+from .verbs_options import VerbsOptions
+from .verbs_qp import PORT, QpSetup, VerbsSession
+from .verbs_recv import VerbsReceiver
+from .verbs_send import QueuedOp, VerbsSender
 
 log = logging.getLogger("lynx_transport.verbs")
-
-# Notice on the wire (little endian): magic, kind, stream, has_crc, request id, region id,
-# offset, length (FIN: total), crc32 (DATA: of the chunk; FIN: of the aux bytes that follow).
-_NOTICE = struct.Struct("<4sBBBxQIQQI")
-_MAGIC = b"LXV2"
-_DATA, _FIN = 1, 2
-_SLOT_BYTES = _NOTICE.size + MAX_AUX_BYTES
-# wr_id layout: bits 62-63 kind, bits 32-33 lane, bits 0-31 slot.
-_WR_NOTICE, _WR_WRITE, _WR_PROBE, _WR_RECV = 0, 1, 2, 3
-_PORT = 1
-
-
-class NoticeError(ValueError):
-    """A notice that breaks the format (`parse_notice`): the session is failed (CORRUPTION)."""
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A parsed DATA or FIN notice. FIN: `aux` is None when it failed its CRC."""
-
-    kind: int
-    request_id: int
-    region_id: int
-    offset: int
-    length: int  # DATA: the chunk's bytes; FIN: the stream's total
-    has_crc: bool = False
-    crc: int = 0
-    aux: bytes | None = b""
-
-
-def pack_data_notice(stream: Stream, request_id: int, region_id: int, offset: int, length: int,
-                     crc: int | None) -> bytes:
-    """The notice behind one chunk's RDMA WRITE (`crc` None: sent without a checksum)."""
-    return _NOTICE.pack(_MAGIC, _DATA, int(stream), crc is not None, request_id, region_id,
-                        offset, length, crc or 0)
-
-
-def pack_fin_notice(stream: Stream, request_id: int, total: int, aux: bytes) -> bytes:
-    return _NOTICE.pack(_MAGIC, _FIN, int(stream), 1, request_id, 0, 0, total,
-                        zlib.crc32(aux)) + aux
-
-
-def parse_notice(raw: bytes, stream: Stream) -> Notice:
-    """Check a notice received on `stream`'s QP; NoticeError if no sender of this protocol would
-    have sent it. A FIN whose aux fails its CRC parses, with `aux` None."""
-    if len(raw) < _NOTICE.size:
-        raise NoticeError(f"short notice ({len(raw)} B) on the {stream.name} QP")
-    magic, kind, nstream, has_crc, rid, region, offset, length, crc = _NOTICE.unpack_from(raw)
-    if magic != _MAGIC or nstream != int(stream) or has_crc > 1:
-        raise NoticeError(f"malformed notice on the {stream.name} QP")
-    tail = bytes(raw[_NOTICE.size:])
-    if kind == _DATA:
-        if tail or length > MAX_CHUNK_BYTES or offset + length >= 1 << 64:
-            raise NoticeError(f"malformed DATA notice on the {stream.name} QP")
-        return Notice(_DATA, rid, region, offset, length, bool(has_crc), crc)
-    if kind == _FIN and has_crc and not region and not offset and len(tail) <= MAX_AUX_BYTES:
-        return Notice(_FIN, rid, 0, 0, length, True, crc, tail if zlib.crc32(tail) == crc else None)
-    raise NoticeError(f"malformed notice (kind {kind}) on the {stream.name} QP")
-
-
-def _wr_id(kind: int, lane: int, slot: int) -> int:
-    return (kind << 62) | (lane << 32) | slot
-
-
-@dataclass(frozen=True)
-class VerbsOptions:
-    """`backend_options` of the verbs backend (unknown keys raise ValueError).
-
-    device: RDMA device name (like SGLang's --disaggregation-ib-device, e.g. "mlx5_0" or "rxe0");
-    None picks the only/first device. gid_index: None picks the GID whose IPv4-mapped address is
-    the Endpoint's `host`, else the first IPv4-mapped (RoCE v2) GID, else index 0.
-    anchor_sl/residual_sl: service levels; anchor_tc/residual_tc: GRH traffic class (DSCP << 2;
-    0xb8 = EF, 0x20 = CS1). max_outstanding: chunks in flight on the Anchor QP;
-    residual_outstanding: on the Residual QP (keeps an arriving Anchor behind few Residual chunks).
-    ack_timeout: IB local ACK timeout exponent (4.096 µs × 2^n); retry_cnt: transport retries
-    (6 by default: soft-RoCE treats 7 as "retry forever", so a dead peer would never be noticed).
-    keepalive_s: probe interval for idle sessions. path_mtu: bytes (256…4096) or None for the
-    port's active MTU.
-    """
-
-    device: str | None = None
-    gid_index: int | None = None
-    anchor_sl: int = 3
-    residual_sl: int = 0
-    anchor_tc: int = 0xB8
-    residual_tc: int = 0x20
-    max_outstanding: int = 16
-    residual_outstanding: int = 2
-    ack_timeout: int = 15
-    retry_cnt: int = 6
-    keepalive_s: float = 1.0
-    path_mtu: int | None = None
-
-    @classmethod
-    def from_dict(cls, options: dict) -> VerbsOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown verbs backend option(s) {unknown}; known: {sorted(known)}")
-        opts = cls(**options)
-        for name in ("anchor_sl", "residual_sl"):
-            if not 0 <= getattr(opts, name) <= 15:
-                raise ValueError(f"{name} must be in [0, 15]")
-        for name in ("anchor_tc", "residual_tc"):
-            if not 0 <= getattr(opts, name) <= 255:
-                raise ValueError(f"{name} must be in [0, 255]")
-        if opts.max_outstanding < 1 or opts.residual_outstanding < 1:
-            raise ValueError("max_outstanding and residual_outstanding must be >= 1")
-        if not 0 <= opts.ack_timeout <= 31 or not 0 <= opts.retry_cnt <= 7:
-            raise ValueError("ack_timeout must be in [0, 31] and retry_cnt in [0, 7]")
-        if opts.keepalive_s <= 0:
-            raise ValueError("keepalive_s must be > 0")
-        if opts.path_mtu is not None and opts.path_mtu not in (256, 512, 1024, 2048, 4096):
-            raise ValueError("path_mtu must be one of 256, 512, 1024, 2048, 4096")
-        if opts.gid_index is not None and opts.gid_index < 0:
-            raise ValueError("gid_index must be >= 0")
-        return opts
 
 
 def _import_pyverbs() -> Any:
@@ -240,51 +123,6 @@ def _import_pyverbs() -> Any:
     return v
 
 
-_MTU_ENUM_NAMES = {256: "IBV_MTU_256", 512: "IBV_MTU_512", 1024: "IBV_MTU_1024",
-                   2048: "IBV_MTU_2048", 4096: "IBV_MTU_4096"}
-
-
-# ------------------------------------------------------------------------------ per-QP state
-@dataclass
-class _Pending:
-    """A queued write (cursor = bytes already posted) or FIN, in post order on one lane."""
-
-    op: WriteOp | FinOp
-    cursor: int = 0
-
-
-@dataclass
-class _Lane:
-    """One stream's RC QP with its notice rings, queue and in-flight bookkeeping."""
-
-    stream: Stream
-    qp: Any
-    send_mr: Any
-    recv_mr: Any
-    limit: int  # chunks (+ FINs) in flight at most
-    free_slots: list[int]
-    queue: deque[_Pending] = field(default_factory=deque)
-    # slot -> (request id, bytes of the chunk; -1 for a FIN)
-    inflight: dict[int, tuple[int, int]] = field(default_factory=dict)
-
-
-@dataclass
-class _Session:
-    sid: bytes
-    send_cq: Any
-    recv_cq: Any
-    lanes: tuple[_Lane, _Lane]
-    connected: bool = False
-    probe_after: float = 0.0
-    probe_inflight: bool = False
-    failed: bool = False
-    # weighted mode: data bytes posted per stream since both became backlogged
-    share_bytes: list[int] = field(default_factory=lambda: [0, 0])
-    # receiver: request id -> the registrations of its announced extents (`expose`)
-    exposed: dict[int, list] = field(default_factory=dict)
-    peer_requires_checksum: bool = True  # what the peer's local_info says
-
-
 class VerbsBackend(Backend):
     """pyverbs RDMA backend (see the module docstring). Thread-safe; one progress thread."""
 
@@ -302,71 +140,37 @@ class VerbsBackend(Backend):
         self._require_checksum = checksum
         self._lock = threading.Lock()  # every verbs object and all backend state
         self._wake = threading.Event()
-        self._sessions: dict[bytes, _Session] = {}
+        self._sessions: dict[bytes, VerbsSession] = {}
         self._mrs: dict[int, Any] = {}
         self._closed = False
         self._stats = {"chunks_sent": 0, "bytes_sent": 0, "notices_received": 0,
                        "refused": 0, "crc_errors": 0, "probes": 0, "exposed_extents": 0,
                        "peak_inflight_anchor": 0, "peak_inflight_residual": 0}
         v = self._v
-        self._device = self._pick_device(self._opts.device)
+        self._device = pick_device(v, self._opts.device)
         try:
             self._ctx = v.Context(name=self._device)
         except v.PyverbsError as exc:
             raise BackendUnavailableError(f"cannot open RDMA device {self._device}: {exc}") from exc
         try:
             self._pd = v.PD(self._ctx)
-            port = self._ctx.query_port(_PORT)
+            port = self._ctx.query_port(PORT)
             if port.state != v.e.IBV_PORT_ACTIVE:
                 raise BackendUnavailableError(
-                    f"RDMA device {self._device} port {_PORT} is not active (state {port.state})")
+                    f"RDMA device {self._device} port {PORT} is not active (state {port.state})")
             self._active_mtu = 128 << int(port.active_mtu)
-            self._gid_index = self._pick_gid(host, port.gid_tbl_len)
-            self._gid = str(self._ctx.query_gid(_PORT, self._gid_index))
+            self._gid_index = pick_gid(v, self._ctx, self._opts.gid_index, host, port.gid_tbl_len)
+            self._gid = str(self._ctx.query_gid(PORT, self._gid_index))
         except BaseException:
             self._ctx.close()
             raise
+        self._qps = QpSetup(v, self._ctx, self._pd, self._opts, self._gid_index, self._active_mtu)
+        self._sender = VerbsSender(v, policy, self._opts, self._mrs, self._stats)
+        self._receiver = VerbsReceiver(v, hooks, self._opts, self._qps, self._lock, self._stats,
+                                       checksum)
         self._thread = threading.Thread(target=self._progress_loop,
                                         name=f"lynx-verbs-{self._device}", daemon=True)
         self._thread.start()
-
-    # ------------------------------------------------------------------ device selection
-    def _pick_device(self, wanted: str | None) -> str:
-        try:
-            devices = self._v.get_device_list()
-        except self._v.PyverbsError as exc:  # no uverbs support in this kernel at all
-            raise BackendUnavailableError(f"no RDMA device: {exc}") from exc
-        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
-        if not names:
-            raise BackendUnavailableError("no RDMA device found (ibv_get_device_list is empty)")
-        if wanted is None:
-            return names[0]
-        if wanted not in names:
-            raise BackendUnavailableError(f"RDMA device {wanted!r} not found; present: {names}")
-        return wanted
-
-    def _pick_gid(self, host: str, table_len: int) -> int:
-        if self._opts.gid_index is not None:
-            if self._opts.gid_index >= table_len:
-                raise ValueError(f"gid_index {self._opts.gid_index} >= GID table size {table_len}")
-            return self._opts.gid_index
-        want = None
-        with contextlib.suppress(ValueError):
-            ip = ipaddress.ip_address(host)
-            if ip.version == 4 and not ip.is_unspecified and not ip.is_loopback:
-                want = ipaddress.IPv6Address("::ffff:" + str(ip))
-        first_v4 = None
-        for i in range(min(table_len, 256)):
-            try:
-                gid = ipaddress.IPv6Address(str(self._ctx.query_gid(_PORT, i)))
-            except (self._v.PyverbsError, ValueError):
-                continue
-            if gid.ipv4_mapped is not None:
-                if gid == want:
-                    return i
-                if first_v4 is None:
-                    first_v4 = i
-        return first_v4 if first_v4 is not None else 0
 
     # ------------------------------------------------------------------ identity and memory
     def local_info(self) -> dict:
@@ -428,90 +232,24 @@ class VerbsBackend(Backend):
     def session_prepare(self, session_id: bytes, initiator: bool, key: bytes) -> dict:
         # `key` is unused: the QP numbers travel in authenticated messages, and an RC QP takes
         # packets only from the QP it was connected to.
-        v, e, o = self._v, self._v.e, self._opts
-        slots_a, slots_r = o.max_outstanding, o.residual_outstanding
-        recv_slots = max(o.max_outstanding, o.residual_outstanding) + 4
         with self._lock:
             if self._closed:
                 raise TransportError("verbs backend closed")
-            created: list[Any] = []  # closed again, newest first, if anything below fails
-            try:
-                send_cq = v.CQ(self._ctx, 2 * (slots_a + slots_r) + 8)
-                created.append(send_cq)
-                recv_cq = v.CQ(self._ctx, 2 * recv_slots + 8)
-                created.append(recv_cq)
-                lanes = []
-                for stream, slots in ((Stream.ANCHOR, slots_a), (Stream.RESIDUAL, slots_r)):
-                    # Each chunk is an unsignaled WRITE + a signaled SEND (two send WRs per
-                    # slot), plus one keepalive probe.
-                    cap = v.QPCap(max_send_wr=2 * slots + 1, max_recv_wr=recv_slots,
-                                  max_send_sge=1, max_recv_sge=1)
-                    qp = v.QP(self._pd, v.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=send_cq,
-                                                     rcq=recv_cq, cap=cap))
-                    created.append(qp)
-                    at = v.QPAttr(qp_state=e.IBV_QPS_INIT, port_num=_PORT)
-                    at.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-                    at.pkey_index = 0
-                    qp.to_init(at)
-                    send_mr = v.MR(self._pd, slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
-                    created.append(send_mr)
-                    recv_mr = v.MR(self._pd, recv_slots * _SLOT_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
-                    created.append(recv_mr)
-                    lane = _Lane(stream, qp, send_mr, recv_mr, slots, list(range(slots)))
-                    for slot in range(recv_slots):
-                        self._post_recv(lane, slot)
-                    lanes.append(lane)
-            except self._v.PyverbsError as exc:
-                for obj in reversed(created):
-                    obj.close()
-                raise TransportError(f"creating the session's QPs/CQs/notice buffers failed: "
-                                     f"{exc}") from exc
-            self._sessions[session_id] = _Session(session_id, send_cq, recv_cq,
-                                                  (lanes[0], lanes[1]))
-        return {"qpn": [lanes[0].qp.qp_num, lanes[1].qp.qp_num]}
+            s = self._sessions[session_id] = self._qps.create(session_id)
+        return {"qpn": [lane.qp.qp_num for lane in s.lanes]}
 
     def session_connect(self, session_id: bytes, remote_info: dict, remote_prepare: dict,
                         initiator: bool, timeout: float) -> None:
-        v, e, o = self._v, self._v.e, self._opts
-        try:
-            qpns = [int(q) for q in remote_prepare["qpn"]]
-            dgid = v.GID(str(remote_info["gid"]))
-            mtu = min(self._active_mtu, int(remote_info["mtu"]), o.path_mtu or 4096)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TransportError(f"bad verbs peer info {remote_info!r} / {remote_prepare!r}: "
-                                 f"{exc}") from exc
-        if len(qpns) != 2:
-            raise TransportError(f"peer announced {len(qpns)} QPs, need 2 (ANCHOR, RESIDUAL)")
-        mtu_enum = getattr(e, _MTU_ENUM_NAMES[max(m for m in _MTU_ENUM_NAMES if m <= mtu)])
+        peer = self._qps.peer_path(remote_info, remote_prepare)
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None:
                 raise TransportError("verbs session not prepared (or closed)")
             s.peer_requires_checksum = remote_info.get("checksum_required") is not False
-            for lane, rqpn in zip(s.lanes, qpns, strict=True):
-                anchor = lane.stream is Stream.ANCHOR
-                at = v.QPAttr(qp_state=e.IBV_QPS_RTR, port_num=_PORT)
-                at.path_mtu = mtu_enum
-                at.dest_qp_num = rqpn
-                at.rq_psn = 0
-                at.max_dest_rd_atomic = 1
-                at.min_rnr_timer = 12
-                gr = v.GlobalRoute(dgid=dgid, sgid_index=self._gid_index, hop_limit=64,
-                                   traffic_class=o.anchor_tc if anchor else o.residual_tc)
-                at.ah_attr = v.AHAttr(gr=gr, is_global=1, port_num=_PORT,
-                                      sl=o.anchor_sl if anchor else o.residual_sl)
-                lane.qp.to_rtr(at)
-                at = v.QPAttr(qp_state=e.IBV_QPS_RTS)
-                at.sq_psn = 0
-                at.timeout = o.ack_timeout
-                at.retry_cnt = o.retry_cnt
-                at.rnr_retry = 7  # "infinite": a slow receiver is not a dead one
-                at.max_rd_atomic = 1
-                lane.qp.to_rts(at)
-            s.connected = True
+            self._qps.connect(s, peer)
             # The Endpoint exchanges READY after both sides return from here; probing before the
             # peer reached RTR would fail the session, so wait a grace period first.
-            s.probe_after = time.monotonic() + max(2.0, o.keepalive_s)
+            s.probe_after = time.monotonic() + max(2.0, self._opts.keepalive_s)
         self._wake.set()
 
     def post_write(self, op: WriteOp) -> None:
@@ -521,12 +259,12 @@ class VerbsBackend(Backend):
                                     FailureReason.LOCAL_ERROR,
                                     f"the peer published no target for region {op.dst_region_id}")
             return
-        self._enqueue(op.session_id, op.stream, _Pending(op))
+        self._enqueue(op.session_id, op.stream, QueuedOp(op))
 
     def post_fin(self, op: FinOp) -> None:
-        self._enqueue(op.session_id, op.stream, _Pending(op))
+        self._enqueue(op.session_id, op.stream, QueuedOp(op))
 
-    def _enqueue(self, sid: bytes, stream: Stream, item: _Pending) -> None:
+    def _enqueue(self, sid: bytes, stream: Stream, item: QueuedOp) -> None:
         with self._lock:
             s = self._sessions.get(sid)
             if s is not None and not s.failed:
@@ -561,7 +299,7 @@ class VerbsBackend(Backend):
         with self._lock:
             s = self._sessions.pop(session_id, None)
             if s is not None:
-                self._destroy_session(s)
+                self._destroy(s)
 
     def close(self) -> None:
         with self._lock:
@@ -572,7 +310,7 @@ class VerbsBackend(Backend):
         self._thread.join(5.0)
         with self._lock:
             for s in list(self._sessions.values()):
-                self._destroy_session(s)
+                self._destroy(s)
             self._sessions.clear()
             for mr in self._mrs.values():
                 mr.close()
@@ -591,68 +329,9 @@ class VerbsBackend(Backend):
         with self._lock:
             return iter(list(self._sessions))
 
-    # ------------------------------------------------------------------ verbs helpers
-    def _destroy_session(self, s: _Session) -> None:
-        """Close QPs first (flushes their WRs), then the exposed extents, rings and CQs. Caller
-        holds _lock."""
-        s.failed = True
-        for lane in s.lanes:
-            lane.qp.close()
-        for mrs in s.exposed.values():
-            for mr in mrs:
-                mr.close()
-                self._stats["exposed_extents"] -= 1
-        s.exposed.clear()
-        for lane in s.lanes:
-            lane.send_mr.close()
-            lane.recv_mr.close()
-        s.send_cq.close()
-        s.recv_cq.close()
-
-    def _post_recv(self, lane: _Lane, slot: int) -> None:
-        v = self._v
-        sge = v.SGE(lane.recv_mr.buf + slot * _SLOT_BYTES, _SLOT_BYTES, lane.recv_mr.lkey)
-        lane.qp.post_recv(v.RecvWR(wr_id=_wr_id(_WR_RECV, int(lane.stream), slot), num_sge=1,
-                                   sg=[sge]))
-
-    def _post_notice(self, lane: _Lane, slot: int, payload: bytes) -> None:
-        v, e = self._v, self._v.e
-        lane.send_mr.write(payload, len(payload), slot * _SLOT_BYTES)
-        sge = v.SGE(lane.send_mr.buf + slot * _SLOT_BYTES, len(payload), lane.send_mr.lkey)
-        lane.qp.post_send(v.SendWR(wr_id=_wr_id(_WR_NOTICE, int(lane.stream), slot),
-                                   opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge],
-                                   send_flags=e.IBV_SEND_SIGNALED))
-
-    def _post_chunk(self, s: _Session, lane: _Lane, op: WriteOp, cursor: int, n: int,
-                    slot: int) -> None:
-        """RDMA WRITE of op's bytes [cursor, cursor + n) followed by its DATA notice."""
-        v, e = self._v, self._v.e
-        mr = self._mrs.get(op.src.id)
-        if mr is None:
-            raise TransportError(f"source region {op.src.id} is not registered with verbs")
-        src_addr = op.src.addr + op.src_offset + cursor
-        crc = (zlib.crc32(op.src.slice(op.src_offset + cursor, n))
-               if op.checksum or s.peer_requires_checksum else None)
-        wr = v.SendWR(wr_id=_wr_id(_WR_WRITE, int(lane.stream), slot),
-                      opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[v.SGE(src_addr, n, mr.lkey)])
-        # the target registration starts at the extent's offset (see `expose`)
-        wr.set_wr_rdma(op.dst_info["rkey"],
-                       op.dst_info["addr"] + op.dst_offset - op.dst_extent.offset + cursor)
-        lane.qp.post_send(wr)
-        self._post_notice(lane, slot, pack_data_notice(
-            op.stream, op.request_id, op.dst_region_id, op.dst_offset + cursor, n, crc))
-
-    def _post_probe(self, s: _Session) -> None:
-        v, e = self._v, self._v.e
-        lane = s.lanes[0]
-        # Zero-length RDMA WRITE: acknowledged by the peer's NIC, touches no memory, needs no rkey.
-        wr = v.SendWR(wr_id=_wr_id(_WR_PROBE, 0, 0), opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
-                      sg=[v.SGE(lane.recv_mr.buf, 0, lane.recv_mr.lkey)],
-                      send_flags=e.IBV_SEND_SIGNALED)
-        wr.set_wr_rdma(0, 0)
-        lane.qp.post_send(wr)
-        s.probe_inflight = True
-        self._stats["probes"] += 1
+    def _destroy(self, s: VerbsSession) -> None:
+        """Caller holds _lock."""
+        self._stats["exposed_extents"] -= QpSetup.destroy(s)
 
     # ------------------------------------------------------------------ progress thread
     def _progress_loop(self) -> None:
@@ -667,10 +346,10 @@ class VerbsBackend(Backend):
                     if s.failed or not s.connected:
                         continue
                     try:
-                        self._poll_session(s, events)
+                        self._receiver.poll(s, events)
                         if not s.failed:
-                            self._schedule(s)
-                            self._maybe_probe(s)
+                            self._sender.schedule(s)
+                            self._sender.maybe_probe(s)
                     except Exception as exc:  # a verbs call failed: this session is unusable
                         log.exception("verbs session %s failed", s.sid.hex()[:8])
                         s.failed = True
@@ -701,155 +380,10 @@ class VerbsBackend(Backend):
                 elif kind == "fin":
                     h.incoming_fin(*ev[1:])
                 elif kind == "data":
-                    self._land(*ev[1:])
+                    self._receiver.land(*ev[1:])
                 elif kind == "send_failed":
                     h.send_failed(*ev[1:])
                 elif kind == "lost":
                     h.session_lost(*ev[1:])
             except Exception:
                 log.exception("verbs hook %s failed", ev[0])
-
-    def _land(self, sid: bytes, stream: Stream, request_id: int, region_id: int, offset: int,
-              length: int, has_crc: bool, crc: int) -> None:
-        """A DATA notice arrived: the chunk's bytes are already in place; validate and count."""
-        try:
-            inc = self._hooks.open_incoming(sid, request_id, stream, region_id, offset, length)
-        except Refused as exc:
-            with self._lock:
-                self._stats["refused"] += 1
-            log.debug("verbs chunk refused: %s", exc)
-            return
-        # finish() takes the stream lock that guard() holds: decide inside, report after.
-        verdict: tuple[FailureReason, str] | None = None
-        with inc.guard() as ok:
-            if not ok:
-                verdict = (FailureReason.RELEASED, "request no longer pending")
-            elif not has_crc and self._require_checksum:
-                verdict = (FailureReason.CORRUPTION, f"chunk on region {region_id} [{offset}, "
-                           f"{offset + length}) without a checksum: this endpoint requires them")
-            elif has_crc and zlib.crc32(inc.view) != crc:
-                verdict = (FailureReason.CORRUPTION,
-                           f"CRC32 mismatch on region {region_id} [{offset}, {offset + length})")
-        if verdict is None:
-            inc.finish(length)
-            return
-        if verdict[0] is FailureReason.CORRUPTION:
-            with self._lock:
-                self._stats["crc_errors"] += 1
-        inc.finish(0, False, *verdict)
-
-    def _poll_session(self, s: _Session, events: list[tuple]) -> None:
-        e = self._v.e
-        n, wcs = s.send_cq.poll(num_entries=32)
-        for wc in wcs[:n]:
-            kind, lane_i, slot = wc.wr_id >> 62, (wc.wr_id >> 32) & 3, wc.wr_id & 0xFFFFFFFF
-            if kind == _WR_PROBE:
-                s.probe_inflight = False
-                s.probe_after = time.monotonic() + self._opts.keepalive_s
-            if wc.status != e.IBV_WC_SUCCESS:
-                self._fail_session(s, events, f"work request failed on the "
-                                   f"{Stream(lane_i).name} QP: wc status {wc.status} "
-                                   f"({_wc_status_name(e, wc.status)})")
-                return
-            if kind == _WR_NOTICE:
-                lane = s.lanes[lane_i]
-                rid, nbytes = lane.inflight.pop(slot)
-                lane.free_slots.append(slot)
-                if nbytes >= 0:
-                    self._stats["chunks_sent"] += 1
-                    self._stats["bytes_sent"] += nbytes
-                    events.append(("sent", s.sid, rid, lane.stream, nbytes))
-        n, wcs = s.recv_cq.poll(num_entries=32)
-        for wc in wcs[:n]:
-            lane_i, slot = (wc.wr_id >> 32) & 3, wc.wr_id & 0xFFFFFFFF
-            if wc.status != e.IBV_WC_SUCCESS:
-                self._fail_session(s, events, f"receive failed on the {Stream(lane_i).name} QP: "
-                                   f"wc status {wc.status} ({_wc_status_name(e, wc.status)})")
-                return
-            lane = s.lanes[lane_i]
-            raw = lane.recv_mr.read(wc.byte_len, slot * _SLOT_BYTES)
-            self._post_recv(lane, slot)
-            self._stats["notices_received"] += 1
-            self._parse_notice(s, lane, raw, events)
-            s.probe_after = time.monotonic() + self._opts.keepalive_s
-
-    def _parse_notice(self, s: _Session, lane: _Lane, raw: bytes, events: list[tuple]) -> None:
-        try:
-            n = parse_notice(raw, lane.stream)
-        except NoticeError as exc:
-            self._fail_session(s, events, str(exc), FailureReason.CORRUPTION)
-            return
-        if n.kind == _DATA:
-            events.append(("data", s.sid, lane.stream, n.request_id, n.region_id, n.offset,
-                           n.length, n.has_crc, n.crc))
-        else:
-            events.append(("fin", s.sid, n.request_id, lane.stream, n.length, n.aux))
-
-    def _fail_session(self, s: _Session, events: list[tuple], detail: str,
-                      reason: FailureReason = FailureReason.PEER_DIED) -> None:
-        s.failed = True
-        events.append(("lost", s.sid, reason, detail))
-
-    def _schedule(self, s: _Session) -> None:
-        anchor, residual = s.lanes
-        if self._policy.mode == "strict" or not (anchor.queue and residual.queue):
-            s.share_bytes = [0, 0]
-            self._fill(s, anchor, budget=None)
-            # Strict: the Residual waits until the Anchor is neither queued nor in flight; the
-            # NIC would otherwise share the link between the two QPs while the Anchor drains.
-            if self._policy.mode != "strict" or not (anchor.queue or anchor.inflight):
-                self._fill(s, residual, budget=None)
-            return
-        # Weighted, both backlogged: one item at a time from whichever stream is below its byte
-        # share. The stream that is due but has no free slot blocks the other: the share is
-        # enforced on what enters the wire, not only on what is queued.
-        share = self._policy.residual_share
-        while True:
-            posted_a, posted_r = s.share_bytes
-            lane = residual if posted_r < share * (posted_a + posted_r) else anchor
-            if not lane.queue or len(lane.inflight) >= lane.limit:
-                return
-            s.share_bytes[int(lane.stream)] += self._fill(s, lane, budget=1)
-
-    def _fill(self, s: _Session, lane: _Lane, budget: int | None) -> int:
-        """Post queued work on `lane` while slots are free (at most `budget` items); returns the
-        data bytes posted."""
-        posted = 0
-        chunk = self._policy.chunk_bytes
-        while lane.queue and len(lane.inflight) < lane.limit and (budget is None or budget > 0):
-            item = lane.queue[0]
-            slot = lane.free_slots.pop()
-            op = item.op
-            if isinstance(op, FinOp):
-                self._post_notice(lane, slot,
-                                  pack_fin_notice(op.stream, op.request_id, op.total, op.aux))
-                lane.inflight[slot] = (op.request_id, -1)
-                lane.queue.popleft()
-            else:
-                n = min(chunk, op.length - item.cursor)
-                self._post_chunk(s, lane, op, item.cursor, n, slot)
-                lane.inflight[slot] = (op.request_id, n)
-                item.cursor += n
-                posted += n
-                if item.cursor >= op.length:
-                    lane.queue.popleft()
-            if budget is not None:
-                budget -= 1
-        key = f"peak_inflight_{lane.stream.name.lower()}"
-        self._stats[key] = max(self._stats[key], len(lane.inflight))
-        return posted
-
-    def _maybe_probe(self, s: _Session) -> None:
-        if s.probe_inflight or time.monotonic() < s.probe_after:
-            return
-        if any(lane.inflight for lane in s.lanes):
-            return  # traffic in flight already proves (or disproves) the peer is alive
-        self._post_probe(s)
-
-
-def _wc_status_name(e: Any, status: int) -> str:
-    """ibv_wc_status name (pyverbs 44 has no status-to-string helper)."""
-    for name in dir(e):
-        if name.startswith("IBV_WC_") and name.endswith("_ERR") and getattr(e, name) == status:
-            return name
-    return "IBV_WC_SUCCESS" if status == 0 else "unknown status"

@@ -1,5 +1,5 @@
-"""atheris harness: the data-path parsers — the tcp frame header (`lynx_transport.tcp.
-parse_frame_header`) and the verbs notice (`lynx_transport.verbs.parse_notice`) — must raise
+"""atheris harness: the data-path parsers — the tcp frame header (`lynx_transport.tcp_wire.
+parse_frame_header`) and the verbs notice (`lynx_transport.verbs_wire.parse_notice`) — must raise
 nothing but their documented errors (FrameError, NoticeError), and what they accept must respect
 the caps a receiver relies on.
 
@@ -15,7 +15,7 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["lynx_transport"]):
-    from lynx_transport import tcp, verbs
+    from lynx_transport import tcp_wire, verbs_wire
     from lynx_transport.backend import MAX_CHUNK_BYTES
     from lynx_transport.types import MAX_AUX_BYTES, Stream
 
@@ -25,19 +25,19 @@ def check(data: bytes) -> None:
         return
     stream, body = Stream(data[0] & 1), data[1:]
     try:
-        h = tcp.parse_frame_header(body[:tcp.HDR.size], stream)
-    except tcp.FrameError:
+        h = tcp_wire.parse_frame_header(body[:tcp_wire.HDR.size], stream)
+    except tcp_wire.FrameError:
         pass
     else:
-        if h.kind == tcp.KIND_FIN:
+        if h.kind == tcp_wire.KIND_FIN:
             # a FIN's offset field is the stream's total, not a position bytes land at: any u64
             # is well-formed (a receiver refuses a total beyond what it announced)
             assert h.length <= MAX_AUX_BYTES
         else:
             assert h.length <= MAX_CHUNK_BYTES and h.offset + h.length < 1 << 64
     try:
-        n = verbs.parse_notice(body, stream)
-    except verbs.NoticeError:
+        n = verbs_wire.parse_notice(body, stream)
+    except verbs_wire.NoticeError:
         pass
     else:
         assert n.length <= MAX_CHUNK_BYTES or n.kind == 2

@@ -227,6 +227,28 @@ def test_session_handshake_messages():
     assert r.wait_challenge(0.0) and r.handshake_error == "authentication failed"
 
 
+def test_session_handshake_order():
+    """The handshake state moves only along its transitions: a READY before the WELCOME changes
+    nothing; the acceptor starts welcomed and takes the peer's READY before its own data path."""
+    s, _, _ = _session()
+    s.challenged(b"k" * 32, "ep-peer")
+    s.on_message(Ready())  # out of order: no honest acceptor sends it before its WELCOME
+    s.on_message(Welcome({"port": 2}, {}))
+    s.data_path_up()
+    assert not s.ready and not s.wait_peer_ready(0.0)
+    s.on_message(Ready())
+    assert s.ready
+    acceptor = Session(_Host(), _Control(), SID, False, "tcp://peer:1")
+    assert acceptor.welcomed and acceptor.wants_heartbeats
+    acceptor.on_message(Ready())  # the initiator's READY may come before this side's data path
+    assert not acceptor.ready
+    acceptor.data_path_up()
+    assert acceptor.ready
+    early, _, _ = _session()
+    with pytest.raises(RuntimeError, match="handshake state NEW"):
+        early.data_path_up()  # a bug: the data path cannot be up before the WELCOME
+
+
 def test_session_announce_release_and_bye():
     s, control, _ = _session()
     s.on_message(_announce(9))

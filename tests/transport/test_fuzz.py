@@ -38,13 +38,13 @@ def test_seeds_are_valid_messages():
     pytest.importorskip("atheris")  # the harness imports it
     from fuzz_control import split
 
-    from lynx_transport import Stream, tcp, verbs, wire
+    from lynx_transport import Stream, tcp_wire, verbs_wire, wire
 
     for seed in sorted((CORPUS / "control").iterdir()):
         assert wire.parse(wire.decode(split(seed.read_bytes()))) is not None, seed.name
     for seed in sorted((CORPUS / "frames").iterdir()):
         data = seed.read_bytes()
-        parse = verbs.parse_notice if seed.name.startswith("notice") else tcp.parse_frame_header
+        parse = verbs_wire.parse_notice if seed.name.startswith("notice") else tcp_wire.parse_frame_header
         parse(data[1:], Stream(data[0] & 1))
 
 
@@ -54,12 +54,12 @@ FIN_TOTAL_MAX = CORPUS / "frames" / "fin_total_max"  # found by fuzz_frames.py a
 def test_fin_with_the_largest_total_is_refused_by_the_receiver():
     """A FIN's offset field is its stream's total: 2^64-1 (with aux bytes) is a well-formed header,
     and the receiver refuses that total (beyond what it announced) without arithmetic on it."""
-    from lynx_transport import Stream, tcp
+    from lynx_transport import Stream, tcp_wire
     from lynx_transport.receiver import RxStream
 
     data = FIN_TOTAL_MAX.read_bytes()
-    h = tcp.parse_frame_header(data[1:], Stream(data[0] & 1))
-    assert h.kind == tcp.KIND_FIN and h.offset == (1 << 64) - 1 and h.length > 0
+    h = tcp_wire.parse_frame_header(data[1:], Stream(data[0] & 1))
+    assert h.kind == tcp_wire.KIND_FIN and h.offset == (1 << 64) - 1 and h.length > 0
     for counts_incoming in (True, False):  # tcp counts landed chunks; verbs trusts the FIN
         rs = RxStream(expected=1 << 20)
         with rs.lock:

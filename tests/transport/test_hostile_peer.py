@@ -48,7 +48,7 @@ from lynx_transport import (
     Stream,
 )
 from lynx_transport.auth import Channel, SessionKeys
-from lynx_transport.tcp import DATA_VERSION, MAGIC, PREAMBLE
+from lynx_transport.tcp_wire import DATA_VERSION, MAGIC, PREAMBLE
 from lynx_transport.wire import Challenge, Hello, decode, encode
 
 A, R = Stream.ANCHOR, Stream.RESIDUAL

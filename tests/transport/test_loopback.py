@@ -43,6 +43,36 @@ def pair():
                               Endpoint(name="tx", peer_timeout_s=3.0), timeout=5)
 
 
+class CorruptNext:
+    """The tcp backend's test seam (option "_corrupt_checksum"): the next DATA chunk sent on an
+    armed stream carries a wrong checksum."""
+
+    def __init__(self):
+        self._armed: set = set()
+        self._lock = threading.Lock()  # armed by the test thread, consumed by the sender thread
+
+    def arm(self, stream: Stream) -> None:
+        with self._lock:
+            self._armed.add(stream)
+
+    def __call__(self, sid: bytes, stream: Stream, checksum: int) -> int:
+        with self._lock:
+            if stream not in self._armed:
+                return checksum
+            self._armed.discard(stream)
+        return checksum ^ 0x5A5A5A5A
+
+
+@pytest.fixture
+def corrupting_pair():
+    """`pair` whose sender corrupts through `CorruptNext`, yielded as a fifth item."""
+    corrupt = CorruptNext()
+    tx = Endpoint(name="tx", peer_timeout_s=3.0, backend_options={"_corrupt_checksum": corrupt})
+    for endpoints_and_sessions in connected_pair(Endpoint(name="rx", peer_timeout_s=3.0), tx,
+                                                 timeout=5):
+        yield (*endpoints_and_sessions, corrupt)
+
+
 @pytest.mark.timeout(60)
 def test_roundtrip_api(pair):
     rx, tx, s_rx, s_tx = pair
@@ -252,15 +282,15 @@ def test_unknown_request_and_released_request_refused(pair):
 
 
 @pytest.mark.timeout(60)
-def test_corrupt_chunk_reported_never_complete(pair):
-    rx, tx, s_rx, s_tx = pair
+def test_corrupt_chunk_reported_never_complete(corrupting_pair):
+    rx, tx, s_rx, s_tx, corrupt = corrupting_pair
     stage = np.zeros(8 * MiB, np.uint8)
     dst = rx.register(stage)
     src = tx.register(pattern(8 * MiB, 3))
     s_rx.announce(1, {A: [(dst.id, 0, 2 * MiB)], R: [(dst.id, 2 * MiB, 2 * MiB)]})
     s_rx.announce(2, {A: [(dst.id, 4 * MiB, 2 * MiB)], R: [(dst.id, 6 * MiB, 2 * MiB)]})
     s_tx.wait_announcement(2, timeout=5)
-    tx.backend.inject_corruption(s_tx.id, A)
+    corrupt.arm(A)
     for req, base in ((1, 0), (2, 4 * MiB)):
         s_tx.write_stream(req, A, src, base, 2 * MiB)
         s_tx.finish(req, A)
@@ -549,8 +579,9 @@ def test_close_joins_threads():
 
 @pytest.mark.timeout(60)
 def test_crc32_used_when_peer_lacks_xxhash():
+    corrupt = CorruptNext()
     rx = Endpoint(name="rx")
-    tx = Endpoint(name="tx")
+    tx = Endpoint(name="tx", backend_options={"_corrupt_checksum": corrupt})
     try:
         info = rx.backend.local_info()
         rx.backend.local_info = lambda: {**info, "checksums": ["crc32"]}  # an older/leaner peer
@@ -563,7 +594,7 @@ def test_crc32_used_when_peer_lacks_xxhash():
         src = tx.register(src_arr)
         s_rx.announce(1, {A: [(dst.id, 0, 2 * MiB)], R: [(dst.id, 2 * MiB, 2 * MiB)]})
         s_tx.wait_announcement(1, timeout=5)
-        tx.backend.inject_corruption(s_tx.id, R)
+        corrupt.arm(R)
         s_tx.write_stream(1, A, src, 0, 2 * MiB)
         s_tx.finish(1, A)
         s_tx.write_stream(1, R, src, 2 * MiB, 2 * MiB)

@@ -404,25 +404,26 @@ def test_write_beyond_its_extent_is_refused_by_the_nic(pair):
 
 
 @pytest.mark.timeout(120)
-def test_fin_aux_checksum(pair, monkeypatch):
+def test_fin_aux_checksum():
     """A FIN whose aux bytes do not match their CRC fails the stream CORRUPTION on both sides; the
     request's other stream and the session go on."""
-    import lynx_transport.verbs as verbs
+    from lynx_transport.verbs_wire import FIN
 
-    rx, tx, s_rx, s_tx = pair
+    def corrupt_anchor_fin(sid, stream, notice):  # the backend's test seam, "_corrupt_notice"
+        return notice[:-1] + bytes([notice[-1] ^ 0xFF]) if stream is A and notice[4] == FIN else notice
+
+    sender = _endpoint("tx", _corrupt_notice=corrupt_anchor_fin)
+    for endpoints_and_sessions in connected_pair(_endpoint("rx"), sender, timeout=30):
+        _fin_aux_checksum(*endpoints_and_sessions)
+
+
+def _fin_aux_checksum(rx, tx, s_rx, s_tx):
     stage = np.zeros(64 * KiB, np.uint8)
     dst = rx.register(stage)
     src = tx.register(pattern(64 * KiB, 6))
     s_rx.announce(1, {A: [(dst.id, 0, 32 * KiB)], R: [(dst.id, 32 * KiB, 32 * KiB)]},
                   deadline_s=60)
     s_tx.wait_announcement(1, timeout=30)
-    pack = verbs.pack_fin_notice
-
-    def corrupt_anchor_fin(stream, request_id, total, aux):
-        raw = pack(stream, request_id, total, aux)
-        return raw[:-1] + bytes([raw[-1] ^ 0xFF]) if stream is A else raw
-
-    monkeypatch.setattr(verbs, "pack_fin_notice", corrupt_anchor_fin)
     s_tx.write_stream(1, A, src, 0, 32 * KiB)
     s_tx.finish(1, A, aux=b"first-token")
     s_tx.write_stream(1, R, src, 32 * KiB, 32 * KiB)
