@@ -235,12 +235,8 @@ def _get_kv_class_around(original, transfer_backend, class_type):
         return original(transfer_backend, class_type)
     if class_type == KVClassType.KVARGS:
         return original(transfer_backend, class_type)
-    from .backend.manager import (
-        LynxKVBootstrapServer,
-        LynxKVManager,
-        LynxKVReceiver,
-        LynxKVSender,
-    )
+    from .backend.conn import LynxKVBootstrapServer, LynxKVReceiver, LynxKVSender
+    from .backend.manager import LynxKVManager
 
     return {
         KVClassType.MANAGER: LynxKVManager,

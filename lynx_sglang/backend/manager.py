@@ -1,5 +1,5 @@
-"""The `lynx` transfer backend as SGLang sees it: LynxKVManager, LynxKVSender, LynxKVReceiver and
-LynxKVBootstrapServer (SGLang finds them through `get_kv_class`, hooked by `lynx_sglang.plugin`).
+"""The `lynx` transfer backend's KV manager as SGLang sees it: LynxKVManager (SGLang finds it, and
+the per-request classes of `backend.conn`, through `get_kv_class`, hooked by `lynx_sglang.plugin`).
 
 Control plane: SGLang's own. LynxKVManager derives from SGLang's MooncakeKVManager (itself a
 CommonKVManager) and keeps its bootstrap registration, the decode's KV-args registration and
@@ -35,11 +35,9 @@ import threading
 from dataclasses import replace
 
 import zmq
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferMetric
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
-    CommonKVBootstrapServer,
     CommonKVReceiver,
-    CommonKVSender,
 )
 from sglang.srt.disaggregation.common.utils import AuxDataCodec
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
@@ -52,7 +50,6 @@ from lynx_transport import Endpoint
 from .. import metrics, runtime, trace
 from ..config import LynxConfig
 from ..errors import LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
-from ..failures import FailureKind, failure_kind_of
 from ..idle import IdleWaiter
 from ..names import FAULT_VERIFY_DELAY_ENV
 from ..runtime import LynxRuntime
@@ -64,11 +61,10 @@ from .decode import DecodeApplier, DecodeLink
 from .faults import FaultPlan
 from .identity import Identity
 from .layer_stream import LayerStreamer
-from .plan import StreamPlan, max_tokens_in_staging
+from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
 from .prefill_link import Destination, PrefillLink
-from .staging import ALIGN as STAGING_ALIGN
 from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -247,26 +243,10 @@ class LynxKVManager(MooncakeKVManager):
         return replace(rt, spec=controller)
 
     def _check_staging_size(self) -> None:
-        """Say at start-up how long a request the staging memory holds whole: a longer one is
-        sent in segments through windows of staging (`backend.window`), slower and without
-        speculation."""
-        shape = self.pool.shape
+        """Say at start-up how long a request the staging memory holds whole."""
         rows = int(self.pool.layer(0, KINDS[0]).shape[0])
-        longest = min(rows, getattr(self.server_args, "context_length", None) or rows)
-        fit = max_tokens_in_staging(self.lynx.codec, shape, self.lynx.chunk_tokens,
-                                    self.staging.nbytes, STAGING_ALIGN, longest)
-        if fit >= longest:
-            logger.info("lynx: --lynx-staging-mib %d holds a request of up to %d tokens, the "
-                        "longest this server takes", self.lynx.staging_mib, longest)
-            return
-        need = StreamPlan.build(self.lynx.codec, shape, longest, self.lynx.chunk_tokens)
-        logger.warning(
-            "lynx: --lynx-staging-mib %d holds a request of up to %d tokens whole (target %s); "
-            "this server takes up to %d, and a longer request is sent in segments through "
-            "windows of staging, without speculation: --lynx-staging-mib %d would hold one "
-            "whole (on prefill and decode)",
-            self.lynx.staging_mib, fit, self.lynx.codec.target.value, longest,
-            -(-need.staging_bytes // (1 << 20)))
+        log_staging_fit(self.lynx, self.pool.shape, self.staging.nbytes,
+                        min(rows, getattr(self.server_args, "context_length", None) or rows))
 
     # ---- SGLang's control-plane sockets ------------------------------------------------------
     def _connect(self, endpoint: str, is_ipv6: bool = False):
@@ -377,8 +357,9 @@ class LynxKVManager(MooncakeKVManager):
             logger.info("lynx: prefill rank %s:%s is gone; dropped its cached bootstrap info",
                         *prefill)
 
-    def register_rx_room(self, receiver: LynxKVReceiver, kv_indices, aux_index: int) -> bool:
-        """Called by the receiver before SGLang sends the request's metadata to the prefill.
+    def register_rx_room(self, receiver: CommonKVReceiver, kv_indices, aux_index: int) -> bool:
+        """Called by the receiver (`backend.conn.LynxKVReceiver`) before SGLang sends the request's
+        metadata to the prefill.
         False: the room is queued for staging (`DecodeApplier.register`)."""
         real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
         if len(real) != 1:
@@ -413,108 +394,3 @@ class LynxKVManager(MooncakeKVManager):
                 and self.applier.on_prefill_success(bootstrap_room)):
             return
         super().update_status(bootstrap_room, status)
-
-
-class LynxKVSender(CommonKVSender):
-    """Prefill side of one request: SGLang's CommonKVSender, whose `send` queues the request's
-    KV indices on LynxKVManager.add_transfer_request (no CUDA host-index fast path)."""
-
-    def get_transfer_metric(self) -> KVTransferMetric:
-        # SGLang's own counts the pool bytes of the request's slots; report what Lynx moved
-        # (the Anchor plus the coded Residual), so sglang:kv_transfer_total_mb and its speed
-        # show the real wire volume.
-        metric = super().get_transfer_metric()
-        sent = self.kv_mgr.sender.take_sent_bytes(self.bootstrap_room)
-        if sent is not None:
-            metric.transfer_total_bytes = sent
-        return metric
-
-
-class LynxKVReceiver(CommonKVReceiver):
-    """Decode side of one request: reserves and announces the request's staging range before
-    SGLang sends its KV indices to the prefill; frees it on clear/abort. When staging is busy the
-    KV indices wait here (`_held_metadata`), and `poll` sends them once the room got its range:
-    until then the prefill does not start the request, and SGLang's waiting timeout has not
-    started (it counts from the metadata; the applier bounds the wait for staging)."""
-
-    _held_metadata: tuple | None = None
-
-    def init(self, prefill_dp_rank: int):
-        super().init(prefill_dp_rank)
-        if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
-            return
-        if self.prefill_info.attn_tp_size != self.kv_mgr.attn_tp_size:
-            self._fail(f"lynx needs equal attention TP sizes on prefill "
-                       f"({self.prefill_info.attn_tp_size}) and decode "
-                       f"({self.kv_mgr.attn_tp_size})", FailureKind.SETTINGS_MISMATCH)
-
-    def _fail(self, reason: str, kind: FailureKind) -> None:
-        metrics.record_failure(kind)
-        self.kv_mgr.report_status(self.bootstrap_room, reason)
-        self.conclude_state = KVPoll.Failed
-        # Tell the prefill now: it would otherwise wait for metadata that never comes (SGLang's
-        # bootstrap timeout, 300 s by default).
-        self.ensure_abort_notified()
-
-    def send_metadata(self, kv_indices, aux_index=None, state_indices=None,
-                      decode_prefix_len=None, destination=None, device_kv_indices=None):
-        if self.conclude_state == KVPoll.Failed or getattr(self, "bootstrap_infos", None) is None:
-            return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
-        if decode_prefix_len:
-            self._fail("lynx does not support a decode-side prefix cache",
-                       FailureKind.SETTINGS_MISMATCH)
-            return None
-        kwargs = {} if destination is None else {"destination": destination}
-        args = (kv_indices, aux_index, state_indices, decode_prefix_len, device_kv_indices, kwargs)
-        try:
-            staged = self.kv_mgr.register_rx_room(self, kv_indices, aux_index)
-        except Exception as exc:
-            self._prepare_failed(exc)
-            return None
-        if not staged:
-            self._held_metadata = args
-            return None
-        return self._send_metadata(args)
-
-    def _send_metadata(self, args: tuple):
-        kv_indices, aux_index, state_indices, decode_prefix_len, device_kv_indices, kwargs = args
-        return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len,
-                                     device_kv_indices=device_kv_indices, **kwargs)
-
-    def _prepare_failed(self, exc: Exception) -> None:
-        logger.error("lynx: room %s: %s", self.bootstrap_room, exc)
-        self._fail(f"lynx decode could not prepare the transfer: {exc}", failure_kind_of(exc))
-
-    def poll(self):
-        if self._held_metadata is not None and self.conclude_state is None:
-            try:
-                staged = self.kv_mgr.applier.staged(self.bootstrap_room)
-            except Exception as exc:
-                self._held_metadata = None
-                self._prepare_failed(exc)
-                return self.conclude_state
-            if staged:
-                args, self._held_metadata = self._held_metadata, None
-                self._send_metadata(args)
-        return super().poll()
-
-    def clear(self) -> None:
-        super().clear()
-        self.kv_mgr.applier.drop(self.bootstrap_room, keep_speculative=True)
-
-    def abort(self):
-        super().abort()
-        self.kv_mgr.applier.drop(self.bootstrap_room)
-        self.kv_mgr.forget_own_failure(self.bootstrap_room)
-
-    def failure_exception(self):
-        # SGLang pops the room's failure record in there; the own reason stays authoritative
-        # until then (a prefill status arriving meanwhile must not replace it).
-        try:
-            super().failure_exception()
-        finally:
-            self.kv_mgr.forget_own_failure(self.bootstrap_room)
-
-
-class LynxKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's HTTP bootstrap registry, unchanged."""

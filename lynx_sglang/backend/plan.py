@@ -14,13 +14,18 @@ at the plan's offsets (`backend.prefill_writer`), and the decode parses the land
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from lynx_kernels import CodecSpec, KVShape, WireStream, fused
 from lynx_kernels.sizes import stream_nbytes_per_token
 
+from ..config import LynxConfig
 from ..errors import KVStreamError
 from .pool import KINDS
+from .staging import ALIGN
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,3 +104,23 @@ def max_tokens_in_staging(spec: CodecSpec, shape: KVShape, chunk_tokens: int, st
         else:
             hi = mid - 1
     return lo
+
+
+def log_staging_fit(lynx: LynxConfig, shape: KVShape, staging_bytes: int, longest: int) -> None:
+    """Log how long a request `staging_bytes` of staging hold whole, against the `longest` this
+    server takes: a longer one is sent in segments through windows of staging
+    (`backend.window`), slower and without speculation. Called by the manager at start-up."""
+    fit = max_tokens_in_staging(lynx.codec, shape, lynx.chunk_tokens, staging_bytes, ALIGN,
+                                longest)
+    if fit >= longest:
+        logger.info("lynx: --lynx-staging-mib %d holds a request of up to %d tokens, the "
+                    "longest this server takes", lynx.staging_mib, longest)
+        return
+    need = StreamPlan.build(lynx.codec, shape, longest, lynx.chunk_tokens)
+    logger.warning(
+        "lynx: --lynx-staging-mib %d holds a request of up to %d tokens whole (target %s); "
+        "this server takes up to %d, and a longer request is sent in segments through "
+        "windows of staging, without speculation: --lynx-staging-mib %d would hold one "
+        "whole (on prefill and decode)",
+        lynx.staging_mib, fit, lynx.codec.target.value, longest,
+        -(-need.staging_bytes // (1 << 20)))
