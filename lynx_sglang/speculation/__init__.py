@@ -4,6 +4,7 @@
     state       SpecState and friends: per-request bookkeeping, who may speculate
     verify      the verification forward, acceptance, rollback (SGLang internals)
     acceptance  the acceptance rules (greedy, speculative sampling), pure torch
+    record      what one verification leaves: trace record, counters, metric, SPEC_RECORD line
     hooks       the SGLang hook adapters, forwarding to the controller of the process's runtime
     stream      the opt-in stream of speculative tokens and rollbacks (ZMQ PUB) and its client
 

@@ -32,10 +32,11 @@ import time
 from http import HTTPStatus
 from typing import Protocol
 
-from .. import metrics, trace
+from .. import metrics
 from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
-from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG, SPEC_RECORD, record_line
+from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
+from .record import log_verification
 from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
 from .stream import SpecStreamPublisher
 from .verify import apply_acceptance, decide, recount_reasoning, rollback, verify_forward
@@ -270,8 +271,8 @@ class SpecController:
                 result = apply_acceptance(req, st, decide(req, st, by_req[id(req)]))
                 rollback(scheduler, req, st.verified_len, result)
                 recount_reasoning(scheduler, req, st)
-            self._record(req, st, result, verify_s if checked else 0.0, passes if checked else 0,
-                         len(to_check), wall0 if checked else None)
+            log_verification(self.counters, req, st, result, verify_s if checked else 0.0,
+                             passes if checked else 0, len(to_check), wall0 if checked else None)
             if len(req.output_ids) > st.verified_len:
                 req.update_finish_state(len(req.output_ids) - st.verified_len)
             if self.publisher is not None:
@@ -300,40 +301,6 @@ class SpecController:
             return verify_forward(scheduler, reqs, bonus)
         finally:
             self.verifying = False
-
-    def _record(self, req, st: SpecState, result: VerifyResult, verify_s: float,
-                model_passes: int, batch_size: int, verify_start: float | None) -> None:
-        tr = trace.Trace("spec", st.room)
-        if verify_start is not None:
-            tr.mark("verify_start", verify_start)
-            tr.mark("verify_end", verify_start + verify_s)
-        tr.facts.update(rid=req.rid, speculated=result.speculated, accepted=result.accepted,
-                        no_spec_reason=st.no_spec_reason, parked_reason=st.parked_reason,
-                        verify_batch=batch_size)
-        trace.emit(tr)
-        c = self.counters
-        c.verifications += 1
-        c.speculated_tokens += result.speculated
-        c.accepted_tokens += result.accepted
-        c.rolled_back_tokens += result.speculated - result.accepted
-        metrics.record_verification(result.speculated, result.accepted,
-                                    "not_speculable" if st.no_spec_reason else "verified")
-        now = time.monotonic()
-        logger.info("%s", record_line(SPEC_RECORD, {
-            "t": round(time.time(), 6), "rid": req.rid, "room": st.room, "speculated": result.speculated,
-            "accepted": result.accepted, "rolled_back": result.speculated - result.accepted,
-            "corrected": result.corrected_token is not None,
-            "bonus": result.bonus_token is not None,
-            "no_spec_reason": st.no_spec_reason, "parked_reason": st.parked_reason,
-            "verify_ms": round(verify_s * 1e3, 3), "verify_model_passes": model_passes,
-            "verify_batch": batch_size,
-            "committed_to_verified_s": round(now - st.t_committed, 6),
-            "parked_s": None if st.t_parked is None else round(now - st.t_parked, 6),
-            "totals": {"verifications": c.verifications, "speculated": c.speculated_tokens,
-                       "accepted": c.accepted_tokens, "rolled_back": c.rolled_back_tokens,
-                       "verify_forwards": c.verify_forwards,
-                       "verify_model_passes": c.verify_model_passes}}))
-
 
     # ---- other hook entry points ---------------------------------------------------------------
     def on_release(self, req) -> None:
