@@ -3,9 +3,10 @@
 `Limits` is the Endpoint option that gathers every cap on what peers can make us allocate or do
 (sessions, handshakes in progress, HELLOs per second per address, bring-up threads, the peer's
 pending announcements, the size of one zmq frame); `RateLimiter` is the per-address token bucket
-behind the HELLO rate. The control plane (`lynx_transport.control`) applies the handshake limits,
-the sender role (`lynx_transport.sender`) the announcement cap. The tcp data listener's limits are
-tcp backend options (`preamble_timeout_s`, `max_pending_preambles`, `max_pending_preambles_per_peer`).
+behind the HELLO rate. The control plane's acceptor (`lynx_transport.control_accept`) applies the
+handshake limits, the sender role (`lynx_transport.sender`) the announcement cap. The tcp data
+listener's limits are tcp backend options (`preamble_timeout_s`, `max_pending_preambles`,
+`max_pending_preambles_per_peer`).
 """
 
 from __future__ import annotations

@@ -58,6 +58,15 @@ class TxStream:
         self.detail = detail
         self.t_done = now()
 
+    def complete(self) -> None:
+        """The receiver acknowledged the stream (its ACK)."""
+        self.status = Status.COMPLETE
+        self.t_done = now()
+        # The receiver holds every byte: a COMPLETE state says so even when this host's completion
+        # events for the last writes are still to be counted.
+        if self.total is not None:
+            self.sent = self.total
+
 
 @dataclass
 class TxRequest:
@@ -69,6 +78,17 @@ class TxRequest:
         ts = self.streams[stream]
         return StreamState(request_id, stream, ts.status, ts.sent, ts.total, ts.t_start,
                            ts.t_first, ts.t_done, ts.reason, ts.detail, None)
+
+    def fail(self, stream: Stream | None, reason: FailureReason, detail: str) -> list[Stream]:
+        """Fail the pending streams (the started ones, or `stream`); returns those that changed."""
+        changed = []
+        for s, ts in self.streams.items():
+            if stream is not None and s != stream:
+                continue
+            if ts.status is Status.PENDING and (ts.started or stream is not None):
+                ts.fail(reason, detail)
+                changed.append(s)
+        return changed
 
     def expired(self, t: float) -> bool:
         return self.deadline is not None and t > self.deadline and any(
@@ -316,12 +336,7 @@ class SenderRole(SessionBase):
             if rq is not None:
                 ts = rq.streams[m.stream]
                 if ts.status is Status.PENDING:
-                    ts.status = Status.COMPLETE
-                    ts.t_done = now()
-                    # The receiver holds every byte: a COMPLETE state says so even when this
-                    # host's completion events for the last writes are still to be counted.
-                    if ts.total is not None:
-                        ts.sent = ts.total
+                    ts.complete()
             self._cond.notify_all()
 
     def _on_nack(self, m: Nack) -> None:
@@ -356,17 +371,11 @@ class SenderRole(SessionBase):
                  detail: str) -> list[Stream]:
         """Fail the request's pending streams (the started ones, or `stream`); returns those
         that changed."""
-        changed = []
         with self._lock:
             rq = self._tx.get(request_id)
             if rq is None:
-                return changed
-            for s, ts in rq.streams.items():
-                if stream is not None and s != stream:
-                    continue
-                if ts.status is Status.PENDING and (ts.started or stream is not None):
-                    ts.fail(reason, detail)
-                    changed.append(s)
+                return []
+            changed = rq.fail(stream, reason, detail)
             self._cond.notify_all()
         if changed:
             self._host.count("tx_failed_" + reason.value, len(changed))

@@ -229,7 +229,7 @@ def test_handshake_caps_bound_what_unauthenticated_peers_hold():
             while sum(map(len, answers)) < 60 + 52 and time.monotonic() < end:
                 for kinds, a in zip(answers, attackers, strict=True):
                     kinds.extend(r[0] for r in a.recv_all(0.05))
-            held = collections.Counter(p.peer for p in rx._control._pending.values())
+            held = collections.Counter(p.peer for p in rx._control._acceptor._pending.values())
         finally:
             for a in attackers:
                 a.close()
