@@ -36,7 +36,8 @@ from lynx_kernels import CodecSpec, preset
 from lynx_kernels import exact as exact_coding
 from lynx_kernels.codec import protected_positions
 from lynx_kernels.wire import HEADER
-from lynx_tools import codec_report
+from lynx_tools import codec_measure
+from lynx_tools.codec_sample_kv import real_kv
 
 BLOCKS = (8, 32, 128)
 WIDTH_HEADER_BITS = 5  # widths 0..16
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     shape = preset("SmolLM2-135M")
-    sample = codec_report.real_kv(shape, args.prompts, args.prompt_tokens)
+    sample = real_kv(shape, args.prompts, args.prompt_tokens)
     spec = CodecSpec(target="exact")
     int8 = CodecSpec(target="int8")
     bits = {"classrice": 0, **{f"maxwidth-{b}": 0 for b in BLOCKS},
@@ -115,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         coding = exact_coding.CODINGS[x.dtype]
         keep = torch.ones(tokens, dtype=torch.bool)
         keep[protected_positions(tokens, spec.sink_tokens, spec.recent_tokens, 0, tokens)] = False
-        anchor, residual = codec_report._wire(x, torch.arange(tokens), spec, kind, layer, seq,
-                                              args.chunk_tokens)
-        prediction = codec_report.int8_reconstruction(x, int8, kind, layer, seq, args.chunk_tokens)
+        anchor, residual = codec_measure._wire(x, torch.arange(tokens), spec, kind, layer, seq,
+                                               args.chunk_tokens)
+        prediction = codec_measure.int8_reconstruction(x, int8, kind, layer, seq, args.chunk_tokens)
         x_bits = exact_coding.value_bits(x)[keep].reshape(-1)
         r_bits = exact_coding.value_bits(prediction)[keep].reshape(-1)
         zz = exact_coding.zigzag(exact_coding.ordinal(x_bits, coding)
                                  - exact_coding.ordinal(r_bits, coding)).long()
-        scale = codec_report.assemble(codec_report._chunk_views(anchor)).scale
+        scale = codec_measure.assemble(codec_measure._chunk_views(anchor)).scale
         e_s = exact_coding.scale_exponents(scale, tokens, heads, head_dim, spec.group_size,
                                            spec.groups_over_tokens(kind), spec.rotate)
         cls = exact_coding.classes(r_bits, e_s[keep].reshape(-1), coding).long()

@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc
+from lynx_tools.cluster import Cluster, _Proc
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
 
 # The stand-in server: starts a child that ignores SIGTERM (SGLang's scheduler outliving its
 # parent) and a plain one, writes their pids, then sleeps (or exits at once with "exit").

@@ -17,8 +17,10 @@ import torch
 
 from lynx_kernels import CodecSpec, encode, preset, protected_positions, run_nbytes
 from lynx_kernels.codec import exact_parts
-from lynx_tools import codec_report
+from lynx_tools import codec_measure, codec_report
 from lynx_tools.cli import main as cli_main
+from lynx_tools.codec_report_schema import Report, TargetReport
+from lynx_tools.codec_sample_kv import sample_kv
 
 SMOL = preset("SmolLM2-135M")
 
@@ -35,7 +37,7 @@ def synthetic():
                                            "--sample-layers", "1"))
 
 
-def _target(report: codec_report.Report, name: str) -> codec_report.TargetReport:
+def _target(report: Report, name: str) -> TargetReport:
     return next(t for t in report.targets if t.target == name)
 
 
@@ -55,7 +57,7 @@ def test_synthetic_report_says_so_and_covers_both_targets(synthetic):
     assert [t.target for t in synthetic.targets] == ["int8", "exact"]
     assert synthetic.reference_bytes_per_token["bf16"] == SMOL.bytes_per_token()
     for t in synthetic.targets:
-        assert t.spec == codec_report._spec_dict(CodecSpec(target=t.target))
+        assert t.spec == codec_measure._spec_dict(CodecSpec(target=t.target))
 
 
 def test_int8_bytes_match_the_codec_sizes(synthetic):
@@ -99,9 +101,9 @@ def test_exact_is_bit_identical_below_bf16_and_above_its_ideal(synthetic):
                          ids=["default", "plain", "k-per-token"])
 def test_int8_reconstruction_is_the_exact_residuals_prediction(spec, kind):
     gen = torch.Generator().manual_seed(3)
-    x = codec_report.sample_kv(200, 3, 64, kind, gen)
+    x = sample_kv(200, 3, 64, kind, gen)
     _, prediction = exact_parts(encode(x, spec, kind, layer=1, impl="torch"), impl="torch")
-    ours = codec_report.int8_reconstruction(x, spec, kind, 1)
+    ours = codec_measure.int8_reconstruction(x, spec, kind, 1)
     keep = torch.ones(len(x), dtype=torch.bool)
     keep[protected_positions(len(x), spec.sink_tokens, spec.recent_tokens, 0, len(x))] = False
     assert torch.equal(ours[keep].view(torch.int16), prediction[keep].view(torch.int16))
@@ -117,7 +119,7 @@ def test_conditional_entropy():
     hist[0 * span + 7] = 4
     hist[0 * span + 8] = 4
     hist[3 * span + 9] = 10  # class 3: one value -> 0 bits
-    assert codec_report._conditional_entropy_bits(hist) == pytest.approx(16 * 2)
+    assert codec_measure._conditional_entropy_bits(hist) == pytest.approx(16 * 2)
 
 
 def test_real_kv_needs_the_embedded_models_shape():
@@ -163,14 +165,14 @@ def test_real_kv_of_the_embedded_model(tmp_path):
 
 
 def test_a_full_decode_that_is_not_bit_identical_fails_the_report(monkeypatch):
-    real_apply = codec_report.apply_residual_run
+    real_apply = codec_measure.apply_residual_run
 
     def off_by_one_bit(anchor, residual, pool, slots, spec, *args, **kwargs):
         real_apply(anchor, residual, pool, slots, spec, *args, **kwargs)
         if spec.target.value == "exact":
             pool.view(torch.int16)[7, 0, 3] ^= 1
 
-    monkeypatch.setattr(codec_report, "apply_residual_run", off_by_one_bit)
+    monkeypatch.setattr(codec_measure, "apply_residual_run", off_by_one_bit)
     with pytest.raises(RuntimeError, match="not decode bit-identical"):
         codec_report.build_report(_args("--kv", "synthetic", "--tokens", "128",
                                         "--sample-layers", "1", "--targets", "exact"))

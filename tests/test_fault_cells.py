@@ -24,7 +24,8 @@ from lynx_tools.fault_cells import (
     table,
     windowed_staging_mib,
 )
-from lynx_tools.faults import Matrix, add_arguments, check_arguments, chosen_cells
+from lynx_tools.fault_matrix import stream_until_hang_up
+from lynx_tools.faults import add_arguments, check_arguments, chosen_cells
 
 
 def test_the_matrix_is_every_combination_of_its_axes():
@@ -204,7 +205,6 @@ def test_a_client_abort_that_ends_by_itself_leaves_no_thread_error(monkeypatch):
     ends first, the client closes the connection as the thread wakes (a real local HTTP server)."""
     import http.server
     import threading
-    import types
 
     class Answer(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
@@ -221,13 +221,13 @@ def test_a_client_abort_that_ends_by_itself_leaves_no_thread_error(monkeypatch):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     errors = []
     monkeypatch.setattr(threading, "excepthook", errors.append)
-    matrix = types.SimpleNamespace(cluster=types.SimpleNamespace(url=f"http://127.0.0.1:{server.server_port}"),
-                                   t=Timing(), prompt=[1, 2, 3])
+    url, timing = f"http://127.0.0.1:{server.server_port}", Timing()
     try:
         for _ in range(30):
             out: dict = {}
             before = set(threading.enumerate())
-            Matrix._stream_until_hang_up(matrix, out, threading.Event(), 4)
+            stream_until_hang_up(url, [1, 2, 3], 4, timing.outage_s + timing.request_s, out,
+                                 threading.Event())
             assert out["result"] == "answer (before the hang-up)"
             for t in set(threading.enumerate()) - before:
                 t.join(timeout=5)

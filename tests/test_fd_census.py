@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from lynx_tools import cluster as cluster_module
-from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec, _Proc, fd_kind
+from lynx_tools import process_tree
+from lynx_tools.cluster import Cluster, _Proc
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
 from lynx_tools.fault_cells import fd_growth
+from lynx_tools.process_tree import fd_kind
 
 # Opens 3 eventfds and a socket pair, says so, then sleeps.
 SERVER = """
@@ -81,5 +83,5 @@ def test_a_process_gone_while_it_is_counted_is_left_out(cluster, tmp_path, monke
             raise FileNotFoundError(2, "No such file or directory", path)
         return listdir(path)  # psutil lists /proc with it too
 
-    monkeypatch.setattr(cluster_module.os, "listdir", gone)
+    monkeypatch.setattr(process_tree.os, "listdir", gone)
     assert cluster.fd_kinds("server") == collections.Counter()

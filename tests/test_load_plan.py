@@ -3,8 +3,8 @@ servers)."""
 
 from __future__ import annotations
 
-from lynx_tools.cluster import FD_SLACK, THREAD_SLACK, Resources
 from lynx_tools.load import NEW_TOKENS, LoadReport, plan_requests
+from lynx_tools.process_tree import FD_SLACK, THREAD_SLACK, Resources
 
 
 def test_the_mix_covers_every_prompt_and_abandons_about_the_asked_fraction():

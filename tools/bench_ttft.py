@@ -59,7 +59,8 @@ from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
 from lynx_sglang.trace import read_records
 
 from .client import StreamedGeneration
-from .cluster import Cluster, ClusterMode, ClusterSpec
+from .cluster import Cluster
+from .cluster_spec import ClusterMode, ClusterSpec
 from .measure import (
     DEFAULT_KV_DTYPE,
     add_kv_dtype_argument,

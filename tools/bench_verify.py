@@ -30,7 +30,8 @@ from lynx_sglang.errors import LynxError
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
 
 from .client import generate, generate_stream
-from .cluster import Cluster, ClusterMode, ClusterSpec
+from .cluster import Cluster
+from .cluster_spec import ClusterMode, ClusterSpec
 from .measure import add_kv_dtype_argument, kv_dtype_server_args, spec_lines, wait_for
 from .progress import Progress
 from .prompts import WARMUP_PROMPT, passkey_prompt

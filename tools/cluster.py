@@ -10,6 +10,8 @@ SIGTERM, then SIGKILL to what is still alive after a deadline. `start()` waits f
 died or never came up. Logs: `<run_dir>/<name>.log`.
 
 Used by `lynx-sglang up` (`run`), the tests (tests/sglang/conftest.py) and the benchmarks.
+What to start is a `lynx_tools.cluster_spec.ClusterSpec`; the process-tree census is
+`lynx_tools.process_tree`'s.
 """
 
 from __future__ import annotations
@@ -23,95 +25,31 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import requests
 
-from lynx_sglang.errors import LynxError
-
+from .cluster_spec import (
+    HOST,
+    TRANSFER_BACKENDS,
+    ClusterError,
+    ClusterMode,
+    ClusterSpec,
+    cpu_only,
+    free_port,
+    server_command,
+)
 from .netns import RECEIVER_IP, SENDER_IP, Forwarder, ShapedLink
+from .process_tree import Resources, process_tree, tree_fd_kinds, tree_resources, wait_exited
 
 logger = logging.getLogger(__name__)
-
-HOST = "127.0.0.1"
-TRANSFER_BACKENDS = ("lynx", "mooncake_tcp")
-
-
-class ClusterMode(str, Enum):
-    PD = "pd"
-    SINGLE = "single"
-
-
-class ClusterError(LynxError):
-    pass
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """What to start. `server_args` are appended to every SGLang server's command line (e.g. the
-    `--lynx-*` flags); `transfer_backend` is ignored in single mode."""
-
-    model_path: str
-    mode: ClusterMode = ClusterMode.PD
-    transfer_backend: str = "lynx"
-    run_dir: Path | None = None
-    server_args: tuple[str, ...] = ()
-    max_total_tokens: int = 8192
-    startup_timeout_s: float = 300.0
-    stop_timeout_s: float = 20.0
-    extra_env: dict[str, str] = field(default_factory=dict)
-    # PD only: put prefill and decode in two network namespaces joined by a link shaped to this
-    # rate (e.g. "1gbit"), with this qdisc (see lynx_tools.netns); None = loopback.
-    link: str | None = None
-    link_qdisc: str = "prio"
-    # PD only: prefill servers behind the router (each its own bootstrap port), one decode.
-    prefills: int = 1
-    # Lynx PD only: the tcp transport's data connections in TLS, with a CA and a node certificate
-    # made for this cluster in the run dir (unless the server flags name --lynx-tls-cert).
-    tls: bool = False
-
-    def __post_init__(self) -> None:
-        if self.link and self.mode is not ClusterMode.PD:
-            raise ClusterError("--link needs the PD mode (it separates prefill from decode)")
-        if self.prefills < 1 or (self.prefills > 1 and self.mode is not ClusterMode.PD):
-            raise ClusterError("prefills: at least 1, and more than 1 only in PD mode")
-        if self.prefills > 1 and self.link:
-            raise ClusterError("a shaped link joins one prefill to the decode; use prefills=1")
-        if self.tls and (self.mode is not ClusterMode.PD or self.transfer_backend != "lynx"):
-            raise ClusterError("--tls is the Lynx transport's: it needs --mode pd and "
-                               "--transfer-backend lynx")
-        if self.transfer_backend not in TRANSFER_BACKENDS:
-            raise ClusterError(
-                f"transfer backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
-            )
-
-
-# How far a server's threads and fds may rise above an idle baseline before a leak check flags
-# it: SGLang's own pools start threads and open sockets lazily.
-THREAD_SLACK, FD_SLACK = 8, 16
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What one server's process tree holds: threads, open fds, resident memory."""
-
-    threads: int
-    fds: int
-    rss_mib: float
-
-    def grown_past(self, baseline: Resources) -> bool:
-        return (self.threads > baseline.threads + THREAD_SLACK
-                or self.fds > baseline.fds + FD_SLACK)
-
 
 @dataclass
 class _Proc:
@@ -121,50 +59,6 @@ class _Proc:
     log_path: Path
     health_url: str
     host_ip: str
-
-
-def sglang_pd_timeouts_env(seconds: float) -> dict[str, str]:
-    """Environment for SGLang's PD bootstrap and waiting timeouts (default 300 s each): a room
-    that waits longer for its prefill fails. For the tools' clusters that queue more work, or run
-    slower (the soft-RoCE guest), than those defaults allow."""
-    return {name: str(int(seconds)) for name in (
-        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _cpu_only() -> bool:
-    from lynx_sglang import cpu_compat
-
-    return not cpu_compat.cuda_device_present()
-
-
-def server_command(spec: ClusterSpec, port: int, role: str | None,
-                   bootstrap_port: int | None, host: str = HOST) -> list[str]:
-    """SGLang server command line for role None (single), "prefill" or "decode"."""
-    cmd = [
-        sys.executable, "-m", "lynx_sglang.serve",
-        "--model-path", spec.model_path,
-        "--host", host, "--port", str(port),
-        "--dtype", "float32",
-        "--max-total-tokens", str(spec.max_total_tokens),
-        "--skip-server-warmup",
-        # Deterministic scheduling: greedy outputs are compared token for token.
-        "--disable-overlap-schedule",
-        # Idle schedulers otherwise busy-poll a core each.
-        "--sleep-on-idle",
-    ]
-    if _cpu_only():
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
-    if role is not None:
-        cmd += ["--disaggregation-mode", role,
-                "--disaggregation-transfer-backend", spec.transfer_backend,
-                "--disaggregation-bootstrap-port", str(bootstrap_port)]
-    return cmd + list(spec.server_args)
 
 
 class Cluster:
@@ -202,7 +96,7 @@ class Cluster:
         # SGLang's KV managers (Mooncake's engine, our transport endpoint) bind this address.
         env["SGLANG_HOST_IP"] = host_ip
         env.setdefault("HF_HUB_OFFLINE", "1")
-        if _cpu_only():
+        if cpu_only():
             # OpenMP's default spin-waiting makes 2 torch threads on 2 shared cores up to ~30x
             # slower for the codec's many small ops (measured: scripts/bench_kv_path.py); the
             # servers of every backend get the same setting.
@@ -359,26 +253,11 @@ class Cluster:
 
     def resources(self, name: str) -> Resources:
         """Threads, fds and RSS of one process tree now (leak checks)."""
-        threads = fds = rss = 0
-        for proc in process_tree(self.proc(name)):
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                threads += proc.num_threads()
-                fds += proc.num_fds()
-                rss += proc.memory_info().rss
-        return Resources(threads, fds, round(rss / (1 << 20), 1))
+        return tree_resources(self.proc(name))
 
     def fd_kinds(self, name: str) -> collections.Counter[str]:
-        """One process tree's open fds by what they are ("socket", "anon_inode:[eventfd]", "pipe",
-        "file"), keyed by the process's name: says where a leak check's extra fds sit."""
-        kinds: collections.Counter[str] = collections.Counter()
-        for proc in process_tree(self.proc(name)):
-            # A process (or an fd) that is gone by the time /proc is read is left out.
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, OSError):
-                who = proc.name()
-                for fd in os.listdir(f"/proc/{proc.pid}/fd"):
-                    with contextlib.suppress(OSError):
-                        kinds[f"{who} {fd_kind(os.readlink(f'/proc/{proc.pid}/fd/{fd}'))}"] += 1
-        return kinds
+        """One process tree's open fds by kind and process (`process_tree.tree_fd_kinds`)."""
+        return tree_fd_kinds(self.proc(name))
 
     def log_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.log"
@@ -421,13 +300,13 @@ class Cluster:
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.terminate()
-        alive = _wait_exited(procs, self.spec.stop_timeout_s)
+        alive = wait_exited(procs, self.spec.stop_timeout_s)
         for proc in alive:
             logger.warning("%s: pid %d still running %.0f s after SIGTERM; killing",
                            owner[proc.pid], proc.pid, self.spec.stop_timeout_s)
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
-        _wait_exited(alive, 5.0)
+        wait_exited(alive, 5.0)
         for p, _ in trees:
             # psutil may have reaped the server already; this settles Popen's own record of it.
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -446,54 +325,6 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return requests.get(url, timeout=timeout_s).status_code == 200
     except requests.RequestException:
         return False
-
-
-def _exited(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
-    """`psutil.wait_procs` until `timeout_s`, returning those still running, where a zombie counts
-    as exited: psutil waits for an orphan's zombie until init reaps it, and the init of many
-    containers never does."""
-    deadline = time.monotonic() + timeout_s
-    alive = procs
-    while alive:
-        _, alive = psutil.wait_procs(alive, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-        alive = [p for p in alive if not _exited(p)]
-        if time.monotonic() >= deadline:
-            break
-    return alive
-
-
-def fd_kind(target: str) -> str:
-    """What an fd's /proc link names, without the part that differs per fd (inode numbers, paths)."""
-    if target.startswith("anon_inode:"):
-        return target
-    if ":" in target:
-        return target.split(":", 1)[0]
-    return "file"
-
-
-def process_tree(popen: subprocess.Popen) -> list[psutil.Process]:
-    """A process started with its own session (`Cluster._spawn`) while it runs, its descendants,
-    and every process still in its process group: a child whose parent died is re-parented out of
-    the tree but stays in the group. Empty when nothing of it is left."""
-    found: dict[int, psutil.Process] = {}
-    # Once reaped, its pid may belong to someone else.
-    if popen.poll() is None:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            root = psutil.Process(popen.pid)
-            found[root.pid] = root
-            found.update((c.pid, c) for c in root.children(recursive=True))
-    for proc in psutil.process_iter():
-        with contextlib.suppress(ProcessLookupError):
-            if proc.pid not in found and os.getpgid(proc.pid) == popen.pid:
-                found[proc.pid] = proc
-    return list(found.values())
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -30,7 +30,8 @@ from lynx_sglang.errors import LynxError
 from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
 
 from .client import GenerateError, generate, generate_stream
-from .cluster import Cluster, ClusterMode, ClusterSpec
+from .cluster import Cluster
+from .cluster_spec import ClusterMode, ClusterSpec
 from .measure import (
     LYNX_EVENTS,
     add_kv_dtype_argument,

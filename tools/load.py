@@ -31,16 +31,11 @@ from pathlib import Path
 import requests
 
 from .client import GenerateError, generate, generate_stream
-from .cluster import (
-    TRANSFER_BACKENDS,
-    Cluster,
-    ClusterMode,
-    ClusterSpec,
-    Resources,
-    sglang_pd_timeouts_env,
-)
+from .cluster import Cluster
+from .cluster_spec import TRANSFER_BACKENDS, ClusterMode, ClusterSpec, sglang_pd_timeouts_env
 from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
 from .model import embedded_model_dir
+from .process_tree import Resources
 from .prompts import passkey_prompt
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from sampling_case import (
 
 from lynx_sglang.config import LynxConfig
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
+from lynx_tools.cluster import Cluster
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
 
 # Short prompts keep CI time small; the long one spans several Lynx chunks (256 tokens each) and
 # a partial last group.

@@ -22,7 +22,7 @@ from lynx_tools.fault_cells import (
     table,
     windowed_staging_mib,
 )
-from lynx_tools.faults import Matrix
+from lynx_tools.fault_matrix import Matrix
 from lynx_tools.measure import kv_dtype_server_args
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster, ClusterMode, ClusterSpec
+from lynx_tools.cluster import Cluster
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -24,7 +24,7 @@ from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 from sampling_case import SAMPLING_N, sample_many
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
-from lynx_tools.cluster import ClusterMode, ClusterSpec
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -21,7 +21,7 @@ from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, SPEC_PARKED_LOG
 from lynx_sglang.speculation.stream import SpecStreamClient
 from lynx_tools.client import GenerateError, generate, generate_stream
-from lynx_tools.cluster import ClusterMode, ClusterSpec, free_port
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec, free_port
 from lynx_tools.measure import transfer_lines
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
