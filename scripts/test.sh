@@ -44,7 +44,7 @@ MODEL_CACHE=$("$PY" -c 'from lynx_tools.model import cache_dir, embedded_model_d
 embedded_model_dir(); print(cache_dir())')
 scripts/rdma_vm.sh --timeout 3600 --mem 10240 -- env LYNX_SGLANG_CACHE="$MODEL_CACHE" \
   LYNX_TEST_SAMPLE="$LYNX_TEST_SAMPLE" LYNX_TEST_SEED="$LYNX_TEST_SEED" \
-  "$PY" -m pytest -m rdma_vm tests/transport tests/sglang/test_conn_loopback.py \
+  "$PY" -m pytest -m rdma_vm tests/transport tests/sglang/test_conn_*.py \
   tests/sglang/test_pd_lynx_verbs.py -v
 stage ""
 printf '===== all stages: %d s =====\n' $((SECONDS - START))

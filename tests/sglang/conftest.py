@@ -2,7 +2,9 @@
 
 `sglang_model` is the embedded model folder; `start_cluster(spec)` starts a cluster that is stopped
 at the end of the module. Tests using them are marked `sglang` and `slow`; they skip, with the
-reason, where SGLang or the embedded model's wheel is not installed.
+reason, where SGLang or the embedded model's wheel is not installed. `sgl` and `make_pd` run Lynx's
+KV managers with SGLang's machinery in this process instead (conn_pair.py, for the test_conn_*.py
+modules).
 """
 
 from __future__ import annotations
@@ -64,6 +66,26 @@ def sglang_in_process():
             mp.setenv(cpu_compat.CPU_ENGINE_ENV, "1")
         cpu_compat.activate()
         yield
+
+
+@pytest.fixture(scope="module")
+def sgl(sglang_in_process):
+    """SGLang's conn classes for the `lynx` backend, with a scheduler's config published, for the
+    test_conn_*.py modules (conn_pair.sglang_names)."""
+    from conn_pair import sglang_names
+
+    with sglang_names() as names:
+        yield names
+
+
+@pytest.fixture
+def make_pd(sgl, monkeypatch):
+    """make_pd(prefill, decode=None, residual_hold_s=0, anchor_hold_s=0) -> a prefill and a decode
+    KV manager on a fresh bootstrap server, stopped at the end of the test (conn_pair.pd_factory)."""
+    from conn_pair import pd_factory
+
+    with pd_factory(sgl, monkeypatch) as make:
+        yield make
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The layer gate of layer streaming (`backend.layer_stream.LayerGate`): what a destination worker
 waiting for layer l of a prefill forward sees. The hooks that drive it run in the PD end-to-end
-tests (tests/sglang/test_pd_lynx.py) and the manager-level tests in test_conn_loopback.py."""
+tests (tests/sglang/test_pd_lynx.py) and the manager-level tests in test_conn_layer_stream.py."""
 
 from __future__ import annotations
 

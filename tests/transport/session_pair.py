@@ -1,5 +1,6 @@
 """Helpers shared by the transport test modules (loopback tcp and the soft-RoCE verbs tests):
-a connected endpoint pair that is always closed, and reproducible distinct byte patterns."""
+a connected endpoint pair that is always closed (over tcp: `tcp_pair`), and reproducible distinct
+byte patterns."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ def connected_pair(rx: Endpoint, tx: Endpoint, timeout: float
     finally:
         tx.close()
         rx.close()
+
+
+def tcp_pair() -> Iterator[tuple[Endpoint, Endpoint, Session, Session]]:
+    """`connected_pair` of two tcp endpoints ("rx" and "tx", peers timed out after 3 s), for the
+    `pair` fixture of the loopback test modules."""
+    yield from connected_pair(Endpoint(name="rx", peer_timeout_s=3.0),
+                              Endpoint(name="tx", peer_timeout_s=3.0), timeout=5)
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
