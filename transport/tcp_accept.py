@@ -9,13 +9,17 @@ newcomer: it evicts an older pending connection (its own address's oldest when t
 its cap, else the oldest of the address holding the most), so idle connections from any number of
 addresses cannot keep an honest session's data connections out (they send their preamble at
 once). A complete preamble goes to the `attach` callable (`tcp.TcpBackend`), which checks its
-proof and hands the connection to its session. Owned and closed by `tcp.TcpBackend`.
+proof and hands the connection to its session. When `accept` fails for want of resources (out of
+fds) the listener stops watching its socket for `ACCEPT_BACKOFF_S` instead of spinning on it (its
+socket stays readable while the kernel's queue holds the connection). Owned and closed by
+`tcp.TcpBackend`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import selectors
 import socket
@@ -28,6 +32,10 @@ from dataclasses import dataclass, field
 from .tcp_wire import PREAMBLE
 
 log = logging.getLogger("lynx_transport.tcp")
+
+# How long the listener leaves its socket alone after `accept` failed for want of fds or memory.
+ACCEPT_BACKOFF_S = 0.1
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 @dataclass
@@ -52,8 +60,9 @@ class DataListener:
         self._attach = attach
         self._closed = False
         self.counters = {"preambles_refused": 0, "preambles_expired": 0,
-                         "preambles_evicted": 0,
+                         "preambles_evicted": 0, "accept_failed": 0,
                          "tls_handshakes_failed": 0}  # written by the listener thread only
+        self._resume_at: float | None = None  # listener thread: when to watch the socket again
         self.last_tls_failure = ""  # listener thread: why the last TLS handshake failed
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -80,6 +89,9 @@ class DataListener:
         pending: dict[socket.socket, _Pending] = {}
         try:
             while not self._closed:
+                if self._resume_at is not None and time.monotonic() >= self._resume_at:
+                    self._resume_at = None
+                    sel.register(self._sock, selectors.EVENT_READ)
                 for key, _ in sel.select(self.opts["io_timeout_s"]):
                     if key.fileobj is self._sock:
                         self._accept_new(sel, pending)
@@ -103,8 +115,12 @@ class DataListener:
                 sock, addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of fds: refuse until some close
+            except OSError as exc:
+                self.counters["accept_failed"] += 1
                 log.debug("data listener accept failed: %s", exc)
+                if exc.errno in _OUT_OF_RESOURCES:  # the socket stays readable: back off
+                    sel.unregister(self._sock)
+                    self._resume_at = time.monotonic() + ACCEPT_BACKOFF_S
                 return
             peer = addr[0]
             # The caps never close the newcomer: idle connections from a few addresses would

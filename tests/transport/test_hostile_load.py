@@ -10,6 +10,7 @@ Findings -> tests:
  caps per source address: 5 addresses held the    test_five_source_addresses_lock_no_honest_*,
  handshake and preamble caps, refusing everyone   test_thousands_of_idle_connections_lock_*
  a half-open peer's connections stayed open       test_half_open_peer_gives_its_fds_back
+ out of fds, the data listener spun on accept      test_out_of_fds_the_data_listener_backs_off_*
  (the fuzz harness's FIN finding: test_fuzz.py)
 """
 
@@ -312,3 +313,52 @@ def test_half_open_peer_gives_its_fds_back(role):
             proc.wait()
             proc.stdout.close()
         victim.close()
+
+
+def test_out_of_fds_the_data_listener_backs_off_instead_of_spinning():
+    """While `accept` fails with EMFILE the listening socket stays readable (the connection waits
+    in the kernel's queue): the listener used to retry at once, a core at 100 % until fds freed.
+    It now leaves the socket alone for ACCEPT_BACKOFF_S between tries, and accepts again once fds
+    are free. Real sockets; the fd table is filled under a lowered RLIMIT_NOFILE."""
+    from lynx_transport.tcp_accept import ACCEPT_BACKOFF_S, DataListener
+
+    listener = DataListener("127.0.0.1", {"io_timeout_s": 0.2, "preamble_timeout_s": 0.5,
+                                          "max_pending_preambles": 64,
+                                          "max_pending_preambles_per_peer": 16},
+                            None, lambda sock, preamble: False)
+    # The connecting side lives in another process: its fds must not count against ours.
+    client = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys, time; sys.stdin.readline(); "
+         f"s = [socket.create_connection(('127.0.0.1', {listener.port})) for _ in range(3)]; "
+         "print('connected', flush=True); time.sleep(30)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    try:
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 8, hard))
+        with pytest.raises(OSError):  # every fd number under the limit taken
+            while True:
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "connected"
+        time.sleep(1.0)
+        failed = listener.counters["accept_failed"]
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        # at most one try per back-off (and the selector's wake-ups); spinning made thousands
+        assert 1 <= failed <= 2 * (1.0 / ACCEPT_BACKOFF_S) + 2, failed
+        # fds free again: the three queued connections are accepted (and, silent, expire)
+        deadline = time.monotonic() + 5
+        while listener.counters["preambles_expired"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listener.counters["preambles_expired"] == 3
+        assert listener.counters["accept_failed"] <= failed + 1
+    finally:
+        client.kill()
+        client.wait()
+        listener.close()
