@@ -50,7 +50,7 @@ What rxe (soft-RoCE) allows, and what is tested where: rxe registers sub-ranges 
 registered buffer like any other memory (each pins the pages again) and checks every incoming
 WRITE's rkey, range and access in its responder; a violation is answered with a remote-access NAK,
 the sender's work request fails (IBV_WC_REM_ACCESS_ERR) and both QPs go to the error state.
-tests/transport/test_verbs.py, in the soft-RoCE guest, checks that on rxe: per-extent
+tests/transport/test_verbs_{datapath,faults}.py, in the soft-RoCE guest, checks that on rxe: per-extent
 registrations and their removal at release, that the region-wide rkey is never published, that a
 WRITE past its extent lands nothing and fails only its own session, the FIN aux CRC.
 test_verbs_host.py checks on any host the notice format and, against a model of those NIC checks

@@ -6,7 +6,7 @@ whole range must lie inside it; a violation fails the sender's work request with
 error and moves both QPs to the error state (their posted receives are flushed), as rxe does.
 Delivery is synchronous (inside post_send); a SEND that finds no receive posted waits for one
 (RNR retry, as with rnr_retry=7). It is a model, not a device: the guest tests
-(test_verbs.py) are the ones against a real verbs stack.
+(test_verbs_datapath.py, test_verbs_faults.py) are the ones against a real verbs stack.
 
 `namespace()` returns what `lynx_transport.verbs._import_pyverbs` returns."""
 

@@ -12,7 +12,7 @@ Findings (numbers from the issue) -> tests:
  13 no zmq frame cap / announcement cap / optional  test_oversized_zmq_frame_*,
     tcp checksums                                   test_pending_announcements_capped_per_session,
                                                     test_receiver_refuses_unchecksummed_chunks
- 8  (verbs) is in test_verbs.py (soft-RoCE guest).
+ 8  (verbs) is in test_verbs_faults.py (soft-RoCE guest).
 """
 
 from __future__ import annotations

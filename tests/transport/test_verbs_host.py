@@ -1,7 +1,8 @@
 """Host-side checks of the `verbs` backend that need no RDMA device: option validation, the clear
 errors when pyverbs or a device is missing, the notice format, and the backend's data path on a
 model NIC (fake_pyverbs.py: per-extent registration, a WRITE beyond its extent refused, the FIN
-aux checksum). The real data-path tests are test_verbs.py, in the soft-RoCE guest."""
+aux checksum). The real-device tests are test_verbs_datapath.py and test_verbs_faults.py, in the
+soft-RoCE guest."""
 
 from __future__ import annotations
 
