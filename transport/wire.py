@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,6 +34,7 @@ MAX_INFO_ITEMS = 32  # entries of a backend's info / prepare dict
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 UNAUTHENTICATED = frozenset({"HELLO", "CHALLENGE", "REJECT"})
 _KIND_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+_HEX = re.compile("[0-9a-f]*")  # what bytes.hex() writes
 
 
 class WireError(ValueError):
@@ -116,12 +118,11 @@ def _text(h: dict, key: str, default: str | None = None) -> str:
 
 def _hex(h: dict, key: str, nbytes: int) -> bytes:
     v = _need(h, key)
-    if type(v) is not str or len(v) != 2 * nbytes:
+    # bytes.fromhex skips whitespace, so a length check alone would let "0a 0b" through as a
+    # shorter value that re-encodes differently: only the canonical form is accepted.
+    if type(v) is not str or len(v) != 2 * nbytes or _HEX.fullmatch(v) is None:
         raise WireError(f"{key}: expected {2 * nbytes} hex digits")
-    try:
-        return bytes.fromhex(v)
-    except ValueError:
-        raise WireError(f"{key}: not hex") from None
+    return bytes.fromhex(v)
 
 
 def _bool(h: dict, key: str) -> bool:

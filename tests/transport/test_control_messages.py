@@ -83,6 +83,9 @@ def test_typed_messages_check_every_field():
                 {"version": PROTOCOL_VERSION, "backend": 5, "nonce": nonce},
                 {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": "zz" * 32},
                 {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": nonce[:-2]},
+                # the right length, but fromhex would skip the spaces: the fuzzer's find
+                {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": "ab " + nonce[3:]},
+                {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": nonce.upper()},
                 {"version": PROTOCOL_VERSION, "backend": "tcp", "nonce": nonce,
                  "address": "a" * 10_000}):
         with pytest.raises(WireError):

@@ -95,3 +95,20 @@ def test_frames_harness_accepts_a_fin_with_the_largest_total():
     from fuzz_frames import check
 
     check(FIN_TOTAL_MAX.read_bytes())
+
+
+NONCE_WITH_SPACES = CORPUS / "found" / "hello_nonce_with_spaces"  # fuzz_control.py, in CI
+
+
+def test_a_hex_field_with_spaces_is_refused():
+    """A HELLO whose nonce has the right length but holds spaces: bytes.fromhex skips them, so the
+    parser took it as a shorter nonce that re-encoded differently. Only canonical hex passes now."""
+    pytest.importorskip("atheris")
+    from fuzz_control import check, split
+
+    from lynx_transport import wire
+
+    data = NONCE_WITH_SPACES.read_bytes()
+    with pytest.raises(wire.WireError, match="nonce"):
+        wire.parse(wire.decode(split(data)))
+    check(data)
