@@ -16,7 +16,13 @@ and no CUDA device is visible, so nothing here ever runs on a GPU box:
   pinned-memory + `torch.cuda.Event` path), and the host-memory reserve SGLang keeps free before
   sizing a HiCache host pool (`pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES`, 10 GiB, meant
   for a GPU server's host) drops to 1 GiB: on a CPU box the "device" KV pool is host memory too,
-  and the decode server refused to start whenever less than 10 GiB was free.
+  and the decode server refused to start whenever less than 10 GiB was free. And
+  `disaggregation.prefill` sees `torch.cuda.Event` as `torch.cpu.Event` (records nothing, always
+  complete): with the overlap scheduler, `maybe_send_cached_prefix_chunk` creates a CUDA event to
+  order the early send of a radix-cached prefix after the previous forward's writes, and on CPU
+  `torch.cuda.Event()` raised ("Tried to instantiate dummy base class Event") and killed the
+  prefill on the first prompt with a cached prefix. On CPU that forward has returned before the
+  scheduler gets there (no asynchronous streams), so an always-complete event is the exact order.
 
 Called by `lynx_sglang.plugin` (SGLang's plugin hook, main process) and at import of
 `lynx_sglang.serve` (every process of a server started through it, see that module for why the
@@ -68,6 +74,7 @@ def activate() -> bool:
             "sglang.srt.mem_cache.pool_host.common": _guard_cuda_host_register,
             "sglang.srt.disaggregation.mooncake.conn": _guard_mooncake_host_indices,
             "sglang.srt.mem_cache.pool_host.base": _cpu_host_memory_reserve,
+            "sglang.srt.disaggregation.prefill": _cpu_events_in_prefill,
         }
     )
     sys.meta_path.insert(0, post_import)
@@ -190,6 +197,35 @@ CPU_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
 def _cpu_host_memory_reserve(module: types.ModuleType) -> None:
     module.HICACHE_HOST_MEMORY_RESERVE_BYTES = CPU_HOST_MEMORY_RESERVE_BYTES
+
+
+def _cpu_events_in_prefill(module: types.ModuleType) -> None:
+    # Only this module's `torch` name changes: every other torch.cuda use in the process still
+    # fails loudly on CPU.
+    module.torch = _TorchWithCpuEvents(module.torch)
+
+
+class _TorchWithCpuEvents(types.ModuleType):
+    """`torch` as one patched module sees it: `torch.cuda.Event` is `torch.cpu.Event`; every
+    other attribute is the real torch's (and torch.cuda's)."""
+
+    def __init__(self, torch: types.ModuleType):
+        super().__init__(torch.__name__)
+        self._torch = torch
+        self.cuda = _CudaWithCpuEvents(torch.cuda, torch.cpu.Event)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._torch, attr)
+
+
+class _CudaWithCpuEvents(types.ModuleType):
+    def __init__(self, cuda: types.ModuleType, event: type):
+        super().__init__(cuda.__name__)
+        self._cuda = cuda
+        self.Event = event
+
+    def __getattr__(self, attr: str):
+        return getattr(self._cuda, attr)
 
 
 class _PostImportPatcher(importlib.abc.MetaPathFinder):

@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import zmq
 
-from . import metrics
+from .metrics import Metrics
 from .names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
 
 # The wait where the poll cannot see all that should end it: no input sockets on this rank, or
@@ -132,9 +132,11 @@ class IdleWaiter:
     """One scheduler's idle wait: the wake-up pipe its backend notifies (`notify`, any thread),
     the poll over the scheduler's input sockets and that pipe (`on_idle`, the scheduler thread),
     and the map sizes it publishes from there. Built at start-up, with its KV manager: the pipe's
-    two fds belong to the process's baseline, not to its first request."""
+    two fds belong to the process's baseline, not to its first request. The map sizes go to
+    `metrics`, the process's (`recorder.Recorder.metrics`)."""
 
-    def __init__(self):
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
         self.max_wait_s = max_wait_s()
         self._wakeup = _Wakeup()
         self._reporters: list[Callable[[], dict[str, int]]] = []
@@ -167,4 +169,4 @@ class IdleWaiter:
             return
         self._last_report = now
         for sizes in self._reporters:
-            metrics.record_tracked(sizes())
+            self._metrics.record_tracked(sizes())

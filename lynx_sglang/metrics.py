@@ -10,9 +10,14 @@ Recorded by `lynx_sglang.backend.decode_report` (bytes and times of each request
 requests), `lynx_sglang.backend.prefill_worker` (failed sends), `lynx_sglang.backend.staging` (staging
 memory in use) and `lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back,
 verification time, how each speculating request ended), and `lynx_sglang.idle` (the sizes of the
-per-request maps, about once a second). Every series carries SGLang's
-`model_name` plus the server's `role` (prefill/decode) and `tp_rank`, set once per scheduler
-process by the KV manager (`configure`).
+per-request maps, about once a second), each through the `Metrics` of its process's
+`recorder.Recorder`. Every series carries SGLang's `model_name` plus the server's `role`
+(prefill/decode) and `tp_rank`: the fields of that `Metrics`, built once per scheduler process by
+the KV manager.
+
+The Prometheus instruments themselves are made once per process and cached at module level
+(`_get`): prometheus_client's registry is process-wide and refuses a second instrument of one
+name, so they follow its convention rather than living on an object.
 """
 
 from __future__ import annotations
@@ -45,27 +50,16 @@ class _Instruments:
     tracked: Any
 
 
-# The process's own labels (configure); the same values on every series. Process-wide state,
-# kept on purpose: these are the scheduler process's identity, set once by its KV manager before
-# anything is recorded and constant after, and the recorders (the decode applier among them) call
-# this module's functions without a handle to anything.
+# The label names every series starts with, in the order `Metrics._labels` gives their values.
 _PROCESS_LABELS = ("model_name", "role", "tp_rank")
-_process = {"model_name": "", "role": "", "tp_rank": "0"}
-
-
-def configure(model_name: str, role: str, tp_rank: int) -> None:
-    """This scheduler process's labels (the KV manager calls it before recording anything)."""
-    _process.update(model_name=model_name, role=role, tp_rank=str(tp_rank))
-
-
-def _labels(metric, *own: str):
-    return metric.labels(*(_process[k] for k in _PROCESS_LABELS), *own)
 
 
 def enabled() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
+# Module-level on purpose, once per process: prometheus_client's registry is process-wide (see the
+# module), unlike the labels, which each `Metrics` carries.
 @functools.cache
 def _get() -> _Instruments | None:
     """This process's instruments, made at the first record (None without --enable-metrics).
@@ -107,59 +101,67 @@ def _get() -> _Instruments | None:
     )
 
 
-def record_transfer(anchor_bytes: int, residual_bytes: int, anchor_wait_s: float | None,
-                    anchor_to_residual_s: float | None) -> None:
-    m = _get()
-    if m is None:
-        return
-    _labels(m.stream_bytes, "anchor").inc(anchor_bytes)
-    _labels(m.stream_bytes, "residual").inc(residual_bytes)
-    if anchor_wait_s is not None:
-        _labels(m.anchor_wait).observe(anchor_wait_s)
-    if anchor_to_residual_s is not None:
-        _labels(m.anchor_to_residual).observe(anchor_to_residual_s)
+@dataclass(frozen=True)
+class Metrics:
+    """Records this scheduler process's series, each labelled with the process's identity (SGLang's
+    `model_name`, the server's `role`, its `tp_rank`). Built once per process by the KV manager (the
+    defaults where another backend's scheduler records: `recorder.Recorder.for_process`), held in
+    its `recorder.Recorder`, and called by the components that record."""
 
+    model_name: str = ""
+    role: str = ""
+    tp_rank: int = 0
 
-def record_verification(speculated: int, accepted: int, outcome: str) -> None:
-    """`outcome`: verified | not_speculable | aborted."""
-    m = _get()
-    if m is None:
-        return
-    _labels(m.spec_tokens, "speculated").inc(speculated)
-    _labels(m.spec_tokens, "accepted").inc(accepted)
-    _labels(m.spec_tokens, "rolled_back").inc(speculated - accepted)
-    _labels(m.spec_requests, outcome).inc()
+    def _labels(self, metric, *own: str):
+        return metric.labels(self.model_name, self.role, str(self.tp_rank), *own)
 
+    def record_transfer(self, anchor_bytes: int, residual_bytes: int,
+                        anchor_wait_s: float | None, anchor_to_residual_s: float | None) -> None:
+        m = _get()
+        if m is None:
+            return
+        self._labels(m.stream_bytes, "anchor").inc(anchor_bytes)
+        self._labels(m.stream_bytes, "residual").inc(residual_bytes)
+        if anchor_wait_s is not None:
+            self._labels(m.anchor_wait).observe(anchor_wait_s)
+        if anchor_to_residual_s is not None:
+            self._labels(m.anchor_to_residual).observe(anchor_to_residual_s)
 
-def record_verify_time(seconds: float) -> None:
-    m = _get()
-    if m is not None:
-        _labels(m.verify_seconds).observe(seconds)
+    def record_verification(self, speculated: int, accepted: int, outcome: str) -> None:
+        """`outcome`: verified | not_speculable | aborted."""
+        m = _get()
+        if m is None:
+            return
+        self._labels(m.spec_tokens, "speculated").inc(speculated)
+        self._labels(m.spec_tokens, "accepted").inc(accepted)
+        self._labels(m.spec_tokens, "rolled_back").inc(speculated - accepted)
+        self._labels(m.spec_requests, outcome).inc()
 
+    def record_verify_time(self, seconds: float) -> None:
+        m = _get()
+        if m is not None:
+            self._labels(m.verify_seconds).observe(seconds)
 
-def record_stage(stage: str, seconds: float) -> None:
-    """One traced stage's duration (`lynx_sglang.trace.STAGES`)."""
-    m = _get()
-    if m is not None and seconds >= 0:
-        _labels(m.stage_seconds, stage).observe(seconds)
+    def record_stage(self, stage: str, seconds: float) -> None:
+        """One traced stage's duration (`lynx_sglang.trace.STAGES`)."""
+        m = _get()
+        if m is not None and seconds >= 0:
+            self._labels(m.stage_seconds, stage).observe(seconds)
 
+    def record_failure(self, kind: FailureKind) -> None:
+        """One request whose transfer failed on this server, by kind (`failures.FailureKind`)."""
+        m = _get()
+        if m is not None:
+            self._labels(m.failures, kind.value).inc()
 
-def record_failure(kind: FailureKind) -> None:
-    """One request whose transfer failed on this server, by kind (`failures.FailureKind`)."""
-    m = _get()
-    if m is not None:
-        _labels(m.failures, kind.value).inc()
+    def record_tracked(self, sizes: dict[str, int]) -> None:
+        """How many requests each per-request map of this process holds (leak checks)."""
+        m = _get()
+        if m is not None:
+            for name, size in sizes.items():
+                self._labels(m.tracked, name).set(size)
 
-
-def record_tracked(sizes: dict[str, int]) -> None:
-    """How many requests each per-request map of this process holds (leak checks)."""
-    m = _get()
-    if m is not None:
-        for name, size in sizes.items():
-            _labels(m.tracked, name).set(size)
-
-
-def record_staging_used(used_bytes: int) -> None:
-    m = _get()
-    if m is not None:
-        _labels(m.staging_used).set(used_bytes)
+    def record_staging_used(self, used_bytes: int) -> None:
+        m = _get()
+        if m is not None:
+            self._labels(m.staging_used).set(used_bytes)

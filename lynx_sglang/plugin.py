@@ -118,7 +118,7 @@ def register() -> None:
         HookRegistry.register(SCHEDULER_ON_IDLE, hooks.on_idle_around, HookType.AROUND)
         HookRegistry.register(UPDATE_STATUS, hooks.status_updated_after, HookType.AFTER)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
-        HookRegistry.register(PROCESS_BATCH_RESULT, timeline.prefill_done_before,
+        HookRegistry.register(PROCESS_BATCH_RESULT, timeline.PrefillTimeline().prefill_done_before,
                               HookType.BEFORE)
 
 
@@ -199,12 +199,14 @@ def _init_kv_manager_after(kv_manager, queue):
 
 
 def _attach_idle_wait_after(kv_manager, queue):
-    """Another backend's KV manager (`names.IDLE_WAIT_ENV`): a runtime with only the idle wait,
-    found by the `on_idle` and `update_status` hooks."""
+    """Another backend's KV manager (`names.IDLE_WAIT_ENV`): a runtime with only the idle wait
+    (and the default recorder), found by the `on_idle` and `update_status` hooks."""
     from .idle import IdleWaiter
+    from .recorder import Recorder
     from .runtime import LynxRuntime, attach
 
-    attach(kv_manager, LynxRuntime(idle=IdleWaiter()))
+    recorder = Recorder.for_process()
+    attach(kv_manager, LynxRuntime(idle=IdleWaiter(recorder.metrics), recorder=recorder))
     return kv_manager
 
 

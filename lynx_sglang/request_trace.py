@@ -6,11 +6,14 @@ receiver SGLang makes for it (the decode's transfer record carries it).
 Hook adapters registered by `plugin` in every decode scheduler of a Lynx server (speculative or
 not); scheduler thread only. The record rides on SGLang's request (`ATTR`) from its commit to its
 first token out, so a request that never streams (aborted first) takes it along when it goes.
+The record is emitted through the process's recorder (`runtime.LynxRuntime.recorder`), found from
+the KV pool of SGLang's batch result processor.
 """
 
 from __future__ import annotations
 
-from .trace import Trace, emit
+from . import runtime
+from .trace import Trace
 
 # The attribute of SGLang's Req holding its `request` record between the two marks.
 ATTR = "lynx_request_trace"
@@ -37,12 +40,14 @@ def commit_transfer_after(result, queue, decode_req):
 
 
 def process_batch_result_prebuilt_after(result, processor, batch):
+    rt = runtime.of_kv_pool(processor.token_to_kv_pool_allocator.get_kvcache())
     for req in batch.reqs:
         tr = getattr(req, ATTR, None)
         if tr is not None:
             setattr(req, ATTR, None)
             tr.mark("first_token_out")
-            emit(tr)
+            if rt is not None:
+                rt.recorder.emit(tr)
     return result
 
 

@@ -1,10 +1,12 @@
 """The composition of one Lynx scheduler process: `LynxRuntime`, the components SGLang's hooks act
 on, and how a hook finds it from the SGLang object it was given. No module holds one.
 
-Built by the KV manager (`backend.manager.LynxKVManager`), in two steps: at construction the idle
-waiter (its transfer threads notify it from the start); when SGLang hands it the KV pool
-(`attach_kv_pool`, from the plugin's `_init_kv_manager` hook) the rest by role: on a prefill the
-sender and, on a CPU pool, the layer streamer; on a speculative decode the speculation controller.
+Built by the KV manager (`backend.manager.LynxKVManager`), in two steps: at construction the
+process's recorder (`recorder.Recorder`: its metric labels and trace sink, also handed to every
+component that records) and the idle waiter (its transfer threads notify it from the start); when
+SGLang hands it the KV pool (`attach_kv_pool`, from the plugin's `_init_kv_manager` hook) the rest
+by role: on a prefill the sender and, on a CPU pool, the layer streamer; on a speculative decode
+the speculation controller.
 The manager holds it as `lynx_runtime`, and so does the KV pool it was handed (`attach`).
 
 Found by the hook adapters (`lynx_sglang.hooks`, `speculation.hooks`):
@@ -14,7 +16,7 @@ Found by the hook adapters (`lynx_sglang.hooks`, `speculation.hooks`):
   backend's `token_to_kv_pool`, the tree cache's and the result processor's allocator), which is
   the one the manager was handed;
 - from another backend's KV manager (`of_manager`), where the plugin attaches a runtime with only
-  the idle waiter (`names.IDLE_WAIT_ENV`).
+  the idle waiter and a default recorder (`names.IDLE_WAIT_ENV`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:  # annotations only: another backend's scheduler builds an idl
     from .backend.layer_stream import LayerStreamer
     from .backend.prefill import PrefillSender
     from .idle import IdleWaiter
+    from .recorder import Recorder
     from .speculation.controller import SpecController
 
 # The attribute holding the runtime on the SGLang objects it rides on.
@@ -37,6 +40,8 @@ class LynxRuntime:
     """What one scheduler's hooks act on; fixed once the KV pool is attached."""
 
     idle: IdleWaiter
+    # Where this process's metrics and trace records go; the hooks that record find it here.
+    recorder: Recorder
     # Prefill: the hand-over of one forward's rooms runs inside `sender.batched`.
     sender: PrefillSender | None = None
     # Prefill on a CPU pool with --lynx-layer-stream.

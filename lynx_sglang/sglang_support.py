@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 from dataclasses import dataclass
 
 from .errors import UnsupportedSGLangError
@@ -117,6 +118,12 @@ def _refusals(ns: argparse.Namespace) -> list[Refusal]:
     if get("disaggregation_decode_allocation_policy", "early") != "early":
         out.append(Refusal("--disaggregation-decode-allocation-policy",
                            "only the default 'early' policy is supported"))
+    if os.environ.get("SGLANG_RUST_SERVER", "").lower() in ("true", "1", "yes", "y"):
+        # SGLang's own parsing of that variable (EnvBool).
+        out.append(Refusal("SGLANG_RUST_SERVER=1",
+                           "SGLang's Rust bootstrap registry drops the rank key each prefill "
+                           "registers, so decodes would refuse every prefill (docs/operators.md, "
+                           "\"Which prefill is which\")"))
     return out
 
 

@@ -14,8 +14,10 @@ import logging
 import os
 import time
 
-from . import trace
+from . import runtime
 from .names import TIMELINE_ENV, TIMELINE_RECORD, record_line
+from .recorder import Recorder
+from .trace import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -24,23 +26,34 @@ def enabled() -> bool:
     return os.environ.get(TIMELINE_ENV) == "1"
 
 
-def prefill_done_before(scheduler, batch, result):
-    """BEFORE hook on Scheduler.process_batch_result: log finished prefill forwards."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+class PrefillTimeline:
+    """One scheduler process's timeline hook (`prefill_done_before`), built and registered by the
+    plugin. Its records go to the process's recorder: the Lynx runtime's where the scheduler has
+    one, else this hook's own (another backend, whose scheduler has no Lynx runtime), built with
+    the hook so that the process keeps one trace file."""
 
-    if scheduler.disaggregation_mode != DisaggregationMode.PREFILL:
+    def __init__(self):
+        self._own = Recorder.for_process()
+
+    def prefill_done_before(self, scheduler, batch, result):
+        """BEFORE hook on Scheduler.process_batch_result: log finished prefill forwards."""
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        if scheduler.disaggregation_mode != DisaggregationMode.PREFILL:
+            return None
+        if not batch.forward_mode.is_extend():
+            return None
+        rt = runtime.of_scheduler(scheduler)
+        recorder = self._own if rt is None else rt.recorder
+        t = time.time()
+        for req in batch.reqs:
+            if req is getattr(scheduler, "chunked_req", None):
+                continue  # a middle chunk: the prompt is not complete yet
+            logger.info("%s", record_line(TIMELINE_RECORD, {
+                "rid": req.rid, "event": "prefill_done", "tokens": len(req.origin_input_ids),
+                "t": round(t, 6)}))
+            tr = Trace("timeline", getattr(req, "bootstrap_room", None) or 0)
+            tr.mark("prefill_done", t)
+            tr.facts.update(rid=req.rid, tokens=len(req.origin_input_ids))
+            recorder.emit(tr)
         return None
-    if not batch.forward_mode.is_extend():
-        return None
-    t = time.time()
-    for req in batch.reqs:
-        if req is getattr(scheduler, "chunked_req", None):
-            continue  # a middle chunk: the prompt is not complete yet
-        logger.info("%s", record_line(TIMELINE_RECORD, {
-            "rid": req.rid, "event": "prefill_done", "tokens": len(req.origin_input_ids),
-            "t": round(t, 6)}))
-        tr = trace.Trace("timeline", getattr(req, "bootstrap_room", None) or 0)
-        tr.mark("prefill_done", t)
-        tr.facts.update(rid=req.rid, tokens=len(req.origin_input_ids))
-        trace.emit(tr)
-    return None

@@ -12,11 +12,13 @@ Each producer records one `Trace` per request (room) in its own process and emit
 
 - `timeline` (`lynx_sglang.timeline`, any transfer backend): a prefill forward is done.
 
-Sinks: one JSON object per line in `<trace dir>/lynx-<pid>.jsonl` when `--lynx-trace-dir` (or
-`names.TRACE_DIR_ENV`) is set (the tools join the records of all processes by room and request
-id, `tools.trace_report`), and, with SGLang's `--enable-metrics`,
-the histogram `lynx_stage_seconds{stage}` of each stage's duration (`STAGES`). Times are wall-clock
-`time.time()` seconds; transport timestamps (`time.monotonic()`) are converted when recorded.
+Producers emit through their process's `recorder.Recorder` (`Recorder.emit`), which they were
+handed or find in the process's `runtime.LynxRuntime`. Sinks: one JSON object per line in
+`<trace dir>/lynx-<pid>.jsonl` (`TraceSink`) when `--lynx-trace-dir` (or `names.TRACE_DIR_ENV`) is
+set (the tools join the records of all processes by room and request id, `tools.trace_report`),
+and, with SGLang's `--enable-metrics`, the histogram `lynx_stage_seconds{stage}` of each stage's
+duration (`STAGES`). Times are wall-clock `time.time()` seconds; transport timestamps
+(`time.monotonic()`) are converted when recorded.
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from . import metrics
-from .names import TRACE_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +71,8 @@ class Trace:
     # Per-layer spans, e.g. "encode" -> [(layer, start, end), ...].
     spans: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
-    # SGLang's trace context of the request (`--enable-trace`), when it handed one: `emit` also
-    # exports this record's stages to it as OpenTelemetry spans (`export_to_sglang`).
+    # SGLang's trace context of the request (`--enable-trace`), when it handed one: emitting the
+    # record also exports its stages to it as OpenTelemetry spans (`export_to_sglang`).
     sglang_ctx: Any = field(default=None, repr=False, compare=False)
 
     def mark(self, stage: str, at: float | None = None) -> float:
@@ -99,18 +98,16 @@ class Trace:
 
 
 class TraceSink:
-    """Where a process's traces go: a JSONL file (if a directory is configured) and the stage
-    histograms. Thread-safe; one per process (`sink()`)."""
+    """A process's trace file: one JSON record per line in `<directory>/lynx-<pid>.jsonl`, opened at
+    the first record (nothing is written without a directory). Thread-safe; one per process, held
+    by its `recorder.Recorder`, which writes every emitted record here."""
 
     def __init__(self, directory: str | None):
         self._dir = Path(directory) if directory else None
         self._file = None
         self._lock = threading.Lock()
 
-    def emit(self, trace: Trace) -> None:
-        for stage, (kind, start, end) in STAGES.items():
-            if kind == trace.kind and start in trace.marks and end in trace.marks:
-                metrics.record_stage(stage, trace.marks[end] - trace.marks[start])
+    def write(self, trace: Trace) -> None:
         if self._dir is None:
             return
         line = json.dumps(trace.record()) + "\n"
@@ -129,24 +126,11 @@ class TraceSink:
                 self._dir = None
 
 
-# This process's sink. Process-wide state, kept on purpose: one trace file per process, its
-# directory set once by the KV manager at start (`configure`) and constant after, and the producers
-# (the decode applier, the prefill's workers, the timeline of any backend) emit through `emit`
-# without a handle to anything.
-_sink: TraceSink | None = None
-
-
-def configure(directory: str | None) -> None:
-    """Set this process's trace directory (None: `TRACE_DIR_ENV`, else histograms only)."""
-    global _sink
-    _sink = TraceSink(directory or os.environ.get(TRACE_DIR_ENV))
-
-
-def emit(trace: Trace) -> None:
-    if _sink is None:
-        configure(None)
-    _sink.emit(trace)
-    export_to_sglang(trace)
+def stage_durations(trace: Trace) -> list[tuple[str, float, float]]:
+    """(stage, start, end) of every stage of `STAGES` that `trace` has both marks of."""
+    return [(stage, trace.marks[start], trace.marks[end])
+            for stage, (kind, start, end) in STAGES.items()
+            if kind == trace.kind and start in trace.marks and end in trace.marks]
 
 
 def export_to_sglang(trace: Trace) -> None:
@@ -163,10 +147,9 @@ def export_to_sglang(trace: Trace) -> None:
     try:
         ctx.rebuild_thread_context(ns(min(trace.marks.values())))
         ctx.trace_slice_start(root, 1, ns(min(trace.marks.values())))
-        for stage, (kind, start, end) in STAGES.items():
-            if kind == trace.kind and start in trace.marks and end in trace.marks:
-                ctx.trace_slice_start(f"lynx_{stage}", 2, ns(trace.marks[start]))
-                ctx.trace_slice_end(f"lynx_{stage}", 2, ns(trace.marks[end]))
+        for stage, start, end in stage_durations(trace):
+            ctx.trace_slice_start(f"lynx_{stage}", 2, ns(start))
+            ctx.trace_slice_end(f"lynx_{stage}", 2, ns(end))
         ctx.trace_slice_end(root, 1, ns(max(trace.marks.values())), attrs=attrs,
                             thread_finish_flag=True)
     except Exception as exc:

@@ -37,6 +37,7 @@ SAMPLED = (
     "sglang/test_pd_mooncake_baseline.py",
     "sglang/test_load.py",
     "sglang/test_fault_matrix.py",
+    "sglang/test_pd_lynx_overlap.py",
 )
 SAMPLED_PER_RUN = 3
 # Each runs with its own probability: one request through real SGLang servers inside the

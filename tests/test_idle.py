@@ -18,6 +18,7 @@ import zmq
 
 from lynx_sglang import hooks, idle
 from lynx_sglang.names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
+from lynx_sglang.recorder import Recorder
 from lynx_sglang.runtime import LynxRuntime, attach
 
 
@@ -68,7 +69,8 @@ def tokenizer_link():
 
 def _manager() -> KVManager:
     manager = KVManager()
-    attach(manager, LynxRuntime(idle=idle.IdleWaiter()))
+    recorder = Recorder.for_process()
+    attach(manager, LynxRuntime(idle=idle.IdleWaiter(recorder.metrics), recorder=recorder))
     return manager
 
 

@@ -1,7 +1,9 @@
 """The package boundaries, checked on the source: what SGLang loads never imports a tool, the codec
 and the transport never import SGLang (and the transport never needs torch), the backend's prefill
 and decode sides never import each other, and no first-party module imports itself back through
-others. Imports inside functions count too: a lazy import is still a dependency."""
+others. Imports inside functions count too: a lazy import is still a dependency. And no runtime
+module rebinds a module-level name (`global`): a process's state lives on its
+`runtime.LynxRuntime`."""
 
 from __future__ import annotations
 
@@ -140,3 +142,13 @@ def test_no_first_party_import_cycle():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("lynx_sglang")))
+def test_runtime_holds_no_mutable_module_state(name):
+    """A `global` statement rebinds a module-level name: state that belongs on the process's
+    `runtime.LynxRuntime` (or an object it holds, e.g. its `recorder.Recorder`)."""
+    tree = ast.parse(MODULES[name].read_text())
+    found = [f"line {node.lineno}: global {', '.join(node.names)}"
+             for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    assert not found, f"{name} rebinds module-level names: {found}"

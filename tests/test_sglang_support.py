@@ -1,11 +1,14 @@
-"""Which SGLang releases the plugin accepts, and `lynx-sglang --version` (no SGLang import)."""
+"""Which SGLang releases the plugin accepts, an option the CLI check refuses, and `lynx-sglang
+--version` (no SGLang import)."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
 from lynx_sglang.errors import UnsupportedSGLangError
-from lynx_sglang.sglang_support import check_sglang_version, supported_sglang
+from lynx_sglang.sglang_support import check_server_options, check_sglang_version, supported_sglang
 from lynx_tools.cli import main
 
 
@@ -31,3 +34,12 @@ def test_version_reports_what_it_found(capsys):
     out = capsys.readouterr().out
     assert out.startswith("lynx-sglang ")
     assert "sglang " in out and "codec on CPU pools:" in out and "pyverbs:" in out
+
+
+def test_the_rust_server_is_refused(monkeypatch):
+    """Its registry stands in for Lynx's bootstrap server and drops the prefills' rank keys."""
+    monkeypatch.setenv("SGLANG_RUST_SERVER", "false")
+    check_server_options(argparse.Namespace())
+    monkeypatch.setenv("SGLANG_RUST_SERVER", "1")
+    with pytest.raises(UnsupportedSGLangError, match=r"SGLANG_RUST_SERVER=1: .*rank key"):
+        check_server_options(argparse.Namespace())

@@ -50,6 +50,9 @@ class ClusterSpec:
     # Lynx PD only: the tcp transport's data connections in TLS, with a CA and a node certificate
     # made for this cluster in the run dir (unless the server flags name --lynx-tls-cert).
     tls: bool = False
+    # SGLang's overlap scheduler (its default) on every server; off unless asked, so that most
+    # tests compare scheduling-independent runs (tests/sglang/test_pd_lynx_overlap.py runs it).
+    overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         if self.link and self.mode is not ClusterMode.PD:
@@ -97,11 +100,12 @@ def server_command(spec: ClusterSpec, port: int, role: str | None,
         "--dtype", "float32",
         "--max-total-tokens", str(spec.max_total_tokens),
         "--skip-server-warmup",
-        # Deterministic scheduling: greedy outputs are compared token for token.
-        "--disable-overlap-schedule",
         # Idle schedulers otherwise busy-poll a core each.
         "--sleep-on-idle",
     ]
+    if not spec.overlap_schedule:
+        # Deterministic scheduling: greedy outputs are compared token for token.
+        cmd.append("--disable-overlap-schedule")
     if cpu_only():
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
     if role is not None:

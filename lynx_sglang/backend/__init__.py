@@ -11,10 +11,12 @@
     prefill_job       Job: a room being sent (and KeptRows, StreamedJobs)
     prefill_link      PrefillLink, Destination, SentBytes: the sender's interface with SGLang's side
     identity  the identity handshake opening every session, both ends (IDENTITY_REQUEST)
+    rank_key  RankKey, Claimant: a prefill rank's proof that it is the rank it registered
     faults    FaultPlan: the tests' holds at named points of a prefill transfer (no-op by default)
     decode    DecodeApplier: the decode's applier loop and SGLang's interface to the parts below
     decode_rooms      RoomTable: the decode's rooms, and which one the applier is working on
     decode_sessions   PrefillSessions: the decode's transport session from each prefill rank
+    decode_bindings   RankBindings: the rank key SGLang's bootstrap server lists for each rank
     decode_admission  StagingAdmission: a room's staging range (or queue), announcement, release
     decode_progress   TransferProgress: a room's landed and applied layers and segments
     decode_apply      StreamApplier: apply a room's landed Anchor and Residual to the pool

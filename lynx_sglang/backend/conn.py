@@ -1,12 +1,20 @@
 """SGLang's per-request classes of the `lynx` transfer backend: `LynxKVSender` (prefill),
 `LynxKVReceiver` (decode) and `LynxKVBootstrapServer`, on SGLang's Common* classes; each request's
 work goes to the process's `backend.manager.LynxKVManager` (`kv_mgr`). SGLang finds them through
-`get_kv_class`, hooked by `lynx_sglang.plugin`."""
+`get_kv_class`, hooked by `lynx_sglang.plugin`.
+
+Lynx's field in SGLang's bootstrap protocol lives here too: the bootstrap server keeps the rank
+key each prefill rank registers (`backend.rank_key.BOOTSTRAP_FIELD`) and answers it with the
+rank's lookup; the receiver hands what its lookups found to the decode's `RankBindings`
+(`backend.decode_bindings`), which asks again through `lookup_prefill_rank`."""
 
 from __future__ import annotations
 
+import json
 import logging
 
+import requests
+from aiohttp import web
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
@@ -14,8 +22,9 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 
-from .. import metrics
 from ..failures import FailureKind, failure_kind_of
+from .decode_bindings import BootstrapSlot, Registration
+from .rank_key import BOOTSTRAP_FIELD, valid_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +62,20 @@ class LynxKVReceiver(CommonKVReceiver):
                        f"({self.prefill_info.attn_tp_size}) and decode "
                        f"({self.kv_mgr.attn_tp_size})", FailureKind.SETTINGS_MISMATCH)
 
+    def _get_bootstrap_info_from_server(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank,
+                                        target_pp_rank):
+        info = super()._get_bootstrap_info_from_server(prefill_dp_rank, prefill_cp_rank,
+                                                       target_tp_rank, target_pp_rank)
+        found = registration_of(info)
+        if found is not None:
+            # Recorded before SGLang sends the rank anything: its sessions are checked against it.
+            slot = BootstrapSlot(self.bootstrap_addr, int(prefill_dp_rank), int(prefill_cp_rank),
+                                 int(target_tp_rank), int(target_pp_rank))
+            self.kv_mgr.applier.bindings.record(slot, found)
+        return info
+
     def _fail(self, reason: str, kind: FailureKind) -> None:
-        metrics.record_failure(kind)
+        self.kv_mgr.lynx_runtime.recorder.metrics.record_failure(kind)
         self.kv_mgr.report_status(self.bootstrap_room, reason)
         self.conclude_state = KVPoll.Failed
         # Tell the prefill now: it would otherwise wait for metadata that never comes (SGLang's
@@ -122,4 +143,66 @@ class LynxKVReceiver(CommonKVReceiver):
 
 
 class LynxKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's HTTP bootstrap registry, unchanged."""
+    """SGLang's HTTP bootstrap registry, which also keeps the rank key each prefill rank registers
+    and adds it to the answer of that rank's lookup. Its handlers all run on the server's one
+    event loop thread."""
+
+    def __init__(self, host: str, port: int):
+        # Before SGLang's constructor, which starts serving.
+        self._rank_keys: dict[tuple[str, int], str] = {}
+        super().__init__(host, port)
+
+    async def _handle_route_put(self, request: web.Request):
+        response = await super()._handle_route_put(request)
+        if response.status != 200:
+            return response
+        data = await request.json()  # aiohttp read the body once and keeps it
+        rank = (str(data["rank_ip"]), int(data["rank_port"]))
+        key = valid_key(data.get(BOOTSTRAP_FIELD))
+        if key is None:
+            self._rank_keys.pop(rank, None)
+        else:
+            self._rank_keys[rank] = key
+        # A restarted prefill rank replaced its entry: keep the keys of listed ranks only.
+        listed = {(info.rank_ip, info.rank_port) for dp in self.prefill_port_table.values()
+                  for cp in dp.values() for tp in cp.values() for info in tp.values()}
+        for gone in set(self._rank_keys) - listed:
+            del self._rank_keys[gone]
+        return response
+
+    async def _handle_route_get(self, request: web.Request):
+        response = await super()._handle_route_get(request)
+        if response.status != 200:
+            return response
+        info = json.loads(response.text)
+        key = self._rank_keys.get((info.get("rank_ip"), info.get("rank_port")))
+        if key is None:  # the server's own parameters, or a rank that registered no key
+            return response
+        return web.json_response({**info, BOOTSTRAP_FIELD: key}, status=200)
+
+
+def registration_of(info: object) -> Registration | None:
+    """The rank and rank key of a bootstrap server's answer to a rank lookup; None if it names no
+    rank."""
+    if not isinstance(info, dict):
+        return None
+    ip, port = info.get("rank_ip"), info.get("rank_port")
+    if not isinstance(ip, str) or not isinstance(port, int) or isinstance(port, bool):
+        return None
+    return Registration((ip, port), valid_key(info.get(BOOTSTRAP_FIELD)))
+
+
+def lookup_prefill_rank(slot: BootstrapSlot, timeout: float) -> Registration:
+    """What SGLang's bootstrap server lists at `slot` now (the `/route` lookup SGLang's receiver
+    makes), each of connecting and reading bounded by `timeout`; raises when it answers nothing
+    usable."""
+    response = requests.get(
+        f"http://{slot.bootstrap_addr}/route?prefill_dp_rank={slot.dp_rank}"
+        f"&prefill_cp_rank={slot.cp_rank}&target_tp_rank={slot.tp_rank}"
+        f"&target_pp_rank={slot.pp_rank}", timeout=timeout)
+    if response.status_code != 200:
+        raise LookupError(f"HTTP {response.status_code}: {response.text[:200]}")
+    found = registration_of(response.json())
+    if found is None:
+        raise LookupError(f"an answer naming no rank: {response.text[:200]}")
+    return found

@@ -17,8 +17,9 @@ them:
 - `StatusReporter` (`backend.decode_report`): every status that reaches SGLang.
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
-transport endpoint, the config, and `DecodeLink` (the one status report to SGLang, the aux writer,
-and the bootstrap-cache eviction of a dead prefill rank).
+transport endpoint, the config, `DecodeLink` (the one status report to SGLang, the aux writer,
+and the bootstrap-cache eviction of a dead prefill rank), and the process's recorder (each room's
+trace record and the transfer metrics).
 
 Locking: the table's lock guards the rooms and their states, and is never held while bytes are
 applied. A room being applied is marked so; `cancel` and `drop` wait for that room's work to end
@@ -37,11 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lynx_transport import Endpoint, Region
 
-from .. import trace
 from ..config import LynxConfig
 from ..failures import FailureKind, failure_kind_of
+from ..recorder import Recorder
 from .decode_admission import StagingAdmission
-from .decode_apply import StreamApplier
+from .decode_apply import ApplyDeps, StreamApplier
+from .decode_bindings import RankBindings
 from .decode_policy import INITIAL_VERIFY_ESTIMATE_S, Estimates
 from .decode_report import DecodeLink, StatusReporter
 from .decode_rooms import RoomTable
@@ -58,30 +60,34 @@ logger = logging.getLogger(__name__)
 class DecodeApplier:
     def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
                  staging_region: Region, endpoint: Endpoint, link: DecodeLink,
-                 waiting_timeout_s: float = 300.0):
+                 recorder: Recorder, waiting_timeout_s: float = 300.0):
         self.config = config
         self.link = link
+        self.recorder = recorder
         self._wake = threading.Event()
         wake = self._wake.set
         self.rooms = RoomTable()
-        self.sessions = PrefillSessions(config, endpoint, wake)
+        # The rank keys SGLang's bootstrap lookups found (the receivers `record` them).
+        self.bindings = RankBindings(link.lookup_prefill_rank)
+        self.sessions = PrefillSessions(config, endpoint, self.bindings, wake)
         # How long a room's transfer may take from its announcement, queue at the prefill
         # included: SGLang's own budget for a decode request
         # (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), as with its other backends. Once bytes land,
         # --lynx-transfer-timeout-s is a stall deadline (from the latest landed byte): a layer-
         # streamed transfer lasts as long as the prefill's forward, which may be long.
         self.admission = StagingAdmission(
-            config, pool, staging, staging_region, self.sessions, self.rooms, wake,
+            config, pool, staging, staging_region, self.sessions, self.rooms, recorder, wake,
             waiting_s=max(waiting_timeout_s, config.transfer_timeout_s))
-        self.reporter = StatusReporter(config, self.rooms, link, self.admission.release, wake)
+        self.reporter = StatusReporter(config, self.rooms, link, recorder, self.admission.release,
+                                       wake)
         self.estimates = Estimates(verify_s=INITIAL_VERIFY_ESTIMATE_S)
         # A layer's V is applied on it while the applier thread applies its K.
         self.apply_helper = (ThreadPoolExecutor(1, thread_name_prefix="lynx-apply-v")
                              if config.apply_threads > 1 else None)
-        self.streams = StreamApplier(config, pool, staging, self.rooms, link, self.reporter,
-                                     self.estimates, self.apply_helper, wake)
-        self.windowed = WindowedApplier(config, pool, staging, self.rooms, link, self.reporter,
-                                        self.admission, self.apply_helper, wake)
+        deps = ApplyDeps(config, pool, staging, self.rooms, link, self.reporter, self.apply_helper,
+                         wake)
+        self.streams = StreamApplier(deps, self.estimates)
+        self.windowed = WindowedApplier(deps, self.admission)
         endpoint.on_progress(wake)
 
     # ---- threads ------------------------------------------------------------------------------
@@ -230,5 +236,5 @@ class DecodeApplier:
         resources."""
         if room.live:
             room.cancel()
-            trace.emit(room.trace)
+            self.recorder.emit(room.trace)
         self.admission.release(room)

@@ -27,10 +27,10 @@ import torch
 
 from lynx_transport import Region, Session, Stream, TransportError
 
-from .. import trace
 from ..config import LynxConfig
 from ..errors import RoomDroppedError, StagingFullError
 from ..names import STAGING_QUEUED_LOG, WINDOWED_ROOM_LOG
+from ..recorder import Recorder
 from .decode_rooms import RoomTable
 from .decode_sessions import PrefillSessions
 from .plan import StreamPlan
@@ -48,8 +48,9 @@ logger = logging.getLogger(__name__)
 class StagingAdmission:
     def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
                  staging_region: Region, sessions: PrefillSessions, rooms: RoomTable,
-                 wake: Callable[[], None], waiting_s: float):
+                 recorder: Recorder, wake: Callable[[], None], waiting_s: float):
         self.config = config
+        self.recorder = recorder  # the record of a room that waited for staging in vain
         self._pool = pool
         self.staging = staging
         self.staging_region = staging_region
@@ -122,7 +123,7 @@ class StagingAdmission:
                       f"{self.staging.nbytes} B; raise --lynx-staging-mib, or admit fewer "
                       "concurrent requests)")
             room.fail(reason)
-        trace.emit(room.trace)
+        self.recorder.emit(room.trace)
         raise StagingFullError(reason)
 
     # ---- with the room table's lock held ------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import torch
 
@@ -37,32 +38,46 @@ from .staging import StagingPool
 from .streams import apply_anchor_layer, apply_full_layer
 
 
+@dataclass(frozen=True)
+class ApplyDeps:
+    """What both appliers of a decode (`StreamApplier`, `backend.decode_windowed.WindowedApplier`)
+    work with, built once by `backend.decode.DecodeApplier`."""
+
+    config: LynxConfig
+    pool: Callable[[], KVPoolView]
+    staging: StagingPool
+    rooms: RoomTable
+    link: DecodeLink
+    reporter: StatusReporter
+    # With --lynx-apply-threads 2: applies a layer's V run while the applier thread applies its K.
+    apply_helper: Executor | None
+    # Wakes the applier thread: look again, more may have landed.
+    wake: Callable[[], None]
+
+
 class StreamApplier:
-    def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
-                 rooms: RoomTable, link: DecodeLink, reporter: StatusReporter,
-                 estimates: Estimates, apply_helper: Executor | None, wake: Callable[[], None]):
-        self.config = config
-        self.spec = config.codec
-        self._pool = pool
-        self.staging = staging
-        self.rooms = rooms
-        self.link = link
-        self.reporter = reporter
+    """Applies the landed streams of an announced room that is not windowed (see the module): its
+    Anchor layers as they land, its Residual layers as they complete, and at Anchor time the aux
+    data and the speculation decision. Holds no state of its own: a room's progress rides on its
+    `DecodeRoom`, and the cost estimates it decides with are the decode applier's. Called by
+    `backend.decode.DecodeApplier` (`step`), on the applier thread, for a room marked applying."""
+
+    def __init__(self, deps: ApplyDeps, estimates: Estimates):
+        self.deps = deps
+        self.spec = deps.config.codec
         self.estimates = estimates
-        self.apply_helper = apply_helper
-        self._wake = wake  # the applier thread: look again, more may have landed
 
     def step(self, room: DecodeRoom) -> None:
         """Apply what has landed of an announced room (not windowed) since the last step."""
-        anchor = self.reporter.stream_or_fail(room, Stream.ANCHOR)
+        anchor = self.deps.reporter.stream_or_fail(room, Stream.ANCHOR)
         if anchor is None:
             return
         residual = None
-        if self.config.residual:
-            residual = self.reporter.stream_or_fail(room, Stream.RESIDUAL)
+        if self.deps.config.residual:
+            residual = self.deps.reporter.stream_or_fail(room, Stream.RESIDUAL)
             if residual is None:
                 return
-        pool = self._pool()
+        pool = self.deps.pool()
         progressed = self._land_anchor_layers(room, anchor)
         progressed |= self._write_final_layers(room, residual, pool)
         if room.state is RoomState.ANNOUNCED:
@@ -80,20 +95,20 @@ class StreamApplier:
                 room.refined()
             else:
                 room.final_kv()
-            self.reporter.conclude(room)
+            self.deps.reporter.conclude(room)
         if progressed:
-            self._wake()  # more may have landed meanwhile
+            self.deps.wake()  # more may have landed meanwhile
 
     def _land_anchor_layers(self, room: DecodeRoom, st: StreamState) -> bool:
         plan = room.plan
         landed = landed_prefix(st, plan.anchor_bytes)
         if room.progress.anchor_layers_landed == 0 and landed:
             room.trace.mark_mono("anchor_first_byte", st.t_first_byte)
-        return room.progress.land_anchor(self.staging.view(room.staging), plan, landed)
+        return room.progress.land_anchor(self.deps.staging.view(room.staging), plan, landed)
 
     def _write_anchor_layers(self, room: DecodeRoom, pool: KVPoolView) -> bool:
         """Dequantize the landed Anchor layers that are not final yet into the pool."""
-        if not (self.config.speculate or not self.config.residual):
+        if not (self.deps.config.speculate or not self.deps.config.residual):
             return False  # nothing would read Anchor-precision KV before the Residual's
         wrote = False
         for layer, runs in room.progress.take_unwritten_anchor():
@@ -101,7 +116,7 @@ class StreamApplier:
             if room.trace.marks.get("anchor_apply_start") is None:
                 room.trace.mark("anchor_apply_start", t0)
             apply_anchor_layer(runs, pool, layer, room.slots, self.spec, room.room,
-                               self.apply_helper)
+                               self.deps.apply_helper)
             t1 = time.time()
             room.trace.span("anchor_apply", layer, t0, t1)
             self.estimates.note_anchor_layer(t1 - t0)
@@ -115,7 +130,7 @@ class StreamApplier:
         if st is None:
             return False
         progress = room.progress
-        view = self.staging.view(room.staging)[room.plan.anchor_bytes:]
+        view = self.deps.staging.view(room.staging)[room.plan.anchor_bytes:]
         landed = landed_prefix(st, len(view))
         if landed and "residual_first_byte" not in room.trace.marks:
             room.trace.mark_mono("residual_first_byte", st.t_first_byte)
@@ -125,7 +140,7 @@ class StreamApplier:
             if room.trace.marks.get("residual_apply_start") is None:
                 room.trace.mark("residual_apply_start", t0)
             apply_full_layer(anchor, chunks, pool, layer, room.slots, self.spec, room.room,
-                             self.apply_helper)
+                             self.deps.apply_helper)
             room.trace.span("residual_apply", layer, t0, time.time())
             progress.finalized(layer)
             wrote = True
@@ -150,28 +165,28 @@ class StreamApplier:
         """The whole Anchor is in the pool (or validated): write SGLang's aux data and decide
         whether SGLang decodes on it now."""
         room.trace.mark_mono("anchor_landed", st.t_done)
-        self.link.write_aux(room.aux_index, unpack_aux(st.aux or b""))
-        if not self.config.residual:
+        self.deps.link.write_aux(room.aux_index, unpack_aux(st.aux or b""))
+        if not self.deps.config.residual:
             # Anchor-only baseline: the Anchor is the final KV.
             self._write_anchor_layers(room, pool)
             sync_pool(pool)
             room.trace.mark("anchor_applied")
             room.final_kv(anchor_only=True)
-            self.reporter.conclude(room)
+            self.deps.reporter.conclude(room)
             return
         room.progress.anchor_complete(residual.nbytes)
         decision = decide_speculation(
-            self.config, room.plan, st, residual, final_layers=room.progress.final_layers,
+            self.deps.config, room.plan, st, residual, final_layers=room.progress.final_layers,
             anchor_written=room.progress.anchor_written, estimates=self.estimates)
         if decision.speculating:
             self._write_anchor_layers(room, pool)
             sync_pool(pool)
             room.trace.mark("anchor_applied")
-        with self.rooms.lock:
+        with self.deps.rooms.lock:
             room.decide(decision)
             room.anchor_complete(st.t_done)
         if decision.speculating:
-            self.reporter.success_at_anchor(room)
+            self.deps.reporter.success_at_anchor(room)
 
 
 def landed_prefix(st: StreamState, bound: int) -> int:

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from lynx_transport import FailureReason, Status, Stream, StreamState
 
-from .. import metrics, trace
 from ..config import LynxConfig
 from ..failures import FailureKind, stream_failure_kind
 from ..names import TRANSFER_RECORD, record_line
+from ..recorder import Recorder
+from .decode_bindings import BootstrapSlot, Registration
 from .decode_rooms import RoomTable
 from .room import DecodeRoom, RoomState
 
@@ -40,14 +41,18 @@ class DecodeLink:
     # A room reported at Anchor time reached its outcome (Residual applied, or failed): the
     # speculation controller has something to read, so wake a scheduler waiting in its idle path.
     progress: Callable[[], None]
+    # Ask SGLang's bootstrap server again what it lists at a slot, within a timeout (s); raises
+    # when it does not answer (`backend.decode_bindings`).
+    lookup_prefill_rank: Callable[[BootstrapSlot, float], Registration]
 
 
 class StatusReporter:
-    def __init__(self, config: LynxConfig, rooms: RoomTable, link: DecodeLink,
+    def __init__(self, config: LynxConfig, rooms: RoomTable, link: DecodeLink, recorder: Recorder,
                  release: Callable[[DecodeRoom], None], wake: Callable[[], None]):
         self.config = config
         self.rooms = rooms
         self.link = link
+        self.recorder = recorder
         self._release = release  # gives back the room's announcements and staging range
         self._wake = wake  # the applier thread
 
@@ -70,7 +75,7 @@ class StatusReporter:
                 self.rooms.pop(room.room)
                 report = True
         if room.state is RoomState.REFINED or report:
-            trace.emit(room.trace)
+            self.recorder.emit(room.trace)
         if report:
             self.link.report(room.room, None)
         elif room.reported_at_anchor:
@@ -101,12 +106,12 @@ class StatusReporter:
 
     def fail(self, room: DecodeRoom, reason: str, kind: FailureKind) -> None:
         logger.error("lynx: room %s failed (%s): %s", room.room, kind.value, reason)
-        metrics.record_failure(kind)
+        self.recorder.metrics.record_failure(kind)
         with self.rooms.lock:
             room.fail(reason)
             reported = room.reported_at_anchor
         self._release(room)
-        trace.emit(room.trace)
+        self.recorder.emit(room.trace)
         if reported:
             # SGLang already has Success and no longer polls: the speculation controller aborts
             # the running request when it reads this outcome.
@@ -133,7 +138,7 @@ class StatusReporter:
             if room.state is RoomState.AWAITING_PREFILL:
                 room.done()
                 self.rooms.pop(room_id)
-                trace.emit(room.trace)
+                self.recorder.emit(room.trace)
                 return False
             self._wake()
             return True
@@ -168,7 +173,7 @@ class StatusReporter:
                            else "anchor_applied")}))
         anchor_applied = marks.get("anchor_applied")
         anchor_landed = marks.get("anchor_landed")
-        metrics.record_transfer(
+        self.recorder.metrics.record_transfer(
             plan.anchor_bytes, residual_bytes,
             None if anchor_applied is None else anchor_applied - marks["registered"],
             None if anchor_landed is None or not self.config.residual

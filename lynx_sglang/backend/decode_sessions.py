@@ -1,8 +1,12 @@
 """The decode's transport sessions from prefill ranks (`PrefillSessions`), each registered by the
 SGLang identity (rank ip:port) and wire settings its prefill announces as the empty request
 `IDENTITY_REQUEST` (`backend.identity`, both ends of the handshake), answered accepted or refused.
-A rank already served by a live session is never silently taken over by another; a rank whose
-settings differ from ours is remembered as refused, so that its rooms fail at once, saying why.
+A claim to a rank counts only when it is signed with the rank key SGLang's bootstrap server lists
+for that rank (`backend.rank_key`, `backend.decode_bindings`), and that is checked before anything
+else: another claim is refused and changes nothing, so a peer holding the transport secret can
+neither take a rank's rooms nor get the real rank refused by claiming it first. A rank already
+served by a live session is never silently taken over by another; a rank whose settings differ
+from ours is remembered as refused, so that its rooms fail at once, saying why.
 
 Runs the accept thread (`accept_loop`, started by the manager through
 `DecodeApplier.accept_loop`); read by `StagingAdmission` (the session to announce a room on) and by
@@ -20,7 +24,9 @@ from collections.abc import Callable
 from lynx_transport import Endpoint, Session
 
 from ..config import LynxConfig, wire_mismatch
+from .decode_bindings import PENDING, RankBindings, Verdict
 from .identity import IDENTITY_REQUEST, Identity, answer
+from .rank_key import proven
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +38,11 @@ REFUSED_CLOSE_DELAY_S = 2.0
 
 
 class PrefillSessions:
-    def __init__(self, config: LynxConfig, endpoint: Endpoint, wake: Callable[[], None]):
+    def __init__(self, config: LynxConfig, endpoint: Endpoint, bindings: RankBindings,
+                 wake: Callable[[], None]):
         self.config = config
         self.endpoint = endpoint
+        self.bindings = bindings
         self._wake = wake  # the applier thread: a rank's rooms may be announced (or fail) now
         self._lock = threading.Lock()
         self._sessions: dict[tuple[str, int], Session] = {}
@@ -66,7 +74,13 @@ class PrefillSessions:
     def accept_loop(self, stop: threading.Event) -> None:
         """Register each prefill rank's session by the identity it announces. Sessions are
         checked without blocking, so a silent or malformed peer never delays another."""
-        waiting: list[tuple[Session, float]] = []
+        try:
+            self._serve(stop)
+        finally:
+            self.bindings.close()
+
+    def _serve(self, stop: threading.Event) -> None:
+        waiting: list[tuple[Session, float]] = []  # with when each came
         while not stop.is_set():
             s = self.endpoint.accept(timeout=0.1 if waiting or self._closing else 0.5)
             due = [c for c in self._closing if c[1] <= time.monotonic()]
@@ -74,23 +88,25 @@ class PrefillSessions:
                 refused.close()
             self._closing = [c for c in self._closing if c not in due]
             if s is not None:
-                waiting.append((s, time.monotonic() + IDENTITY_TIMEOUT_S))
+                waiting.append((s, time.monotonic()))
             still = []
-            for session, deadline in waiting:
+            for session, arrived in waiting:
                 try:
-                    done = self._identify(session, deadline)
+                    done = self._identify(session, arrived)
                 except Exception:
                     logger.exception("lynx: identifying the session from %s failed",
                                      session.peer_address)
                     done = True
                 if not done:
-                    still.append((session, deadline))
+                    still.append((session, arrived))
             waiting = still
 
-    def _identify(self, s: Session, deadline: float) -> bool:
-        """True once `s` is registered or refused (closed)."""
+    def _identify(self, s: Session, arrived: float) -> bool:
+        """True once `s` (accepted at `arrived`, time.monotonic()) is registered or refused
+        (closed)."""
         if s.closed:
             return True
+        deadline = arrived + IDENTITY_TIMEOUT_S
         ann = s.announcement(IDENTITY_REQUEST)
         if ann is None:
             if time.monotonic() < deadline:
@@ -106,6 +122,18 @@ class PrefillSessions:
             s.close()
             return True
         key = who.rank
+        verdict = self._bound(who, arrived)
+        if verdict is PENDING:
+            if time.monotonic() < deadline:
+                return False
+            verdict = Verdict(refused=f"the bootstrap server did not confirm prefill rank "
+                                      f"{key[0]}:{key[1]} within {IDENTITY_TIMEOUT_S:g} s")
+        if verdict.refused is not None:
+            logger.error("lynx: session from %s claims prefill rank %s:%d, refused: %s",
+                         s.peer_address, *key, verdict.refused)
+            self._refuse(s, f"the claim to prefill rank {key[0]}:{key[1]} was refused: "
+                            f"{verdict.refused}")
+            return True
         differ = wire_mismatch(self.config.wire_settings(), who.settings)
         if differ:
             why = (f"prefill rank {key[0]}:{key[1]} runs other --lynx-* settings than this decode "
@@ -115,8 +143,7 @@ class PrefillSessions:
                              why, s.peer_address)
             with self._lock:
                 self._refused[key] = why
-            answer(s, why)
-            self._closing.append((s, time.monotonic() + REFUSED_CLOSE_DELAY_S))
+            self._refuse(s, why)
             self._wake()
             return True
         with self._lock:
@@ -136,3 +163,15 @@ class PrefillSessions:
         logger.info("lynx: transport session from prefill rank %s:%d", *key)
         self._wake()
         return True
+
+    def _bound(self, who: Identity, arrived: float) -> Verdict:
+        """Whether `who` proves the rank key the bootstrap server lists for its rank."""
+        if not proven(who, self.endpoint.address):
+            return Verdict(refused="it is not signed with the rank key it names, or names none (a "
+                                   "prefill of an older Lynx sends none)")
+        return self.bindings.check(who.rank, who.key, arrived)
+
+    def _refuse(self, s: Session, why: str) -> None:
+        """Tell the peer why, and close its session once the answer had time to arrive."""
+        answer(s, why)
+        self._closing.append((s, time.monotonic() + REFUSED_CLOSE_DELAY_S))

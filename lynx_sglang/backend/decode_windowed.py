@@ -12,63 +12,51 @@ announcement was withdrawn (`StagingAdmission.release_request`): no byte of it l
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor
 
 from lynx_transport import Stream, StreamState
 
-from ..config import LynxConfig
 from ..errors import KVStreamError
 from .aux import unpack_aux
 from .decode_admission import StagingAdmission
-from .decode_apply import landed_prefix, sync_pool
+from .decode_apply import ApplyDeps, landed_prefix, sync_pool
 from .decode_policy import not_speculating
-from .decode_report import DecodeLink, StatusReporter
-from .decode_rooms import RoomTable
 from .plan import StreamPlan
 from .pool import KVPoolView
 from .room import DecodeRoom
-from .staging import StagingPool
 from .streams import ResidualReader, anchor_layer, apply_anchor_layer, apply_full_layer
 
 
 class WindowedApplier:
-    def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
-                 rooms: RoomTable, link: DecodeLink, reporter: StatusReporter,
-                 admission: StagingAdmission, apply_helper: Executor | None,
-                 wake: Callable[[], None]):
-        self.config = config
-        self.spec = config.codec
-        self._pool = pool
-        self.staging = staging
-        self.rooms = rooms
-        self.link = link
-        self.reporter = reporter
+    """Applies a windowed room segment by segment (see the module). Called by
+    `backend.decode.DecodeApplier` (`step`), on the applier thread, for a room marked applying."""
+
+    def __init__(self, deps: ApplyDeps, admission: StagingAdmission):
+        self.deps = deps
+        self.spec = deps.config.codec
+        # Withdraws an applied segment's announcement and announces the next into its window.
         self.admission = admission
-        self.apply_helper = apply_helper
-        self._wake = wake  # the applier thread: look again, the next segment may be in
 
     def step(self, room: DecodeRoom) -> None:
         """Apply the room's oldest announced segment if both its streams are complete."""
         seg, j = room.segments, room.progress.seg_applied
         request_id = seg.request_id(room.room, j)
-        anchor = self.reporter.stream_or_fail(room, Stream.ANCHOR, request_id)
+        anchor = self.deps.reporter.stream_or_fail(room, Stream.ANCHOR, request_id)
         if anchor is None:
             return
         if j == 0 and "anchor_first_byte" not in room.trace.marks:
             room.trace.mark_mono("anchor_first_byte", anchor.t_first_byte)
         residual = None
-        if self.config.residual:
-            residual = self.reporter.stream_or_fail(room, Stream.RESIDUAL, request_id)
+        if self.deps.config.residual:
+            residual = self.deps.reporter.stream_or_fail(room, Stream.RESIDUAL, request_id)
             if residual is None:
                 return
         if not anchor.ok or (residual is not None and not residual.ok):
             return
         plan = seg.plan(room.plan, j)
         at = (j % room.windows.count) * room.windows.nbytes
-        view = self.staging.view(room.staging)[at: at + plan.staging_bytes]
+        view = self.deps.staging.view(room.staging)[at: at + plan.staging_bytes]
         layers = seg.layers(j)
-        pool = self._pool()
+        pool = self.deps.pool()
         residual_bytes = self._write_segment(room, j, plan, view, residual, pool)
         room.progress.segment_written(len(layers), residual_bytes)
         if j + 1 < seg.count:
@@ -77,7 +65,7 @@ class WindowedApplier:
             room.progress.segment_released()
             if room.progress.seg_announced < seg.count:
                 self.admission.announce_segment(room.session, room)
-            self._wake()  # the next segment may be in already
+            self.deps.wake()  # the next segment may be in already
             return
         # The last segment (released with the room): its Anchor's end carries SGLang's aux
         # data (the first token).
@@ -92,7 +80,7 @@ class WindowedApplier:
         if residual is None:
             for i, layer in enumerate(layers):
                 apply_anchor_layer(anchor_layer(view, plan, i), pool, layer, room.slots,
-                                   self.spec, room.room, self.apply_helper)
+                                   self.spec, room.room, self.deps.apply_helper)
             return 0
         landed = landed_prefix(residual, plan.residual_bytes)
         reader = ResidualReader(len(layers), plan.num_tokens, first_layer=layers.start)
@@ -106,7 +94,7 @@ class WindowedApplier:
         room.trace.marks.setdefault("residual_apply_start", t0)
         for layer, chunks in ready:
             apply_full_layer(anchor_layer(view, plan, layer - layers.start), chunks, pool,
-                             layer, room.slots, self.spec, room.room, self.apply_helper)
+                             layer, room.slots, self.spec, room.room, self.deps.apply_helper)
         room.trace.span("residual_apply", layers.start, t0, time.time())
         return reader.pos
 
@@ -117,10 +105,10 @@ class WindowedApplier:
         room.trace.mark_mono("anchor_landed", anchor.t_done)
         if residual is not None:
             room.trace.mark_mono("residual_landed", residual.t_done)
-        self.link.write_aux(room.aux_index, unpack_aux(anchor.aux or b""))
+        self.deps.link.write_aux(room.aux_index, unpack_aux(anchor.aux or b""))
         decision = not_speculating(
             f"windowed: {room.segments.count} segments through {room.windows.count} windows")
-        with self.rooms.lock:
+        with self.deps.rooms.lock:
             room.decide(decision)
             if residual is not None:
                 room.anchor_complete(anchor.t_done)
@@ -129,4 +117,4 @@ class WindowedApplier:
             room.final_kv(anchor_only=True)
         else:
             room.final_kv()
-        self.reporter.conclude(room)
+        self.deps.reporter.conclude(room)

@@ -5,8 +5,10 @@ parses it (`Identity.parse`, `backend.decode.DecodeApplier`) and answers accepte
 why (`answer`), on the same request id; the prefill reads that answer (`refusal`).
 
 Messages (JSON in the announcement's meta):
-  prefill → decode  {"rank_ip": str, "rank_port": int, "config": {wire settings}}
+  prefill → decode  {"rank_ip": str, "rank_port": int, "config": {wire settings},
+                     "key": hex, "proof": hex}
   decode → prefill  {"accepted": true} | {"refused": why}
+"key" and "proof" bind the claim to SGLang's bootstrap registration (`backend.rank_key`).
 """
 
 from __future__ import annotations
@@ -25,16 +27,21 @@ logger = logging.getLogger(__name__)
 IDENTITY_REQUEST = MAX_REQUEST_ID
 # The longest refusal reason sent (a decode names every differing flag).
 MAX_REASON_CHARS = 1000
+# Longer than any rank key or proof (hex).
+MAX_PROOF_CHARS = 256
 
 
 @dataclass(frozen=True)
 class Identity:
-    """A prefill rank as SGLang's control plane knows it (ip:port), and its wire settings
-    (`LynxConfig.wire_settings`; None if it sent none)."""
+    """A prefill rank as SGLang's control plane knows it (ip:port), its wire settings
+    (`LynxConfig.wire_settings`; None if it sent none), and its rank key's public half with the
+    proof for the decode it is announced to (hex; "" if it sent none: `backend.rank_key`)."""
 
     rank_ip: str
     rank_port: int
     settings: Any = None
+    key: str = ""
+    proof: str = ""
 
     @property
     def rank(self) -> tuple[str, int]:
@@ -42,7 +49,8 @@ class Identity:
 
     def encode(self) -> bytes:
         return json.dumps({"rank_ip": self.rank_ip, "rank_port": self.rank_port,
-                           "config": self.settings}).encode()
+                           "config": self.settings, "key": self.key,
+                           "proof": self.proof}).encode()
 
     @classmethod
     def parse(cls, meta: bytes) -> Identity | None:
@@ -56,7 +64,11 @@ class Identity:
             return None
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             return None
-        return cls(ip, port, who.get("config"))
+        key, proof = who.get("key", ""), who.get("proof", "")
+        if not isinstance(key, str) or not isinstance(proof, str):
+            return None
+        # Longer ones are no key or proof (`rank_key.proven` checks them): keep no more.
+        return cls(ip, port, who.get("config"), key[:MAX_PROOF_CHARS], proof[:MAX_PROOF_CHARS])
 
 
 def introduce(session: Session, identity: Identity, timeout: float) -> str | None:

@@ -20,6 +20,8 @@ SGLang-facing methods (the engine hooks of MooncakeKVManager):
   record_failure                        a reason this side found itself is never overwritten.
   attach_kv_pool                        the plugin hands over SGLang's KV pool after start-up;
                                         the process's `runtime.LynxRuntime` is completed then.
+  _register_topology_row (prefill)      SGLang's bootstrap registration, plus this process's
+                                        rank key (`backend.rank_key`).
 
 The manager builds the composition its hooks act on (`lynx_runtime`, a `runtime.LynxRuntime`): the
 idle waiter at construction, the role's components once it has the pool.
@@ -47,16 +49,20 @@ from sglang.srt.utils.network import NetworkAddress
 
 from lynx_transport import Endpoint
 
-from .. import metrics, runtime, trace
+from .. import runtime
 from ..config import LynxConfig
 from ..errors import LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
 from ..idle import IdleWaiter
+from ..metrics import Metrics
 from ..names import FAULT_VERIFY_DELAY_ENV
+from ..recorder import Recorder
 from ..runtime import LynxRuntime
 from ..sglang_support import check_anchor_safety, check_sglang_version
 from ..speculation.controller import SpecController
 from ..speculation.stream import scheduler_publisher
+from ..trace import Trace
 from .aux import check_aux_items, pack_aux
+from .conn import lookup_prefill_rank
 from .decode import DecodeApplier, DecodeLink
 from .faults import FaultPlan
 from .identity import Identity
@@ -65,6 +71,7 @@ from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
 from .prefill_link import Destination, PrefillLink
+from .rank_key import BOOTSTRAP_FIELD, Claimant, RankKey
 from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -121,41 +128,44 @@ class LynxKVManager(MooncakeKVManager):
         # Again here, not only at CLI parsing: a programmatic launch never passes through it.
         check_anchor_safety(server_args)
         self.lynx = LynxConfig.from_env() or LynxConfig()
-        trace.configure(self.lynx.trace_dir)
-        metrics.configure(server_args.served_model_name or server_args.model_path,
-                          disaggregation_mode.value, getattr(args, "engine_rank", 0) or 0)
+        recorder = Recorder.for_process(self.lynx.trace_dir, Metrics(
+            server_args.served_model_name or server_args.model_path, disaggregation_mode.value,
+            getattr(args, "engine_rank", 0) or 0))
         self.pool: KVPoolView | None = None
         self._stop = threading.Event()
         # Decode: failure reasons this side found itself, by room, until the receiver has read
         # them (`record_failure`).
         self._own_failures: dict[int, str] = {}
-        # Before SGLang's constructor: the status threads it starts notify the idle wait.
-        self.lynx_runtime = LynxRuntime(idle=IdleWaiter())
+        # Before SGLang's constructor: the status threads it starts notify the idle wait, and its
+        # `register_buffer_to_engine` builds the staging pool, which records its use.
+        self.lynx_runtime = LynxRuntime(idle=IdleWaiter(recorder.metrics), recorder=recorder)
+        self.rank_key = RankKey()  # before SGLang's constructor: `_register_topology_row`
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL:
+            me = Identity(self.local_ip, self.rank_port, self.lynx.wire_settings())
             self.sender = PrefillSender(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
-                Identity(self.local_ip, self.rank_port, self.lynx.wire_settings()),
+                Claimant(me, self.rank_key),
                 PrefillLink(self._room_live, self._destinations, self._read_aux,
                             self._report_prefill),
-                FaultPlan.from_env())
+                recorder, FaultPlan.from_env())
             self._start_thread(self.sender.run, "lynx-send")
         else:
             self.applier = DecodeApplier(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
                 DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank,
-                           self.lynx_runtime.idle.notify),
-                self.waiting_timeout)
+                           self.lynx_runtime.idle.notify, lookup_prefill_rank),
+                recorder, self.waiting_timeout)
             self._start_thread(self.applier.accept_loop, "lynx-accept")
             self._start_thread(self.applier.run, "lynx-apply")
         self.lynx_runtime.idle.report_tracked(self.tracked)
         logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
                     self.endpoint.address, self.lynx)
-        started = trace.Trace("server", 0)
+        started = Trace("server", 0)
         started.mark("started")
         started.facts.update(role=disaggregation_mode.value, address=self.endpoint.address,
                              config=self.lynx.flat())
-        trace.emit(started)
+        recorder.emit(started)
 
     def tracked(self) -> dict[str, int]:
         """Sizes of this manager's per-request maps, published by `lynx_sglang.idle`."""
@@ -192,7 +202,7 @@ class LynxKVManager(MooncakeKVManager):
                                  backend_options=options, name=f"lynx-{self.rank_port}")
 
     def register_buffer_to_engine(self):
-        self.staging = StagingPool(self.lynx.staging_mib << 20)
+        self.staging = StagingPool(self.lynx.staging_mib << 20, self.lynx_runtime.recorder.metrics)
         self.staging_region = self.endpoint.register(self.staging.buffer, name="lynx-staging")
 
     def deregister_buffer_to_engine(self):
@@ -237,7 +247,7 @@ class LynxKVManager(MooncakeKVManager):
                                         getattr(self, "attn_tp_rank", 0),
                                         getattr(self, "system_dp_rank", 0) or 0)
         controller = SpecController(
-            self.applier, self.lynx, publisher,
+            self.applier, self.lynx, rt.recorder, publisher,
             fault_verify_delay_s=float(os.environ.get(FAULT_VERIFY_DELAY_ENV, "0") or 0))
         rt.idle.report_tracked(controller.tracked)
         return replace(rt, spec=controller)
@@ -249,6 +259,11 @@ class LynxKVManager(MooncakeKVManager):
                         min(rows, getattr(self.server_args, "context_length", None) or rows))
 
     # ---- SGLang's control-plane sockets ------------------------------------------------------
+    def _register_topology_row(self, url: str, payload: dict) -> None:
+        if (payload.get("rank_ip"), payload.get("rank_port")) == (self.local_ip, self.rank_port):
+            payload = {**payload, BOOTSTRAP_FIELD: self.rank_key.public}
+        super()._register_topology_row(url, payload)
+
     def _connect(self, endpoint: str, is_ipv6: bool = False):
         """SGLang's cached PUSH socket to `endpoint`, after closing the cached sockets of peers
         that have gone. SGLang replaces a disconnected peer's socket only when that endpoint is

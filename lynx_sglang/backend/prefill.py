@@ -23,10 +23,12 @@ Per request ("room"):
 3. The staging range lives until the transport has delivered both streams.
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
-transport endpoint, this prefill's identity, `PrefillLink` (what the sender asks SGLang's side: is
-the room still live, where does it go, its aux bytes; and the one status report), and the
-fault-injection plan of tests (`backend.faults`). Buffer ownership: SGLang's KV slots are read
-until the room is reported; its staging range belongs to its worker (`backend.prefill_staging`).
+transport endpoint, this prefill's identity with its rank key (`backend.rank_key.Claimant`),
+`PrefillLink` (what the sender asks SGLang's side: is the room still live, where does it go,
+its aux bytes; and the one status report), the process's recorder (each room's trace record,
+failed sends), and the fault-injection plan of tests (`backend.faults`). Buffer ownership:
+SGLang's KV slots are read until the room is reported; its staging range belongs to its worker
+(`backend.prefill_staging`).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from lynx_transport import Endpoint, Region
 
 from .. import trace
 from ..config import LynxConfig
+from ..recorder import Recorder
 from .faults import FaultPlan
-from .identity import Identity
 from .layer_stream import LayerGate
 from .pool import KINDS, KVPoolView
 from .prefill_job import Job, KeptRows, StreamedJobs
@@ -57,6 +59,7 @@ from .prefill_link import PrefillLink, SentBytes
 from .prefill_sessions import DecodeSessions
 from .prefill_worker import DestinationWorkers, WorkerDeps
 from .prefill_writer import WriterDeps
+from .rank_key import Claimant
 from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -78,14 +81,14 @@ class PrefillSender:
     `batched`, `start_early` and `take_sent_bytes`; the dispatcher thread runs `run`."""
 
     def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
-                 staging_region: Region, endpoint: Endpoint, identity: Identity,
-                 link: PrefillLink, faults: FaultPlan | None = None):
+                 staging_region: Region, endpoint: Endpoint, claimant: Claimant,
+                 link: PrefillLink, recorder: Recorder, faults: FaultPlan | None = None):
         self.config = config
         self._pool = pool
         self.link = link
         # The tests' holds; the dispatcher ends them when it stops.
         self.faults = faults or FaultPlan()
-        self.sessions = DecodeSessions(endpoint, identity, config)
+        self.sessions = DecodeSessions(endpoint, claimant, config)
         self._queue: queue.Queue[list[_Chunk]] = queue.Queue()
         # Chunks submitted inside `batched` (scheduler thread only), queued together at its end.
         self._held: list[_Chunk] | None = None
@@ -99,7 +102,7 @@ class PrefillSender:
         self._workers = DestinationWorkers(WorkerDeps(
             WriterDeps(config, staging, staging_region, self.encoder, link.is_live,
                        link.read_aux, self.faults),
-            pool, link, self.sessions, self._streamed, self._sent, self.stopping))
+            pool, link, self.sessions, self._streamed, self._sent, self.stopping, recorder))
 
     def tracked(self) -> dict[str, int]:
         """Rooms this sender still holds (0 on an idle prefill; `lynx_tracked_requests`)."""

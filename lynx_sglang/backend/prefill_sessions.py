@@ -1,6 +1,7 @@
 """The prefill's transport sessions, one per decode address (`DecodeSessions`): opened on first
 use by whichever destination worker needs it (`open`), introduced with this prefill's identity
-and wire settings (`backend.identity`), and closed at once if the decode refuses them. After a
+and wire settings (`backend.identity`), signed for that decode with this process's rank key
+(`backend.rank_key`), and closed at once if the decode refuses them. After a
 failed connect the address counts as unreachable for `UNREACHABLE_COOLDOWN_S`: rooms bound there
 fail at once instead of each waiting out the connect timeout.
 
@@ -18,7 +19,8 @@ from lynx_transport import Endpoint, Session, SessionClosedError, TransportError
 
 from ..config import LynxConfig
 from ..errors import SettingsMismatchError
-from .identity import Identity, introduce
+from .identity import introduce
+from .rank_key import Claimant
 
 # After a failed connect to a decode, rooms bound there fail at once for this long.
 UNREACHABLE_COOLDOWN_S = 5.0
@@ -29,9 +31,9 @@ class DecodeSessions:
     maps and is never held while connecting, so one destination's connect never waits for
     another's."""
 
-    def __init__(self, endpoint: Endpoint, identity: Identity, config: LynxConfig):
+    def __init__(self, endpoint: Endpoint, claimant: Claimant, config: LynxConfig):
         self.endpoint = endpoint
-        self.identity = identity
+        self.claimant = claimant
         self.config = config
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -54,7 +56,7 @@ class DecodeSessions:
         s = None
         try:
             s = self.endpoint.connect(address, timeout=self.config.connect_timeout_s)
-            why = introduce(s, self.identity, self.config.connect_timeout_s)
+            why = introduce(s, self.claimant.claim(address), self.config.connect_timeout_s)
         except TransportError as exc:
             if "TLS" in str(exc):
                 # the transport's TLS refusals (mismatch, certificates, alerts) in the

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from lynx_transport import Session, Stream, TransportError
 
-from .. import trace
 from ..config import LynxConfig
 from ..errors import StagingFullError
+from ..recorder import Recorder
+from ..trace import Trace
 from .staging import StagingPool, StagingRange
 
 logger = logging.getLogger(__name__)
@@ -37,15 +38,16 @@ class InFlight:
     room: int
     session: Session
     staging: StagingRange
-    trace: trace.Trace | None
+    trace: Trace | None
 
 
 class InFlightStaging:
     """One worker's staging ranges in the transport's hands (see the module)."""
 
-    def __init__(self, staging: StagingPool, config: LynxConfig):
+    def __init__(self, staging: StagingPool, config: LynxConfig, recorder: Recorder):
         self.staging = staging
         self.config = config
+        self.recorder = recorder  # a delivered room's trace record is emitted here
         self._entries: list[InFlight] = []
 
     def __len__(self) -> int:
@@ -99,7 +101,7 @@ class InFlightStaging:
             self.staging.free(f.staging)
             if f.trace is not None:
                 _trace_streams(f, streams)
-                trace.emit(f.trace)
+                self.recorder.emit(f.trace)
         self._entries[:] = keep
 
 

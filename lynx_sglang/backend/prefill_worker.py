@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from lynx_transport import TransportError
 
-from .. import metrics, trace
 from ..errors import SettingsMismatchError
 from ..failures import failure_kind_of
+from ..recorder import Recorder
 from .layer_stream import LayerGateError
 from .plan import StreamPlan
 from .pool import KVPoolView
@@ -53,6 +53,8 @@ class WorkerDeps:
     sent: SentBytes
     # Set when the sender's dispatcher ends: every worker exits.
     stopping: threading.Event
+    # The process's: each room's trace record, failed sends.
+    recorder: Recorder
 
 
 class DestinationWorker:
@@ -67,7 +69,7 @@ class DestinationWorker:
         self.address = address
         self._retire = retire
         self.jobs: queue.Queue[list[Job]] = queue.Queue()
-        self.inflight = InFlightStaging(deps.writer.staging, deps.writer.config)
+        self.inflight = InFlightStaging(deps.writer.staging, deps.writer.config, deps.recorder)
         self.thread = threading.Thread(target=self._run, name=f"lynx-send-{address[-12:]}",
                                        daemon=True)
         self.thread.start()
@@ -147,8 +149,8 @@ class DestinationWorker:
         logger.error("lynx: sending room %s failed: %s", job.room, exc,
                      exc_info=not isinstance(exc, (TransportError, LayerGateError)))
         job.trace.facts["failure"] = str(exc)
-        metrics.record_failure(failure_kind_of(exc))
-        trace.emit(job.trace)
+        self.deps.recorder.metrics.record_failure(failure_kind_of(exc))
+        self.deps.recorder.emit(job.trace)
         self.deps.link.report(job.room, f"lynx prefill send failed: {exc}", [])
         self.deps.streamed.forget(job)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import metrics
 from ..errors import StagingFullError
+from ..metrics import Metrics
 
 ALIGN = 64
 
@@ -39,9 +39,10 @@ class StagingRange:
 
 
 class StagingPool:
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, metrics: Metrics):
         if nbytes <= 0:
             raise ValueError(f"staging size must be positive, got {nbytes}")
+        self._metrics = metrics  # the process's: the staging memory in use
         self.buffer = np.empty(nbytes, dtype=np.uint8)
         self.nbytes = nbytes
         # Sorted, non-overlapping, coalesced free ranges as (offset, length).
@@ -51,7 +52,7 @@ class StagingPool:
         self._allocated: dict[int, int] = {}
         self._cond = threading.Condition()
         # Published from the start, so a leak check reads 0 on a server that has sent nothing yet.
-        metrics.record_staging_used(0)
+        self._metrics.record_staging_used(0)
 
     def view(self, r: StagingRange) -> memoryview:
         return memoryview(self.buffer)[r.offset: r.end]
@@ -90,7 +91,7 @@ class StagingPool:
                 else:
                     self._free[i] = (off + size, n - size)
                 self._allocated[off] = size
-                metrics.record_staging_used(self.nbytes - self._free_locked())
+                self._metrics.record_staging_used(self.nbytes - self._free_locked())
                 return StagingRange(off, size)
         return None
 
@@ -109,7 +110,7 @@ class StagingPool:
                 else:
                     merged.append((off, n))
             self._free[max(0, i - 1): i + 2] = merged
-            metrics.record_staging_used(self.nbytes - self._free_locked())
+            self._metrics.record_staging_used(self.nbytes - self._free_locked())
             self._cond.notify_all()
 
     def free_bytes(self) -> int:

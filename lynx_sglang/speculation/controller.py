@@ -18,6 +18,10 @@ commits the request and decodes it like any other, reading Anchor-precision prom
   (`speculation.verify`); then the request either finishes or rejoins the running batch.
 - A Residual that fails aborts the request; a request released early (client abort, a first token
   that already finishes it) cancels its transfer before its slots can be reused (`on_release`).
+- Under SGLang's overlap schedule, `step` runs while the last decode step is in flight (launched,
+  its result not processed): that step's token counts towards the cap, a request in it is
+  verified only at the next step (`IN_FLIGHT_PARK_REASON`), and its token after a held finish is
+  dropped (`hooks.update_finish_state_around`).
 
 Built by the decode KV manager when it gets its pool (`LynxKVManager.attach_kv_pool`, held in the
 process's `runtime.LynxRuntime`), with the applier's `Transfers` interface, the config and the
@@ -32,14 +36,21 @@ import time
 from http import HTTPStatus
 from typing import Protocol
 
-from .. import metrics
 from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
 from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
+from ..recorder import Recorder
 from .record import log_verification
 from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
 from .stream import SpecStreamPublisher
-from .verify import apply_acceptance, decide, recount_reasoning, rollback, verify_forward
+from .verify import (
+    apply_acceptance,
+    decide,
+    free_kv_past_output,
+    recount_reasoning,
+    rollback,
+    verify_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +67,23 @@ class Transfers(Protocol):
     def note_verification(self, seconds: float) -> None: ...
 
 
+# Why a request whose Residual is applied waits one more step (`SpecController.step`).
+IN_FLIGHT_PARK_REASON = "Residual applied during an in-flight decode step (overlap schedule)"
+
+
+def _in_flight(scheduler) -> set[int]:
+    """ids of the requests in a batch that SGLang's overlap schedule ran and whose results it has
+    not processed yet (`Scheduler.result_queue`; empty without the overlap schedule)."""
+    return {id(req) for batch, _ in getattr(scheduler, "result_queue", ()) for req in batch.reqs}
+
+
 class SpecController:
     """Per-decode-scheduler controller. `step` runs at the top of every scheduler iteration."""
 
-    def __init__(self, transfers: Transfers, config: LynxConfig,
+    def __init__(self, transfers: Transfers, config: LynxConfig, recorder: Recorder,
                  publisher: SpecStreamPublisher | None = None, fault_verify_delay_s: float = 0.0):
         self.transfers = transfers
+        self.recorder = recorder  # the process's: `spec` records and the speculation metrics
         self.max_tokens = config.spec_max_tokens
         self.deadline_s = config.spec_deadline_s
         self.parked: list = []
@@ -112,8 +134,12 @@ class SpecController:
     def step(self, scheduler) -> None:
         running = scheduler.running_batch
         now = time.monotonic()
+        # A request SGLang is aborting (`to_finish`: its next processed step finishes it and frees
+        # its KV) stays in the batch: parked or verified here, under the overlap schedule the step
+        # in flight would still finish it and free its KV under the controller.
         active = [(i, req) for i, req in enumerate(running.reqs)
-                  if getattr(req, "lynx_spec", None) is not None and not req.finished()]
+                  if getattr(req, "lynx_spec", None) is not None and not req.finished()
+                  and req.to_finish is None]
         candidates = [req for _, req in active] + self.parked
         if not candidates:
             return
@@ -121,7 +147,9 @@ class SpecController:
             for req in candidates:
                 self._publish_speculative(req, req.lynx_spec)
         outcomes = [self._outcome(req.lynx_spec) for req in candidates]
-        park = [self._park_reason(req, req.lynx_spec, now) for _, req in active]
+        in_flight = _in_flight(scheduler)
+        park = [self._park_reason(req, req.lynx_spec, now, id(req) in in_flight)
+                for _, req in active]
         failed, applied, parked = self._agree(
             scheduler, [int(state is ResidualState.FAILED) for state, _ in outcomes],
             [int(state is ResidualState.APPLIED) for state, _ in outcomes],
@@ -131,6 +159,14 @@ class SpecController:
             in_batch = k < len(active)
             if failed[k]:
                 abort.append((req, outcomes[k][1] or "failed on another TP rank"))
+            elif applied[k] and in_batch and id(req) in in_flight:
+                # SGLang's overlap schedule runs this step before it processes the results of
+                # the decode step now in flight, which holds a KV slot and will append a token
+                # to this request: verifying now would check a state that step then changes
+                # (verify_forward refused it). Out of the running batch, the request joins no
+                # further step; that one's result is processed in this iteration, and the next
+                # step verifies the request parked.
+                self._park(req, IN_FLIGHT_PARK_REASON)
             elif applied[k]:
                 verify.append(req)
             elif in_batch and parked[k]:
@@ -171,10 +207,11 @@ class SpecController:
             return ResidualState.FAILED, "Residual transfer cancelled"
         return out.state, out.reason
 
-    def _park_reason(self, req, st: SpecState, now: float) -> str | None:
+    def _park_reason(self, req, st: SpecState, now: float, in_flight: bool) -> str | None:
         if st.finish_pending:
             return "speculative finish (EOS, stop or length) held for verification"
-        if len(req.output_ids) - st.verified_len >= self.max_tokens:
+        # Under the overlap schedule, a token of the step in flight is not in output_ids yet.
+        if len(req.output_ids) + in_flight - st.verified_len >= self.max_tokens:
             return f"speculative token cap ({self.max_tokens}) reached"
         if now - st.t_committed > self.deadline_s:
             return f"Residual later than --lynx-spec-deadline-s {self.deadline_s:g} s"
@@ -227,7 +264,7 @@ class SpecController:
         from sglang.srt.disaggregation.utils import prepare_abort
         from sglang.srt.mem_cache.common import release_kv_cache
 
-        metrics.record_verification(0, 0, "aborted")
+        self.recorder.metrics.record_verification(0, 0, "aborted")
         # Roll back to the verified prefix first: a partial answer must not contain a token
         # the exact KV never confirmed.
         del req.output_ids[st.verified_len:]
@@ -241,6 +278,15 @@ class SpecController:
     def _verify_and_resume(self, scheduler, reqs: list) -> None:
         from sglang.srt.mem_cache.common import release_kv_cache
 
+        if scheduler.enable_overlap:
+            # The forward of the step in flight may still run on the forward stream (on a GPU;
+            # on CPU it has returned): the verification forward writes the same KV pool after it.
+            scheduler.schedule_stream.wait_stream(scheduler.forward_stream)
+        for req in reqs:
+            # A step that overshot a held finish (overlap schedule) left its token dropped
+            # (`hooks.update_finish_state_around`) and its KV slot and draft logits here.
+            free_kv_past_output(scheduler, req)
+            del req.lynx_spec.draft_logits[len(req.output_ids) - req.lynx_spec.verified_len:]
         to_check = [r for r in reqs if len(r.output_ids) > r.lynx_spec.verified_len]
         runner = scheduler.tp_worker.model_runner
         passes_before = runner.forward_pass_id
@@ -260,7 +306,7 @@ class SpecController:
             self.transfers.note_verification(verify_s)
             self.counters.verify_forwards += 1
             self.counters.verify_model_passes += passes
-            metrics.record_verify_time(verify_s)
+            self.recorder.metrics.record_verify_time(verify_s)
         by_req = dict(zip((id(r) for r in to_check), logits, strict=True))
         resume = []
         for req in reqs:
@@ -271,8 +317,9 @@ class SpecController:
                 result = apply_acceptance(req, st, decide(req, st, by_req[id(req)]))
                 rollback(scheduler, req, st.verified_len, result)
                 recount_reasoning(scheduler, req, st)
-            log_verification(self.counters, req, st, result, verify_s if checked else 0.0,
-                             passes if checked else 0, len(to_check), wall0 if checked else None)
+            log_verification(self.recorder, self.counters, req, st, result,
+                             verify_s if checked else 0.0, passes if checked else 0,
+                             len(to_check), wall0 if checked else None)
             if len(req.output_ids) > st.verified_len:
                 req.update_finish_state(len(req.output_ids) - st.verified_len)
             if self.publisher is not None:

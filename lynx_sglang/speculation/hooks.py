@@ -70,6 +70,12 @@ def update_finish_state_around(original, req, new_accepted_len: int = 1):
     st = getattr(req, "lynx_spec", None)
     if st is None or req.to_finish is not None or len(req.output_ids) <= st.verified_len:
         return original(req, new_accepted_len)
+    if st.finish_pending:
+        # Under SGLang's overlap schedule the decode step launched before the finish was held
+        # still appends its token: drop it, as SGLang drops a finished request's overshoot step
+        # (its KV slot is freed before the verification, `SpecController._verify_and_resume`).
+        del req.output_ids[-new_accepted_len:]
+        return None
     original(req, new_accepted_len)
     if req.finished_reason is not None:
         # A finish decided on unverified tokens: hold it; verification decides for real.

@@ -1,37 +1,40 @@
 """The record of one verification (`log_verification`): the request's `spec` trace record, the
 speculation counters, the verification metric and the `SPEC_RECORD` log line that the tools
 (`lynx-sglang bench-ttft`, the demo, the fault matrix) parse. Called by
-`speculation.controller.SpecController` after each verification forward."""
+`speculation.controller.SpecController` after each verification forward, with the process's
+recorder (`recorder.Recorder`) that the record and the metrics go to."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from .. import metrics, trace
 from ..names import SPEC_RECORD, record_line
+from ..recorder import Recorder
+from ..trace import Trace
 from .state import SpecCounters, SpecState, VerifyResult
 
 logger = logging.getLogger(__name__)
 
 
-def log_verification(c: SpecCounters, req, st: SpecState, result: VerifyResult, verify_s: float,
-                     model_passes: int, batch_size: int, verify_start: float | None) -> None:
+def log_verification(recorder: Recorder, c: SpecCounters, req, st: SpecState,
+                     result: VerifyResult, verify_s: float, model_passes: int, batch_size: int,
+                     verify_start: float | None) -> None:
     """What one request's verification leaves behind: its `spec` trace record, the counters `c`
     (the controller's), the verification metric and the SPEC_RECORD log line the tools parse."""
-    tr = trace.Trace("spec", st.room)
+    tr = Trace("spec", st.room)
     if verify_start is not None:
         tr.mark("verify_start", verify_start)
         tr.mark("verify_end", verify_start + verify_s)
     tr.facts.update(rid=req.rid, speculated=result.speculated, accepted=result.accepted,
                     no_spec_reason=st.no_spec_reason, parked_reason=st.parked_reason,
                     verify_batch=batch_size)
-    trace.emit(tr)
+    recorder.emit(tr)
     c.verifications += 1
     c.speculated_tokens += result.speculated
     c.accepted_tokens += result.accepted
     c.rolled_back_tokens += result.speculated - result.accepted
-    metrics.record_verification(result.speculated, result.accepted,
+    recorder.metrics.record_verification(result.speculated, result.accepted,
                                 "not_speculable" if st.no_spec_reason else "verified")
     now = time.monotonic()
     logger.info("%s", record_line(SPEC_RECORD, {

@@ -134,8 +134,10 @@ def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
     """Allocate the KV slot at position P+n of each request that wants a bonus token; 1 where
     one was allocated. Without free slots for all of them, none gets one (the verification is
     then the plain one; nothing is evicted for it)."""
-    # A request holding slots past its committed KV (none does without SGLang's overlap
-    # schedule) gets no bonus: position P+n must be the next one allocated.
+    # A request holding slots past its committed KV gets no bonus: position P+n must be the next
+    # one allocated. None does here: SGLang's decode commits each slot as it allocates it, and
+    # under its overlap schedule a request is verified only once no step of it is in flight
+    # (`controller.IN_FLIGHT_PARK_REASON`).
     wanted = [w and r.kv.kv_allocated_len == r.kv.kv_committed_len
               for r, w in zip(reqs, wanted, strict=True)]
     want = [r for r, w in zip(reqs, wanted, strict=True) if w]
@@ -189,7 +191,13 @@ def apply_acceptance(req, st: SpecState, acc: Acceptance) -> VerifyResult:
 
 def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:
     """Free the KV slots of the rejected positions. After `apply_acceptance`, output_ids ends in
-    the token the next decode step feeds, so the request keeps KV for prompt + output_ids[:-1]."""
+    the token the next decode step feeds (`free_kv_past_output`)."""
+    free_kv_past_output(scheduler, req)
+
+
+def free_kv_past_output(scheduler, req) -> None:
+    """Keep KV for prompt + output_ids[:-1], what the next decode step (or a verification)
+    needs, and free the request's slots past it."""
     keep = len(req.origin_input_ids) + len(req.output_ids) - 1
     held = req.kv.kv_allocated_len
     if held > keep:

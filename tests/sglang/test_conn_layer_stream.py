@@ -363,11 +363,11 @@ def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd, monk
     """SGLang aborts a request whose client left while its forward ran, and frees its KV slots
     right after the forward: the streamed room stops reading them and fails as aborted (not as
     bad data), nothing is held."""
-    from lynx_sglang import metrics
     from lynx_sglang.failures import FailureKind
+    from lynx_sglang.metrics import Metrics
 
     kinds: list[FailureKind] = []
-    monkeypatch.setattr(metrics, "record_failure", kinds.append)
+    monkeypatch.setattr(Metrics, "record_failure", lambda _, kind: kinds.append(kind))
     pd = make_pd(make_cfg(target="exact"))
     req, gate, g = _start_streamed_request(sgl, pd, room=1104, seed=24)
     forward_layer(pd, req, 0, g)

@@ -64,3 +64,25 @@ def test_no_fallbacks_without_cpu_engine():
     out = _run(cpu_engine=False)
     assert "active False" in out
     assert "sgl_kernel missing" in out
+
+
+def test_prefill_module_sees_always_complete_cuda_events():
+    """The guard of `disaggregation.prefill` (its overlap path records a CUDA event before the
+    early send of a cached prefix): that module's torch.cuda.Event is torch.cpu.Event, every
+    other torch name is the real one, and torch itself is untouched."""
+    import types
+
+    import torch
+
+    from lynx_sglang import cpu_compat
+
+    module = types.ModuleType("prefill_probe")
+    module.torch = torch
+    cpu_compat._cpu_events_in_prefill(module)
+    event = module.torch.cuda.Event()
+    event.record(module.torch.cpu.Stream())
+    event.synchronize()
+    assert event.query()
+    assert module.torch.zeros is torch.zeros
+    assert module.torch.cuda.is_available is torch.cuda.is_available
+    assert torch.cuda.Event is not torch.cpu.Event

@@ -1,7 +1,8 @@
 """What a broken or hostile peer can send the decode applier and the prefill sender, refused without
 harm (no SGLang needed): aux items that would overflow SGLang's buffers, malformed or competing
-prefill identities, silent sessions that would hold up others, and a dead decode that would stall
-the transfers to every other one."""
+prefill identities (an impostor that claims a rank before the real one, with or without a rank key
+of its own), silent sessions that would hold up others, and a dead decode that would stall the
+transfers to every other one."""
 
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from lynx_sglang.backend import decode_sessions
+from lynx_sglang.backend import decode_bindings, decode_sessions
 from lynx_sglang.backend.aux import check_aux_items, pack_aux, unpack_aux
 from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
+from lynx_sglang.backend.decode_bindings import BootstrapSlot, Registration
 from lynx_sglang.backend.identity import IDENTITY_REQUEST, Identity
+from lynx_sglang.backend.rank_key import Claimant, RankKey
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.errors import KVStreamError
+from lynx_sglang.metrics import Metrics
+from lynx_sglang.recorder import Recorder
 
 
 def test_aux_items_that_do_not_fit_are_refused():
@@ -39,10 +44,17 @@ def test_malformed_identities_are_refused(meta):
     assert Identity.parse(meta) is None
 
 
-def _who(port: int = 4000, config: LynxConfig | None = None) -> bytes:
-    """A prefill rank's identity announcement, with its wire settings."""
-    return json.dumps({"rank_ip": "1.2.3.4", "rank_port": port,
-                       "config": (config or LynxConfig()).wire_settings()}).encode()
+DECODE_ADDRESS = "tcp://5.6.7.8:9"
+# The rank key the bootstrap server lists for every prefill rank of these tests (`_applier`).
+RANK_KEY = RankKey()
+
+
+def _who(port: int = 4000, config: LynxConfig | None = None, key: RankKey = RANK_KEY,
+         ip: str = "1.2.3.4", settings: bool = True) -> bytes:
+    """A prefill rank's identity announcement, with its wire settings (unless not `settings`),
+    signed for this decode with `key`."""
+    who = Identity(ip, port, (config or LynxConfig()).wire_settings() if settings else None)
+    return Claimant(who, key).claim(DECODE_ADDRESS).encode()
 
 
 class _Session:
@@ -62,6 +74,8 @@ class _Session:
 
 
 class _Endpoint:
+    address = DECODE_ADDRESS
+
     def __init__(self, sessions):
         self.sessions = list(sessions)
 
@@ -75,9 +89,21 @@ class _Endpoint:
         pass
 
 
-def _applier(endpoint) -> DecodeApplier:
-    link = DecodeLink(lambda *a: None, lambda *a: None, lambda *a: None, lambda: None)
-    return DecodeApplier(LynxConfig(), lambda: None, None, None, endpoint, link)
+def _no_bootstrap(slot, timeout):
+    raise LookupError("no bootstrap server in this test")
+
+
+def _applier(endpoint, lookup=_no_bootstrap) -> DecodeApplier:
+    """An applier whose bootstrap lookups listed RANK_KEY for ports 4000-4009 of 1.2.3.4 and
+    1.2.3.5; asking again goes to `lookup`."""
+    link = DecodeLink(lambda *a: None, lambda *a: None, lambda *a: None, lambda: None, lookup)
+    applier = DecodeApplier(LynxConfig(), lambda: None, None, None, endpoint, link,
+                            Recorder.for_process())
+    for ip in ("1.2.3.4", "1.2.3.5"):
+        for port in range(4000, 4010):
+            applier.bindings.record(BootstrapSlot("boot:1", 0, 0, port - 4000, 0),
+                                    Registration((ip, port), RANK_KEY.public))
+    return applier
 
 
 def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
@@ -108,13 +134,13 @@ def test_a_live_rank_is_never_taken_over():
     first = _Session(_who())
     thief = _Session(_who(), "tcp://6.6.6.6:1")
     sessions = _applier(_Endpoint([])).sessions
-    assert sessions._identify(first, time.monotonic() + 1)
-    assert sessions._identify(thief, time.monotonic() + 1)
+    assert sessions._identify(first, time.monotonic())
+    assert sessions._identify(thief, time.monotonic())
     assert thief.closed and not first.closed
     assert sessions.get(("1.2.3.4", 4000)) is first
     first.closed = True  # once the first is gone, a restarted prefill may take the rank
     again = _Session(_who())
-    assert sessions._identify(again, time.monotonic() + 1) and not again.closed
+    assert sessions._identify(again, time.monotonic()) and not again.closed
 
 
 def test_other_wire_settings_are_refused_at_connect_naming_the_flags(caplog):
@@ -124,7 +150,7 @@ def test_other_wire_settings_are_refused_at_connect_naming_the_flags(caplog):
     other = LynxConfig.build(target="int8", chunk_tokens=128)
     s = _Session(_who(config=other))
     with caplog.at_level("ERROR"):
-        assert sessions._identify(s, time.monotonic() + 1)
+        assert sessions._identify(s, time.monotonic())
     assert "--lynx-target" in s.answer["refused"]  # told before its session is closed
     assert sessions.get(("1.2.3.4", 4000)) is None
     why = sessions.refused(("1.2.3.4", 4000))
@@ -132,13 +158,77 @@ def test_other_wire_settings_are_refused_at_connect_naming_the_flags(caplog):
     assert "--lynx-chunk-tokens: prefill 128, decode 256" in why
     assert "--lynx-anchor-bits" not in why
     assert sum("other --lynx-* settings" in r.message for r in caplog.records) == 1
-    bare = _Session(b'{"rank_ip": "1.2.3.5", "rank_port": 4000}')
-    assert sessions._identify(bare, time.monotonic() + 1) and "refused" in bare.answer
+    bare = _Session(_who(ip="1.2.3.5", settings=False))
+    assert sessions._identify(bare, time.monotonic()) and "refused" in bare.answer
     assert "(not sent)" in sessions.refused(("1.2.3.5", 4000))
     fixed = _Session(_who())  # restarted with the same flags: accepted, the refusal forgotten
-    assert sessions._identify(fixed, time.monotonic() + 1) and not fixed.closed
+    assert sessions._identify(fixed, time.monotonic()) and not fixed.closed
     assert fixed.answer == {"accepted": True}
     assert sessions.refused(("1.2.3.4", 4000)) is None
+
+
+def test_an_impostor_that_claims_a_rank_first_neither_takes_it_nor_gets_it_refused(caplog):
+    """A peer holding the transport secret claims a prefill rank before the real prefill does:
+    signed with a rank key of its own (not the one the bootstrap server lists), unsigned, with a
+    proof the real prefill made for another decode (the impostor's own, which the prefill was
+    made to dial), or signed with its own key and other wire settings (which would mark the rank
+    refused). Each is refused, saying why; none takes the rank or fails its rooms, and the real
+    prefill is accepted after them."""
+    sessions = _applier(_Endpoint([])).sessions
+    rank = ("1.2.3.4", 4000)
+    real_identity = Identity(*rank, LynxConfig().wire_settings())
+    claims = {
+        "own key": _who(key=RankKey()),
+        "unsigned": real_identity.encode(),
+        "made for another decode": Claimant(real_identity, RANK_KEY).claim(
+            "tcp://6.6.6.6:1").encode(),
+        "other settings": _who(key=RankKey(), config=LynxConfig.build(target="int8")),
+    }
+    for what, meta in claims.items():
+        thief = _Session(meta, "tcp://6.6.6.6:1")
+        with caplog.at_level("ERROR"):
+            assert sessions._identify(thief, time.monotonic()), what
+        assert "the claim to prefill rank 1.2.3.4:4000 was refused" in thief.answer["refused"]
+        assert sessions.get(rank) is None and sessions.refused(rank) is None, what
+    assert sum("claims prefill rank 1.2.3.4:4000, refused" in r.message
+               for r in caplog.records) == len(claims)
+    real = _Session(_who())
+    assert sessions._identify(real, time.monotonic()) and real.answer == {"accepted": True}
+    assert sessions.get(rank) is real
+
+
+def test_a_claim_being_looked_up_again_holds_up_no_other_peer(monkeypatch):
+    """A claim whose key differs from the recorded one is looked up again at the bootstrap
+    server (here every time: FRESH_S 0); while that lookup hangs, another rank's real prefill is
+    accepted at once, and the claim is refused when the answer comes."""
+    monkeypatch.setattr(decode_bindings, "FRESH_S", 0.0)
+    answer_now = threading.Event()
+
+    def slow_lookup(slot, timeout):
+        answer_now.wait(timeout)
+        return Registration(("1.2.3.4", 4000), RANK_KEY.public)
+
+    thief = _Session(_who(key=RankKey()), "tcp://6.6.6.6:1")
+    other = _Session(_who(port=4001))
+    applier = _applier(_Endpoint([thief, other]), slow_lookup)
+    stop = threading.Event()
+    t = threading.Thread(target=applier.accept_loop, args=(stop,), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    try:
+        while applier.sessions.get(("1.2.3.4", 4001)) is None:
+            assert time.monotonic() - t0 < 1.0, "a rank waited for another claim's lookup"
+            time.sleep(0.01)
+        assert not hasattr(thief, "answer")  # still being looked up
+        answer_now.set()
+        while not hasattr(thief, "answer"):
+            assert time.monotonic() - t0 < 3.0
+            time.sleep(0.01)
+        assert "registered rank key" in thief.answer["refused"]
+        assert applier.sessions.get(("1.2.3.4", 4000)) is None and t.is_alive()
+    finally:
+        stop.set()
+        t.join(2)
 
 
 def test_draft_logits_of_an_aborted_sampled_request_are_forgotten():
@@ -146,7 +236,7 @@ def test_draft_logits_of_an_aborted_sampled_request_are_forgotten():
     from lynx_sglang.speculation.state import SpecState
 
     transfers = SimpleNamespace(cancel=lambda room: False)
-    ctl = SpecController(transfers, LynxConfig())
+    ctl = SpecController(transfers, LynxConfig(), Recorder.for_process())
     st = SpecState(room=9, sampled=True)
     req = SimpleNamespace(bootstrap_room=9, lynx_spec=st, kv=SimpleNamespace(req_pool_idx=3))
     ctl.sampled_by_pool_idx[3] = st
@@ -180,7 +270,8 @@ def _start_sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
         report=lambda room, failure, targets: reports.setdefault(
             room, (time.monotonic(), failure)))
     sender = PrefillSender(cfg, lambda: pool, staging, region, endpoint,
-                           Identity("127.0.0.1", 1), link)
+                           Claimant(Identity("127.0.0.1", 1), RankKey()), link,
+                           Recorder.for_process())
     stop = threading.Event()
     threading.Thread(target=sender.run, args=(stop,), daemon=True).start()
     return sender, stop
@@ -208,9 +299,9 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
     dead_address = f"tcp://127.0.0.1:{dead.getsockname()[1]}"
     reports: dict[int, tuple[float, str | None]] = {}
     with Endpoint(host="127.0.0.1") as dec, Endpoint(host="127.0.0.1") as pre:
-        dec_staging = StagingPool(4 << 20)
+        dec_staging = StagingPool(4 << 20, Metrics())
         region = dec.register(dec_staging.buffer)
-        pre_staging = StagingPool(4 << 20)
+        pre_staging = StagingPool(4 << 20, Metrics())
         pre_region = pre.register(pre_staging.buffer)
         plan = StreamPlan.build(cfg.codec, pool.shape, tokens, cfg.chunk_tokens)
         where = {1: dead_address, 2: dec.address, 3: dead_address}
@@ -258,7 +349,7 @@ def test_a_decode_that_never_answers_the_identity_gets_its_session_closed():
     pool = KVPoolView([torch.randn(256, 2, 64)], [torch.randn(256, 2, 64)])
     reports: dict[int, tuple[float, str | None]] = {}
     with Endpoint(host="127.0.0.1") as dec, Endpoint(host="127.0.0.1") as pre:
-        staging = StagingPool(4 << 20)
+        staging = StagingPool(4 << 20, Metrics())
         sender, stop = _start_sender(cfg, pool, pre, staging, pre.register(staging.buffer),
                                      {1: dec.address}, tokens, reports)
         try:

@@ -11,14 +11,16 @@ import sys
 RECORD_AND_EXPORT = """
 from lynx_sglang import metrics
 from lynx_sglang.failures import FailureKind
-metrics.configure("smollm2", "decode", 1)
-metrics.record_transfer(1000, 3000, 0.25, 1.5)
-metrics.record_failure(FailureKind.TIMEOUT)
-metrics.record_failure(FailureKind.SETTINGS_MISMATCH)
-metrics.record_staging_used(4096)
-metrics.record_verification(10, 7, "verified")
-metrics.record_verification(0, 0, "not_speculable")
-metrics.record_verify_time(0.2)
+m = metrics.Metrics("smollm2", "decode", 1)
+m.record_transfer(1000, 3000, 0.25, 1.5)
+m.record_failure(FailureKind.TIMEOUT)
+m.record_failure(FailureKind.SETTINGS_MISMATCH)
+m.record_staging_used(4096)
+m.record_verification(10, 7, "verified")
+m.record_verification(0, 0, "not_speculable")
+m.record_verify_time(0.2)
+m.record_stage("encode", 0.5)
+m.record_tracked({"decode_rooms": 2})
 print("ENABLED", metrics.enabled())
 import os
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -71,6 +73,8 @@ def test_metrics_reach_the_multiprocess_exporter(tmp_path):
     assert _value(text, "lynx_request_failures_total", kind="timeout") == 1
     assert _value(text, "lynx_request_failures_total", kind="settings_mismatch") == 1
     assert _value(text, "lynx_staging_used_bytes") == 4096
+    assert _value(text, "lynx_stage_seconds_sum", stage="encode") == 0.5
+    assert _value(text, "lynx_tracked_requests", map="decode_rooms") == 2
 
 
 def test_metrics_are_a_no_op_without_enable_metrics():

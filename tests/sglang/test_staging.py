@@ -9,10 +9,11 @@ import pytest
 
 from lynx_sglang.backend.staging import ALIGN, StagingPool
 from lynx_sglang.errors import StagingFullError
+from lynx_sglang.metrics import Metrics
 
 
 def test_allocate_free_coalesce():
-    pool = StagingPool(10 * ALIGN)
+    pool = StagingPool(10 * ALIGN, Metrics())
     a = pool.try_allocate(ALIGN)
     b = pool.try_allocate(3 * ALIGN - 5)
     c = pool.try_allocate(ALIGN)
@@ -27,7 +28,7 @@ def test_allocate_free_coalesce():
 
 
 def test_a_full_pool_gives_none_and_wakes_a_waiter_on_free():
-    pool = StagingPool(4 * ALIGN)
+    pool = StagingPool(4 * ALIGN, Metrics())
     a = pool.try_allocate(4 * ALIGN)
     assert pool.try_allocate(1) is None
     t0 = time.monotonic()
@@ -43,7 +44,7 @@ def test_a_full_pool_gives_none_and_wakes_a_waiter_on_free():
 
 
 def test_a_range_cannot_be_freed_twice():
-    pool = StagingPool(4 * ALIGN)
+    pool = StagingPool(4 * ALIGN, Metrics())
     a = pool.try_allocate(ALIGN)
     pool.free(a)
     with pytest.raises(ValueError, match="freed twice"):

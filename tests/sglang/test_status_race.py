@@ -30,6 +30,7 @@ from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
 from lynx_sglang.backend.pool import KVPoolView
 from lynx_sglang.backend.staging import StagingPool
 from lynx_sglang.config import LynxConfig
+from lynx_sglang.recorder import Recorder
 from lynx_transport import Endpoint
 
 # Rooms raced per run; the acceptance run is LYNX_RACE_ROOMS=10000.
@@ -82,7 +83,8 @@ def _decode_manager(sgl):
     from lynx_sglang.idle import IdleWaiter
     from lynx_sglang.runtime import LynxRuntime
 
-    mgr.lynx_runtime = LynxRuntime(idle=IdleWaiter())
+    recorder = Recorder.for_process()
+    mgr.lynx_runtime = LynxRuntime(idle=IdleWaiter(recorder.metrics), recorder=recorder)
     return mgr
 
 
@@ -98,14 +100,15 @@ def test_a_failed_room_never_shows_success_first(sgl, fine_switching):
     KVPoll = sgl.KVPoll
     config = LynxConfig(transfer_timeout_s=WAITING_S)
     pool = KVPoolView([torch.zeros(64, 2, 64)], [torch.zeros(64, 2, 64)])
-    staging = StagingPool(64 << 20)
     mgr = _decode_manager(sgl)
+    staging = StagingPool(64 << 20, mgr.lynx_runtime.recorder.metrics)
     stop = threading.Event()
     with Endpoint(host="127.0.0.1") as endpoint:
         mgr.applier = DecodeApplier(
             config, lambda: pool, staging, endpoint.register(staging.buffer, name="staging"),
             endpoint, DecodeLink(mgr.report_status, lambda *a: None, lambda *a: None,
-                                 lambda: None), waiting_timeout_s=WAITING_S)
+                                 lambda: None, lambda *a: None), mgr.lynx_runtime.recorder,
+            waiting_timeout_s=WAITING_S)
         applier = threading.Thread(target=mgr.applier.run, args=(stop,), daemon=True)
         applier.start()
         try:

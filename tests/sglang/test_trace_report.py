@@ -1,11 +1,12 @@
 """The stage breakdown of a request's network-exposed TTFT from trace records
-(`lynx_tools.trace_report`), and the trace sink that writes them (`lynx_sglang.trace`)."""
+(`lynx_tools.trace_report`), and the recorder that writes them (`lynx_sglang.recorder`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lynx_sglang import trace
+from lynx_sglang.recorder import Recorder
 from lynx_tools.trace_report import (
     CLIENT_STAGE,
     breakdown,
@@ -16,7 +17,7 @@ from lynx_tools.trace_report import (
 
 
 def _write(tmp_path, speculate: bool) -> None:
-    trace.configure(str(tmp_path))
+    recorder = Recorder.for_process(str(tmp_path))
     t = 1000.0
     tl = trace.Trace("timeline", 7)
     tl.mark("prefill_done", t)
@@ -39,8 +40,7 @@ def _write(tmp_path, speculate: bool) -> None:
     other = trace.Trace("decode", 8)  # another request's record must not be picked up
     other.mark("anchor_landed", t)
     for tr in (tl, pre, dec, req, other):
-        trace.emit(tr)
-    trace.configure(None)
+        recorder.emit(tr)
 
 
 @pytest.mark.parametrize("speculate", [True, False])
@@ -61,12 +61,10 @@ def test_critical_path_adds_up_to_the_network_ttft(tmp_path, speculate):
 
 
 def test_a_request_without_lynx_records_is_one_stage(tmp_path):
-    trace.configure(str(tmp_path))
     tl = trace.Trace("timeline", 0)
     tl.mark("prefill_done", 10.0)
     tl.facts["rid"] = "m"
-    trace.emit(tl)
-    trace.configure(None)
+    Recorder.for_process(str(tmp_path)).emit(tl)
     b = breakdown(records_by_request(tmp_path, "m"), "m", 10.3)
     assert [s.seconds for s in b.stages] == [pytest.approx(0.3)] and b.speculated is None
 

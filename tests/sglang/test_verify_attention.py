@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lynx_sglang.idle import IdleWaiter
+from lynx_sglang.recorder import Recorder
 from lynx_sglang.runtime import LynxRuntime, attach
 from lynx_sglang.speculation import hooks, verify
 
@@ -78,7 +79,9 @@ def _backend(verifying: bool | None):
 
     pool = SimpleNamespace()
     if verifying is not None:
-        attach(pool, LynxRuntime(idle=IdleWaiter(), spec=SimpleNamespace(verifying=verifying)))
+        recorder = Recorder.for_process()
+        attach(pool, LynxRuntime(idle=IdleWaiter(recorder.metrics), recorder=recorder,
+                                 spec=SimpleNamespace(verifying=verifying)))
     return TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=None,
                                                   token_to_kv_pool=pool))
 

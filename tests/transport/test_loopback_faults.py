@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from session_pair import pattern, tcp_pair
+from session_pair import pattern
 
 from lynx_transport import (
     Endpoint,
@@ -30,12 +30,6 @@ from lynx_transport import (
 A, R = Stream.ANCHOR, Stream.RESIDUAL
 PEER = Path(__file__).with_name("peer_proc.py")
 MiB = 1 << 20
-
-
-@pytest.fixture
-def pair():
-    """(receiver endpoint, sender endpoint, receiver session, sender session) over tcp."""
-    yield from tcp_pair()
 
 
 def test_stall_deadline_counts_from_the_latest_landed_byte(pair):

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from session_pair import connected_pair, pattern, tcp_pair
+from session_pair import connected_pair, pattern
 
 from lynx_transport import (
     Endpoint,
@@ -27,12 +27,6 @@ from lynx_transport import (
 
 A, R = Stream.ANCHOR, Stream.RESIDUAL
 MiB = 1 << 20
-
-
-@pytest.fixture
-def pair():
-    """(receiver endpoint, sender endpoint, receiver session, sender session) over tcp."""
-    yield from tcp_pair()
 
 
 class CorruptNext:

@@ -19,8 +19,9 @@ import time
 
 import numpy as np
 import pytest
-from session_pair import pattern
+from session_pair import pattern, wait_until
 from verbs_guest import (
+    GUEST_MARKS,
     LONG_HEARTBEAT_S,
     A,
     KiB,
@@ -30,7 +31,6 @@ from verbs_guest import (
     rdma_devices,
     rdma_resources,
     verbs_endpoint,
-    verbs_pair,
 )
 
 from lynx_transport import (
@@ -41,16 +41,7 @@ from lynx_transport import (
     Status,
 )
 
-pytestmark = [
-    pytest.mark.rdma_vm,
-    pytest.mark.skipif(not rdma_devices(), reason="no RDMA device; run via scripts/rdma_vm.sh"),
-]
-
-
-@pytest.fixture
-def pair():
-    """(receiver endpoint, sender endpoint, receiver session, sender session)."""
-    yield from verbs_pair()
+pytestmark = GUEST_MARKS
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -193,8 +184,8 @@ def test_anchor_overtakes_queued_residual():
         s_tx.wait_announcement(2, timeout=30)
         s_tx.write_stream(1, R, src, 0, n_r)
         s_tx.finish(1, R)
-        while s_rx.recv_state(1, R).nbytes == 0:  # the Residual is on the wire
-            time.sleep(0.002)
+        wait_until(lambda: s_rx.recv_state(1, R).nbytes > 0, 30,  # the Residual is on the wire
+                   "the first Residual bytes", poll_s=0.002)
         r_before = s_rx.recv_state(1, R).nbytes
         s_tx.write_stream(2, A, src, n_r, n_a)
         s_tx.finish(2, A)
@@ -279,8 +270,8 @@ def test_release_waits_for_in_flight_chunks(pair):
     s_tx.wait_announcement(1, timeout=30)
     s_tx.write_stream(1, A, src, 0, n)
     s_tx.finish(1, A)
-    while s_rx.recv_state(1, A).nbytes == 0:
-        time.sleep(0.002)
+    wait_until(lambda: s_rx.recv_state(1, A).nbytes > 0, 30, "the first Anchor bytes",
+               poll_s=0.002)
     s_rx.release(1, timeout=10)
     snapshot = stage.copy()
     assert not s_rx.closed and not s_tx.closed  # fenced by the sender's reply, not by closing

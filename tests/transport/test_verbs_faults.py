@@ -20,18 +20,17 @@ import time
 
 import numpy as np
 import pytest
-from session_pair import connected_pair, pattern
+from session_pair import connected_pair, pattern, wait_until
 from verbs_guest import (
+    GUEST_MARKS,
     LONG_HEARTBEAT_S,
     A,
     KiB,
     R,
     device_options,
-    rdma_devices,
     read_line,
     spawn_peer,
     verbs_endpoint,
-    verbs_pair,
 )
 
 from lynx_transport import (
@@ -43,16 +42,7 @@ from lynx_transport import (
     WriteOp,
 )
 
-pytestmark = [
-    pytest.mark.rdma_vm,
-    pytest.mark.skipif(not rdma_devices(), reason="no RDMA device; run via scripts/rdma_vm.sh"),
-]
-
-
-@pytest.fixture
-def pair():
-    """(receiver endpoint, sender endpoint, receiver session, sender session)."""
-    yield from verbs_pair()
+pytestmark = GUEST_MARKS
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -91,9 +81,8 @@ def test_bounds_refused(pair):
         ann = s_bad.wait_announcement(8, timeout=30)
         ext, info = ann.find(A, dst.id, 0, 4 * KiB)
         bad.backend.post_write(WriteOp(s_bad.id, 99, A, src2, 0, 4 * KiB, dst.id, 0, ext, info))
-        end = time.monotonic() + 30
-        while rx.stats()["backend"]["refused"] < 1 and time.monotonic() < end:
-            time.sleep(0.01)
+        wait_until(lambda: rx.stats()["backend"]["refused"] >= 1, 30,
+                   "the receiver refusing the write that names another request")
         assert rx.stats()["backend"]["refused"] == 1
         assert rx.stats().get("refused_unknown_request") == 1
         st8 = s_rx2.recv_state(8, A)
@@ -125,10 +114,9 @@ def test_write_beyond_its_extent_is_refused_by_the_nic(pair):
         s_bad.finish(7, A)
         sent = s_bad.wait_sent(7, A, timeout=30)
         assert sent.status is Status.FAILED, sent
-        end = time.monotonic() + 30
-        while not s_rx2.closed and time.monotonic() < end:
-            time.sleep(0.01)
-        assert s_rx2.closed and s_bad.closed
+        wait_until(lambda: s_rx2.closed, 30,
+                   "the receiver closing the session whose write the NIC refused")
+        assert s_bad.closed, "the misbehaving sender's session stayed open"
         assert not stage.any(), "bytes landed outside the announced extent"
         print(f"write beyond its extent: sender {sent.reason.value}: {sent.detail}; "
               f"receiver: {s_rx2.close_reason.value}: {s_rx2.close_detail}")
@@ -196,8 +184,8 @@ def test_sender_killed_mid_residual_fails_request():
         s_rx.announce(1, {A: [(dst.id, 0, n_a)], R: [(dst.id, n_a, n_r)]}, deadline_s=120)
         a = s_rx.wait(1, A, timeout=90)
         assert a.ok and a.aux == b"first-token", a
-        while s_rx.recv_state(1, R).nbytes == 0:
-            time.sleep(0.002)
+        wait_until(lambda: s_rx.recv_state(1, R).nbytes > 0, 30,
+                   "the Residual's first byte at the receiver", poll_s=0.002)
         proc.kill()
         t_kill = time.monotonic()
         r = s_rx.wait(1, R, timeout=30)
@@ -232,8 +220,8 @@ def test_receiver_killed_mid_anchor_fails_request():
         s_tx.finish(1, A)
         s_tx.write_stream(1, R, src, n_a, n_r)
         s_tx.finish(1, R)
-        while s_tx.send_state(1, A).nbytes == 0:
-            time.sleep(0.002)
+        wait_until(lambda: s_tx.send_state(1, A).nbytes > 0, 30,
+                   "the Anchor's first byte leaving the sender", poll_s=0.002)
         proc.kill()
         t_kill = time.monotonic()
         st = s_tx.wait_sent(1, A, timeout=30)
@@ -268,8 +256,8 @@ def test_receiver_stalled_fails_by_heartbeat():
         s_tx.wait_announcement(1, timeout=60)
         s_tx.write_stream(1, A, src, 0, n_a)
         s_tx.finish(1, A)
-        while s_tx.send_state(1, A).nbytes == 0:
-            time.sleep(0.002)
+        wait_until(lambda: s_tx.send_state(1, A).nbytes > 0, 30,
+                   "the Anchor's first byte leaving the sender", poll_s=0.002)
         os.kill(proc.pid, signal.SIGSTOP)
         t_stop = time.monotonic()
         st = s_tx.wait_sent(1, A, timeout=60)

@@ -1,6 +1,6 @@
 """Helpers shared by the soft-RoCE guest test modules of the `verbs` backend (test_verbs_datapath.py,
-test_verbs_faults.py): the RDMA devices present, verbs endpoints and a connected pair of them, the
-kernel's view of RDMA resources, and a verbs_peer.py process to kill.
+test_verbs_faults.py): their marks (`GUEST_MARKS`), the RDMA devices present, verbs endpoints and a
+connected pair of them, the kernel's view of RDMA resources, and a verbs_peer.py process to kill.
 
 Device / GID index come from LYNX_RDMA_DEVICE / LYNX_RDMA_GID_INDEX (set by rdma_vm.sh).
 """
@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from session_pair import connected_pair
 
 from lynx_transport import Endpoint, PriorityPolicy, Session, Stream
@@ -37,6 +38,14 @@ def rdma_devices() -> list[str]:
     return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
 
 
+# The `pytestmark` of every guest test module: selected by `-m rdma_vm` (which also gives it the
+# verbs `pair`, conftest.py), skipped where no RDMA device exists.
+GUEST_MARKS = [
+    pytest.mark.rdma_vm,
+    pytest.mark.skipif(not rdma_devices(), reason="no RDMA device; run via scripts/rdma_vm.sh"),
+]
+
+
 def device_options(**extra) -> dict:
     opts: dict = {"device": os.environ.get("LYNX_RDMA_DEVICE") or None}
     if os.environ.get("LYNX_RDMA_GID_INDEX"):
@@ -52,8 +61,8 @@ def verbs_endpoint(name: str, chunk: int = 64 * KiB, mode: str = "strict", **opt
 
 
 def verbs_pair() -> Iterator[tuple[Endpoint, Endpoint, Session, Session]]:
-    """`connected_pair` of two verbs endpoints ("rx" and "tx"), for the `pair` fixture of the
-    guest test modules."""
+    """`connected_pair` of two verbs endpoints ("rx" and "tx"), for the `pair` fixture
+    (conftest.py) of the guest test modules."""
     yield from connected_pair(verbs_endpoint("rx"), verbs_endpoint("tx"), timeout=30)
 
 

@@ -1,0 +1,109 @@
+"""Lynx under SGLang's defaults: the overlap scheduler and the prefill's radix cache, through real
+PD (prefill + decode + router, CPU).
+
+Every other end-to-end module passes `--disable-overlap-schedule`. Here both servers run SGLang's
+overlap schedule, where the decode launches step N+1 before it processes step N's results, and
+the prefill keeps its radix cache. The Anchor is coarse and the prefill holds each Residual back
+RESIDUAL_DELAY_S (test_pd_lynx_spec's knobs), short enough that it lands while the request is
+still decoding: the decode speculates, rolls back, and verifies requests whose decode step is in
+flight (`speculation.controller.IN_FLIGHT_PARK_REASON`). Of PROMPTS, the third shares a long
+prefix with the second and the fourth repeats the first: the prefill sends their cached prefix
+early (SGLang's `maybe_send_cached_prefix_chunk`, which on CPU needs `lynx_sglang.cpu_compat`'s
+event). Every answer must be token-identical to a single server with the same SGLang flags, sent
+the same prompts in the same order (so both radix caches hold the same prefixes).
+
+One PD cluster and one single server for the module, started together; the single server stops
+once it has answered.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
+
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.speculation.controller import IN_FLIGHT_PARK_REASON
+from lynx_tools.client import generate
+from lynx_tools.cluster import Cluster
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+CONTEXT = " ".join(f"Item {i}: the value of key k{i} is {i * 37 % 101}." for i in range(24))
+PROMPTS = (
+    "The capital of France is",
+    CONTEXT + " Question: what is the value of key k17? Answer:",
+    CONTEXT + " Question: what is the value of key k5? Answer:",
+    "The capital of France is",
+)
+# Long enough that the Residual lands before the last decode step even on a quiet machine
+# (measured here, 2 busy cores: ~0.1 s a step, and the Residual applied 0.3-0.8 s after its hold).
+MAX_NEW_TOKENS = 24
+# Long enough for a few decode steps on the Anchor.
+RESIDUAL_DELAY_S = 0.5
+
+
+@dataclass(frozen=True)
+class Runs:
+    reference: list[list[int]]
+    pd: list[list[int]]
+    pd_cluster: Cluster
+
+
+@pytest.fixture(scope="module")
+def runs(sglang_model, start_cluster, pd_link, tmp_path_factory) -> Runs:
+    single = ClusterSpec(sglang_model, ClusterMode.SINGLE, overlap_schedule=True,
+                         run_dir=tmp_path_factory.mktemp("single"))
+    pd = ClusterSpec(
+        sglang_model, ClusterMode.PD, "lynx", link=pd_link, overlap_schedule=True,
+        # The cap above MAX_NEW_TOKENS: speculation ends when the Residual lands, not at a cap.
+        server_args=(*COARSE_ANCHOR_SPEC_ARGS, "--lynx-spec-max-tokens", str(MAX_NEW_TOKENS + 1)),
+        extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
+    )
+    with ThreadPoolExecutor(1) as pool:
+        pd_started = pool.submit(start_cluster, pd)
+        with Cluster(single) as server:
+            reference = [_greedy(server.url, prompt) for prompt in PROMPTS]
+        cluster = pd_started.result()
+    return Runs(reference, [_greedy(cluster.url, prompt) for prompt in PROMPTS], cluster)
+
+
+def _greedy(url: str, prompt: str) -> list[int]:
+    return generate(url, text=prompt, max_new_tokens=MAX_NEW_TOKENS).output_ids
+
+
+def _log(cluster: Cluster, name: str) -> str:
+    return cluster.log_path(name).read_text(errors="replace")
+
+
+def test_greedy_identical_to_a_single_server(runs):
+    for prompt, got, want in zip(PROMPTS, runs.pd, runs.reference, strict=True):
+        assert got == want, prompt[:60]
+
+
+def test_speculation_rolls_back_and_waits_for_the_step_in_flight(runs):
+    marker = "lynx spec "
+    lines = [json.loads(line.split(marker, 1)[1])
+             for line in _log(runs.pd_cluster, "decode").splitlines() if marker in line]
+    assert len(lines) == len(PROMPTS), lines
+    assert all(rec["speculated"] > 0 for rec in lines), lines
+    # A finish held for verification drops the token of the step that overshot it: no request
+    # speculates past max_new_tokens (the first token is the prefill's).
+    assert all(rec["speculated"] < MAX_NEW_TOKENS for rec in lines), lines
+    assert sum(rec["rolled_back"] for rec in lines) > 0, lines
+    # A Residual landed while its request had a decode step in flight: verified one step later.
+    assert any(rec["parked_reason"] == IN_FLIGHT_PARK_REASON for rec in lines), lines
+
+
+def test_prefill_sent_cached_prefixes(runs):
+    log = _log(runs.pd_cluster, "prefill")
+    cached = [int(n) for n in re.findall(r"#cached-token: (\d+)", log)]
+    # The shared context of prompts 2 and 3, and prompt 1 again (all but its last token).
+    assert sum(n > 0 for n in cached) >= 2, cached
+    # SGLang's CUDA event of that early send (lynx_sglang.cpu_compat gives the prefill a CPU one).
+    assert "Tried to instantiate dummy base class Event" not in log

@@ -1,0 +1,107 @@
+"""`SpecController.step` under SGLang's overlap schedule, on stand-in scheduler / request objects
+(tests/sglang/test_pd_lynx_overlap.py covers the real scheduler end to end): a request with a
+decode step in flight (in `Scheduler.result_queue`, its result not processed yet) is not verified
+in that step but taken out of the running batch and verified at the next, the speculative token
+cap counts the token in flight, a request SGLang is aborting is left to SGLang, and the token of a
+step that overshot a held finish is dropped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lynx_sglang.backend.outcome import ResidualOutcome, ResidualState
+from lynx_sglang.config import LynxConfig
+from lynx_sglang.recorder import Recorder
+from lynx_sglang.speculation.controller import IN_FLIGHT_PARK_REASON, SpecController
+from lynx_sglang.speculation.hooks import update_finish_state_around
+from lynx_sglang.speculation.state import SpecState
+
+CAP = 4
+
+
+@dataclass
+class _Req:
+    rid: str
+    output_ids: list[int]
+    lynx_spec: SpecState
+    to_finish: object = None
+
+    def finished(self) -> bool:
+        return False
+
+
+@dataclass
+class _Batch:
+    reqs: list
+
+    def filter_batch(self, keep_indices: list[int]) -> None:
+        self.reqs = [self.reqs[i] for i in keep_indices]
+
+
+@dataclass
+class _Scheduler:
+    running_batch: _Batch
+    result_queue: list = field(default_factory=list)
+    tp_size: int = 1
+
+
+class _Transfers:
+    def __init__(self, state: ResidualState):
+        self.state = state
+
+    def residual_outcome(self, room: int) -> ResidualOutcome:
+        return ResidualOutcome(self.state)
+
+
+def _setup(state: ResidualState, n_output: int):
+    req = _Req("r", list(range(n_output)), SpecState(room=7))
+    sched = _Scheduler(_Batch([req]))
+    # The decode step launched last iteration, whose result SGLang processes after this step.
+    sched.result_queue.append((_Batch([req]), None))
+    ctl = SpecController(_Transfers(state), LynxConfig.build(spec_max_tokens=CAP),
+                         Recorder.for_process())
+    verified: list = []
+    ctl._verify_and_resume = lambda scheduler, reqs: verified.extend(reqs)
+    return req, sched, ctl, verified
+
+
+def test_residual_applied_during_a_step_in_flight_verifies_at_the_next_step():
+    req, sched, ctl, verified = _setup(ResidualState.APPLIED, 3)
+    ctl.step(sched)
+    assert verified == [] and ctl.parked == [req] and sched.running_batch.reqs == []
+    assert req.lynx_spec.parked_reason == IN_FLIGHT_PARK_REASON
+    # SGLang processes that step's result (one more token), then runs the next step.
+    req.output_ids.append(99)
+    sched.result_queue.clear()
+    ctl.step(sched)
+    assert verified == [req] and ctl.parked == []
+
+
+def test_the_cap_counts_the_token_in_flight():
+    # 1 verified + CAP - 1 speculative tokens in output_ids, one more in flight: the cap.
+    req, sched, ctl, verified = _setup(ResidualState.PENDING, CAP)
+    ctl.step(sched)
+    assert ctl.parked == [req] and verified == []
+    assert req.lynx_spec.parked_reason == f"speculative token cap ({CAP}) reached"
+    # Without a step in flight, the same request may take one more.
+    req, sched, ctl, verified = _setup(ResidualState.PENDING, CAP)
+    sched.result_queue.clear()
+    ctl.step(sched)
+    assert ctl.parked == [] and sched.running_batch.reqs == [req]
+
+
+def test_a_token_after_a_held_finish_is_dropped():
+    req = _Req("r", [1, 2, 3], SpecState(room=7, finish_pending=True))
+    called = []
+    # SGLang appended the token of the step launched before the finish was held (4).
+    req.output_ids.append(4)
+    update_finish_state_around(lambda *args: called.append(args), req, 1)
+    assert req.output_ids == [1, 2, 3] and called == []
+
+
+def test_a_request_sglang_is_aborting_stays_in_the_batch():
+    # SGLang's abort_request marks a running request (`to_finish`); the step in flight ends it.
+    req, sched, ctl, verified = _setup(ResidualState.APPLIED, 3)
+    req.to_finish = "abort"
+    ctl.step(sched)
+    assert verified == [] and ctl.parked == [] and sched.running_batch.reqs == [req]
