@@ -36,7 +36,6 @@ import os
 import threading
 from dataclasses import replace
 
-import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     CommonKVReceiver,
@@ -67,6 +66,7 @@ from .decode import DecodeApplier, DecodeLink
 from .faults import FaultPlan
 from .identity import Identity
 from .layer_stream import LayerStreamer
+from .peer_sockets import close_departed_peers
 from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
@@ -96,17 +96,6 @@ def rdma_device(lynx_device: str | None, sglang_devices: str | None, gpu_id: int
         raise LynxConfigError(f"--disaggregation-ib-device: {exc}") from None
     devices = [d.strip() for d in resolved.split(",") if d.strip()]
     return devices[gpu_id % len(devices)] if devices else None
-
-
-def _disconnected(monitor) -> bool:
-    """Whether a socket's monitor (SGLang subscribes it to disconnects only) has reported one."""
-    try:
-        monitor.recv_multipart(zmq.NOBLOCK)
-    except zmq.Again:
-        return False
-    except zmq.ZMQError:
-        pass
-    return True
 
 
 class LynxKVManager(MooncakeKVManager):
@@ -260,6 +249,7 @@ class LynxKVManager(MooncakeKVManager):
 
     # ---- SGLang's control-plane sockets ------------------------------------------------------
     def _register_topology_row(self, url: str, payload: dict) -> None:
+        """SGLang's bootstrap registration of a row, plus this process's rank key on its own."""
         if (payload.get("rank_ip"), payload.get("rank_port")) == (self.local_ip, self.rank_port):
             payload = {**payload, BOOTSTRAP_FIELD: self.rank_key.public}
         super()._register_topology_row(url, payload)
@@ -270,28 +260,9 @@ class LynxKVManager(MooncakeKVManager):
         dialled again; a peer that comes back on a new port (every decode restart) left its
         socket and monitor behind for the life of this process, 3 fds each (measured: +3 fds on
         the prefill per decode restart, with mooncake_tcp as with lynx)."""
-        self._close_departed_peers(keep=endpoint)
+        close_departed_peers(self._socket_lock, self._socket_cache, self._monitor_cache,
+                             self._socket_send_locks, keep=endpoint)
         return super()._connect(endpoint, is_ipv6)
-
-    def _close_departed_peers(self, keep: str) -> None:
-        with self._socket_lock:
-            for endpoint, monitor in list(self._monitor_cache.items()):
-                if endpoint == keep:
-                    continue  # SGLang's own check replaces it
-                send_lock = self._socket_send_locks.get(endpoint)
-                # Checked before the monitor is read, since reading consumes the event: a socket
-                # that is sending now is left for the next call.
-                if send_lock is None or not send_lock.acquire(blocking=False):
-                    continue
-                try:
-                    if not _disconnected(monitor):
-                        continue
-                    self._socket_cache.pop(endpoint).close(linger=0)
-                    self._monitor_cache.pop(endpoint).close()
-                    logger.info("lynx: closed SGLang's socket to %s (the peer disconnected)",
-                                endpoint)
-                finally:
-                    send_lock.release()
 
     def _require_pool(self) -> KVPoolView:
         if self.pool is None:
