@@ -29,6 +29,11 @@ up, then sends each round of step 2 to one variant after another, the first turn
 Measured one whole variant after another, each variant gets its own stretch of a box whose speed
 drifts within the hour (this CPU box's, by up to 3x); interleaved, they share the same conditions.
 
+`--regime R1,R2,…` runs the variants interleaved at each wire-to-forward ratio R instead of one
+link rate: the link re-shaped per R from a measured forward (`tools.ttft_regime` for the rate and
+the report, `tools.ttft_regime_run` for the run, `tools.regimes` for the GPU deployments each R
+stands for).
+
 `--url ROUTER` measures an already running cluster instead, as one variant (`--label`): the same
 warm-up and steps 1 and 2 through that router (its /flush_cache reaches every server). What needs
 the servers' trace files (net TTFT, Lynx's stream times, the stage breakdown) is reported as
@@ -48,41 +53,46 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from lynx_kernels import KVShape
-from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
-from lynx_sglang.trace import read_records
 
-from .client import StreamedGeneration
 from .cluster import Cluster
-from .cluster_spec import ClusterMode, ClusterSpec
 from .measure import (
     DEFAULT_KV_DTYPE,
     add_kv_dtype_argument,
-    kv_dtype_server_args,
     model_kv_shape,
-    wait_for,
 )
 from .progress import Progress
 from .prompts import passkey_prompt, random_ids_prompts
-from .trace_report import breakdown, parse_rate, records_by_request
 from .ttft_clients import (
     run_bench_serving,
     settled_stream_byte_counters,
     stream_prompts,
-    stream_round,
     warm_up,
 )
+from .ttft_clusters import (
+    Measured,
+    cluster_spec,
+    read_traces,
+    run_dir_of,
+    same_text,
+    send_interleaved,
+    start_clusters,
+    variant_result,
+)
+
+# Re-exported: tests/sglang/test_bench_ttft_report.py imports these two from here.
+from .ttft_clusters import interleaved_order as interleaved_order
+from .ttft_clusters import lynx_stream_bytes as lynx_stream_bytes
+from .ttft_regime import REGIME_HELP, check_regime_arguments, parse_regimes
+from .ttft_regime_run import run_regimes
 from .ttft_report import format_table, plot, result_json
 from .ttft_results import (
     BenchConfig,
     BenchError,
-    RequestTiming,
     VariantResult,
     client_timing,
     medians,
@@ -95,83 +105,10 @@ DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
 # default is None, so that check_arguments can tell whether one was given next to --url.
 LAUNCH_DEFAULTS = {"variants": ",".join(DEFAULT_VARIANTS), "baseline": "mooncake",
                    "link": "1gbit", "kv_dtype": DEFAULT_KV_DTYPE, "startup_timeout_s": 300.0,
-                   "interleave": False}
+                   "interleave": False, "regime": None}
 # Options that only apply to an already running cluster (--url).
 EXTERNAL_OPTIONS = ("label", "metrics_url")
 DEFAULT_LABEL = "external"
-
-
-def interleaved_order(names: list[str], rounds: int) -> list[list[str]]:
-    """Which variant sends each round first (`--interleave`): the order turns by one each round,
-    so that none always goes first, or always right after another, on a box whose speed drifts."""
-    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
-
-
-def _same_text(bench: list[RequestTiming], client: list[RequestTiming]) -> bool | None:
-    return [b.text for b in bench] == [c.text for c in client] if bench else None
-
-
-def cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterSpec:
-    return ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
-                       server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
-                       link=cfg.link, startup_timeout_s=cfg.startup_timeout_s, tls=variant.tls,
-                       extra_env={**dict(variant.env), TIMELINE_ENV: "1",
-                                  TRACE_DIR_ENV: str(run_dir / "trace")})
-
-
-@dataclass
-class _Measured:
-    """What one variant's cluster gave, read while it was still up (`_read_records`)."""
-
-    variant: Variant
-    run_dir: Path
-    warmup_attempts: int
-    bench: list[RequestTiming] = field(default_factory=list)
-    streamed: list[StreamedGeneration] = field(default_factory=list)
-    rids: list[str] = field(default_factory=list)
-    per_request: list[dict] = field(default_factory=list)
-    server_config: dict | None = None
-
-
-def _read_records(m: _Measured) -> None:
-    """The servers' trace records of `m`'s streamed requests (the servers write them
-    asynchronously: given a moment), and the decode's effective Lynx configuration."""
-    trace_dir = m.run_dir / "trace"
-    is_lynx = m.variant.transfer_backend == "lynx"
-    needed = ("timeline", "decode", "request") if is_lynx else ("timeline",)
-    wait_for(lambda: all(k in records_by_request(trace_dir, rid) for rid in m.rids
-                         for k in needed))
-    m.per_request = [records_by_request(trace_dir, rid) for rid in m.rids]
-    m.server_config = next((r["facts"]["config"] for r in read_records(trace_dir)
-                            if r["kind"] == "server" and r["facts"].get("role") == "decode"), None)
-    for rid, records in zip(m.rids, m.per_request, strict=True):
-        missing = [k for k in needed if k not in records]
-        if missing:
-            raise BenchError(f"{m.variant.name}: no {missing} trace record for request {rid} in "
-                             f"{trace_dir}")
-
-
-def _result(m: _Measured, cfg: BenchConfig, kv_shape: KVShape) -> VariantResult:
-    is_lynx = m.variant.transfer_backend == "lynx"
-    rate = parse_rate(cfg.link)
-    client = []
-    for i, (g, rid, records) in enumerate(zip(m.streamed, m.rids, m.per_request, strict=True)):
-        transfer = None
-        if is_lynx:
-            transfer = dict(records["decode"]["marks"])
-            transfer.update(anchor_bytes=records["decode"]["facts"]["anchor_bytes"],
-                            residual_bytes=records["decode"]["facts"]["residual_bytes"])
-        client.append(client_timing(i, g, cfg.token_marks,
-                                    records["timeline"]["marks"]["prefill_done"], transfer,
-                                    breakdown(records, rid, g.t_first_token, rate)))
-    if is_lynx:
-        stream_bytes = lynx_stream_bytes(m.variant.name, [r.stream_bytes for r in client])
-    else:
-        stream_bytes = {"kv": kv_shape.bytes_for(cfg.prompt_tokens)}
-    return VariantResult(m.variant, m.bench + client, stream_bytes, is_lynx,
-                         _same_text(m.bench, client), str(m.run_dir), m.warmup_attempts,
-                         m.server_config)
-
 
 def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
                 warmup_ids: list[int], kv_shape: KVShape, run_dir: Path,
@@ -181,14 +118,14 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
     t0 = time.monotonic()
     with Cluster(cluster_spec(variant, cfg, run_dir), on_wait=progress.waiting) as cluster:
         progress.note(f"up in {time.monotonic() - t0:.0f} s")
-        m = _Measured(variant, run_dir, warm_up(cluster.url, warmup_ids, cfg, progress))
+        m = Measured(variant, run_dir, warm_up(cluster.url, warmup_ids, cfg, progress))
         if cfg.use_bench_serving:
             m.bench = run_bench_serving(cluster.url, variant.name, cfg, run_dir, progress)
         m.streamed, m.rids = stream_prompts(cluster.url, cluster.prefill_url, variant.name,
                                             prompts, cfg, progress)
-        _read_records(m)
+        read_traces(m)
     progress.finish_variant()
-    return _result(m, cfg, kv_shape)
+    return variant_result(m, cfg, kv_shape)
 
 
 def run_interleaved(variants: list[Variant], cfg: BenchConfig, *, prompts: list[list[int]],
@@ -199,51 +136,12 @@ def run_interleaved(variants: list[Variant], cfg: BenchConfig, *, prompts: list[
     drifts in speed instead of each getting its own stretch of time. The clusters that wait
     stay up: each variant runs beside the others' idle servers."""
     with contextlib.ExitStack() as stack:
-        # variant name -> what it measured, and its cluster; in the order of `variants`
-        up: dict[str, tuple[_Measured, Cluster]] = {}
-        for v in variants:
-            run_dir = _run_dir(out, v)
-            progress.start_variant(v.name, "starting cluster (interleaved: all stay up): "
-                                           f"prefill + decode + router (logs {run_dir})")
-            cluster = stack.enter_context(
-                Cluster(cluster_spec(v, cfg, run_dir), on_wait=progress.waiting))
-            up[v.name] = (_Measured(v, run_dir, warm_up(cluster.url, warmup_ids, cfg, progress)),
-                          cluster)
-            progress.finish_variant()
+        up = start_clusters(stack, variants, cfg, warmup_ids, out, progress)
         progress.phase(f"interleaved, {len(variants)} clusters up")
-        n = cfg.concurrency
-        starts = range(0, len(prompts), n)
-        for start, names in zip(starts, interleaved_order(list(up), len(starts)), strict=True):
-            round_ = prompts[start: start + n]
-            for name in names:
-                m, cluster = up[name]
-                progress.note(f"{name}: request {start + len(round_)}/{len(prompts)} "
-                              "(lynx_tools.client)")
-                got, ids = stream_round(cluster.url, cluster.prefill_url, name, round_, start,
-                                        cfg)
-                m.streamed.extend(got)
-                m.rids.extend(ids)
+        send_interleaved(up, prompts, cfg, progress)
         for m, _ in up.values():
-            _read_records(m)
-    return [_result(m, cfg, kv_shape) for m, _ in up.values()]
-
-
-def _run_dir(out: Path, variant: Variant) -> Path:
-    """Where a variant's server logs and trace records go."""
-    return (out / "bench_ttft_runs" / variant.name).resolve()
-
-
-def lynx_stream_bytes(name: str, per_request: list[dict[str, int]]) -> dict[str, int]:
-    """One variant's bytes per stream from its same-length requests: the Anchor's size is fixed by
-    the prompt length, so requests that differ there mean a bug or mixed settings; an exact
-    Residual is as long as each prompt's KV needs (an int8 one is fixed), reported as the
-    median."""
-    anchors = {b["anchor"] for b in per_request}
-    if len(anchors) != 1:
-        raise BenchError(f"{name}: Anchor bytes differ between same-length requests: "
-                         f"{sorted(anchors)}")
-    return {"anchor": anchors.pop(),
-            "residual": round(statistics.median(b["residual"] for b in per_request))}
+            read_traces(m)
+    return [variant_result(m, cfg, kv_shape) for m, _ in up.values()]
 
 
 def external_variant(label: str, url: str) -> Variant:
@@ -282,7 +180,7 @@ def run_external(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]]
     client = [client_timing(i, g, cfg.token_marks, None, None) for i, g in enumerate(streamed)]
     progress.finish_variant()
     return VariantResult(variant, bench + client, stream_bytes, bool(stream_bytes),
-                         _same_text(bench, client), str(run_dir), attempt,
+                         same_text(bench, client), str(run_dir), attempt,
                          unavailable=tuple(unavailable))
 
 
@@ -298,6 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rate of the shaped link between prefill and decode (two network "
                              "namespaces; root), e.g. 1gbit, 10mbit; none = loopback (default "
                              f"{LAUNCH_DEFAULTS['link']})")
+    launch.add_argument("--regime", type=parse_regimes, default=None, metavar="R1,R2,…",
+                        help=REGIME_HELP)
     add_kv_dtype_argument(launch, default=None)
     launch.add_argument("--startup-timeout-s", type=float, default=None,
                         help="seconds each cluster may take to come up (default "
@@ -362,6 +262,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         return
     if external:
         parser.error(f"{', '.join(external)}: only with --url (an already running cluster)")
+    check_regime_arguments(parser, args)
     for k, default in LAUNCH_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, default)
@@ -406,6 +307,9 @@ def run(args: argparse.Namespace) -> int:
     # An external cluster's KV dtype is its own; --model may then hold only a tokenizer.
     kv_shape = None if url else model_kv_shape(model_dir, args.kv_dtype)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.regime:
+        return run_regimes(args.regime, variants, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                           model_dir=model_dir, kv_shape=kv_shape, out=args.out)
     print(f"[bench-ttft] model {model_dir}; link: {link_desc}; variants {list(cfg.variants)}",
           flush=True)
 
@@ -435,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
                                            kv_shape=kv_shape, out=args.out, progress=progress))
         else:
             for v in variants:
-                run_dir = _run_dir(args.out, v)
+                run_dir = run_dir_of(args.out, v)
                 if url:
                     results.append(run_external(v, cfg, prompts=prompts, warmup_ids=warmup_ids,
                                                 metrics_url=args.metrics_url.rstrip("/"),

@@ -35,7 +35,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "bench-ttft",
         "lynx_tools.bench_ttft",
         "TTFT/net TTFT/token times of PD variants (mooncake, lynx, lynx-int8) via sglang.bench_serving, "
-        "or of an already running cluster (--url)",
+        "at wire-to-forward ratios (--regime R,...), or of an already running cluster (--url)",
     ),
     Subcommand(
         "bench-verify",
