@@ -1,8 +1,8 @@
 """The SGLang hook adapters of the transfer path and the idle wait: thin functions SGLang's
 HookRegistry calls in a scheduler process, each finding the process's `runtime.LynxRuntime` from
 the SGLang object it was given and forwarding to one of its components. Where there is none (a
-scheduler of another backend, a decode for the prefill's hooks, a CUDA pool for layer streaming),
-SGLang's own code runs untouched.
+scheduler of another backend, a decode for the prefill's hooks, a pool on neither CPU nor CUDA
+for layer streaming), SGLang's own code runs untouched.
 
 Registered by `lynx_sglang.plugin` (each hook is documented in patches/README.md); the speculation
 hooks are `speculation.hooks`.
@@ -54,7 +54,9 @@ def run_batch_around(original, scheduler, batch, *args, **kwargs):
 
 def set_kv_buffer_after(result, pool, layer, *args, layer_id_override=None, **kwargs):
     """`MHATokenToKVPool.set_kv_buffer`, inside a forward: layer `layer` of the batch is in the
-    pool. Called for every layer of every forward: a few attribute reads where nothing streams."""
+    pool (CUDA: queued on the forward's stream, which is still current here, so the layer's event
+    is recorded after the write). Called for every layer of every forward: a few attribute reads
+    where nothing streams."""
     rt = runtime.of_kv_pool(pool)
     if rt is not None and rt.layer_stream is not None:
         rt.layer_stream.layer_written(pool, layer, layer_id_override)

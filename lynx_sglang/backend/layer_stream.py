@@ -2,24 +2,35 @@
 forward computes the later layers, so that when the forward ends only its last layers are still
 to send (without it, the whole Anchor's encode and wire time came after the forward).
 
-`LayerStreamer` is one prefill scheduler's layer streaming, built by the KV manager for a CPU pool
-(`LayerStreamer.for_pool`, held in the process's `runtime.LynxRuntime`). Two SGLang hooks drive it
-(adapters in `lynx_sglang.hooks`):
+`LayerStreamer` is one prefill scheduler's layer streaming, built by the KV manager for a CPU or
+CUDA pool (`LayerStreamer.for_pool`, held in the process's `runtime.LynxRuntime`). Two SGLang
+hooks drive it (adapters in `lynx_sglang.hooks`):
 - `run_batch` (`Scheduler.run_batch`, the scheduler thread): before an extend forward, each
   request of the batch whose prompt this forward completes (its only or last chunk; earlier
   chunks and a cached prefix are in the pool already) is handed to the sender at once, all in
   one call (`PrefillSender.start_early`, which sends the rooms bound for one decode layer by
   layer together) with the forward's `LayerGate`; after the forward, every layer is open.
 - `layer_written` (`MHATokenToKVPool.set_kv_buffer`, inside the forward): layer l's KV of every
-  request in the batch is in the pool: open layer l.
+  request in the batch is in the pool (CPU), or queued to be written there (CUDA): open layer l.
 
-A forward that raises fails the gate, and the rooms waiting on it fail with the reason. Only CPU
-pools stream: there `set_kv_buffer` has written the rows when it returns; on CUDA it has only
-queued the kernel (per-layer events would be needed: not implemented, see `for_pool`).
+A forward that raises fails the gate, and the rooms waiting on it fail with the reason.
+
+CPU and CUDA pools share this scheduling; only the event differs (`EventFactory`, chosen by
+`for_pool` from the pool's device). On a CPU pool `set_kv_buffer` has written the rows when it
+returns: no event. On CUDA it has only queued the kernel on the forward's stream, so the hook
+records a `torch.cuda.Event` there right after it (and `run_batch` one after the forward, for the
+layers no hook reported) and the gate keeps it with the layer: a wait for layer l returns once the
+layer is opened and its event has completed. The event is polled (`query`) off the scheduler
+thread, on the waiting worker's, within the wait's deadline (`synchronize` has none).
 
 The gate belongs to one forward; the room writer of the sender's destination worker
 (`backend.prefill_writer`) waits on it before reading a layer's pool rows, which the forward never
-writes again for these requests.
+writes again for these requests. On a CUDA pool the codec's Triton path (`lynx_kernels.fused`,
+impl "auto") gathers and encodes the rows on the device, on the worker thread's current stream,
+the default one; SGLang 0.5.23's scheduler runs the forward on a stream of its own (non-blocking),
+so those reads do not queue behind the forward's later layers, and the event is what orders each
+read after its write. It then copies the encoded bytes to host staging (`lynx_kernels.wire_write`:
+a synchronous copy through pageable memory; pinned, overlapped staging of that copy is not done).
 """
 
 from __future__ import annotations
@@ -27,10 +38,33 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_left
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
+
+# Polling of a layer's event: from the first delay, doubled up to the last (a layer of a prefill
+# forward takes milliseconds; a late poll delays that layer's encode by at most the last delay).
+_POLL_FIRST_S = 50e-6
+_POLL_LAST_S = 1e-3
+
+
+class LayerEvent(Protocol):
+    """What the gate needs of a device event (`torch.cuda.Event`'s interface)."""
+
+    def record(self) -> None:
+        """Mark the work queued so far on the calling thread's current stream."""
+
+    def query(self) -> bool:
+        """Whether that work has completed."""
+
+
+# Makes an unrecorded event (None: the pool's writes are done when the hook runs, as on CPU).
+EventFactory = Callable[[], LayerEvent]
 
 
 class LayerGateError(RuntimeError):
@@ -39,19 +73,28 @@ class LayerGateError(RuntimeError):
 
 class LayerGate:
     """Which layers of one prefill forward are in the KV pool. Opened in order by the scheduler
-    thread (`written`, `finish`, `fail`); waited on by destination workers (`wait`)."""
+    thread (`written`, `finish`, `fail`), each with the event of its write on a device pool;
+    waited on by destination workers (`wait`)."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self._written = 0
         self._failure: str | None = None
         self._cond = threading.Condition()
+        # Events of the device writes, by the layer each was recorded after (ascending): one
+        # covers its layer and the unreported layers before it, queued earlier on the same stream.
+        self._event_layers: list[int] = []
+        self._events: list[LayerEvent] = []
 
-    def written(self, layer: int) -> None:
-        """Layer `layer` (and, the forward going in order, every layer before it) is written."""
+    def written(self, layer: int, event: LayerEvent | None = None) -> None:
+        """Layer `layer` (and, the forward going in order, every layer before it) is written, or
+        on a device pool queued, `event` recorded after its write."""
         with self._cond:
             if layer + 1 > self._written:
                 self._written = layer + 1
+                if event is not None:
+                    self._event_layers.append(layer)
+                    self._events.append(event)
                 self._cond.notify_all()
 
     @property
@@ -60,9 +103,9 @@ class LayerGate:
         with self._cond:
             return self._written
 
-    def finish(self) -> None:
-        """The forward returned: every layer is written."""
-        self.written(self.num_layers - 1)
+    def finish(self, event: LayerEvent | None = None) -> None:
+        """The forward returned: every layer is written (device pool: queued, `event` after)."""
+        self.written(self.num_layers - 1, event)
 
     def fail(self, why: str) -> None:
         with self._cond:
@@ -70,8 +113,8 @@ class LayerGate:
             self._cond.notify_all()
 
     def wait(self, layer: int, timeout_s: float) -> None:
-        """Return once `layer` is written; LayerGateError if the forward failed first, TimeoutError
-        after `timeout_s`."""
+        """Return once `layer` is written (device pool: once its event has completed);
+        LayerGateError if the forward failed first, TimeoutError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._written <= layer:
@@ -83,6 +126,25 @@ class LayerGate:
                     raise TimeoutError(f"layer {layer} of the prefill forward not written within "
                                        f"{timeout_s:g} s")
                 self._cond.wait(left)
+            at = bisect_left(self._event_layers, layer)
+            event = self._events[at] if at < len(self._events) else None
+        if event is not None:
+            # Outside the lock: the scheduler thread opens later layers meanwhile. A forward that
+            # failed after queueing this layer's write still completes it, so a failure does not
+            # end this wait; a broken device does (`query` raises).
+            _await_event(event, layer, deadline, timeout_s)
+
+
+def _await_event(event: LayerEvent, layer: int, deadline: float, timeout_s: float) -> None:
+    """Poll `event` until it has completed; TimeoutError past `deadline`."""
+    delay = _POLL_FIRST_S
+    while not event.query():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"layer {layer} of the prefill forward queued but not written on "
+                               f"the device within {timeout_s:g} s")
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, _POLL_LAST_S)
 
 
 def _prompt_slots(scheduler, req) -> np.ndarray | None:
@@ -103,24 +165,31 @@ class LayerStreamer:
     """Layer streaming of one prefill scheduler: its sender (a `PrefillSender`) and the gate of the
     forward now running. Scheduler thread only (the gate itself is waited on by the workers)."""
 
-    def __init__(self, sender, num_layers: int):
+    def __init__(self, sender, num_layers: int, make_event: EventFactory | None = None):
         self.sender = sender
         self.num_layers = num_layers
+        self.make_event = make_event
         self.gate: LayerGate | None = None
         self._said_how_layers_open = False
 
     @classmethod
     def for_pool(cls, sender, num_layers: int, device_type: str) -> LayerStreamer | None:
-        """Layer streaming for `sender` over a pool on `device_type`; None where the pool cannot
-        be read during the forward (not a CPU pool)."""
-        if device_type != "cpu":
-            logger.info("lynx: layer streaming off: the KV pool is on %s, where a layer's rows are "
-                        "written only when its queued kernels run (per-layer events: not "
-                        "implemented); each request's Anchor is sent after its forward", device_type)
-            return None
-        logger.info("lynx: layer streaming on: each layer's Anchor is sent while the prefill "
-                    "forward computes the later layers (--no-lynx-layer-stream: after it)")
-        return cls(sender, num_layers)
+        """Layer streaming for `sender` over a pool on `device_type`, with the event its writes
+        need (CUDA: `torch.cuda.Event`; CPU: none); None where the pool cannot be read during the
+        forward (any other device)."""
+        if device_type == "cpu":
+            logger.info("lynx: layer streaming on: each layer's Anchor is sent while the prefill "
+                        "forward computes the later layers (--no-lynx-layer-stream: after it)")
+            return cls(sender, num_layers)
+        if device_type == "cuda":
+            logger.info("lynx: layer streaming on: per-layer CUDA events; each layer's Anchor is "
+                        "sent once the forward's kernels have written it, while they compute the "
+                        "later layers (--no-lynx-layer-stream: after the forward)")
+            return cls(sender, num_layers, torch.cuda.Event)
+        logger.info("lynx: layer streaming off: the KV pool is on %s, where a layer's rows are "
+                    "written only when its queued kernels run (per-layer events: CUDA only); "
+                    "each request's Anchor is sent after its forward", device_type)
+        return None
 
     def run_batch(self, original, scheduler, batch, *args, **kwargs):
         """SGLang's `run_batch`, with the rooms whose prompt an extend forward completes handed
@@ -145,15 +214,24 @@ class LayerStreamer:
         finally:
             self.gate = None
         self._say_how_layers_opened(gate.opened)
-        gate.finish()
+        gate.finish(self._recorded_event())
         return result
 
     def layer_written(self, pool, layer, layer_id_override: int | None) -> None:
-        """Inside the forward: `layer`'s KV rows of the batch are in `pool`."""
+        """Inside the forward: `layer`'s KV rows of the batch are in `pool` (CUDA: queued)."""
         gate = self.gate
         if gate is not None:
             layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-            gate.written(layer_id - getattr(pool, "start_layer", 0))
+            gate.written(layer_id - getattr(pool, "start_layer", 0), self._recorded_event())
+
+    def _recorded_event(self) -> LayerEvent | None:
+        """On a device pool, an event recorded on the scheduler thread's current stream, the
+        forward's, after the work queued so far; None on a CPU pool."""
+        if self.make_event is None:
+            return None
+        event = self.make_event()
+        event.record()
+        return event
 
     def _say_how_layers_opened(self, opened: int) -> None:
         """Once: whether the first streamed forward opened its layers one by one."""
