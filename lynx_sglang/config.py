@@ -110,8 +110,8 @@ class LynxConfig:
     layer_stream: bool = _opt(
         True, "prefill: encode and send each layer's Anchor while the prefill forward computes "
               "the later layers, so that when the forward ends only its last layers are still "
-              "to send (with chunked prefill: the forward of the prompt's last chunk); on a CPU "
-              "KV pool (a CUDA pool would need per-layer events: not implemented). "
+              "to send (with chunked prefill: the forward of the prompt's last chunk); CPU and "
+              "CUDA KV pools (on CUDA through per-layer events). "
               "--no-lynx-layer-stream sends after the forward")
     staging_mib: int = _opt(256, "registered staging memory per server for in-flight requests' "
                                  "encoded KV, in MiB")
