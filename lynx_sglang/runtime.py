@@ -5,8 +5,8 @@ Built by the KV manager (`backend.manager.LynxKVManager`), in two steps: at cons
 process's recorder (`recorder.Recorder`: its metric labels and trace sink, also handed to every
 component that records) and the idle waiter (its transfer threads notify it from the start); when
 SGLang hands it the KV pool (`attach_kv_pool`, from the plugin's `_init_kv_manager` hook) the rest
-by role: on a prefill the sender and, on a CPU or CUDA pool, the layer streamer; on a speculative decode
-the speculation controller.
+by role: on a prefill the sender and, on a CPU or CUDA pool, the layer streamer; on a speculative
+decode the speculation controller.
 The manager holds it as `lynx_runtime`, and so does the KV pool it was handed (`attach`).
 
 Found by the hook adapters (`lynx_sglang.hooks`, `speculation.hooks`):
