@@ -55,6 +55,8 @@ PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_re
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
+CREATE_RECEIVER = ("sglang.srt.disaggregation.decode.DecodePreallocQueue."
+                   "_create_receiver_and_enqueue")
 
 
 def hook_targets() -> tuple[str, ...]:
@@ -63,7 +65,7 @@ def hook_targets() -> tuple[str, ...]:
 
     return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
             DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST, SCHEDULER_ON_IDLE,
-            UPDATE_STATUS, RUN_BATCH, SET_KV_BUFFER,
+            UPDATE_STATUS, RUN_BATCH, SET_KV_BUFFER, CREATE_RECEIVER,
             *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
 
 
@@ -96,6 +98,7 @@ def register() -> None:
                 HookRegistry.register(PROCESS_BATCH_RESULT, hooks.process_batch_result_around,
                                       HookType.AROUND)
             _register(request_trace.HOOKS)
+            HookRegistry.register(CREATE_RECEIVER, _receiver_made_after, HookType.AFTER)
             if config.layer_stream:
                 HookRegistry.register(RUN_BATCH, hooks.run_batch_around, HookType.AROUND)
                 HookRegistry.register(SET_KV_BUFFER, hooks.set_kv_buffer_after, HookType.AFTER)
@@ -196,6 +199,16 @@ def _init_kv_manager_after(kv_manager, queue):
     if isinstance(kv_manager, LynxKVManager):
         kv_manager.attach_kv_pool(queue.token_to_kv_pool)
     return kv_manager
+
+
+def _receiver_made_after(decode_req, queue, req, *args, **kwargs):
+    """SGLang made a request's KV receiver: tell it how many tokens of KV the prefill sends (the
+    prompt, or what a rebootstrap recomputes), which SGLang's KV indices do not say when they are
+    pages (`LynxKVManager.register_rx_room`)."""
+    receiver = getattr(decode_req, "kv_receiver", None)
+    if receiver is not None:
+        receiver.lynx_kv_tokens = queue._rebootstrap_prefill_len(req)
+    return decode_req
 
 
 def _attach_idle_wait_after(kv_manager, queue):

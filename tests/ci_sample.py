@@ -38,6 +38,7 @@ SAMPLED = (
     "sglang/test_load.py",
     "sglang/test_fault_matrix.py",
     "sglang/test_pd_lynx_overlap.py",
+    "sglang/test_pd_lynx_paged.py",
 )
 SAMPLED_PER_RUN = 3
 # Each runs with its own probability: one request through real SGLang servers inside the

@@ -50,7 +50,7 @@ from lynx_transport import Endpoint
 
 from .. import runtime
 from ..config import LynxConfig
-from ..errors import LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
+from ..errors import KVStreamError, LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
 from ..idle import IdleWaiter
 from ..metrics import Metrics
 from ..names import FAULT_VERIFY_DELAY_ENV
@@ -66,6 +66,7 @@ from .decode import DecodeApplier, DecodeLink
 from .faults import FaultPlan
 from .identity import Identity
 from .layer_stream import LayerStreamer
+from .pages import token_slots
 from .peer_sockets import close_departed_peers
 from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
@@ -282,6 +283,12 @@ class LynxKVManager(MooncakeKVManager):
             return
         if indices_event is not None:
             indices_event.synchronize()
+        try:
+            # Pages under --page-size > 1; SGLang's chunks end on page boundaries but the last.
+            kv_indices = token_slots(kv_indices, self._require_pool().page_size, num_kv_tokens)
+        except KVStreamError as exc:
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=str(exc))
+            return
         self.sender.submit(bootstrap_room, kv_indices, is_last_chunk, aux_index, wait_event,
                            trace_ctx if is_last_chunk else None)
 
@@ -352,6 +359,10 @@ class LynxKVManager(MooncakeKVManager):
             raise SettingsMismatchError(f"lynx needs exactly one prefill rank per decode rank "
                                         f"and request (equal attention TP sizes); got {len(real)}")
         prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
+        # Pages of the whole prompt under --page-size > 1 (no decode-side prefix); the tail of
+        # the last one is where this decode writes its own tokens.
+        kv_indices = token_slots(kv_indices, self._require_pool().page_size,
+                                 getattr(receiver, "lynx_kv_tokens", None))
         return self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index,
                                      getattr(receiver, "lynx_rid", None))
 

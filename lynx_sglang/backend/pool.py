@@ -1,5 +1,6 @@
 """`KVPoolView`: borrowed references to the per-layer K/V tensors of an SGLang MHA token-to-KV
-pool (page size 1), so the codec can read and write a request's token slots.
+pool, so the codec can read and write a request's token slots (whatever the page size: the
+buffers are indexed by token slot; `backend.pages` turns SGLang's page indices into slots).
 
 Built by `LynxKVManager.attach_kv_pool` (the plugin hands it SGLang's pool right after the manager
 is made) on both roles; the prefill sender reads slots, the decode applier writes them. The pool
@@ -15,6 +16,7 @@ import torch
 from lynx_kernels import KVShape, StreamKind
 
 from ..errors import KVStreamError
+from .pages import SUPPORTED_PAGE_SIZES
 
 KINDS = (StreamKind.K, StreamKind.V)
 
@@ -25,6 +27,8 @@ class KVPoolView:
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    # SGLang's --page-size: the KV indices its PD code hands over are pages of this many slots.
+    page_size: int = 1
 
     @classmethod
     def from_sglang_pool(cls, pool) -> KVPoolView:
@@ -33,11 +37,13 @@ class KVPoolView:
                 f"Lynx supports SGLang's MHA KV pool only; got {type(pool).__name__} "
                 "(MLA, hybrid SWA/Mamba and other pools are not supported yet)"
             )
-        if getattr(pool, "page_size", 1) != 1:
+        page_size = int(getattr(pool, "page_size", 1))
+        if page_size not in SUPPORTED_PAGE_SIZES:
             raise KVStreamError(
-                f"Lynx needs --page-size 1 (token-granular KV slots); got {pool.page_size}"
+                f"Lynx supports --page-size {', '.join(map(str, SUPPORTED_PAGE_SIZES))}; "
+                f"got {page_size}"
             )
-        return cls(list(pool.k_buffer), list(pool.v_buffer))
+        return cls(list(pool.k_buffer), list(pool.v_buffer), page_size)
 
     @property
     def shape(self) -> KVShape:

@@ -53,6 +53,7 @@ from ..config import LynxConfig
 from ..recorder import Recorder
 from .faults import FaultPlan
 from .layer_stream import LayerGate
+from .pages import num_pages
 from .pool import KINDS, KVPoolView
 from .prefill_job import Job, KeptRows, StreamedJobs
 from .prefill_link import PrefillLink, SentBytes
@@ -114,14 +115,16 @@ class PrefillSender:
         """SGLang's scheduler thread, as a forward that computes the whole prompt of each
         (room, slots) in `rooms` starts: queue those rooms now, each Anchor layer to be sent once
         `gate` has it. Returns the rooms queued; the others go the usual way after the forward.
-        A room is queued only if it goes to exactly one decode, known now, that allocated as
-        many slots. The rooms bound for one decode go to its worker as one group, which it sends
-        layer by layer across the group (`DestinationWorker.send_group`): every room's first
-        layers go out while the forward computes, not one room after another's whole transfer."""
+        A room is queued only if it goes to exactly one decode, known now, that allocated the
+        pages these slots fill (`backend.pages`). The rooms bound for one decode go to its worker
+        as one group, which it sends layer by layer across the group
+        (`DestinationWorker.send_group`): every room's first layers go out while the forward
+        computes, not one room after another's whole transfer."""
         jobs: list[Job] = []
         for room, slots in rooms:
             destinations = self.link.destinations(room) if self.link.is_live(room) else []
-            if len(destinations) != 1 or destinations[0].num_slots != len(slots):
+            if (len(destinations) != 1 or destinations[0].num_pages
+                    != num_pages(len(slots), self._pool().page_size)):
                 continue
             tr = trace.Trace("prefill", room)
             tr.facts["layer_streamed"] = True
@@ -196,6 +199,10 @@ class PrefillSender:
                     [pool.read(layer, StreamKind.K, was) for layer in layers],
                     [pool.read(layer, StreamKind.V, was) for layer in layers],
                     torch.arange(len(job.slots), device=pool.device))
+                if torch.device(pool.device).type == "cuda":
+                    # The copies are queued on this (the scheduler's) stream, and the worker
+                    # reads them on its own once it has the lock: they must be done by then.
+                    torch.cuda.current_stream(pool.device).synchronize()
             slots = job.slots.copy()
             slots[start:] = tail
             job.slots = slots

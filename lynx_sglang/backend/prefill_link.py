@@ -17,11 +17,11 @@ SENT_BYTES_KEPT = 4096
 
 @dataclass(frozen=True)
 class Destination:
-    """One decode rank a room goes to: its transport address, how many KV slots it allocated, and
-    SGLang's (endpoint, port) to notify."""
+    """One decode rank a room goes to: its transport address, how many KV pages it allocated
+    (slots at page size 1; `backend.pages`), and SGLang's (endpoint, port) to notify."""
 
     session_address: str
-    num_slots: int
+    num_pages: int
     notify: tuple[str, int]
 
 

@@ -26,6 +26,7 @@ from ..errors import SettingsMismatchError
 from ..failures import failure_kind_of
 from ..recorder import Recorder
 from .layer_stream import LayerGateError
+from .pages import num_pages
 from .plan import StreamPlan
 from .pool import KVPoolView
 from .prefill_job import Job, StreamedJobs
@@ -178,9 +179,10 @@ class DestinationWorker:
         plan = StreamPlan.build(config.codec, pool.shape, num_tokens, config.chunk_tokens)
         tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
                         residual_bytes=plan.residual_bytes if config.residual else 0)
-        if dst.num_slots != num_tokens:
-            raise SettingsMismatchError(f"decode allocated {dst.num_slots} KV slots for a "
-                                        f"request of {num_tokens} tokens")
+        if dst.num_pages != num_pages(num_tokens, pool.page_size):
+            raise SettingsMismatchError(f"decode allocated {dst.num_pages} KV pages of "
+                                        f"{pool.page_size} tokens for a request of {num_tokens} "
+                                        "tokens")
         session = deps.sessions.open(dst.session_address)
         ann = session.wait_announcement(room, timeout=config.connect_timeout_s)
         tr.mark("announcement")

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from ..backend.pages import page_ceil
 from .acceptance import Acceptance, accept_greedy, accept_sampled
 from .state import REASONING_STATE, SpecState, VerifyResult
 
@@ -133,7 +134,9 @@ def verify_forward(scheduler, reqs: list, bonus: list[bool]) -> list[torch.Tenso
 def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
     """Allocate the KV slot at position P+n of each request that wants a bonus token; 1 where
     one was allocated. Without free slots for all of them, none gets one (the verification is
-    then the plain one; nothing is evicted for it)."""
+    then the plain one; nothing is evicted for it). With pages (`--page-size` > 1) a position
+    inside the request's last page takes the page's next slot, as SGLang's `alloc_decode` does;
+    one at a page boundary takes the first slot of a new page."""
     # A request holding slots past its committed KV gets no bonus: position P+n must be the next
     # one allocated. None does here: SGLang's decode commits each slot as it allocates it, and
     # under its overlap schedule a request is verified only once no step of it is in flight
@@ -141,12 +144,21 @@ def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
     wanted = [w and r.kv.kv_allocated_len == r.kv.kv_committed_len
               for r, w in zip(reqs, wanted, strict=True)]
     want = [r for r, w in zip(reqs, wanted, strict=True) if w]
-    slots = scheduler.token_to_kv_pool_allocator.alloc(len(want)) if want else None
-    if slots is None:
+    if not want:
         return [0] * len(reqs)
+    allocator = scheduler.token_to_kv_pool_allocator
+    page = allocator.page_size
     req_to_token = scheduler.req_to_token_pool.req_to_token
-    for req, slot in zip(want, slots.tolist(), strict=True):
-        req_to_token[req.kv.req_pool_idx, req.kv.kv_allocated_len] = slot
+    new_page = [r for r in want if r.kv.kv_allocated_len % page == 0]
+    pages = allocator.alloc(len(new_page) * page) if new_page else None
+    if new_page and pages is None:
+        return [0] * len(reqs)
+    firsts = iter(pages[::page].tolist() if new_page else ())
+    for req in want:
+        pos = req.kv.kv_allocated_len
+        slot = (next(firsts) if pos % page == 0
+                else int(req_to_token[req.kv.req_pool_idx, pos - 1]) + 1)
+        req_to_token[req.kv.req_pool_idx, pos] = slot
         req.kv.kv_allocated_len += 1
     return [int(w) for w in wanted]
 
@@ -197,11 +209,15 @@ def rollback(scheduler, req, verified_len: int, result: VerifyResult) -> None:
 
 def free_kv_past_output(scheduler, req) -> None:
     """Keep KV for prompt + output_ids[:-1], what the next decode step (or a verification)
-    needs, and free the request's slots past it."""
+    needs, and free the request's slots past it. With pages only whole pages past the kept
+    positions go back: the rest of the last kept page stays the request's, and SGLang's next
+    `alloc_decode` writes into it (it takes the slot after the last kept one)."""
     keep = len(req.origin_input_ids) + len(req.output_ids) - 1
     held = req.kv.kv_allocated_len
+    free_from = page_ceil(keep, scheduler.token_to_kv_pool_allocator.page_size)
+    if held > free_from:
+        scheduler.tree_cache.free_kv_row(req.kv, [(free_from, held)])
     if held > keep:
-        scheduler.tree_cache.free_kv_row(req.kv, [(keep, held)])
         req.kv.kv_allocated_len = keep
     req.kv.kv_committed_len = keep
 

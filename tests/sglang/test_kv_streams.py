@@ -250,11 +250,13 @@ def test_a_bad_run_on_two_threads_fails_after_both_kinds_ended(bad):
 
 def test_pool_view_refuses_other_pools():
     class Paged:
-        page_size = 16
+        page_size = 8  # not one of pages.SUPPORTED_PAGE_SIZES
         k_buffer = v_buffer = (torch.zeros(1, 1, 8),)
 
     with pytest.raises(KVStreamError, match="page-size"):
         KVPoolView.from_sglang_pool(Paged())
+    Paged.page_size = 16
+    assert KVPoolView.from_sglang_pool(Paged()).page_size == 16
     with pytest.raises(KVStreamError, match="MHA"):
         KVPoolView.from_sglang_pool(object())
 

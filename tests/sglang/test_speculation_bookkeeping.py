@@ -34,11 +34,6 @@ class _TreeCache:
         self.freed.append(list(ranges))
 
 
-@dataclass
-class _Scheduler:
-    tree_cache: _TreeCache = field(default_factory=_TreeCache)
-
-
 PROMPT = list(range(100, 110))  # P = 10
 
 
@@ -80,12 +75,19 @@ def test_rejecting_the_first_draft_keeps_only_the_prefill_token():
 @dataclass
 class _Allocator:
     free: list[int]
+    page_size: int = 1
 
     def alloc(self, n: int):
         if n > len(self.free):
             return None
         out, self.free = self.free[:n], self.free[n:]
         return torch.tensor(out, dtype=torch.int64)
+
+
+@dataclass
+class _Scheduler:
+    tree_cache: _TreeCache = field(default_factory=_TreeCache)
+    token_to_kv_pool_allocator: _Allocator = field(default_factory=lambda: _Allocator([]))
 
 
 @dataclass
