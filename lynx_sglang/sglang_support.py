@@ -94,6 +94,15 @@ def _refusals(ns: argparse.Namespace) -> list[Refusal]:
     if (get("attn_cp_size") or 1) > 1 or (get("dcp_size") or 1) > 1:
         out.append(Refusal("--attn-cp-size/--dcp-size > 1",
                            "context-parallel KV relayout is not implemented"))
+    # Both spellings: SGLang resolves the deprecated --dp-size N --enable-dp-attention into
+    # --attn-dp-size N only after this check.
+    if get("enable_dp_attention") or (get("attn_dp_size") or 1) > 1:
+        out.append(Refusal("--enable-dp-attention/--attn-dp-size > 1",
+                           "under DP attention every forward runs on all attention-DP ranks "
+                           "together (SGLang's MLP sync), but Lynx's verification forward runs on "
+                           "one rank alone, and Lynx's per-DP-rank routing is untested; run "
+                           "without DP attention, or use --disaggregation-transfer-backend "
+                           "mooncake"))
     if get("speculative_algorithm"):
         out.append(Refusal("--speculative-algorithm",
                            "draft-model KV pools are not encoded; SGLang's own speculative "

@@ -43,3 +43,15 @@ def test_the_rust_server_is_refused(monkeypatch):
     monkeypatch.setenv("SGLANG_RUST_SERVER", "1")
     with pytest.raises(UnsupportedSGLangError, match=r"SGLANG_RUST_SERVER=1: .*rank key"):
         check_server_options(argparse.Namespace())
+
+
+@pytest.mark.parametrize("spelling", [{"enable_dp_attention": True, "dp_size": 2},
+                                      {"attn_dp_size": 2}])
+def test_dp_attention_is_refused_with_the_reason(monkeypatch, spelling):
+    """Both spellings as SGLang's parser leaves them (the deprecated one is resolved later): the
+    verification forward would run on one attention-DP rank outside SGLang's MLP sync."""
+    monkeypatch.delenv("SGLANG_RUST_SERVER", raising=False)
+    check_server_options(argparse.Namespace(enable_dp_attention=False, attn_dp_size=1, dp_size=2))
+    with pytest.raises(UnsupportedSGLangError,
+                       match=r"--enable-dp-attention/--attn-dp-size > 1: .*MLP sync.*mooncake"):
+        check_server_options(argparse.Namespace(**spelling))
