@@ -64,10 +64,27 @@ def test_a_secret_file_others_may_access_fails_as_the_servers_would_refuse_it(tm
 def test_this_install_is_found_and_the_exit_status_follows_failures(capsys):
     checks = {c.name: c for c in doctor.run_checks(_args())}
     assert checks["plugin"].verdict is doctor.Verdict.OK  # the editable install registers it
-    assert set(checks) == {"sglang", "plugin", "C codec", "rdma", "secret", "tls"}
+    assert set(checks) == {"sglang", "plugin", "C codec", "rdma", "gpudirect", "secret", "tls"}
     assert main(["doctor", "--model", "Llama-3.1-8B", "--context-tokens", "1048576"]) == 1
     assert "FAIL  staging" in capsys.readouterr().out
 
+
+def test_the_gpudirect_line_says_what_was_found_and_that_staging_is_host_memory(tmp_path):
+    from lynx_transport.gpu_direct import Probes
+
+    (tmp_path / "infiniband" / "mlx5_0").mkdir(parents=True)
+    (tmp_path / "modules").write_text("mlx5_ib 471040 0 - Live 0x0000000000000000\n")
+    fake = Probes(sys_module=tmp_path / "module", proc_modules=tmp_path / "modules",
+                  infiniband=tmp_path / "infiniband", pyverbs=lambda: None)
+    host = doctor.check_gpu_direct(None, fake)
+    assert host.verdict is doctor.Verdict.OK  # host staging works everywhere
+    assert host.detail.startswith("verbs staging in host memory: on RDMA device mlx5_0 neither")
+    (tmp_path / "module" / "nvidia_peermem").mkdir(parents=True)
+    peer = doctor.check_gpu_direct("mlx5_0", fake)
+    assert peer.detail.startswith("GPUDirect RDMA available (nvidia_peermem)")
+    assert "not implemented yet" in peer.detail
+    missing = doctor.check_gpu_direct("mlx5_9", fake)
+    assert "mlx5_9 not found" in missing.detail
 
 
 def test_tls_files_are_handshaken_as_peers_would(tmp_path):

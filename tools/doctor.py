@@ -3,10 +3,11 @@
 Each check is one line: OK, WARN (works, but not as it should for serving) or FAIL (Lynx cannot run
 this way), with what was found and what to do. Checks: the installed SGLang against the supported
 release, the plugin's entry point (how SGLang finds Lynx), the C codec, pyverbs and the RDMA devices
-it sees, the transport secret (its file's mode too, as the servers check it), the TLS files
-(`--tls-cert/--tls-key/--tls-ca`: they load, chain to the CA, and how long they stay valid), and,
-with `--model`, the staging memory one request of `--context-tokens` needs against
-`--staging-mib`. Exit status 1 if any check fails.
+it sees, whether GPUDirect RDMA is possible on the verbs device (`--ib-device`, else the first one;
+Lynx stages in host memory either way), the transport secret (its file's mode too, as the servers
+check it), the TLS files (`--tls-cert/--tls-key/--tls-ca`: they load, chain to the CA, and how long
+they stay valid), and, with `--model`, the staging memory one request of `--context-tokens` needs
+against `--staging-mib`. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import importlib.metadata
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lynx_transport.gpu_direct import Probes
 
 
 class Verdict(Enum):
@@ -81,6 +86,15 @@ def check_rdma() -> Check:
         return Check("rdma", Verdict.WARN, "pyverbs importable, no RDMA device: --lynx-transport "
                      "tcp only (soft-RoCE for a test: rdma link add rxe0 type rxe netdev IFACE)")
     return Check("rdma", Verdict.OK, f"devices {', '.join(devices)}")
+
+
+def check_gpu_direct(device: str | None, probes: Probes | None = None) -> Check:
+    """Whether the NIC could read GPU memory itself on `device` (`lynx_transport.gpu_direct`).
+    OK either way: the verbs transport stages in host memory, which works on every machine."""
+    from lynx_transport import gpu_direct
+
+    found = gpu_direct.detect(device, probes)
+    return Check("gpudirect", Verdict.OK, found.summary())
 
 
 def check_secret(secret_file: str | None, insecure: bool = False) -> Check:
@@ -209,7 +223,7 @@ def check_staging(model: str, context_tokens: int, staging_mib: int) -> Check:
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
     checks = [check_sglang(), check_plugin(), check_codec(), check_rdma(),
-              check_secret(args.secret_file, args.insecure),
+              check_gpu_direct(args.ib_device), check_secret(args.secret_file, args.insecure),
               check_tls(args.tls_cert, args.tls_key, args.tls_ca)]
     if args.model:
         checks.append(check_staging(args.model, args.context_tokens, args.staging_mib))
@@ -224,6 +238,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt length to size staging for (default: %(default)s)")
     parser.add_argument("--staging-mib", type=int, default=256,
                         help="the --lynx-staging-mib you intend (default: %(default)s)")
+    parser.add_argument("--ib-device", default=None,
+                        help="the --lynx-ib-device you intend, for the GPUDirect line "
+                             "(default: the first RDMA device)")
     parser.add_argument("--secret-file", default=None,
                         help="the --lynx-secret-file you intend (default: $LYNX_SGLANG_SECRET)")
     parser.add_argument("--insecure", action="store_true",

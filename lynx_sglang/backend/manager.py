@@ -46,7 +46,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
-from lynx_transport import Endpoint
+from lynx_transport import Endpoint, gpu_direct
 
 from .. import runtime
 from ..config import LynxConfig
@@ -181,6 +181,7 @@ class LynxKVManager(MooncakeKVManager):
                         "auto" if options["gid_index"] is None else options["gid_index"],
                         options["anchor_sl"], options["anchor_tc"], options["residual_sl"],
                         options["residual_tc"])
+            logger.info("lynx: %s", gpu_direct.detect(device).summary())
         else:
             tls = self.lynx.tls_config()
             options = {"tls": tls} if tls else None
