@@ -40,7 +40,7 @@ SAMPLED = (
     "sglang/test_pd_lynx_overlap.py",
     "sglang/test_pd_lynx_paged.py",
 )
-SAMPLED_PER_RUN = 3
+SAMPLED_PER_RUN = 2
 # Each runs with its own probability: one request through real SGLang servers inside the
 # soft-RoCE guest takes ~13 min under emulation, the whole rest of the guest stage ~5.
 OCCASIONAL = {"sglang/test_pd_lynx_verbs.py": 0.25}
