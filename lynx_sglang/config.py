@@ -129,9 +129,9 @@ class LynxConfig:
         True, "decode: start generating as soon as a request's Anchor has landed, then verify the "
               "speculative tokens with one forward once the Residual is in and roll back what "
               "the exact KV disagrees with; SGLang's own output only ever carries verified tokens "
-              "(see --lynx-spec-stream-port); greedy and plain-temperature requests speculate; "
-              "top-k/top-p/min-p, logprob, grammar, penalty and hidden-state requests wait for "
-              "the Residual instead")
+              "(see --lynx-spec-stream-port); greedy, temperature and (with SGLang's pytorch "
+              "sampling backend) top-k/top-p/min-p requests speculate; logprob, grammar, penalty "
+              "and hidden-state requests wait for the Residual instead")
     spec_policy: str = _opt(
         "auto", "decode, with --lynx-speculate: 'auto' speculates on a request only when it "
                 "pays (the Residual's expected arrival, from the measured link rate, is later "

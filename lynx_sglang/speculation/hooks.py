@@ -57,12 +57,17 @@ def process_batch_result_prebuilt_after(result, processor, batch):
 
 def sample_before(runner, logits_output, forward_batch):
     """Record the logits each speculative token of a sampled request is drawn from, before the
-    sampler turns them into probabilities in place."""
+    sampler turns them into probabilities in place, and have the sampler filter them as
+    `speculation.filtering` does."""
     ctl = _spec(runtime.of_kv_pool(runner.token_to_kv_pool))
     if ctl is None or not ctl.sampled_by_pool_idx or not forward_batch.forward_mode.is_decode():
         return None
-    ctl.record_draft_logits(forward_batch.req_pool_indices.tolist(),
-                            logits_output.next_token_logits)
+    pool_indices = forward_batch.req_pool_indices.tolist()
+    if any(i in ctl.sampled_by_pool_idx for i in pool_indices):
+        # Verification filters a draft row as SGLang's full-sort path does; its topk shortcut
+        # (a batch whose requests all set top_k) may keep other tokens tied at a cut.
+        forward_batch.sampling_info.max_top_k = None
+    ctl.record_draft_logits(pool_indices, logits_output.next_token_logits)
     return None
 
 

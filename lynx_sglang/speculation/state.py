@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .filtering import FILTERING_BACKEND, has_filter
+
 
 @dataclass
 class SpecState:
@@ -74,11 +76,13 @@ def is_greedy(req) -> bool:
 
 def not_speculable_reason(req) -> str | None:
     """Why a request must wait for its Residual instead of decoding on the Anchor (None if it
-    may speculate). Verification reproduces greedy decoding and plain temperature sampling
-    exactly; top-k/top-p/min-p truncation, logprobs, grammars and penalties would need more
-    (truncated draft distributions, logprob rewriting, grammar rollback)."""
+    may speculate). Verification reproduces greedy decoding and temperature sampling exactly,
+    top-k/top-p/min-p included where SGLang filters with its torch sampler
+    (`speculation.filtering`); logprobs, grammars and penalties would need more (logprob
+    rewriting, grammar rollback, penalty state rollback)."""
     sp = req.sampling_params
-    if not is_greedy(req) and (sp.top_p < 1.0 or 1 < sp.top_k < (1 << 30) or sp.min_p > 0):
+    if (not is_greedy(req) and has_filter(sp.top_k, sp.top_p, sp.min_p)
+            and _sampling_backend() != FILTERING_BACKEND):
         return "sampled with top-k/top-p/min-p"
     if req.return_logprob:
         return "returns logprobs"
@@ -91,3 +95,10 @@ def not_speculable_reason(req) -> str | None:
             or req.custom_logit_processor):
         return "penalties, logit bias, min_new_tokens or a custom logit processor"
     return None
+
+
+def _sampling_backend() -> str:
+    """The decode server's `--sampling-backend` (SGLang resolves its default at startup)."""
+    from sglang.srt.runtime_context import get_exec
+
+    return get_exec().kernel.sampling_backend

@@ -16,6 +16,7 @@ import torch
 
 from ..backend.pages import page_ceil
 from .acceptance import Acceptance, accept_greedy, accept_sampled
+from .filtering import filter_probs
 from .state import REASONING_STATE, SpecState, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -165,16 +166,15 @@ def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
 
 def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
     """Greedy: compare argmaxes. Sampled: speculative sampling with the exact distribution p and
-    the one each draft token was drawn from, q (both at the request's temperature)."""
+    the one each draft token was drawn from, q: both at the request's temperature and filtered
+    by its top-k/top-p/min-p as SGLang's sampler filters them (`speculation.filtering`)."""
     drafts = list(req.output_ids[st.verified_len:])
     if not st.sampled:
         return accept_greedy(exact_logits, drafts)
-    from sglang.kernels.ops.sampling import softmax as sampler_softmax
-
-    temperature = req.sampling_params.temperature
-    p = sampler_softmax(exact_logits.float() / temperature)
+    sp = req.sampling_params
+    p = _sampler_probs(exact_logits, sp)
     generator = None
-    seed = req.sampling_params.sampling_seed
+    seed = sp.sampling_seed
     if seed is not None:
         generator = torch.Generator().manual_seed(hash((seed, st.room)) & 0x7FFF_FFFF_FFFF_FFFF)
     if len(st.draft_logits) != len(drafts):
@@ -184,8 +184,19 @@ def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
                        "resampling from the first", req.rid, len(st.draft_logits), len(drafts))
         y = int(torch.multinomial(p[0].float(), 1, generator=generator))
         return Acceptance(0, y)
-    q = sampler_softmax(torch.stack(st.draft_logits).float() / temperature)
+    q = _sampler_probs(torch.stack(st.draft_logits), sp)
     return accept_sampled(p, q, drafts, generator)
+
+
+def _sampler_probs(logits: torch.Tensor, sp) -> torch.Tensor:
+    """The rows SGLang's sampler draws from for these logits: divided by a float32 temperature
+    tensor as `Sampler.forward` divides them (the same rounding, so a filter keeps the tokens
+    the sampler kept), its softmax, then top-k/top-p/min-p."""
+    from sglang.kernels.ops.sampling import softmax as sampler_softmax
+
+    temperature = torch.tensor(sp.temperature, dtype=torch.float32, device=logits.device)
+    probs = sampler_softmax(logits.float() / temperature)
+    return filter_probs(probs, sp.top_k, sp.top_p, sp.min_p)
 
 
 def apply_acceptance(req, st: SpecState, acc: Acceptance) -> VerifyResult:

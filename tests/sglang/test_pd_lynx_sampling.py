@@ -10,20 +10,33 @@ merged, so that every cell's expected count is at least 10 per sample); the acce
 against "keep every draft" is shown in tests/sglang/test_acceptance.py. (At 0.1% per position, with
 cells down to 5 expected, the test failed once in about 30 CI runs at position 0, which the
 prefill samples from the same logits in both servers.)
+
+Top-k/top-p/min-p sampling is checked on the same cluster, against requests of the same cluster
+that must wait for the Residual (a `custom_params` entry, which SGLang's sampler ignores, makes
+them not speculable) and so decode on exact KV only: no second server to start.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from statistics import NormalDist
 
 import pytest
 from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
-from sampling_case import SAMPLING_N, sample_many
+from sampling_case import (
+    SAMPLING_N,
+    SAMPLING_NEW_TOKENS,
+    SAMPLING_PROMPT,
+    SAMPLING_TEMPERATURE,
+    sample_many,
+)
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_tools.client import generate
 from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -90,3 +103,47 @@ def test_sampled_outputs_keep_the_single_server_distribution(sampling_cluster, s
     # above compared verified samples, not a run where the Anchor happened to agree everywhere.
     assert sum(rec["speculated"] for rec in lines) > 0, lines[:3]
     assert sum(rec["rolled_back"] for rec in lines) > 0, lines[:3]
+
+
+# Every filter active at once; at temperature 1 on SAMPLING_PROMPT each cuts some tokens.
+FILTERS = {"top_k": 20, "top_p": 0.9, "min_p": 0.02}
+
+
+def _sample_filtered(url: str, tag: str, seed0: int, exact_only: bool) -> dict[str, tuple]:
+    """SAMPLING_N answers with FILTERS, by rid; `exact_only`: requests that may not speculate."""
+    stamp = time.monotonic_ns()
+    extra = {"custom_params": {"lynx_test_exact_only": True}} if exact_only else {}
+
+    def one(i: int) -> tuple[str, tuple[int, ...]]:
+        rid = f"lynx-filtered-{tag}-{stamp}-{i}"
+        got = generate(url, text=SAMPLING_PROMPT, max_new_tokens=SAMPLING_NEW_TOKENS, rid=rid,
+                       sampling={"temperature": SAMPLING_TEMPERATURE, "sampling_seed": seed0 + i,
+                                 **FILTERS, **extra})
+        return rid, tuple(got.output_ids)
+
+    with ThreadPoolExecutor(8) as pool:
+        return dict(pool.map(one, range(SAMPLING_N)))
+
+
+def test_filtered_sampling_speculates_and_keeps_the_exact_distribution(sampling_cluster):
+    log_path = sampling_cluster.log_path("decode")
+    before = log_path.read_text(errors="replace").count("lynx spec ")
+    exact = _sample_filtered(sampling_cluster.url, "exact", 20_000, exact_only=True)
+    ours = _sample_filtered(sampling_cluster.url, "spec", 30_000, exact_only=False)
+    samples = {name: list(answers.values()) for name, answers in (("exact", exact), ("ours", ours))}
+    assert all(len(s) == SAMPLING_NEW_TOKENS for group in samples.values() for s in group)
+    for pos in range(SAMPLING_NEW_TOKENS):
+        stat, df = two_sample_chi2([s[pos] for s in samples["ours"]],
+                                   [s[pos] for s in samples["exact"]])
+        assert df == 0 or stat < _chi2_critical(df, FAMILY_LEVEL / SAMPLING_NEW_TOKENS), (
+            pos, stat, df)
+    records = [json.loads(line.split("lynx spec ", 1)[1])
+               for line in log_path.read_text(errors="replace").splitlines()
+               if "lynx spec " in line][before:]
+    mine = [rec for rec in records if rec["rid"] in ours]
+    waited = [rec for rec in records if rec["rid"] in exact]
+    # The reference never speculated; the filtered requests did, and had drafts rolled back.
+    assert all(rec["speculated"] == 0 and rec["no_spec_reason"] for rec in waited), waited[:3]
+    assert all(rec["no_spec_reason"] is None for rec in mine), mine[:3]
+    assert sum(rec["speculated"] for rec in mine) > 0, mine[:3]
+    assert sum(rec["rolled_back"] for rec in mine) > 0, mine[:3]

@@ -149,20 +149,21 @@ def test_spec_stream_reports_speculation_and_rollbacks(spec_cluster, reference_o
     assert rolled_back > 0, lines  # the coarse Anchor makes this happen (see the first test)
 
 
-def test_top_p_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
+def test_penalized_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
     before = len(_spec_lines(spec_cluster))
     # ignore_eos: a sampled " Paris." + EOS once ended this request after 3 tokens.
     got = generate(spec_cluster.url, text=prompts[0], max_new_tokens=max_new_tokens,
-                   sampling={"temperature": 0.8, "top_p": 0.9, "sampling_seed": 7,
+                   sampling={"temperature": 0.8, "presence_penalty": 0.5, "sampling_seed": 7,
                              "ignore_eos": True})
     assert len(got.output_ids) == max_new_tokens
     (rec,) = _spec_lines(spec_cluster)[before:]
-    assert rec["no_spec_reason"] == "sampled with top-k/top-p/min-p", rec
+    assert rec["no_spec_reason"] == (
+        "penalties, logit bias, min_new_tokens or a custom logit processor"), rec
     assert rec["speculated"] == 0, rec
 
 
 def test_abort_of_a_parked_request_frees_its_kv(spec_cluster, prompts):
-    """SGLang's abort_request searches only its own queues; a parked request is Lynx's. A top-p
+    """SGLang's abort_request searches only its own queues; a parked request is Lynx's. A penalized
     request parks at once and waits RESIDUAL_DELAY_S for its Residual; aborting it then must end
     its stream with an abort, cancel its transfer and give its KV slots back."""
     import threading
@@ -178,7 +179,7 @@ def test_abort_of_a_parked_request_frees_its_kv(spec_cluster, prompts):
         try:
             result["gen"] = generate_stream(
                 spec_cluster.url, text=prompts[-1], max_new_tokens=16, rid=rid, timeout_s=60,
-                sampling={"temperature": 0.8, "top_p": 0.9, "sampling_seed": 3,
+                sampling={"temperature": 0.8, "presence_penalty": 0.5, "sampling_seed": 3,
                           "ignore_eos": True})
         except GenerateError as exc:
             result["error"] = exc
