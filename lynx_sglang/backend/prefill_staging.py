@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from lynx_transport import Session, Stream, TransportError
+from lynx_transport import Session, Stream, TransportError, UnknownRequestError
 
 from ..config import LynxConfig
 from ..errors import StagingFullError
@@ -79,8 +79,8 @@ class InFlightStaging:
         """A room whose streams failed before they were all written: a stream never written
         stays pending for the transport, so the reaper would never free its range. (None: a
         windowed room, whose writer gives back its own unfinished segment.)"""
-        if f is None:
-            return
+        if f is None or f not in self._entries:
+            return  # a windowed room's, or already reaped
         self._entries.remove(f)
         release_request(f.session, f.room)
         self.staging.free(f.staging)
@@ -92,6 +92,11 @@ class InFlightStaging:
         for f in self._entries:
             try:
                 done = all(f.session.send_state(f.room, s).done for s in streams)
+            except UnknownRequestError:
+                # Nothing written yet: a group opens every room before it writes any (a later
+                # room's `allocate` reaps meanwhile). Its writer still owns the range while the
+                # session lives; a closed session will never carry it.
+                done = f.session.closed
             except TransportError:
                 done = True
             if not done:

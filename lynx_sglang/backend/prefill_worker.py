@@ -132,9 +132,14 @@ class DestinationWorker:
             try:
                 step(w)
             except Exception as exc:
-                self.inflight.undo(f)
-                self._fail_room(w.job, exc)
                 writers.remove((w, f))
+                # A cleanup error must not escape: the rest of the group still has to be sent
+                # and this room reported, or SGLang waits for them until its own abort.
+                try:
+                    self.inflight.undo(f)
+                except Exception:
+                    logger.exception("lynx: giving back room %s's staging", w.job.room)
+                self._fail_room(w.job, exc)
 
     def send_job(self, job: Job) -> None:
         """Send one room (its failure fails that room only)."""

@@ -11,6 +11,7 @@ are sent when they do not.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -175,6 +176,47 @@ def test_a_room_that_fails_in_a_streamed_group_leaves_the_others(sgl, make_pd):
     failure_message(sgl, a.receiver)
     wait_for("the prefill staging to be freed", lambda: prefill_staging_free(pd))
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
+
+
+def test_a_streamed_group_whose_second_room_waits_for_prefill_staging_sends_both(sgl, make_pd):
+    """The prefill's staging holds one room of a two-room group until another holder lets go:
+    while the second room waits for its range, the first (opened, nothing written yet) keeps its
+    range and its announcement, and both rooms then arrive exact. (Reaping the first room as
+    delivered there gave its range away and abandoned the whole group: its rooms hung until
+    SGLang's abort.)"""
+    from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.backend.plan import StreamPlan
+    from lynx_sglang.backend.staging import ALIGN as STAGING_ALIGN
+
+    pd = make_pd(make_cfg(target="exact"))
+    prefill = pd.prefill.mgr
+    plan = StreamPlan.build(prefill.lynx.codec, prefill.pool.shape, NUM_TOKENS,
+                            prefill.lynx.chunk_tokens)
+    one_room = -(-plan.staging_bytes // STAGING_ALIGN) * STAGING_ALIGN
+    holder = prefill.staging.try_allocate(prefill.staging.nbytes - one_room)
+    assert holder is not None
+    let_go = threading.Timer(1.0, prefill.staging.free, (holder,))
+    let_go.start()
+    try:
+        a, ga = open_request(sgl, pd, room=1141, seed=61)
+        b, gb = open_request(sgl, pd, room=1142, seed=62, beside=(a,))
+        gate = LayerGate(LAYERS)
+        assert prefill.sender.start_early(
+            [(r.room, r.prefill_slots.numpy().astype("int64")) for r in (a, b)],
+            gate) == {1141, 1142}
+        for layer in range(LAYERS):
+            for req, g in ((a, ga), (b, gb)):
+                forward_layer(pd, req, layer, g)
+            gate.written(layer)
+        gate.finish()
+        for req in (a, b):
+            req.sender.send(req.prefill_slots.to(torch.int32).numpy(), None,
+                            num_kv_tokens=NUM_TOKENS)
+        _all_succeed(sgl, pd, (a, b))
+    finally:
+        let_go.join()
+    wait_for("the prefill staging to be freed", lambda: prefill_staging_free(pd))
+    assert prefill.sender.tracked()["prefill_rooms_streaming"] == 0
 
 
 def test_a_windowed_room_in_a_layer_streamed_group_goes_after_the_forward(sgl, make_pd, caplog):
