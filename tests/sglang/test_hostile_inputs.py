@@ -106,28 +106,42 @@ def _applier(endpoint, lookup=_no_bootstrap) -> DecodeApplier:
     return applier
 
 
+class _Accepting:
+    """`applier.accept_loop` on its own thread for a `with` block, stopped and joined after it;
+    `until` polls for what the loop should bring about, by a deadline counted from its start."""
+
+    def __init__(self, applier: DecodeApplier):
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=applier.accept_loop, args=(self._stop,), daemon=True)
+
+    def __enter__(self) -> _Accepting:
+        self.t0 = time.monotonic()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.thread.join(2)
+
+    def until(self, done, within_s: float, why: str) -> None:
+        while not done():
+            assert time.monotonic() - self.t0 < within_s, why
+            time.sleep(0.01)
+
+
 def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
     monkeypatch.setattr(decode_sessions, "IDENTITY_TIMEOUT_S", 0.5)
     silent = [_Session(None) for _ in range(3)]
     bad = _Session(b"[]")
     real = _Session(_who())
     applier = _applier(_Endpoint([*silent, bad, real]))
-    stop = threading.Event()
-    t = threading.Thread(target=applier.accept_loop, args=(stop,), daemon=True)
-    t0 = time.monotonic()
-    t.start()
-    try:
-        while applier.sessions.get(("1.2.3.4", 4000)) is None:
-            assert time.monotonic() - t0 < 0.4, "a real prefill waited for silent strangers"
-            time.sleep(0.01)
+    with _Accepting(applier) as loop:
+        loop.until(lambda: applier.sessions.get(("1.2.3.4", 4000)) is not None, 0.4,
+                   "a real prefill waited for silent strangers")
         assert bad.closed and applier.sessions.get(("1.2.3.4", 4000)) is real
-        while not all(s.closed for s in silent):  # past the identity deadline
-            assert time.monotonic() - t0 < 3.0
-            time.sleep(0.01)
-        assert t.is_alive()  # nothing a peer sent stopped the thread
-    finally:
-        stop.set()
-        t.join(2)
+        loop.until(lambda: all(s.closed for s in silent), 3.0,
+                   "silent sessions outlived the identity deadline")
+        assert loop.thread.is_alive()  # nothing a peer sent stopped the thread
 
 
 def test_a_live_rank_is_never_taken_over():
@@ -211,24 +225,14 @@ def test_a_claim_being_looked_up_again_holds_up_no_other_peer(monkeypatch):
     thief = _Session(_who(key=RankKey()), "tcp://6.6.6.6:1")
     other = _Session(_who(port=4001))
     applier = _applier(_Endpoint([thief, other]), slow_lookup)
-    stop = threading.Event()
-    t = threading.Thread(target=applier.accept_loop, args=(stop,), daemon=True)
-    t0 = time.monotonic()
-    t.start()
-    try:
-        while applier.sessions.get(("1.2.3.4", 4001)) is None:
-            assert time.monotonic() - t0 < 1.0, "a rank waited for another claim's lookup"
-            time.sleep(0.01)
+    with _Accepting(applier) as loop:
+        loop.until(lambda: applier.sessions.get(("1.2.3.4", 4001)) is not None, 1.0,
+                   "a rank waited for another claim's lookup")
         assert not hasattr(thief, "answer")  # still being looked up
         answer_now.set()
-        while not hasattr(thief, "answer"):
-            assert time.monotonic() - t0 < 3.0
-            time.sleep(0.01)
+        loop.until(lambda: hasattr(thief, "answer"), 3.0, "the claim was never answered")
         assert "registered rank key" in thief.answer["refused"]
-        assert applier.sessions.get(("1.2.3.4", 4000)) is None and t.is_alive()
-    finally:
-        stop.set()
-        t.join(2)
+        assert applier.sessions.get(("1.2.3.4", 4000)) is None and loop.thread.is_alive()
 
 
 def test_draft_logits_of_an_aborted_sampled_request_are_forgotten():

@@ -4,11 +4,12 @@ objects; tests/sglang/test_pd_lynx_paged.py runs them end to end."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from standin_scheduler import StandinScheduler
 
 from lynx_sglang.backend.pages import num_pages, page_ceil, token_slots
 from lynx_sglang.errors import KVStreamError
@@ -60,25 +61,8 @@ class _PagedAllocator:
                 ).reshape(-1)
 
 
-@dataclass
-class _TreeCache:
-    freed: list = field(default_factory=list)
-
-    def free_kv_row(self, kv, ranges):
-        self.freed.append(list(ranges))
-
-
-@dataclass
-class _ReqToTokenPool:
-    req_to_token: torch.Tensor
-
-
-@dataclass
-class _Scheduler:
-    token_to_kv_pool_allocator: _PagedAllocator
-    req_to_token_pool: _ReqToTokenPool = field(
-        default_factory=lambda: _ReqToTokenPool(torch.zeros(2, 64, dtype=torch.int64)))
-    tree_cache: _TreeCache = field(default_factory=_TreeCache)
+def _scheduler(free_pages: list[int]) -> StandinScheduler:
+    return StandinScheduler(_PagedAllocator(free_pages), torch.int64)
 
 
 @dataclass
@@ -95,7 +79,7 @@ class _Req:
     kv: _KV
 
 
-def _req(sched: _Scheduler, prompt: int, n_spec: int, row: int, first_page: int) -> _Req:
+def _req(sched: StandinScheduler, prompt: int, n_spec: int, row: int, first_page: int) -> _Req:
     """Prompt + t0..s(n-1) hold KV in consecutive pages from `first_page`."""
     held = prompt + n_spec
     pages = range(first_page, first_page + num_pages(held, PAGE))
@@ -105,7 +89,7 @@ def _req(sched: _Scheduler, prompt: int, n_spec: int, row: int, first_page: int)
 
 
 def test_bonus_inside_the_last_page_takes_its_next_slot_without_allocating():
-    sched = _Scheduler(_PagedAllocator([]))
+    sched = _scheduler([])
     req = _req(sched, prompt=10, n_spec=3, row=0, first_page=20)  # 13 held: page 23 partial
     assert _bonus_slots(sched, [req], [True]) == [1]
     assert int(sched.req_to_token_pool.req_to_token[0, 13]) == 23 * PAGE + 1
@@ -113,14 +97,14 @@ def test_bonus_inside_the_last_page_takes_its_next_slot_without_allocating():
 
 
 def test_bonus_at_a_page_boundary_takes_a_new_page_or_none_for_anyone():
-    sched = _Scheduler(_PagedAllocator([7]))
+    sched = _scheduler([7])
     at_boundary = _req(sched, prompt=10, n_spec=2, row=0, first_page=20)  # 12 held
     inside = _req(sched, prompt=10, n_spec=1, row=1, first_page=30)  # 11 held
     assert _bonus_slots(sched, [at_boundary, inside], [True, True]) == [1, 1]
     r2t = sched.req_to_token_pool.req_to_token
     assert (int(r2t[0, 12]), int(r2t[1, 11])) == (7 * PAGE, 32 * PAGE + 3)
     # No free page: a request at a boundary gets none, and then neither does anyone.
-    sched2 = _Scheduler(_PagedAllocator([]))
+    sched2 = _scheduler([])
     a = _req(sched2, prompt=10, n_spec=2, row=0, first_page=20)
     b = _req(sched2, prompt=10, n_spec=1, row=1, first_page=30)
     assert _bonus_slots(sched2, [a, b], [True, True]) == [0, 0]
@@ -128,14 +112,14 @@ def test_bonus_at_a_page_boundary_takes_a_new_page_or_none_for_anyone():
 
 
 def test_rollback_frees_only_whole_pages_past_the_kept_positions():
-    sched = _Scheduler(_PagedAllocator([]))
+    sched = _scheduler([])
     req, st = _req(sched, prompt=10, n_spec=8, row=0, first_page=20), SpecState(room=1)  # 18
     rollback(sched, req, st.verified_len, apply_acceptance(req, st, Acceptance(1, 99)))
     # Kept: prompt + t0, s1 = 12 positions, a page boundary: positions 12..17 go (pages 23, 24).
     assert sched.tree_cache.freed == [[(12, 18)]]
     assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 12
 
-    sched = _Scheduler(_PagedAllocator([]))
+    sched = _scheduler([])
     req, st = _req(sched, prompt=10, n_spec=8, row=0, first_page=20), SpecState(room=1)
     rollback(sched, req, st.verified_len, apply_acceptance(req, st, Acceptance(2, 99)))
     # Kept 13: page 23 (positions 12..15) still holds position 12, so only page 24 goes; the
@@ -143,7 +127,7 @@ def test_rollback_frees_only_whole_pages_past_the_kept_positions():
     assert sched.tree_cache.freed == [[(16, 18)]]
     assert req.kv.kv_allocated_len == req.kv.kv_committed_len == 13
 
-    sched = _Scheduler(_PagedAllocator([]))
+    sched = _scheduler([])
     req, st = _req(sched, prompt=10, n_spec=4, row=0, first_page=20), SpecState(room=1)  # 14
     rollback(sched, req, st.verified_len, apply_acceptance(req, st, Acceptance(2, 99)))
     assert sched.tree_cache.freed == []  # 13 kept, 14 held: both in page 23

@@ -4,9 +4,10 @@ end): which output ids survive an acceptance decision and which KV row positions
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from standin_scheduler import StandinScheduler
 
 from lynx_sglang.speculation.acceptance import Acceptance
 from lynx_sglang.speculation.state import SpecState
@@ -26,14 +27,6 @@ class _Req:
     kv: _KV
 
 
-@dataclass
-class _TreeCache:
-    freed: list = field(default_factory=list)
-
-    def free_kv_row(self, kv, ranges):
-        self.freed.append(list(ranges))
-
-
 PROMPT = list(range(100, 110))  # P = 10
 
 
@@ -44,7 +37,7 @@ def _speculated_req(n_spec: int) -> _Req:
 
 
 def test_rejection_keeps_prefix_appends_correction_and_frees_the_rest():
-    req, sched, st = _speculated_req(6), _Scheduler(), SpecState(room=1)
+    req, sched, st = _speculated_req(6), _scheduler(), SpecState(room=1)
     result = apply_acceptance(req, st, Acceptance(2, 99))
     rollback(sched, req, st.verified_len, result)
     assert req.output_ids == [1, 10, 11, 99]
@@ -56,7 +49,7 @@ def test_rejection_keeps_prefix_appends_correction_and_frees_the_rest():
 
 
 def test_full_acceptance_changes_nothing():
-    req, sched, st = _speculated_req(4), _Scheduler(), SpecState(room=1)
+    req, sched, st = _speculated_req(4), _scheduler(), SpecState(room=1)
     result = apply_acceptance(req, st, Acceptance(4, None))
     rollback(sched, req, st.verified_len, result)
     assert req.output_ids == [1, 10, 11, 12, 13]
@@ -65,7 +58,7 @@ def test_full_acceptance_changes_nothing():
 
 
 def test_rejecting_the_first_draft_keeps_only_the_prefill_token():
-    req, sched, st = _speculated_req(3), _Scheduler(), SpecState(room=1)
+    req, sched, st = _speculated_req(3), _scheduler(), SpecState(room=1)
     rollback(sched, req, st.verified_len, apply_acceptance(req, st, Acceptance(0, 7)))
     assert req.output_ids == [1, 7]
     assert sched.tree_cache.freed == [[(11, 13)]]
@@ -84,23 +77,8 @@ class _Allocator:
         return torch.tensor(out, dtype=torch.int64)
 
 
-@dataclass
-class _Scheduler:
-    tree_cache: _TreeCache = field(default_factory=_TreeCache)
-    token_to_kv_pool_allocator: _Allocator = field(default_factory=lambda: _Allocator([]))
-
-
-@dataclass
-class _ReqToTokenPool:
-    req_to_token: torch.Tensor
-
-
-@dataclass
-class _BonusScheduler:
-    token_to_kv_pool_allocator: _Allocator
-    req_to_token_pool: _ReqToTokenPool = field(
-        default_factory=lambda: _ReqToTokenPool(torch.zeros(2, 64, dtype=torch.int32)))
-    tree_cache: _TreeCache = field(default_factory=_TreeCache)
+def _scheduler(free: list[int] | None = None) -> StandinScheduler:
+    return StandinScheduler(_Allocator(free or []), torch.int32)
 
 
 def _bonus_req(n_spec: int, row: int) -> _Req:
@@ -110,7 +88,7 @@ def _bonus_req(n_spec: int, row: int) -> _Req:
 
 
 def test_bonus_slot_then_full_acceptance_keeps_the_bonus_token_and_its_input_kv():
-    sched = _BonusScheduler(_Allocator([77, 78]))
+    sched = _scheduler([77, 78])
     req, st = _bonus_req(4, row=1), SpecState(room=1)
     assert _bonus_slots(sched, [req], [True]) == [1]
     # Position P + n = 14 (the input of the last draft) now has a slot: the verification
@@ -126,7 +104,7 @@ def test_bonus_slot_then_full_acceptance_keeps_the_bonus_token_and_its_input_kv(
 
 
 def test_bonus_slot_is_freed_with_the_rejected_positions():
-    sched = _BonusScheduler(_Allocator([77]))
+    sched = _scheduler([77])
     req, st = _bonus_req(4, row=0), SpecState(room=1)
     assert _bonus_slots(sched, [req], [True]) == [1]
     result = apply_acceptance(req, st, Acceptance(1, 99))
@@ -138,7 +116,7 @@ def test_bonus_slot_is_freed_with_the_rejected_positions():
 
 
 def test_no_bonus_without_free_slots_or_when_not_asked():
-    sched = _BonusScheduler(_Allocator([77]))
+    sched = _scheduler([77])
     a, b = _bonus_req(2, row=0), _bonus_req(3, row=1)
     assert _bonus_slots(sched, [a, b], [True, True]) == [0, 0]  # one slot for two: none
     assert _bonus_slots(sched, [a, b], [False, True]) == [0, 1]
