@@ -181,7 +181,6 @@ class LynxKVManager(MooncakeKVManager):
                         "auto" if options["gid_index"] is None else options["gid_index"],
                         options["anchor_sl"], options["anchor_tc"], options["residual_sl"],
                         options["residual_tc"])
-            logger.info("lynx: %s", gpu_direct.detect(device).summary())
         else:
             tls = self.lynx.tls_config()
             options = {"tls": tls} if tls else None
@@ -191,6 +190,11 @@ class LynxKVManager(MooncakeKVManager):
         self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
                                  secret=self.lynx.load_secret(), allow_insecure=self.lynx.insecure,
                                  backend_options=options, name=f"lynx-{self.rank_port}")
+        if self.lynx.transport == "verbs":
+            # The device the backend opened (ibv_get_device_list's first when none was named),
+            # not a guess made before it picked one.
+            opened = self.endpoint.backend.local_info()["device"]
+            logger.info("lynx: %s", gpu_direct.detect(opened).summary())
 
     def register_buffer_to_engine(self):
         self.staging = StagingPool(self.lynx.staging_mib << 20, self.lynx_runtime.recorder.metrics)
