@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         check(subparsers[args.command], args)
     # SIGTERM ends a tool like Ctrl-C, so the clusters and links it started are stopped by their
     # context managers instead of outliving it (`up` installs its own handler).
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    signal.signal(signal.SIGTERM, _sigterm_once_as_interrupt())
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
@@ -173,8 +173,23 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _sigterm_as_interrupt(signum, frame):
-    raise KeyboardInterrupt
+def _sigterm_once_as_interrupt():
+    """A SIGTERM handler that interrupts the tool once. Later ones are ignored: SIGTERM often
+    comes twice (`timeout` forwards its own, `pkill -f` matches the wrapper and the tool, systemd
+    signals the whole group), and a second interrupt inside the unwinding stopped the cleanup
+    half-way, leaving a server or the router running (SIGKILL still ends the tool)."""
+    interrupted = False
+
+    def handler(signum, frame):
+        nonlocal interrupted
+        if interrupted:
+            print("lynx-sglang: SIGTERM again: still stopping what this tool started",
+                  file=sys.stderr)
+            return
+        interrupted = True
+        raise KeyboardInterrupt
+
+    return handler
 
 
 if __name__ == "__main__":
