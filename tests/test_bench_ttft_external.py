@@ -230,6 +230,8 @@ def test_stream_byte_counters_of_a_metrics_page(stub_url):
     (["--url", "http://x", "--kv-dtype", "float32"], "--kv-dtype: only for the clusters"),
     (["--label", "a", "--metrics-url", "http://y"], "--label, --metrics-url: only with --url"),
     (["--url", "http://x", "--interleave"], "--interleave: only for the clusters"),
+    (["--url", "http://x", "--disable-overlap-schedule"],
+     "--disable-overlap-schedule: only for the clusters"),
     (["--interleave", "--variants", "mooncake,lynx"], "--interleave needs --no-bench-serving"),
     (["--interleave", "--no-bench-serving", "--variants", "lynx", "--baseline", "lynx"],
      "--interleave needs two variants or more"),

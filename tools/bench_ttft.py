@@ -34,6 +34,11 @@ link rate: the link re-shaped per R from a measured forward (`tools.ttft_regime`
 the report, `tools.ttft_regime_run` for the run, `tools.regimes` for the GPU deployments each R
 stands for).
 
+Every server runs SGLang's default overlap scheduler (`--disable-overlap-schedule`: none does;
+`--variants NAME@no-overlap`: that variant does not, beside the others), under which a Lynx
+prefill sends its KV after the forward instead of layer by layer; the configuration line says
+which variant ran which.
+
 `--url ROUTER` measures an already running cluster instead, as one variant (`--label`): the same
 warm-up and steps 1 and 2 through that router (its /flush_cache reaches every server). What needs
 the servers' trace files (net TTFT, Lynx's stream times, the stage breakdown) is reported as
@@ -98,14 +103,23 @@ from .ttft_results import (
     medians,
     ratios,
 )
-from .variants import VARIANTS, Variant, select_variants, variant_names
+from .variants import (
+    DISABLE_OVERLAP_HELP,
+    NO_OVERLAP_SUFFIX,
+    VARIANTS,
+    Variant,
+    scheduler_note,
+    select_variants,
+    variant_names,
+    without_overlap,
+)
 
 DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
 # Options that only apply when this tool starts the clusters, with their defaults: argparse's own
 # default is None, so that check_arguments can tell whether one was given next to --url.
 LAUNCH_DEFAULTS = {"variants": ",".join(DEFAULT_VARIANTS), "baseline": "mooncake",
                    "link": "1gbit", "kv_dtype": DEFAULT_KV_DTYPE, "startup_timeout_s": 300.0,
-                   "interleave": False, "regime": None}
+                   "interleave": False, "regime": None, "disable_overlap_schedule": False}
 # Options that only apply to an already running cluster (--url).
 EXTERNAL_OPTIONS = ("label", "metrics_url")
 DEFAULT_LABEL = "external"
@@ -199,6 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--regime", type=parse_regimes, default=None, metavar="R1,R2,…",
                         help=REGIME_HELP)
     add_kv_dtype_argument(launch, default=None)
+    launch.add_argument("--disable-overlap-schedule", action="store_true", default=None,
+                        help=DISABLE_OVERLAP_HELP + f"; NAME{NO_OVERLAP_SUFFIX} in --variants "
+                             "does it for one variant, to compare both in one run")
     launch.add_argument("--startup-timeout-s", type=float, default=None,
                         help="seconds each cluster may take to come up (default "
                              f"{LAUNCH_DEFAULTS['startup_timeout_s']:.0f})")
@@ -289,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
         variants = select_variants(args.variants)
         if args.baseline not in [v.name for v in variants]:
             raise BenchError(f"--baseline {args.baseline} is not among --variants")
+        if args.disable_overlap_schedule:
+            variants = [without_overlap(v, rename=False) for v in variants]
         link, baseline = (None if args.link == "none" else args.link), args.baseline
         link_desc = (f"{link} shaped veth between two network namespaces (prefill | decode)"
                      if link else "loopback") + f", {args.kv_dtype} KV"
@@ -310,8 +329,8 @@ def run(args: argparse.Namespace) -> int:
     if args.regime:
         return run_regimes(args.regime, variants, cfg, prompts=prompts, warmup_ids=warmup_ids,
                            model_dir=model_dir, kv_shape=kv_shape, out=args.out)
-    print(f"[bench-ttft] model {model_dir}; link: {link_desc}; variants {list(cfg.variants)}",
-          flush=True)
+    print(f"[bench-ttft] model {model_dir}; link: {link_desc}; variants {list(cfg.variants)}"
+          + ("" if url else f"; {scheduler_note(variants)}"), flush=True)
 
     t0 = time.monotonic()
     load_start = os.getloadavg()

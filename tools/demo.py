@@ -7,6 +7,12 @@ time to the 16th and 64th token, bytes per stream, speculated / accepted / rolle
 variants' outputs are identical (lossy ones are only scored against them), as a table,
 `<out>/demo.json` and a timeline PNG.
 
+Every server runs SGLang's default overlap scheduler unless `--disable-overlap-schedule` (or
+`--variants NAME@no-overlap` for one variant): each variant sends one request at a time, so the
+scheduler does not change its greedy tokens and the exact variants' outputs still compare token
+for token. Under overlap a Lynx prefill sends its KV after the forward instead of layer by layer
+(`lynx_sglang.backend.layer_stream`); the configuration line says so.
+
 Times are wall-clock `time.time()` on this one machine: the client's send and each streamed token,
 and the servers' trace records (`lynx_sglang.trace`, written to `<run dir>/trace`): the prefill
 forward done (any backend), and for Lynx every stage of the transfer, SGLang's first step and
@@ -43,7 +49,16 @@ from .netns import netns_available
 from .progress import Progress
 from .prompts import WARMUP_PROMPT, passkey_prompt
 from .trace_report import Breakdown, breakdown, format_breakdown, parse_rate, records_by_request
-from .variants import VARIANTS, WARMUP_ATTEMPTS, Variant, VariantError
+from .variants import (
+    DISABLE_OVERLAP_HELP,
+    NO_OVERLAP_SUFFIX,
+    VARIANTS,
+    WARMUP_ATTEMPTS,
+    Variant,
+    VariantError,
+    scheduler_note,
+    without_overlap,
+)
 from .variants import select_variants as _select
 
 DEFAULT_VARIANTS = ("mooncake", "lynx-nospec", "lynx", "int4-anchor")
@@ -87,6 +102,9 @@ class DemoResult:
     verified_s: float | None = None
     breakdown: Breakdown | None = None
     run_dir: str = ""
+    # Lynx: whether its prefill could stream the KV layer by layer during the forward; not under
+    # SGLang's overlap scheduler, nor with --no-lynx-layer-stream (`layer_streams`).
+    layer_stream: bool = True
 
     @property
     def ttft_s(self) -> float:
@@ -108,6 +126,13 @@ def select_variants(names: str) -> list[Variant]:
         raise DemoError(str(exc)) from exc
 
 
+def layer_streams(variant: Variant) -> bool:
+    """Whether a Lynx variant's prefill streams the KV during its forward: the runtime turns
+    layer streaming off under SGLang's overlap scheduler (lynx_sglang.backend.layer_stream)."""
+    return (variant.transfer_backend == "lynx" and not variant.overlap_schedule
+            and "--no-lynx-layer-stream" not in variant.server_args)
+
+
 def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
                 link: str | None, run_dir: Path, kv_shape: KVShape, kv_dtype: str,
                 startup_timeout_s: float, request_timeout_s: float,
@@ -117,6 +142,7 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
         str(model_dir), ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
         server_args=variant.server_args + kv_dtype_server_args(kv_dtype), link=link,
         startup_timeout_s=startup_timeout_s, tls=variant.tls,
+        overlap_schedule=variant.overlap_schedule,
         extra_env={**dict(variant.env), TIMELINE_ENV: "1", TRACE_DIR_ENV: str(trace_dir)},
     )
     progress.start_variant(variant.name, f"starting cluster: prefill + decode + router "
@@ -173,7 +199,7 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
     return DemoResult(
         variant.name, variant.exact, got.prompt_tokens, got.output_ids,
         rel(done), rel(got.t_first_token), rel(got.t_last_token), token_s, stream_bytes,
-        is_lynx, events, outcome, verified, parts, str(run_dir))
+        is_lynx, events, outcome, verified, parts, str(run_dir), layer_streams(variant))
 
 
 def _fmt_bytes(result: DemoResult) -> str:
@@ -276,6 +302,12 @@ def regime_note(results: list[DemoResult], link_bps: float | None) -> str | None
     wire_s = (lynx.stream_bytes["anchor"] + lynx.stream_bytes["residual"]) * 8 / link_bps
     head = (f"where Lynx pays in this run: its forward took {lynx.prefill_done_s:.1f} s and its "
             f"streams need {wire_s * 1e3:.0f} ms of wire; ")
+    if not lynx.layer_stream:
+        return head + ("its prefill sent them after the forward, as mooncake_tcp sends its whole "
+                       "transfer: under SGLang's overlap scheduler (or --no-lynx-layer-stream) "
+                       "there is no layer streaming, so Lynx saves the bytes it leaves out and, "
+                       "on a link slower than the forward, the wait for the Residual "
+                       "(--disable-overlap-schedule streams layer by layer).")
     if wire_s < lynx.prefill_done_s:
         return head + ("layer streaming sent them while the forward ran, so after it only the "
                        "last layer was left; mooncake_tcp starts its whole transfer after the "
@@ -358,6 +390,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="folder for demo.json, demo_timeline.png and the cluster logs")
     add_kv_dtype_argument(parser)
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help=DISABLE_OVERLAP_HELP + f"; NAME{NO_OVERLAP_SUFFIX} in --variants does "
+                             "it for one variant")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
 
@@ -368,6 +403,8 @@ def run(args: argparse.Namespace) -> int:
     from .model import embedded_model_dir
 
     variants = select_variants(args.variants)
+    if args.disable_overlap_schedule:
+        variants = [without_overlap(v, rename=False) for v in variants]
     if args.max_new_tokens < 1:
         raise DemoError("--max-new-tokens must be at least 1")
     link = default_link() if args.link == "auto" else (None if args.link == "none" else args.link)
@@ -379,8 +416,8 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = passkey_prompt(tokenizer, args.prompt_tokens)
     kv_shape = model_kv_shape(model_dir, args.kv_dtype)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"[demo] model {model_dir}; link: {link_desc}; variants {[v.name for v in variants]}",
-          flush=True)
+    print(f"[demo] model {model_dir}; link: {link_desc}; variants {[v.name for v in variants]}; "
+          f"{scheduler_note(variants)}", flush=True)
 
     t0 = time.monotonic()
     results = []

@@ -13,6 +13,9 @@ The reference runs on a single server with the radix cache off, one request at a
 cluster batches the same prompts together. On this CPU the model computes in fp32 and SGLang's
 torch-native attention works per request, so batching does not change greedy tokens here; a
 mismatch that also appears with `--transfer-backend mooncake_tcp` is batch numerics, not Lynx.
+Both clusters run SGLang's default overlap scheduler, what a loaded deployment runs, unless
+`--disable-overlap-schedule`: the scheduler changes when a step's results are processed, not a
+forward's numbers, so the check needs no deterministic scheduling, only the same one on both sides.
 """
 
 from __future__ import annotations
@@ -174,20 +177,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("out/load.json"),
                         help="JSON report (default out/load.json)")
     add_kv_dtype_argument(parser)
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="pass SGLang's --disable-overlap-schedule to every server, the "
+                             "reference single server included (default: SGLang's overlap "
+                             "scheduler, what a deployment runs): to tell whether a mismatch or "
+                             "leak depends on the scheduler, or to compare with rounds run that "
+                             "way (before 2026-12-06)")
     parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
                         help="extra flags for every server (e.g. -- --lynx-target int8)")
 
 
 def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: float,
              duration_s: float, transfer_backend: str, seed: int, timeout_s: float,
-             server_args: tuple[str, ...], run_dir: Path) -> list[LoadReport]:
+             server_args: tuple[str, ...], run_dir: Path,
+             overlap_schedule: bool = False) -> list[LoadReport]:
+    """The rounds of one run. `overlap_schedule`: SGLang's overlap scheduler on every server
+    (the CLI's default); off by default here for the callers that keep the scheduling of
+    earlier runs (tests/sglang/test_load.py)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = {n: passkey_prompt(tokenizer, n) for n in PROMPT_LENGTHS}
     common = ("--disable-radix-cache", "--enable-metrics", *server_args)
     single = ClusterSpec(model, ClusterMode.SINGLE, run_dir=run_dir / "single",
-                         server_args=common)
+                         server_args=common, overlap_schedule=overlap_schedule)
     with Cluster(single) as cluster:
         logger.info("reference outputs of %d prompts from a single server", len(prompts))
         references = {tuple(ids): generate(cluster.url, input_ids=ids,
@@ -199,7 +212,8 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
     # is not what a round checks. They get the client's timeout instead.
     pd = ClusterSpec(model, ClusterMode.PD, transfer_backend=transfer_backend,
                      run_dir=run_dir / "pd", server_args=common, prefills=prefills,
-                     extra_env=sglang_pd_timeouts_env(timeout_s))
+                     extra_env=sglang_pd_timeouts_env(timeout_s),
+                     overlap_schedule=overlap_schedule)
     reports = []
     with Cluster(pd) as cluster:
         baseline = cluster.decode_used_tokens()
@@ -237,10 +251,12 @@ def run(args: argparse.Namespace) -> int:
                        transfer_backend=args.transfer_backend, seed=args.seed,
                        timeout_s=args.request_timeout_s,
                        server_args=(*kv_dtype_server_args(args.kv_dtype), *args.server_args),
-                       run_dir=out.parent / (out.stem + "_runs"))
+                       run_dir=out.parent / (out.stem + "_runs"),
+                       overlap_schedule=not args.disable_overlap_schedule)
     clean = all(r.clean for r in reports)
     out.write_text(json.dumps({"transfer_backend": args.transfer_backend,
                                "prefills": args.prefills, "clean": clean,
+                               "overlap_schedule": not args.disable_overlap_schedule,
                                "rounds": [dataclasses.asdict(r) for r in reports]}, indent=1))
     total = sum(r.requests for r in reports)
     print(f"{len(reports)} round(s), {total} requests, {sum(r.abandoned for r in reports)} "

@@ -45,6 +45,7 @@ def cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterSp
     return ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
                        link=cfg.link, startup_timeout_s=cfg.startup_timeout_s, tls=variant.tls,
+                       overlap_schedule=variant.overlap_schedule,
                        extra_env={**dict(variant.env), TIMELINE_ENV: "1",
                                   TRACE_DIR_ENV: str(run_dir / "trace")})
 
@@ -81,6 +82,17 @@ def read_traces(m: Measured) -> None:
                              f"{trace_dir}")
 
 
+def speculation_of(records: dict) -> dict[str, int] | None:
+    """Speculated / accepted / rolled-back tokens of one request, from the decode's `spec` record
+    (speculative Lynx, written at its verification); None where it has none."""
+    spec = records.get("spec")
+    if spec is None:
+        return None
+    f = spec["facts"]
+    return {"speculated": f["speculated"], "accepted": f["accepted"],
+            "rolled_back": f["speculated"] - f["accepted"]}
+
+
 def variant_result(m: Measured, cfg: BenchConfig, kv_shape: KVShape) -> VariantResult:
     is_lynx = m.variant.transfer_backend == "lynx"
     rate = parse_rate(cfg.link)
@@ -93,7 +105,8 @@ def variant_result(m: Measured, cfg: BenchConfig, kv_shape: KVShape) -> VariantR
                             residual_bytes=records["decode"]["facts"]["residual_bytes"])
         client.append(client_timing(i, g, cfg.token_marks,
                                     records["timeline"]["marks"]["prefill_done"], transfer,
-                                    breakdown(records, rid, g.t_first_token, rate)))
+                                    breakdown(records, rid, g.t_first_token, rate),
+                                    speculation_of(records)))
     if is_lynx:
         stream_bytes = lynx_stream_bytes(m.variant.name, [r.stream_bytes for r in client])
     else:

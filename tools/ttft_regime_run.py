@@ -37,7 +37,7 @@ from .ttft_regime import (
 )
 from .ttft_report import plot
 from .ttft_results import BenchConfig, BenchError
-from .variants import Variant
+from .variants import Variant, scheduler_note
 
 JSON_NAME = "bench_ttft_regimes.json"
 
@@ -104,7 +104,8 @@ def run_regimes(rs: tuple[float, ...], variants: list[Variant], cfg: BenchConfig
     kv_bytes = model_kv_shape(model_dir, "bfloat16").bytes_for(cfg.prompt_tokens)
     print(f"[bench-ttft] --regime {','.join(f'{r:g}' for r in rs)}: model {model_dir}, "
           f"{cfg.prompt_tokens}-token prompts, BF16 KV {kv_bytes / 2**20:.1f} MiB; variants "
-          f"{list(cfg.variants)} (interleaved), forward measured on {cfg.baseline}", flush=True)
+          f"{list(cfg.variants)} (interleaved), forward measured on {cfg.baseline}; "
+          f"{scheduler_note(variants)}", flush=True)
     variants = [slow_link_variant(v, cfg.request_timeout_s) for v in variants]
     t0, load_start = time.monotonic(), os.getloadavg()
     progress = Progress("bench-ttft", len(variants))

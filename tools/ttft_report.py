@@ -78,10 +78,19 @@ def format_table(results: list[VariantResult], cfg: BenchConfig, link_desc: str,
         lines.append(f"same output text as {cfg.baseline}, prompt by prompt: " + ", ".join(
             f"{name} {ok}" + ("" if exact[name] else " (lossy variant)")
             for name, ok in same.items()))
+    spec = {r.variant.name: [q.speculation for q in r.requests if q.speculation]
+            for r in results}
+    if any(spec.values()):
+        lines.append("speculated/accepted/rolled back tokens per request (lynx client): " + "; ".join(
+            f"{name} " + ", ".join(f"{o['speculated']}/{o['accepted']}/{o['rolled_back']}"
+                                   for o in outcomes)
+            for name, outcomes in spec.items() if outcomes))
     lines.append("TTFT: send -> first token at that client; net TTFT: prefill forward done (prefill "
                  "log) -> first token at lynx_tools.client (bench_serving keeps no wall-clock "
                  "send time); token k: send -> k-th streamed token; from prefill done: the same "
-                 "minus the prefill's forward; (min-max) over the requests.")
+                 "minus the prefill's forward; per token: between the first and last token mark "
+                 "(a speculative request's verified tokens reach the client at once, so there it "
+                 "is below the decode's pace); (min-max) over the requests.")
     for r in results:
         if r.unavailable:
             lines.append(f"{r.variant.name}: unavailable for an already running cluster "

@@ -48,6 +48,9 @@ class RequestTiming:
     lynx_events_s: dict[str, float | None] = field(default_factory=dict)
     # lynx_client: where the network-exposed TTFT went (tools.trace_report).
     stages: Breakdown | None = None
+    # lynx_client, speculative Lynx: speculated / accepted / rolled_back tokens of its
+    # verification (the decode's `spec` record); None without one.
+    speculation: dict[str, int] | None = None
     text: str = ""
 
 
@@ -88,10 +91,11 @@ def parse_bench_serving(result: dict, marks: tuple[int, ...]) -> list[RequestTim
 
 def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
                   prefill_done: float | None, transfer: dict | None,
-                  stages: Breakdown | None = None) -> RequestTiming:
+                  stages: Breakdown | None = None,
+                  speculation: dict[str, int] | None = None) -> RequestTiming:
     """Per-request timing of one streamed request, with the prefill's `prefill_done` time and
-    (Lynx) the decode's transfer record (bytes per stream, landed/applied times) and its stage
-    breakdown."""
+    (Lynx) the decode's transfer record (bytes per stream, landed/applied times), its stage
+    breakdown and its speculation outcome."""
     rel = lambda t: None if t is None else round(t - got.t_send, 6)  # noqa: E731
     ttft = rel(got.t_first_token)
     done = rel(prefill_done)
@@ -103,7 +107,7 @@ def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
         stream_bytes=None if transfer is None else {"anchor": transfer["anchor_bytes"],
                                                     "residual": transfer["residual_bytes"]},
         lynx_events_s={} if transfer is None else {k: rel(transfer.get(k)) for k in LYNX_EVENTS},
-        stages=stages, text=got.text)
+        stages=stages, speculation=speculation, text=got.text)
 
 
 def metric_values(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, list[float]]:

@@ -1,11 +1,12 @@
 """The PD cluster variants the demo and the benchmarks compare, by name: a KV transfer backend
-plus the extra flags every server of the pair gets. One table (`VARIANTS`) for every tool; add a
-variant here to measure it, and `--variants` picks by name.
+plus the extra flags every server of the pair gets, and the SGLang scheduler they run. One table
+(`VARIANTS`) for every tool; add a variant here to measure it, and `--variants` picks by name
+(`NAME@no-overlap`: that variant without SGLang's overlap scheduler, `without_overlap`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lynx_sglang.errors import LynxError
 from lynx_sglang.names import IDLE_MAX_WAIT_ENV, IDLE_WAIT_ENV
@@ -30,6 +31,8 @@ class Variant:
     env: tuple[tuple[str, str], ...] = ()
     # Lynx tcp data connections in TLS (certificates made per cluster: `ClusterSpec.tls`).
     tls: bool = False
+    # SGLang's overlap scheduler (its default) on both servers; False: --disable-overlap-schedule.
+    overlap_schedule: bool = True
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -71,16 +74,54 @@ class VariantError(LynxError):
     pass
 
 
+# `--variants lynx@no-overlap`: a variant of the table with --disable-overlap-schedule, so that one
+# run can compare the two schedulers side by side.
+NO_OVERLAP_SUFFIX = "@no-overlap"
+# Why an operator would turn SGLang's default scheduler off (the tools' --disable-overlap-schedule).
+DISABLE_OVERLAP_HELP = (
+    "pass SGLang's --disable-overlap-schedule to every server (default: SGLang's overlap "
+    "scheduler, what a deployment runs). With it each decode step's results are processed "
+    "before the next step launches, and a Lynx prefill streams the KV layer by layer during its "
+    "forward (under overlap it sends after the forward): for comparing with runs made that way "
+    "(before 2026-12-06) or measuring layer streaming")
+
+
+def without_overlap(variant: Variant, rename: bool = True) -> Variant:
+    """`variant` on SGLang's non-overlap scheduler; `rename`: as `NAME@no-overlap`, so that it can
+    run beside the overlap one."""
+    return replace(variant, overlap_schedule=False,
+                   name=variant.name + NO_OVERLAP_SUFFIX if rename else variant.name,
+                   description=variant.description + "; --disable-overlap-schedule")
+
+
+def scheduler_note(variants: list[Variant]) -> str:
+    """The schedulers the variants run, for a tool's configuration line: under overlap a Lynx
+    prefill does not stream layer by layer (lynx_sglang.backend.layer_stream), which moves its
+    Residual later, so a reader of the numbers must know."""
+    on = [v for v in variants if v.overlap_schedule]
+    off = [v.name for v in variants if not v.overlap_schedule]
+    parts = []
+    if on:
+        parts.append(f"SGLang's overlap scheduler for {[v.name for v in on]}" + (
+            " (no Lynx layer streaming under it: the prefill sends the KV after the forward)"
+            if any(v.transfer_backend == "lynx" for v in on) else ""))
+    if off:
+        parts.append(f"--disable-overlap-schedule for {off}")
+    return "scheduler: " + ", ".join(parts)
+
+
 def variant_names(names: str) -> list[str]:
     """The names in a comma-separated `--variants` list, in that order."""
     return [n.strip() for n in names.split(",") if n.strip()]
 
 
 def select_variants(names: str) -> list[Variant]:
-    """The variants named in a comma-separated list, in that order."""
-    by_name = {v.name: v for v in VARIANTS}
+    """The variants named in a comma-separated list, in that order (`NAME@no-overlap`: that
+    variant without the overlap scheduler)."""
+    by_name = {v.name: v for v in (*VARIANTS, *map(without_overlap, VARIANTS))}
     chosen = variant_names(names)
     unknown = [n for n in chosen if n not in by_name]
     if unknown or not chosen:
-        raise VariantError(f"--variants: unknown {unknown}; choose from {list(by_name)}")
+        raise VariantError(f"--variants: unknown {unknown}; choose from "
+                           f"{[v.name for v in VARIANTS]}, each also as NAME{NO_OVERLAP_SUFFIX}")
     return [by_name[n] for n in chosen]

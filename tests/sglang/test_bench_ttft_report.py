@@ -12,6 +12,7 @@ import pytest
 from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
 from lynx_tools.bench_ttft import cluster_spec, interleaved_order, lynx_stream_bytes
 from lynx_tools.client import StreamedGeneration
+from lynx_tools.cluster_spec import server_command
 from lynx_tools.measure import transfer_lines
 from lynx_tools.prompts import random_ids_prompts
 from lynx_tools.ttft_clients import bench_serving_command
@@ -31,7 +32,7 @@ from lynx_tools.ttft_results import (
     spreads,
     token_times_from_itl,
 )
-from lynx_tools.variants import VariantError, select_variants
+from lynx_tools.variants import VariantError, scheduler_note, select_variants
 
 MARKS = (2, 4)
 
@@ -241,3 +242,28 @@ def test_a_variants_environment_reaches_its_servers(tmp_path):
     assert spec.extra_env[TRACE_DIR_ENV] == str(tmp_path / "trace")
     assert IDLE_WAIT_ENV not in cluster_spec(select_variants("mooncake")[0], cfg,
                                               tmp_path).extra_env
+
+
+def test_variants_run_sglangs_default_scheduler_unless_named_no_overlap(tmp_path):
+    lynx, off = select_variants("lynx,lynx@no-overlap")
+    assert off.name == "lynx@no-overlap" and off.server_args == lynx.server_args
+    on_spec, off_spec = (cluster_spec(v, _cfg(), tmp_path) for v in (lynx, off))
+    assert on_spec.overlap_schedule and not off_spec.overlap_schedule
+    assert "--disable-overlap-schedule" not in server_command(on_spec, 1, "decode", 2)
+    assert "--disable-overlap-schedule" in server_command(off_spec, 1, "decode", 2)
+    # The configuration line says that an overlap Lynx prefill does not stream layer by layer.
+    note = scheduler_note([lynx, off, select_variants("mooncake")[0]])
+    assert "overlap scheduler for ['lynx', 'mooncake'] (no Lynx layer streaming" in note
+    assert "--disable-overlap-schedule for ['lynx@no-overlap']" in note
+    assert "layer streaming" not in scheduler_note([off])
+    with pytest.raises(VariantError, match="NAME@no-overlap"):
+        select_variants("lynx@overlap")
+
+
+def test_the_table_shows_each_requests_speculation():
+    moon, lynx = _results()
+    outcome = {"speculated": 20, "accepted": 12, "rolled_back": 8}
+    lynx.requests.append(RequestTiming(LYNX_CLIENT, 1, 300, 4, 1.0, {2: 1.1, 4: 1.4},
+                                       speculation=outcome))
+    table = format_table([moon, lynx], _cfg(), "1gbit link", {})
+    assert "speculated/accepted/rolled back tokens per request (lynx client): lynx 20/12/8" in table

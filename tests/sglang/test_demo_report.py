@@ -14,6 +14,7 @@ from lynx_tools.demo import (
     DemoResult,
     SpecOutcome,
     format_table,
+    layer_streams,
     network_ttft_ratios,
     plot_timeline,
     regime_note,
@@ -93,6 +94,9 @@ def test_token_match():
 
 def test_variants_by_name():
     assert [v.name for v in select_variants("mooncake, lynx")] == ["mooncake", "lynx"]
+    # SGLang's default scheduler unless a variant is named without it.
+    assert [(v.name, v.overlap_schedule) for v in select_variants("lynx,lynx@no-overlap")] == [
+        ("lynx", True), ("lynx@no-overlap", False)]
 
     with pytest.raises(DemoError):
         select_variants("mooncake_tcp")
@@ -148,3 +152,13 @@ def test_the_regime_note_says_which_part_was_slow():
     assert "6711 ms of wire" in slow and "the link is the slow part" in slow
     assert regime_note(results, None) is None  # loopback: no rate to weigh
     assert regime_note([_result("mooncake", [1])], 1e9) is None
+    # Under SGLang's overlap scheduler the prefill sends after its forward: no layer streaming.
+    overlap = regime_note([_result("mooncake", [1]), _result("lynx", [1], **LYNX,
+                                                             layer_stream=False)], 1e9)
+    assert "sent them after the forward" in overlap and "layer streaming sent" not in overlap
+
+
+def test_only_a_lynx_prefill_off_the_overlap_scheduler_streams_layers():
+    lynx, off, after, moon = select_variants(
+        "lynx,lynx@no-overlap,lynx-after-forward@no-overlap,mooncake@no-overlap")
+    assert [layer_streams(v) for v in (lynx, off, after, moon)] == [False, True, False, False]
