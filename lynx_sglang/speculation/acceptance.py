@@ -77,5 +77,7 @@ def _check(rows: torch.Tensor, drafts: list[int]) -> None:
     if rows.dim() != 2 or rows.shape[0] not in (len(drafts), len(drafts) + 1):
         raise ValueError(f"expected one row per draft token ({len(drafts)}), and optionally one "
                          f"for the bonus token, got a tensor of shape {tuple(rows.shape)}")
-    if not torch.isfinite(rows).all():
-        raise ValueError("verification logits/probabilities contain NaN or Inf")
+    # -inf is a masked token (min_new_tokens' stop tokens, a -inf logit bias); NaN and +inf are
+    # a broken forward.
+    if rows.isnan().any() or rows.isposinf().any():
+        raise ValueError("verification logits/probabilities contain NaN or Inf other than -inf")

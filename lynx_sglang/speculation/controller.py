@@ -11,9 +11,9 @@ commits the request and decodes it like any other, reading Anchor-precision prom
   a speculative EOS / stop string / length finish is held back and parks the request instead (the
   hooks in `speculation.hooks`).
 - A request is parked (taken out of the running batch, its KV kept) when it must not or need not
-  speculate further: not speculable (sampled with truncation, logprobs, grammar, penalties, ...:
-  it waits for the Residual with no speculative token at all), a held-back finish, the token cap,
-  or the deadline.
+  speculate further: not speculable (logprobs, grammar, a custom logit processor, ...: it waits
+  for the Residual with no speculative token at all), a held-back finish, the token cap, or the
+  deadline.
 - When the applier says the Residual is applied, one forward verifies every speculative position
   (`speculation.verify`); then the request either finishes or rejoins the running batch.
 - A Residual that fails aborts the request; a request released early (client abort, a first token
@@ -40,6 +40,7 @@ from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
 from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
 from ..recorder import Recorder
+from .penalties import draft_row, has_logit_transforms, resume_batches
 from .record import log_verification
 from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
 from .stream import SpecStreamPublisher
@@ -77,6 +78,9 @@ def _in_flight(scheduler) -> set[int]:
     return {id(req) for batch, _ in getattr(scheduler, "result_queue", ()) for req in batch.reqs}
 
 
+OVERLAP_PENALTIES_REASON = "penalties, logit bias or min_new_tokens under the overlap scheduler"
+
+
 class SpecController:
     """Per-decode-scheduler controller. `step` runs at the top of every scheduler iteration."""
 
@@ -104,15 +108,22 @@ class SpecController:
                 "spec_stream_topics": self.publisher.open_topics() if self.publisher else 0}
 
     # ---- hook entry points ------------------------------------------------------------------
-    def on_commit(self, req) -> None:
-        """SGLang committed a transferred request (first token appended)."""
+    def on_commit(self, req, overlap: bool = False) -> None:
+        """SGLang committed a transferred request (first token appended); `overlap`: the decode
+        runs SGLang's overlap scheduler."""
         room = req.bootstrap_room
         if room is None or self.transfers.residual_outcome(room) is None:
             return  # not reported at Anchor time: its KV is already exact
         reason = not_speculable_reason(req)
+        if reason is None and overlap and has_logit_transforms(req.sampling_params):
+            # Under overlap SGLang feeds each output token to the penalizers one step late;
+            # verification rebuilds the non-overlap order, so its tokens could differ from what
+            # this server would decode from exact KV.
+            reason = OVERLAP_PENALTIES_REASON
         if reason is None and self.max_tokens == 0:
             reason = "--lynx-spec-max-tokens 0"
         st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req),
+                       logit_transforms=has_logit_transforms(req.sampling_params),
                        reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
         req.lynx_spec = st
         if st.sampled and reason is None:
@@ -332,11 +343,7 @@ class SpecController:
             else:
                 resume.append(req)
         scheduler.output_streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
-        if resume:
-            batch = scheduler._build_hisparse_decode_batch(resume)
-            # A decode batch carries one entry per request here (SGLang's prebuilt batches do);
-            # left None, merging it into a running batch that has the list crashed the scheduler.
-            batch.multimodal_inputs = [r.multimodal_inputs for r in resume]
+        for batch in resume_batches(scheduler, resume):
             if scheduler.running_batch.is_empty():
                 scheduler.running_batch = batch
             else:
@@ -363,12 +370,16 @@ class SpecController:
                 kv.req_pool_idx) is st:
             del self.sampled_by_pool_idx[kv.req_pool_idx]
 
-    def record_draft_logits(self, pool_indices: list[int], logits) -> None:
+    def record_draft_logits(self, pool_indices: list[int], logits, sampling_info=None) -> None:
         """The sampler is about to draw the next token of these batch rows: keep, for each
-        speculating sampled request, the logits its draft token is drawn from."""
+        speculating sampled request, the logits its draft token is drawn from (after its
+        penalties, min_new_tokens and logit bias as the step's `sampling_info` applies them;
+        only requests with such transforms need it)."""
         for row, pool_idx in enumerate(pool_indices):
             st = self.sampled_by_pool_idx.get(pool_idx)
             # A parked request takes no more speculative steps; one row per speculative token
             # at most, so a stale entry can never grow without bound.
             if st is not None and len(st.draft_logits) <= self.max_tokens:
-                st.draft_logits.append(logits[row].detach().float().clone())
+                drawn = (draft_row(sampling_info, logits, row) if st.logit_transforms
+                         else logits[row])
+                st.draft_logits.append(drawn.detach().float().clone())

@@ -44,7 +44,8 @@ def abort_request_after(result, scheduler, recv_req):
 def commit_transfer_after(result, queue, decode_req):
     ctl = _spec(runtime.of_scheduler(queue.scheduler))
     if ctl is not None and decode_req.req.finished_reason is None:
-        ctl.on_commit(decode_req.req)
+        ctl.on_commit(decode_req.req, overlap=bool(getattr(queue.scheduler, "enable_overlap",
+                                                           False)))
     return result
 
 
@@ -57,8 +58,8 @@ def process_batch_result_prebuilt_after(result, processor, batch):
 
 def sample_before(runner, logits_output, forward_batch):
     """Record the logits each speculative token of a sampled request is drawn from, before the
-    sampler turns them into probabilities in place, and have the sampler filter them as
-    `speculation.filtering` does."""
+    sampler transforms them in place (penalties and logit bias: `speculation.penalties`; then
+    probabilities), and have the sampler filter them as `speculation.filtering` does."""
     ctl = _spec(runtime.of_kv_pool(runner.token_to_kv_pool))
     if ctl is None or not ctl.sampled_by_pool_idx or not forward_batch.forward_mode.is_decode():
         return None
@@ -67,7 +68,8 @@ def sample_before(runner, logits_output, forward_batch):
         # Verification filters a draft row as SGLang's full-sort path does; its topk shortcut
         # (a batch whose requests all set top_k) may keep other tokens tied at a cut.
         forward_batch.sampling_info.max_top_k = None
-    ctl.record_draft_logits(pool_indices, logits_output.next_token_logits)
+    ctl.record_draft_logits(pool_indices, logits_output.next_token_logits,
+                            forward_batch.sampling_info)
     return None
 
 

@@ -32,6 +32,9 @@ class SpecState:
     # Sampled requests: the logits each speculative token was drawn from (one row per token, in
     # order), captured before SGLang's sampler (`sample_before`).
     sampled: bool = False
+    # Penalties, logit bias or min_new_tokens (`speculation.penalties`): draft rows are recorded
+    # as the sampler transformed them, and verification transforms the exact rows.
+    logit_transforms: bool = False
     draft_logits: list = field(default_factory=list)
     # SGLang's reasoning-token counters of the request at commit (`REASONING_STATE`): speculative
     # tokens advance them, so verification recounts them over the verified tokens.
@@ -78,8 +81,9 @@ def not_speculable_reason(req) -> str | None:
     """Why a request must wait for its Residual instead of decoding on the Anchor (None if it
     may speculate). Verification reproduces greedy decoding and temperature sampling exactly,
     top-k/top-p/min-p included where SGLang filters with its torch sampler
-    (`speculation.filtering`); logprobs, grammars and penalties would need more (logprob
-    rewriting, grammar rollback, penalty state rollback)."""
+    (`speculation.filtering`), and penalties, logit bias and min_new_tokens
+    (`speculation.penalties`); logprobs, grammars and custom logit processors would need more
+    (logprob rewriting, grammar rollback, processor state)."""
     sp = req.sampling_params
     if (not is_greedy(req) and has_filter(sp.top_k, sp.top_p, sp.min_p)
             and _sampling_backend() != FILTERING_BACKEND):
@@ -90,10 +94,8 @@ def not_speculable_reason(req) -> str | None:
         return "grammar-constrained"
     if req.return_hidden_states:
         return "returns hidden states"
-    if (sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
-            or sp.logit_bias or sp.min_new_tokens or getattr(sp, "custom_params", None)
-            or req.custom_logit_processor):
-        return "penalties, logit bias, min_new_tokens or a custom logit processor"
+    if getattr(sp, "custom_params", None) or req.custom_logit_processor:
+        return "a custom logit processor or custom parameters"
     return None
 
 

@@ -17,6 +17,7 @@ import torch
 from ..backend.pages import page_ceil
 from .acceptance import Acceptance, accept_greedy, accept_sampled
 from .filtering import filter_probs
+from .penalties import exact_rows, has_logit_transforms
 from .state import REASONING_STATE, SpecState, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -167,8 +168,12 @@ def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
 def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
     """Greedy: compare argmaxes. Sampled: speculative sampling with the exact distribution p and
     the one each draft token was drawn from, q: both at the request's temperature and filtered
-    by its top-k/top-p/min-p as SGLang's sampler filters them (`speculation.filtering`)."""
+    by its top-k/top-p/min-p as SGLang's sampler filters them (`speculation.filtering`). With
+    penalties, logit bias or min_new_tokens the exact rows are first transformed as SGLang's
+    sampler would at each position (`speculation.penalties`; the draft rows were recorded so)."""
     drafts = list(req.output_ids[st.verified_len:])
+    if has_logit_transforms(req.sampling_params):
+        exact_logits = exact_rows(req, exact_logits, st.verified_len)
     if not st.sampled:
         return accept_greedy(exact_logits, drafts)
     sp = req.sampling_params

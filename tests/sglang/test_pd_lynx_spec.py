@@ -149,22 +149,26 @@ def test_spec_stream_reports_speculation_and_rollbacks(spec_cluster, reference_o
     assert rolled_back > 0, lines  # the coarse Anchor makes this happen (see the first test)
 
 
-def test_penalized_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
+# Custom parameters (read by a custom logit processor, whose state Lynx cannot roll back) keep a
+# request off speculation: it waits for its Residual.
+EXACT_ONLY = {"custom_params": {"lynx_test_exact_only": True}}
+
+
+def test_exact_only_request_waits_for_the_residual(spec_cluster, prompts, max_new_tokens):
     before = len(_spec_lines(spec_cluster))
     # ignore_eos: a sampled " Paris." + EOS once ended this request after 3 tokens.
     got = generate(spec_cluster.url, text=prompts[0], max_new_tokens=max_new_tokens,
-                   sampling={"temperature": 0.8, "presence_penalty": 0.5, "sampling_seed": 7,
-                             "ignore_eos": True})
+                   sampling={"temperature": 0.8, "sampling_seed": 7, "ignore_eos": True,
+                             **EXACT_ONLY})
     assert len(got.output_ids) == max_new_tokens
     (rec,) = _spec_lines(spec_cluster)[before:]
-    assert rec["no_spec_reason"] == (
-        "penalties, logit bias, min_new_tokens or a custom logit processor"), rec
+    assert rec["no_spec_reason"] == "a custom logit processor or custom parameters", rec
     assert rec["speculated"] == 0, rec
 
 
 def test_abort_of_a_parked_request_frees_its_kv(spec_cluster, prompts):
-    """SGLang's abort_request searches only its own queues; a parked request is Lynx's. A penalized
-    request parks at once and waits RESIDUAL_DELAY_S for its Residual; aborting it then must end
+    """SGLang's abort_request searches only its own queues; a parked request is Lynx's. An
+    exact-only request parks at once and waits RESIDUAL_DELAY_S for its Residual; aborting it then must end
     its stream with an abort, cancel its transfer and give its KV slots back."""
     import threading
     import time
@@ -179,8 +183,8 @@ def test_abort_of_a_parked_request_frees_its_kv(spec_cluster, prompts):
         try:
             result["gen"] = generate_stream(
                 spec_cluster.url, text=prompts[-1], max_new_tokens=16, rid=rid, timeout_s=60,
-                sampling={"temperature": 0.8, "presence_penalty": 0.5, "sampling_seed": 3,
-                          "ignore_eos": True})
+                sampling={"temperature": 0.8, "sampling_seed": 3, "ignore_eos": True,
+                          **EXACT_ONLY})
         except GenerateError as exc:
             result["error"] = exc
 

@@ -114,7 +114,9 @@ def test_decide_filters_exact_and_draft_rows_with_the_requests_parameters(sglang
 
     exact = torch.tensor([[4.0, 3.9, 0.0, 0.0]])
     draft = torch.tensor([0.0, 4.0, 0.0, 0.0])
-    sp = SimpleNamespace(temperature=1.0, top_k=1 << 30, top_p=0.3, min_p=0.0, sampling_seed=7)
+    sp = SimpleNamespace(temperature=1.0, top_k=1 << 30, top_p=0.3, min_p=0.0, sampling_seed=7,
+                         frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
+                         logit_bias=None, min_new_tokens=0)
     req = SimpleNamespace(sampling_params=sp, output_ids=[5, 1], rid="r")
     st = SpecState(room=1, sampled=True)
     st.draft_logits = [draft]
@@ -150,7 +152,7 @@ def test_truncated_sampling_speculates_only_on_the_torch_sampler(monkeypatch):
     for params in ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}):
         assert state.not_speculable_reason(_req(**params)) is None, params
     # Everything else that must wait still does.
-    assert state.not_speculable_reason(_req(top_p=0.9, presence_penalty=0.5)) is not None
+    assert state.not_speculable_reason(_req(top_p=0.9, custom_params={"x": 1})) is not None
     monkeypatch.setattr(state, "_sampling_backend", lambda: "flashinfer")
     assert state.not_speculable_reason(_req(top_k=20)) == "sampled with top-k/top-p/min-p"
     assert state.not_speculable_reason(_req()) is None
@@ -162,7 +164,7 @@ def test_sample_before_turns_off_sglangs_topk_shortcut_for_speculating_rows(monk
 
     recorded = []
     ctl = SimpleNamespace(sampled_by_pool_idx={3: object()},
-                          record_draft_logits=lambda rows, logits: recorded.append(rows))
+                          record_draft_logits=lambda rows, logits, info: recorded.append(rows))
     monkeypatch.setattr(hooks, "_spec", lambda rt: ctl)
     monkeypatch.setattr(hooks.runtime, "of_kv_pool", lambda pool: None)
 

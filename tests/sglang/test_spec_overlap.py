@@ -8,13 +8,18 @@ step that overshot a held finish is dropped."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from lynx_sglang.backend.outcome import ResidualOutcome, ResidualState
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.recorder import Recorder
-from lynx_sglang.speculation.controller import IN_FLIGHT_PARK_REASON, SpecController
+from lynx_sglang.speculation.controller import (
+    IN_FLIGHT_PARK_REASON,
+    OVERLAP_PENALTIES_REASON,
+    SpecController,
+)
 from lynx_sglang.speculation.hooks import update_finish_state_around
-from lynx_sglang.speculation.state import SpecState
+from lynx_sglang.speculation.state import REASONING_STATE, SpecState
 
 CAP = 4
 
@@ -105,3 +110,25 @@ def test_a_request_sglang_is_aborting_stays_in_the_batch():
     req.to_finish = "abort"
     ctl.step(sched)
     assert verified == [] and ctl.parked == [] and sched.running_batch.reqs == [req]
+
+
+def _penalized_request(presence_penalty: float):
+    sp = SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, frequency_penalty=0.0,
+                         presence_penalty=presence_penalty, repetition_penalty=1.0,
+                         logit_bias=None, min_new_tokens=0, custom_params=None)
+    return SimpleNamespace(bootstrap_room=7, sampling_params=sp, return_logprob=False,
+                           grammar=None, return_hidden_states=False,
+                           custom_logit_processor=None,
+                           **{name: None for name in REASONING_STATE})
+
+
+def test_a_penalized_request_waits_under_the_overlap_scheduler_only():
+    """Under overlap SGLang feeds each output token to the penalizers one step late, and
+    verification rebuilds the non-overlap order: such a request must not speculate there."""
+    ctl = SpecController(_Transfers(ResidualState.PENDING), LynxConfig.build(),
+                         Recorder.for_process())
+    for overlap, penalty, reason in ((True, 0.5, OVERLAP_PENALTIES_REASON), (False, 0.5, None),
+                                     (True, 0.0, None)):
+        req = _penalized_request(penalty)
+        ctl.on_commit(req, overlap=overlap)
+        assert req.lynx_spec.no_spec_reason == reason, (overlap, penalty)

@@ -1,0 +1,113 @@
+"""Penalties, logit bias and min_new_tokens under speculation: the logits SGLang's sampler really
+draws from (or takes the argmax of) at each speculative position, and the penalty state a request
+resumes with after verification.
+
+SGLang (0.5.23) transforms a request's logits before sampling with its batch's `SamplingBatchInfo`
+(`apply_logits_bias`): additive penalties (frequency, presence, and min_new_tokens' -inf on stop
+tokens while the output is shorter), then the repetition penalty's scaling, then the logit bias.
+The penalty state is per batch (`BatchedPenalizerOrchestrator`): a new batch starts it empty, and
+each decode step first feeds the request's last output token (`ScheduleBatch.prepare_for_decode`),
+so the step predicting output token k has seen output tokens 0..k-1 (without the overlap schedule;
+with it SGLang feeds each token one step late).
+
+- `exact_rows` (called by `verify.decide`): verification logits row i predicts output token
+  start+i; it is transformed with a one-request `SamplingBatchInfo` whose orchestrator has seen
+  output tokens 0..start+i-1, with SGLang's own classes, so p is what exact decoding samples from.
+- `draft_row` (called by `controller.SpecController.record_draft_logits`, from the sampler hook):
+  the draft step's own transformation of one batch row, from the forward's `SamplingBatchInfo`,
+  so q is what the draft was really drawn from, whatever penalty state that step had.
+- `resume_batches` (called by `controller.SpecController._verify_and_resume`): the batches a
+  verified request rejoins the running batch with. SGLang would start their penalty state empty;
+  each request with output tokens is put in its own batch whose orchestrator is fed the verified
+  tokens but the last (the next decode step feeds that one), so its state is what it would be had
+  no rolled-back token ever been generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def has_logit_transforms(sp) -> bool:
+    """Whether SGLang's sampler changes this request's logits beyond temperature and filtering."""
+    return bool(sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+                or sp.logit_bias or sp.min_new_tokens)
+
+
+class _OneRequest:
+    """The part of a ScheduleBatch SGLang's SamplingBatchInfo and penalizers read (a class:
+    the orchestrator keeps a weak reference to its batch)."""
+
+    def __init__(self, req, device):
+        self.reqs = [req]
+        self.device = device
+
+
+def exact_rows(req, logits: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows [n, vocab] predicting req.output_ids[start], [start+1], ... -> the same rows as SGLang's
+    sampler sees them after penalties, min_new_tokens and logit bias, each with the penalty state
+    of output_ids[:start+i] (a row past output_ids, the bonus row, has seen all of them)."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    batch = _OneRequest(req, logits.device)
+    info = SamplingBatchInfo.from_schedule_batch(batch, logits.shape[1])
+    orchestrator = info.penalizer_orchestrator
+    out = logits.clone()
+    for k in range(start + logits.shape[0]):
+        i = k - start
+        if i >= 0:
+            info.copy_for_forward().apply_logits_bias(out[i: i + 1])
+        if k < len(req.output_ids) and orchestrator.is_required:
+            orchestrator.cumulate_output_tokens(
+                torch.tensor([req.output_ids[k]], dtype=torch.int64, device=logits.device))
+    return out
+
+
+def draft_row(sampling_info, logits: torch.Tensor, row: int) -> torch.Tensor:
+    """Batch row `row` of a decode step's logits as that step's sampler transformed it:
+    `sampling_info` is the forward's copy (SGLang's `copy_for_forward`: penalties accumulated,
+    no orchestrator). Grammar-constrained requests do not speculate, so no vocab mask applies."""
+    def one(t):
+        return None if t is None else t[row: row + 1]
+
+    info = dataclasses.replace(
+        sampling_info, acc_additive_penalties=one(sampling_info.acc_additive_penalties),
+        acc_scaling_penalties=one(sampling_info.acc_scaling_penalties),
+        logit_bias=one(sampling_info.logit_bias), penalizer_orchestrator=None, grammar_mask=None)
+    out = logits[row: row + 1].clone()
+    info.apply_logits_bias(out)
+    return out[0]
+
+
+def seed_penalties(batch, req) -> None:
+    """Feed a fresh one-request batch's penalizers req's output tokens but the last: the next
+    decode step (`prepare_for_decode`) feeds that one."""
+    orchestrator = batch.sampling_info.penalizer_orchestrator
+    if not orchestrator.is_required:
+        return
+    for token in req.output_ids[:-1]:
+        orchestrator.cumulate_output_tokens(
+            torch.tensor([token], dtype=torch.int64, device=batch.device))
+
+
+def resume_batches(scheduler, reqs: list) -> list:
+    """Decode batches for verified requests rejoining the running batch (SGLang's
+    `_build_hisparse_decode_batch`): requests with penalties and more than one output token go
+    one per batch, their penalty state fed by `seed_penalties`; the others together."""
+    def seeded(req) -> bool:
+        return has_logit_transforms(req.sampling_params) and len(req.output_ids) > 1
+
+    plain = [r for r in reqs if not seeded(r)]
+    groups = ([plain] if plain else []) + [[r] for r in reqs if seeded(r)]
+    batches = []
+    for group in groups:
+        batch = scheduler._build_hisparse_decode_batch(group)
+        # A decode batch carries one entry per request here (SGLang's prebuilt batches do);
+        # left None, merging it into a running batch that has the list crashed the scheduler.
+        batch.multimodal_inputs = [r.multimodal_inputs for r in group]
+        if seeded(group[0]):
+            seed_penalties(batch, group[0])
+        batches.append(batch)
+    return batches

@@ -1,0 +1,228 @@
+"""Penalties, logit bias and min_new_tokens under speculation (lynx_sglang.speculation.penalties
+and its use in verify.decide / the controller), in-process against SGLang's real
+SamplingBatchInfo and penalizer classes: the exact rows verification builds are, position by
+position, the logits SGLang's decode would sample from; a draft row is what the draft step
+sampled from; and a verified request resumes with the penalty state it would have had if the
+rolled-back tokens had never been generated."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lynx_sglang.speculation import penalties, state
+from lynx_sglang.speculation.state import SpecState
+from lynx_sglang.speculation.verify import decide
+
+VOCAB = 16
+EOS, STOP = 2, 7
+# Each transformation alone, and all together.
+PARAMS = [
+    {"frequency_penalty": 0.7},
+    {"presence_penalty": 0.9},
+    {"repetition_penalty": 1.6},
+    {"logit_bias": {"5": 1.5, "9": -2.0}},
+    {"min_new_tokens": 4},
+    {"frequency_penalty": 0.4, "presence_penalty": 0.3, "repetition_penalty": 1.3,
+     "logit_bias": {"4": 0.8}, "min_new_tokens": 3},
+]
+
+
+@pytest.fixture(scope="module")
+def sgl(sglang_in_process):
+    """SGLang's sampling classes, with a server config published (SamplingBatchInfo reads it)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    override = get_context().override_server_args(device="cpu")
+    override.install()
+    yield SimpleNamespace(ScheduleBatch=ScheduleBatch, SamplingBatchInfo=SamplingBatchInfo,
+                          SamplingParams=SamplingParams)
+    override.restore()
+
+
+class _Batch:
+    """What SGLang's SamplingBatchInfo, its penalizers and ScheduleBatch's
+    cumulate_penalty_output_tokens read of a decode batch."""
+
+    def __init__(self, sgl, reqs):
+        self.reqs, self.device = list(reqs), "cpu"
+        self.sampling_info = sgl.SamplingBatchInfo.from_schedule_batch(self, VOCAB)
+        self.multimodal_inputs = None
+
+
+def _req(sgl, output_ids, temperature=0.0, **params):
+    sp = sgl.SamplingParams(temperature=temperature, stop_token_ids=[STOP], **params)
+    sp.verify(VOCAB)
+    return SimpleNamespace(
+        sampling_params=sp, output_ids=list(output_ids), eos_token_ids={EOS},
+        tokenizer=SimpleNamespace(additional_stop_token_ids=None, eos_token_id=EOS),
+        custom_logit_processor=None, return_sampling_mask=False, sampling_logprobs_mode=None,
+        multimodal_inputs=None)
+
+
+def _raw_logits(steps: int, rows: int, seed: int) -> torch.Tensor:
+    """[steps, rows, VOCAB] logits peaked on a few tokens, EOS and the stop token among them, so
+    that greedy decoding repeats tokens and would stop early without min_new_tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randn(steps, rows, VOCAB, generator=gen)
+    raw[..., [EOS, STOP, 4, 5, 9]] += torch.tensor([3.0, 2.5, 3.5, 3.2, 2.8])
+    return raw
+
+
+def _sglang_decode(sgl, batch: _Batch, raw: torch.Tensor, forced: list | None = None):
+    """SGLang's decode steps over `raw` ([steps, rows, VOCAB]): prepare_for_decode feeds each
+    request's last output token to the penalizers, the forward's copy of the sampling info
+    transforms the logits, greedy picks (or `forced[step][row]`) are appended. Returns the
+    transformed logits per step and the forward copies."""
+    processed, forward_infos = [], []
+    for step in range(raw.shape[0]):
+        if batch.sampling_info.penalizer_orchestrator.is_required:
+            sgl.ScheduleBatch.cumulate_penalty_output_tokens(batch)
+        info = batch.sampling_info.copy_for_forward()
+        logits = raw[step].clone()
+        info.apply_logits_bias(logits)
+        processed.append(logits)
+        forward_infos.append(info)
+        for row, req in enumerate(batch.reqs):
+            token = forced[step][row] if forced else int(logits[row].argmax())
+            req.output_ids.append(token)
+    return torch.stack(processed), forward_infos
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_exact_rows_are_sglangs_transformed_logits_at_every_position(sgl, params):
+    steps = 7
+    target = _req(sgl, [4], **params)
+    # A batch neighbour with other parameters: its row must not leak into the target's.
+    other = _req(sgl, [5], frequency_penalty=1.1, logit_bias={"3": 4.0})
+    raw = _raw_logits(steps, 2, seed=len(str(params)))
+    processed, _ = _sglang_decode(sgl, _Batch(sgl, [target, other]), raw)
+    assert not torch.allclose(processed[:, 0], raw[:, 0]), "the parameters changed nothing"
+    # Verification sees output t0..t6 (6 speculative tokens) and 7 rows: the last is the bonus.
+    verified = _req(sgl, target.output_ids[:steps], **params)
+    ours = penalties.exact_rows(verified, raw[:, 0], start=1)
+    torch.testing.assert_close(ours, processed[:, 0], rtol=0, atol=1e-6)
+    if "min_new_tokens" in params:
+        masked = torch.isinf(processed[:, 0, EOS])
+        assert masked.any() and not masked.all()  # the mask lifts at min_new_tokens
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_draft_row_is_what_the_draft_step_sampled_from(sgl, params):
+    target = _req(sgl, [4], temperature=0.8, **params)
+    other = _req(sgl, [9], repetition_penalty=2.0)
+    raw = _raw_logits(5, 2, seed=7)
+    processed, infos = _sglang_decode(sgl, _Batch(sgl, [other, target]), raw)
+    for step, info in enumerate(infos):
+        for row in range(2):
+            torch.testing.assert_close(penalties.draft_row(info, raw[step], row),
+                                       processed[step, row], rtol=0, atol=0)
+
+
+def _penalty_state(batch: _Batch, row: int) -> dict:
+    return {f"{type(p).__name__}.{name}": value[row].clone()
+            for p in batch.sampling_info.penalizer_orchestrator.penalizers.values()
+            if p.is_prepared()
+            for name, value in vars(p).items() if isinstance(value, torch.Tensor)}
+
+
+def test_resumed_penalty_state_equals_one_that_never_saw_the_rolled_back_tokens(sgl):
+    params = dict(frequency_penalty=0.5, presence_penalty=0.4, repetition_penalty=1.5,
+                  min_new_tokens=6, logit_bias={"4": 1.0})
+    t0, drafts, correction = 4, [5, 9, 5, 4], 11
+    running = _Batch(sgl, [_req(sgl, [t0], **params), _req(sgl, [3])])
+    spec_req = running.reqs[0]
+    _sglang_decode(sgl, running, _raw_logits(4, 2, seed=1),
+                   forced=[[d, 1] for d in drafts])
+    speculated = _penalty_state(running, 0)
+    # Verification kept the first draft and corrected the second: output t0, d1, correction.
+    del spec_req.output_ids[2:]
+    spec_req.output_ids.append(correction)
+    plain = _req(sgl, [3, 1, 1], temperature=0.7)
+    scheduler = SimpleNamespace(_build_hisparse_decode_batch=lambda reqs: _Batch(sgl, reqs))
+    batches = penalties.resume_batches(scheduler, [plain, spec_req])
+    assert [b.reqs for b in batches] == [[plain], [spec_req]]
+    resumed = batches[1]
+    sgl.ScheduleBatch.cumulate_penalty_output_tokens(resumed)  # the next prepare_for_decode
+    # The same request decoded without ever generating the rolled-back drafts.
+    never = _Batch(sgl, [_req(sgl, [t0], **params)])
+    _sglang_decode(sgl, never, _raw_logits(2, 1, seed=2), forced=[[drafts[0]], [correction]])
+    assert never.reqs[0].output_ids == spec_req.output_ids
+    sgl.ScheduleBatch.cumulate_penalty_output_tokens(never)
+    expected = _penalty_state(never, 0)
+    got = _penalty_state(resumed, 0)
+    assert expected.keys() == got.keys() and len(expected) >= 7, expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(speculated[n], expected[n]) for n in expected)
+    # And the next step samples from the same logits.
+    raw = _raw_logits(1, 1, seed=3)[0]
+    a, b = raw.clone(), raw.clone()
+    resumed.sampling_info.copy_for_forward().apply_logits_bias(a)
+    never.sampling_info.copy_for_forward().apply_logits_bias(b)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_greedy_verification_takes_the_argmax_after_penalties(sgl):
+    """Drafts decoded greedily with a frequency penalty on logits that favour one token: the
+    penalties moved the argmax, and verification on the same logits keeps every draft."""
+    params = dict(frequency_penalty=2.0, min_new_tokens=3)
+    steps = 6
+    raw = torch.zeros(steps + 1, 1, VOCAB)
+    raw[..., 5] = 4.0
+    raw[..., EOS] = 6.0
+    raw[..., 9] = 3.0
+    spec = _req(sgl, [4], **params)
+    _sglang_decode(sgl, _Batch(sgl, [spec]), raw[:steps])
+    drafts = spec.output_ids[1:]
+    # The raw argmax is EOS everywhere: the mask and the penalty chose the first two.
+    assert drafts[:2] == [5, 9] and EOS in drafts, drafts
+    req = _req(sgl, spec.output_ids, **params)
+    acc = decide(req, SpecState(room=1), raw[:, 0])
+    assert acc.accepted == steps
+    assert acc.next_token == int(penalties.exact_rows(req, raw[:, 0], 1)[-1].argmax())
+
+
+def test_sampled_verification_uses_transformed_p_and_q(sgl):
+    """A sampled request whose draft rows were recorded after the transformations and whose
+    exact logits equal the draft's: p == q, so every draft is kept whatever the seed."""
+    params = dict(repetition_penalty=1.8, presence_penalty=0.6, logit_bias={"9": 2.0})
+    raw = _raw_logits(5, 1, seed=5)
+    spec = _req(sgl, [4], temperature=0.9, **params)
+    gen = torch.Generator().manual_seed(0)
+    batch = _Batch(sgl, [spec])
+    draft_rows = []
+    for step in range(4):
+        if batch.sampling_info.penalizer_orchestrator.is_required:
+            sgl.ScheduleBatch.cumulate_penalty_output_tokens(batch)
+        info = batch.sampling_info.copy_for_forward()
+        row = penalties.draft_row(info, raw[step], 0)
+        draft_rows.append(row)
+        probs = torch.softmax(row / 0.9, -1)
+        spec.output_ids.append(int(torch.multinomial(probs, 1, generator=gen)))
+    req = _req(sgl, spec.output_ids, temperature=0.9, **params)
+    req.sampling_params.sampling_seed = None
+    for seed in range(20):
+        torch.manual_seed(seed)
+        st = SpecState(room=seed, sampled=True, logit_transforms=True, draft_logits=draft_rows)
+        assert decide(req, st, raw[:, 0]).accepted == 4
+
+
+def test_penalties_speculate_custom_processors_do_not(sgl):
+    def reason(**params):
+        sp = SimpleNamespace(temperature=0.7, top_k=1 << 30, top_p=1.0, min_p=0.0,
+                             frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
+                             logit_bias=None, min_new_tokens=0)
+        vars(sp).update(params)
+        return state.not_speculable_reason(SimpleNamespace(
+            sampling_params=sp, return_logprob=False, grammar=None, return_hidden_states=False,
+            custom_logit_processor=None))
+
+    for params in PARAMS:
+        assert reason(**params) is None, params
+    assert reason(custom_params={"x": 1}) == "a custom logit processor or custom parameters"
