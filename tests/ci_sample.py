@@ -39,6 +39,7 @@ SAMPLED = (
     "sglang/test_fault_matrix.py",
     "sglang/test_pd_lynx_overlap.py",
     "sglang/test_pd_lynx_paged.py",
+    "sglang/test_pd_lynx_tp.py",
 )
 SAMPLED_PER_RUN = 2
 # Each runs with its own probability: one request through real SGLang servers inside the

@@ -150,9 +150,8 @@ class Cluster:
             self._spawn("server", server_command(spec, port, None, None), self.url + "/health")
             self._wait_healthy(self._procs)
             return
-        d_port, r_port = free_port(), free_port()
-        p_ports = [free_port() for _ in range(spec.prefills)]
-        b_ports = [free_port() for _ in range(spec.prefills)]
+        d_port, r_port, *rest = _distinct_free_ports(2 + 2 * spec.prefills)
+        p_ports, b_ports = rest[:spec.prefills], rest[spec.prefills:]
         b_port = b_ports[0]
         spec = self._with_tls(self._with_secret(spec))
         p_host = d_host = HOST
@@ -171,9 +170,11 @@ class Cluster:
         self.decode_url = self._reachable(d_host, d_port)
         for i, (port, bootstrap) in enumerate(zip(p_ports, b_ports, strict=True)):
             self._spawn("prefill" if i == 0 else f"prefill{i + 1}",
-                        wrap_p(server_command(spec, port, "prefill", bootstrap, p_host)),
+                        wrap_p(server_command(spec, port, "prefill", bootstrap, p_host)
+                               + list(spec.role_args.get("prefill", ()))),
                         self.prefill_urls[i] + "/health", p_host)
-        decode_cmd = server_command(spec, d_port, "decode", b_port, d_host)
+        decode_cmd = (server_command(spec, d_port, "decode", b_port, d_host)
+                      + list(spec.role_args.get("decode", ())))
         if spec.link:
             # `ip netns exec` remounts /sys, so SGLang cannot find its memory cgroup to size the
             # decode's host KV pool automatically; an explicit ratio skips that lookup.
@@ -318,6 +319,20 @@ class Cluster:
         if self._link is not None:
             self._link.close()
             self._link = None
+
+
+def _distinct_free_ports(n: int) -> list[int]:
+    """`n` free ports, no two alike: each `free_port` releases its port before the next call,
+    and the kernel may hand the same one out again (seen: a decode given its bootstrap port,
+    whose server then held the decode's HTTP port)."""
+    ports: list[int] = []
+    for _ in range(20 * n):
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise ClusterError(f"could not find {n} distinct free ports")
 
 
 def _http_ok(url: str, timeout_s: float = 2.0) -> bool:

@@ -47,11 +47,15 @@ class ClusterSpec:
     link_qdisc: str = "prio"
     # PD only: prefill servers behind the router (each its own bootstrap port), one decode.
     prefills: int = 1
+    # PD only: flags for one role's servers ("prefill", "decode") after `server_args`, e.g.
+    # {"decode": ("--tp", "2")} for a prefill and a decode of different TP sizes.
+    role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Lynx PD only: the tcp transport's data connections in TLS, with a CA and a node certificate
     # made for this cluster in the run dir (unless the server flags name --lynx-tls-cert).
     tls: bool = False
     # SGLang's overlap scheduler (its default) on every server; off unless asked, so that most
     # tests compare scheduling-independent runs (tests/sglang/test_pd_lynx_overlap.py runs it).
+    # The tools (demo, bench-ttft, load) ask for it unless given --disable-overlap-schedule.
     overlap_schedule: bool = False
 
     def __post_init__(self) -> None:

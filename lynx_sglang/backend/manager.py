@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
     CommonKVReceiver,
 )
 from sglang.srt.disaggregation.common.utils import AuxDataCodec
@@ -63,6 +64,7 @@ from ..trace import Trace
 from .aux import check_aux_items, pack_aux
 from .conn import lookup_prefill_rank
 from .decode import DecodeApplier, DecodeLink
+from .early_aborts import EarlyAborts
 from .faults import FaultPlan
 from .identity import Identity
 from .layer_stream import LayerStreamer
@@ -76,6 +78,11 @@ from .rank_key import BOOTSTRAP_FIELD, Claimant, RankKey
 from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
+
+# Rooms a prefill remembers as aborted before they reached it (`backend.early_aborts`): a few
+# hundred KiB at most, whatever a decode sends.
+EARLY_ABORTS_CAP = 4096
+EARLY_ABORT_REASON = "the decode aborted this request before it reached this prefill"
 
 
 def rdma_device(lynx_device: str | None, sglang_devices: str | None, gpu_id: int) -> str | None:
@@ -130,6 +137,10 @@ class LynxKVManager(MooncakeKVManager):
         # `register_buffer_to_engine` builds the staging pool, which records its use.
         self.lynx_runtime = LynxRuntime(idle=IdleWaiter(recorder.metrics), recorder=recorder)
         self.rank_key = RankKey()  # before SGLang's constructor: `_register_topology_row`
+        # Before SGLang's constructor too: its bootstrap thread handles aborts from then on.
+        self.early_aborts = EarlyAborts(
+            float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)),
+            EARLY_ABORTS_CAP)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL:
             me = Identity(self.local_ip, self.rank_port, self.lynx.wire_settings())
@@ -395,4 +406,30 @@ class LynxKVManager(MooncakeKVManager):
         if (self.disaggregation_mode == DisaggregationMode.DECODE and status == KVPoll.Success
                 and self.applier.on_prefill_success(bootstrap_room)):
             return
+        if self.disaggregation_mode == DisaggregationMode.PREFILL and status == KVPoll.Bootstrapping:
+            with self.early_aborts.lock:
+                aborted = (self.request_status.get(bootstrap_room) is None
+                           and self.early_aborts.take(bootstrap_room))
+                super().update_status(bootstrap_room, status)
+            if aborted:
+                logger.info("lynx: room %s was aborted by its decode before it got here: failed",
+                            bootstrap_room)
+                self.record_failure(bootstrap_room, EARLY_ABORT_REASON)
+                super().update_status(bootstrap_room, KVPoll.Failed)
+            return
         super().update_status(bootstrap_room, status)
+
+    def _handle_abort_notification(self, msg) -> bool:
+        """SGLang's handler (its bootstrap thread), which drops an abort for a room this prefill
+        does not know; such an abort is remembered here first (`backend.early_aborts`)."""
+        if (self.disaggregation_mode == DisaggregationMode.PREFILL and len(msg) >= 2
+                and msg[0] == ABORT_TAG):
+            try:
+                room = int(msg[1].decode("ascii"))
+            except (ValueError, UnicodeDecodeError):
+                room = None  # SGLang's handler logs the malformed message
+            if room is not None:
+                with self.early_aborts.lock:
+                    if self.request_status.get(room) is None:
+                        self.early_aborts.note(room)
+        return super()._handle_abort_notification(msg)

@@ -128,3 +128,40 @@ def test_a_decode_setup_failure_reaches_the_prefill_at_once(sgl, make_pd):
     t0 = time.monotonic()
     assert poll_until_done(sgl, sender) == sgl.KVPoll.Failed
     assert time.monotonic() - t0 < 10.0
+
+
+def test_a_room_its_decode_aborted_before_it_reached_the_prefill_fails_at_once(sgl, make_pd):
+    """A decode refusing a request as its receiver is created tells the prefill at once, and
+    that abort can beat the request to the prefill (seen with unequal TP: the request then sat in
+    Bootstrapping for SGLang's 300 s bootstrap timeout). The prefill remembers the abort and
+    fails the room when SGLang opens it; a later room is not affected."""
+    from lynx_sglang.backend.manager import EARLY_ABORT_REASON
+
+    pd = make_pd(make_cfg(target="exact"))
+    prefill = pd.prefill.mgr
+    receiver = sgl.Receiver(mgr=pd.decode.mgr, bootstrap_addr=pd.bootstrap_addr,
+                            bootstrap_room=4031)
+    assert pd.decode.mgr.try_ensure_parallel_info(pd.bootstrap_addr)
+    receiver.init(0)
+    receiver.abort()
+    wait_for("the prefill to remember the abort", lambda: len(prefill.early_aborts) == 1)
+    sender = sgl.Sender(mgr=prefill, bootstrap_addr=pd.bootstrap_addr, bootstrap_room=4031)
+    assert sender.poll() == sgl.KVPoll.Failed
+    assert EARLY_ABORT_REASON in failure_message(sgl, sender)
+    assert len(prefill.early_aborts) == 0
+    nxt = start_request(sgl, pd, room=4032, seed=32)
+    assert poll_until_done(sgl, nxt.receiver) == sgl.KVPoll.Success
+    assert holds(pd, nxt, "full")
+
+
+def test_remembered_early_aborts_are_bounded_in_number_and_time():
+    from lynx_sglang.backend.early_aborts import EarlyAborts
+
+    aborts = EarlyAborts(ttl_s=0.2, cap=3)
+    with aborts.lock:
+        for room in range(5):
+            aborts.note(room)
+        assert len(aborts) == 3 and not aborts.take(0) and aborts.take(4)
+    time.sleep(0.3)
+    with aborts.lock:
+        assert not aborts.take(3) and len(aborts) == 0

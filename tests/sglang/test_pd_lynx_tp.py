@@ -1,0 +1,150 @@
+"""Lynx with tensor parallelism through real PD on this CPU (SGLang's CPU TP over gloo): a TP 2
+prefill and a TP 2 decode, one Lynx transport session per prefill/decode rank pair, each rank
+pair moving its own half of the KV heads.
+
+The embedded SmolLM2-135M has 9 query and 3 KV heads, which TP 2 cannot split, so the module
+builds its own model once: the embedded weights with the first 2 KV heads (and their 6 query
+heads) of every layer kept, a real checkpoint (prompt-dependent output, identical on every load).
+One single TP 2 server gives the reference, then one PD cluster (TP 2 + TP 2, `lynx`, target
+exact); every greedy answer must be token-identical. (On loopback each Residual lands before its
+Anchor is applied, so these requests do not speculate.) Then a prefill and a decode of different
+TP sizes (1 -> 2, 2 -> 1), which Lynx does not support yet: each request must fail with the
+reason naming both sizes, and both servers must keep serving.
+
+SGLang's CPU engine binds each rank's OpenMP threads to cores: with more ranks than NUMA nodes it
+refuses to start unless SGLANG_CPU_OMP_THREADS_BIND names one core list per rank ("0|1" here).
+Skips where the box has fewer than 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lynx_tools.client import GenerateError, generate
+from lynx_tools.cluster import Cluster
+from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+TP = 2
+# SGLang's CPU engine: one core list per rank, as many lists as ranks.
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+KV_HEADS_KEPT = 2
+PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    # Over one Lynx chunk (256 tokens): several chunks per rank.
+    " ".join(f"Item {i}: the value of key k{i} is {i * 37 % 101}." for i in range(30))
+    + " Question: what is the value of key k17? Answer:",
+)
+MAX_NEW_TOKENS = 16
+# How long an unequal-TP request may take to fail. The decode refuses it as its receiver is
+# created and tells the prefill ranks at once; once the decode has the prefill's bootstrap info
+# cached, that abort can reach a prefill rank before the request does, and SGLang's prefill drops
+# an abort for a room it does not know: before `backend.early_aborts`, the prefill then held the
+# request for SGLang's 300 s bootstrap timeout (seen with 2 -> 1, the second request).
+UNEQUAL_FAILS_WITHIN_S = 90
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                    "chat_template.jinja")
+
+
+def build_tp2_model(source: Path, dest: Path) -> Path:
+    """`source` (a Llama checkpoint whose KV heads TP 2 cannot split) with only the first
+    KV_HEADS_KEPT KV heads, and the query heads that share them, in every layer."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    group = config["num_attention_heads"] // config["num_key_value_heads"]
+    head_dim = config["head_dim"]
+    q_rows, kv_rows = KV_HEADS_KEPT * group * head_dim, KV_HEADS_KEPT * head_dim
+    weights = {}
+    for name, w in load_file(source / "model.safetensors").items():
+        if name.endswith("q_proj.weight"):
+            w = w[:q_rows]
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            w = w[:kv_rows]
+        elif name.endswith("o_proj.weight"):
+            w = w[:, :q_rows]
+        weights[name] = w.contiguous()
+    dest.mkdir(parents=True)
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    config.update(num_attention_heads=KV_HEADS_KEPT * group, num_key_value_heads=KV_HEADS_KEPT)
+    (dest / "config.json").write_text(json.dumps(config))
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def tp_model(sglang_model, tmp_path_factory) -> str:
+    if (os.cpu_count() or 1) < TP:
+        pytest.skip(f"TP {TP} on CPU binds one core per rank: this box has {os.cpu_count()}")
+    return str(build_tp2_model(Path(sglang_model), tmp_path_factory.mktemp("tp") / "model"))
+
+
+def _tp_spec(model: str, mode: ClusterMode, run_dir: Path, prefill_tp: int = TP,
+             decode_tp: int = TP, server_args: tuple[str, ...] = ()) -> ClusterSpec:
+    return ClusterSpec(
+        model, mode, "lynx", run_dir=run_dir,
+        server_args=server_args if mode is ClusterMode.PD else ("--tp", str(TP)),
+        role_args={"prefill": ("--tp", str(prefill_tp)), "decode": ("--tp", str(decode_tp))}
+        if mode is ClusterMode.PD else {},
+        extra_env={THREADS_BIND_ENV: "|".join(str(core) for core in range(TP))},
+        # Four TP ranks on two cores start slowly.
+        startup_timeout_s=600.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tp_model, tmp_path_factory):
+    # One cluster at a time: two cores.
+    with Cluster(_tp_spec(tp_model, ClusterMode.SINGLE, tmp_path_factory.mktemp("single"))) as s:
+        reference = [generate(s.url, text=p, max_new_tokens=MAX_NEW_TOKENS).output_ids
+                     for p in PROMPTS]
+    pd = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp("pd"),
+                  server_args=("--lynx-target", "exact"))
+    with Cluster(pd) as c:
+        got = [generate(c.url, text=p, max_new_tokens=MAX_NEW_TOKENS, timeout_s=300).output_ids
+               for p in PROMPTS]
+        logs = {name: c.log_path(name).read_text(errors="replace")
+                for name in ("prefill", "decode")}
+    return reference, got, logs
+
+
+def test_tp2_pd_greedy_identical_to_a_tp2_single_server(tp_runs):
+    reference, got, _ = tp_runs
+    for prompt, want, have in zip(PROMPTS, reference, got, strict=True):
+        assert len(have) == MAX_NEW_TOKENS
+        assert have == want, prompt[:60]
+
+
+def test_one_transport_session_per_rank_pair(tp_runs):
+    _, _, logs = tp_runs
+    # Each decode rank's session comes from its own prefill rank (rank ip:port).
+    sessions = set(re.findall(r"\[[^]]* TP(\d)\] lynx: transport session from prefill rank (\S+)",
+                              logs["decode"]))
+    assert sorted(rank for rank, _ in sessions) == [str(r) for r in range(TP)], sessions
+    assert len({prefill for _, prefill in sessions}) == TP, sessions
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_unequal_tp_sizes_fail_each_request_with_both_sizes(tp_model, tmp_path_factory,
+                                                            prefill_tp, decode_tp):
+    spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp("unequal"),
+                    prefill_tp, decode_tp, ("--lynx-target", "exact"))
+    with Cluster(spec) as c:
+        for _ in range(2):  # the first failure leaves both servers able to fail the next
+            with pytest.raises(GenerateError, match=re.escape(
+                    f"lynx needs equal attention TP sizes on prefill ({prefill_tp}) and "
+                    f"decode ({decode_tp})")):
+                generate(c.url, text=PROMPTS[0], max_new_tokens=4,
+                         timeout_s=UNEQUAL_FAILS_WITHIN_S)
+        for name in ("prefill", "decode"):
+            assert c.proc(name).poll() is None, f"the {name} server died"
