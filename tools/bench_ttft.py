@@ -35,9 +35,8 @@ the report, `tools.ttft_regime_run` for the run, `tools.regimes` for the GPU dep
 stands for).
 
 Every server runs SGLang's default overlap scheduler (`--disable-overlap-schedule`: none does;
-`--variants NAME@no-overlap`: that variant does not, beside the others), under which a Lynx
-prefill sends its KV after the forward instead of layer by layer; the configuration line says
-which variant ran which.
+`--variants NAME@no-overlap`: that variant does not, beside the others); a Lynx prefill streams
+its KV layer by layer under either; the configuration line says which variant ran which.
 
 `--url ROUTER` measures an already running cluster instead, as one variant (`--label`): the same
 warm-up and steps 1 and 2 through that router (its /flush_cache reaches every server). What needs

@@ -10,8 +10,8 @@ variants' outputs are identical (lossy ones are only scored against them), as a 
 Every server runs SGLang's default overlap scheduler unless `--disable-overlap-schedule` (or
 `--variants NAME@no-overlap` for one variant): each variant sends one request at a time, so the
 scheduler does not change its greedy tokens and the exact variants' outputs still compare token
-for token. Under overlap a Lynx prefill sends its KV after the forward instead of layer by layer
-(`lynx_sglang.backend.layer_stream`); the configuration line says so.
+for token. A Lynx prefill streams its KV layer by layer under either scheduler
+(`lynx_sglang.backend.layer_stream`); the configuration line says which scheduler ran.
 
 Times are wall-clock `time.time()` on this one machine: the client's send and each streamed token,
 and the servers' trace records (`lynx_sglang.trace`, written to `<run dir>/trace`): the prefill
@@ -102,8 +102,8 @@ class DemoResult:
     verified_s: float | None = None
     breakdown: Breakdown | None = None
     run_dir: str = ""
-    # Lynx: whether its prefill could stream the KV layer by layer during the forward; not under
-    # SGLang's overlap scheduler, nor with --no-lynx-layer-stream (`layer_streams`).
+    # Lynx: whether its prefill could stream the KV layer by layer during the forward; not with
+    # --no-lynx-layer-stream (`layer_streams`).
     layer_stream: bool = True
 
     @property
@@ -127,9 +127,9 @@ def select_variants(names: str) -> list[Variant]:
 
 
 def layer_streams(variant: Variant) -> bool:
-    """Whether a Lynx variant's prefill streams the KV during its forward: the runtime turns
-    layer streaming off under SGLang's overlap scheduler (lynx_sglang.backend.layer_stream)."""
-    return (variant.transfer_backend == "lynx" and not variant.overlap_schedule
+    """Whether a Lynx variant's prefill streams the KV during its forward (the default, under
+    either scheduler; lynx_sglang.backend.layer_stream)."""
+    return (variant.transfer_backend == "lynx"
             and "--no-lynx-layer-stream" not in variant.server_args)
 
 
@@ -304,16 +304,14 @@ def regime_note(results: list[DemoResult], link_bps: float | None) -> str | None
             f"streams need {wire_s * 1e3:.0f} ms of wire; ")
     if not lynx.layer_stream:
         return head + ("its prefill sent them after the forward, as mooncake_tcp sends its whole "
-                       "transfer: under SGLang's overlap scheduler (or --no-lynx-layer-stream) "
-                       "there is no layer streaming, so Lynx saves the bytes it leaves out and, "
-                       "on a link slower than the forward, the wait for the Residual "
-                       "(--disable-overlap-schedule streams layer by layer).")
+                       "transfer: with --no-lynx-layer-stream there is no layer streaming, so "
+                       "Lynx saves the bytes it leaves out and, on a link slower than the "
+                       "forward, the wait for the Residual.")
     if wire_s < lynx.prefill_done_s:
         return head + ("layer streaming sent them while the forward ran, so after it only the "
                        "last layer was left; mooncake_tcp starts its whole transfer after the "
                        "forward. A link slower than the forward leaves the rest to the "
-                       "Anchor-first stream and speculation; on a GPU pool layer streaming is "
-                       "not implemented (Lynx then sends after the forward).")
+                       "Anchor-first stream and speculation.")
     return head + ("the link is the slow part: the Anchor goes first, the decode speculates on "
                    "it, and the Residual's bytes are what is left after the forward.")
 

@@ -80,10 +80,9 @@ NO_OVERLAP_SUFFIX = "@no-overlap"
 # Why an operator would turn SGLang's default scheduler off (the tools' --disable-overlap-schedule).
 DISABLE_OVERLAP_HELP = (
     "pass SGLang's --disable-overlap-schedule to every server (default: SGLang's overlap "
-    "scheduler, what a deployment runs). With it each decode step's results are processed "
-    "before the next step launches, and a Lynx prefill streams the KV layer by layer during its "
-    "forward (under overlap it sends after the forward): for comparing with runs made that way "
-    "(before 2026-12-06) or measuring layer streaming")
+    "scheduler, what a deployment runs). With it each step's results are processed before the "
+    "next step launches (on a Lynx prefill, a forward's rooms are handed over before the next "
+    "forward instead of after it): for comparing with runs made that way (before 2026-12-06)")
 
 
 def without_overlap(variant: Variant, rename: bool = True) -> Variant:
@@ -95,16 +94,13 @@ def without_overlap(variant: Variant, rename: bool = True) -> Variant:
 
 
 def scheduler_note(variants: list[Variant]) -> str:
-    """The schedulers the variants run, for a tool's configuration line: under overlap a Lynx
-    prefill does not stream layer by layer (lynx_sglang.backend.layer_stream), which moves its
-    Residual later, so a reader of the numbers must know."""
+    """The schedulers the variants run, for a tool's configuration line (a reader comparing
+    numbers across runs must know)."""
     on = [v for v in variants if v.overlap_schedule]
     off = [v.name for v in variants if not v.overlap_schedule]
     parts = []
     if on:
-        parts.append(f"SGLang's overlap scheduler for {[v.name for v in on]}" + (
-            " (no Lynx layer streaming under it: the prefill sends the KV after the forward)"
-            if any(v.transfer_backend == "lynx" for v in on) else ""))
+        parts.append(f"SGLang's overlap scheduler for {[v.name for v in on]}")
     if off:
         parts.append(f"--disable-overlap-schedule for {off}")
     return "scheduler: " + ", ".join(parts)

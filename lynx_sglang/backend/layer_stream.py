@@ -15,6 +15,22 @@ hooks drive it (adapters in `lynx_sglang.hooks`):
 
 A forward that raises fails the gate, and the rooms waiting on it fail with the reason.
 
+SGLang's overlap scheduler (its default) changes neither hook's timing: `run_batch` still runs the
+forward's Python, so each `set_kv_buffer` call happens inside it (CPU: the forward itself; CUDA:
+its kernels queued on the scheduler's forward stream). What it moves is the hand-over: SGLang
+processes forward N's results, and so hands its rooms over, after it has launched forward N+1
+(on CPU, run it). Each forward has its own gate, and forward N's rooms wait for their hand-over
+with their layers sent (`Job.await_handover`), so N+1's gate and rooms are independent of them.
+The one overlap-specific step: on CUDA the forward ran on `scheduler.forward_stream`, which is no
+longer current when `run_batch` returns, so the event after the forward is recorded there. (Also
+on CUDA, not measured: reading the prompt's slots to the host, `_prompt_slots`, waits for the
+scheduler's stream, which SGLang may have made wait for the previous forward; that launch then
+no longer overlaps it.)
+Not streamed, under either scheduler: a batch whose cached prefix HiCache is still loading into
+the pool (`hicache_consumer_index`): SGLang's forward waits for a layer's load only when it reads
+the layer (`get_key_buffer`), after its `set_kv_buffer`, so the layer's event would not cover the
+prefix rows (SGLang's own early send of a cached prefix skips such a batch for the same reason).
+
 CPU and CUDA pools share this scheduling; only the event differs (`EventFactory`, chosen by
 `for_pool` from the pool's device). On a CPU pool `set_kv_buffer` has written the rows when it
 returns: no event. On CUDA it has only queued the kernel on the forward's stream, so the hook
@@ -56,8 +72,8 @@ _POLL_LAST_S = 1e-3
 class LayerEvent(Protocol):
     """What the gate needs of a device event (`torch.cuda.Event`'s interface)."""
 
-    def record(self) -> None:
-        """Mark the work queued so far on the calling thread's current stream."""
+    def record(self, stream=None) -> None:
+        """Mark the work queued so far on `stream` (None: the calling thread's current one)."""
 
     def query(self) -> bool:
         """Whether that work has completed."""
@@ -195,7 +211,7 @@ class LayerStreamer:
         """SGLang's `run_batch`, with the rooms whose prompt an extend forward completes handed
         to the sender as it starts, behind this forward's gate."""
         if (self.gate is not None or not batch.forward_mode.is_extend()
-                or getattr(scheduler, "enable_overlap", False)):
+                or getattr(batch, "hicache_consumer_index", -1) >= 0):
             return original(scheduler, batch, *args, **kwargs)
         gate = LayerGate(self.num_layers)
         rooms = []
@@ -214,7 +230,9 @@ class LayerStreamer:
         finally:
             self.gate = None
         self._say_how_layers_opened(gate.opened)
-        gate.finish(self._recorded_event())
+        # Overlap: SGLang ran the forward on its forward stream, current only inside run_batch.
+        gate.finish(self._recorded_event(
+            scheduler.forward_stream if getattr(scheduler, "enable_overlap", False) else None))
         return result
 
     def layer_written(self, pool, layer, layer_id_override: int | None) -> None:
@@ -224,13 +242,13 @@ class LayerStreamer:
             layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
             gate.written(layer_id - getattr(pool, "start_layer", 0), self._recorded_event())
 
-    def _recorded_event(self) -> LayerEvent | None:
-        """On a device pool, an event recorded on the scheduler thread's current stream, the
-        forward's, after the work queued so far; None on a CPU pool."""
+    def _recorded_event(self, stream=None) -> LayerEvent | None:
+        """On a device pool, an event recorded after the work queued so far on the forward's
+        stream: `stream`, or (None) the scheduler thread's current one; None on a CPU pool."""
         if self.make_event is None:
             return None
         event = self.make_event()
-        event.record()
+        event.record(stream)
         return event
 
     def _say_how_layers_opened(self, opened: int) -> None:

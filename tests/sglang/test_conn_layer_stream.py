@@ -1,11 +1,12 @@
 """Layer streaming (backend.layer_stream) between Lynx's prefill and decode KV managers with
 SGLang's own machinery in one process (conn_pair.py): the Anchor and Residual of the layers a
 forward has written go out while it runs, the rooms of one forward (or of one batch result)
-stream together without one room's Residual holding back another's Anchor, a windowed room in
-such a group goes after the forward, the transfer timeout is a stall deadline, and a failed
-forward or an abort during it fails only its room with nothing held. Slots SGLang's prefix cache
-swaps in after the forward are taken when they hold the same bits, and the forward's own rows
-are sent when they do not.
+stream together without one room's Residual holding back another's Anchor, a room handed over
+only after the next forward has started and written its layers (SGLang's overlap scheduler) is
+sent exact beside that forward's room, a windowed room in such a group goes after the forward,
+the transfer timeout is a stall deadline, and a failed forward or an abort during it fails only
+its room with nothing held. Slots SGLang's prefix cache swaps in after the forward are taken
+when they hold the same bits, and the forward's own rows are sent when they do not.
 """
 
 from __future__ import annotations
@@ -176,6 +177,48 @@ def test_a_room_that_fails_in_a_streamed_group_leaves_the_others(sgl, make_pd):
     failure_message(sgl, a.receiver)
     wait_for("the prefill staging to be freed", lambda: prefill_staging_free(pd))
     assert pd.prefill.mgr.sender.tracked()["prefill_rooms_streaming"] == 0
+
+
+def test_a_room_handed_over_after_the_next_forward_started_is_sent_exact(sgl, make_pd):
+    """SGLang's overlap scheduler processes forward N's results, and so hands its room over,
+    only after it has launched forward N+1 (on CPU: run it). Forward N's room has its layers
+    sent and waits for the hand-over while N+1 streams its own room behind a gate of its own;
+    both rooms end exact, whichever gate opens or which room is handed over first."""
+    from lynx_sglang.backend.layer_stream import LayerGate
+
+    pd = make_pd(make_cfg(target="exact"))
+    sender = pd.prefill.mgr.sender
+    a, gate_a, ga = _start_streamed_request(sgl, pd, room=1151, seed=71)
+    for layer in range(LAYERS):
+        forward_layer(pd, a, layer, ga)
+        gate_a.written(layer)
+    gate_a.finish()
+    wait_for("forward N's Anchor layers at the decode",
+             lambda: _anchor_layers_landed(pd, a.room) == LAYERS)
+    # Forward N+1 starts before N's room is handed over, and writes its layers.
+    b, gb = open_request(sgl, pd, room=1152, seed=72, beside=(a,))
+    gate_b = LayerGate(LAYERS)
+    assert sender.start_early([(b.room, b.prefill_slots.numpy().astype("int64"))],
+                              gate_b) == {b.room}
+    assert sender.tracked()["prefill_rooms_streaming"] == 2
+    for layer in range(LAYERS - 1):
+        forward_layer(pd, b, layer, gb)
+        gate_b.written(layer)
+    time.sleep(0.2)
+    assert a.receiver.poll() not in (sgl.KVPoll.Success, sgl.KVPoll.Failed)
+    # N's results: its room handed over while N+1 still runs.
+    a.sender.send(a.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    forward_layer(pd, b, LAYERS - 1, gb)
+    gate_b.finish()
+    b.sender.send(b.prefill_slots.to(torch.int32).numpy(), None, num_kv_tokens=NUM_TOKENS)
+    _all_succeed(sgl, pd, (a, b))
+    for req in (a, b):
+        for kind in ("k_buffer", "v_buffer"):
+            for layer in range(LAYERS):
+                assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
+                                   getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+    wait_for("the prefill staging to be freed", lambda: prefill_staging_free(pd))
+    assert sender.tracked()["prefill_rooms_streaming"] == 0
 
 
 def test_a_streamed_group_whose_second_room_waits_for_prefill_staging_sends_both(sgl, make_pd):

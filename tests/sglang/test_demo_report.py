@@ -152,13 +152,13 @@ def test_the_regime_note_says_which_part_was_slow():
     assert "6711 ms of wire" in slow and "the link is the slow part" in slow
     assert regime_note(results, None) is None  # loopback: no rate to weigh
     assert regime_note([_result("mooncake", [1])], 1e9) is None
-    # Under SGLang's overlap scheduler the prefill sends after its forward: no layer streaming.
-    overlap = regime_note([_result("mooncake", [1]), _result("lynx", [1], **LYNX,
-                                                             layer_stream=False)], 1e9)
-    assert "sent them after the forward" in overlap and "layer streaming sent" not in overlap
+    # With --no-lynx-layer-stream the prefill sends after its forward.
+    after = regime_note([_result("mooncake", [1]), _result("lynx", [1], **LYNX,
+                                                           layer_stream=False)], 1e9)
+    assert "sent them after the forward" in after and "layer streaming sent" not in after
 
 
-def test_only_a_lynx_prefill_off_the_overlap_scheduler_streams_layers():
+def test_a_lynx_prefill_streams_layers_under_either_scheduler_unless_told_not_to():
     lynx, off, after, moon = select_variants(
-        "lynx,lynx@no-overlap,lynx-after-forward@no-overlap,mooncake@no-overlap")
-    assert [layer_streams(v) for v in (lynx, off, after, moon)] == [False, True, False, False]
+        "lynx,lynx@no-overlap,lynx-after-forward,mooncake")
+    assert [layer_streams(v) for v in (lynx, off, after, moon)] == [True, True, False, False]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -58,8 +58,8 @@ class StandInEvent:
         self.queried_by: set[str] = set()
         self._done = threading.Event()
 
-    def record(self) -> None:
-        self.recorded = (threading.current_thread().name, self.device.current_stream())
+    def record(self, stream: str | None = None) -> None:
+        self.recorded = (threading.current_thread().name, stream or self.device.current_stream())
 
     def query(self) -> bool:
         self.queried_by.add(threading.current_thread().name)
@@ -101,38 +101,46 @@ class Sender:
         return {room for room, _ in rooms}
 
 
-def _batch():
-    """A scheduler and an extend batch of one request whose whole prompt this forward computes."""
+def _batch(overlap: bool = False, hicache_consumer_index: int = -1):
+    """A scheduler and an extend batch of one request whose whole prompt this forward computes
+    (`overlap`: under SGLang's overlap scheduler, whose forward runs on its "forward" stream)."""
     scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace(
-        req_to_token=torch.arange(16).reshape(2, 8)), enable_overlap=False)
+        req_to_token=torch.arange(16).reshape(2, 8)), enable_overlap=overlap,
+        forward_stream="forward")
     req = SimpleNamespace(origin_input_ids=list(range(8)), bootstrap_room=7, extend_end=8,
                           prefix_len=0, kv=SimpleNamespace(req_pool_idx=0))
     return scheduler, SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True),
-                                      reqs=[req])
+                                      reqs=[req], hicache_consumer_index=hicache_consumer_index)
 
 
-def _forward(streamer: LayerStreamer, reported: int, raises: bool = False):
+def _forward(streamer: LayerStreamer, reported: int, raises: bool = False,
+             device: StandInDevice | None = None):
     """SGLang's forward: queues the KV write of layers [0, reported) on its stream, each
-    followed by the `set_kv_buffer` hook, then returns (or raises)."""
+    followed by the `set_kv_buffer` hook, then returns (or raises). With `device`, the forward
+    makes its stream current itself, as the overlap scheduler's `run_batch` does
+    (`forward_stream_ctx`), and the caller's is current again once it returns."""
     pool = SimpleNamespace(start_layer=0)
 
     def run(scheduler, batch):
-        for layer in range(reported):
-            streamer.layer_written(pool, SimpleNamespace(layer_id=layer), None)
-        if raises:
-            raise RuntimeError("boom")
-        return "result"
+        with device.stream(scheduler.forward_stream) if device else nullcontext():
+            for layer in range(reported):
+                streamer.layer_written(pool, SimpleNamespace(layer_id=layer), None)
+            if raises:
+                raise RuntimeError("boom")
+            return "result"
     return run
 
 
-def _run_batch_on_scheduler(streamer: LayerStreamer, device: StandInDevice, forward) -> list:
-    """`run_batch` on a thread named like the scheduler's, on its forward stream; returns what
-    it returned or raised once it has ended."""
+def _run_batch_on_scheduler(streamer: LayerStreamer, device: StandInDevice, forward,
+                            overlap: bool = False) -> list:
+    """`run_batch` on a thread named like the scheduler's, on its forward stream (`overlap`: on
+    the scheduler's own stream; the forward switches); returns what it returned or raised once
+    it has ended."""
     out: list = []
 
     def run():
-        scheduler, batch = _batch()
-        with device.stream("forward"):
+        scheduler, batch = _batch(overlap)
+        with device.stream("schedule" if overlap else "forward"):
             try:
                 out.append(streamer.run_batch(forward, scheduler, batch))
             except Exception as exc:  # the test reads it
@@ -174,6 +182,42 @@ def test_a_layer_is_read_only_once_its_event_has_completed():
     # polling on the worker's thread only.
     assert {e.recorded for e in device.events} == {("scheduler", "forward")}
     assert {name for e in device.events for name in e.queried_by} == {"worker"}
+
+
+def test_under_overlap_every_event_is_recorded_on_the_forward_stream():
+    """SGLang's overlap scheduler runs the forward on its forward stream, which is current only
+    inside `run_batch`'s forward: the layers' events are recorded there by the hook, and the
+    event after the forward (the layer no hook reported) on `scheduler.forward_stream`, not on
+    the scheduler's stream current again when the forward returns (an event there would complete
+    before the forward's last layer is written). Before, overlap turned layer streaming off."""
+    device, sender = StandInDevice(), Sender()
+    streamer = LayerStreamer(sender, LAYERS, device.make_event)
+    out = _run_batch_on_scheduler(streamer, device, _forward(streamer, LAYERS - 1, device=device),
+                                  overlap=True)
+    assert out == ["result"]
+    assert len(sender.workers) == 1, "overlap: the forward's room was not streamed"
+    worker = sender.workers[0]
+    assert worker.gate.opened == LAYERS and len(device.events) == LAYERS
+    assert {e.recorded for e in device.events} == {("scheduler", "forward")}
+    time.sleep(0.1)
+    assert worker.reads == []
+    for event in device.events:
+        event.complete()
+    worker.thread.join(WAIT_S)
+    assert worker.reads == list(range(LAYERS)) and worker.error is None
+
+
+def test_a_batch_loading_its_prefix_from_hicache_is_not_streamed():
+    """HiCache may still be loading the batch's cached prefix into the pool, and the forward
+    waits for a layer's load only after writing the layer: such a batch goes after its forward."""
+    sender = Sender()
+    streamer = LayerStreamer(sender, LAYERS)
+    scheduler, batch = _batch(hicache_consumer_index=0)
+    assert streamer.run_batch(_forward(streamer, LAYERS), scheduler, batch) == "result"
+    assert sender.workers == []
+    scheduler, batch = _batch()
+    assert streamer.run_batch(_forward(streamer, LAYERS), scheduler, batch) == "result"
+    assert len(sender.workers) == 1
 
 
 def test_a_forward_that_raises_fails_the_waiters():

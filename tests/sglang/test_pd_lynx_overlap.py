@@ -10,7 +10,9 @@ flight (`speculation.controller.IN_FLIGHT_PARK_REASON`). Of PROMPTS, the third s
 prefix with the second and the fourth repeats the first: the prefill sends their cached prefix
 early (SGLang's `maybe_send_cached_prefix_chunk`, which on CPU needs `lynx_sglang.cpu_compat`'s
 event). Every answer must be token-identical to a single server with the same SGLang flags, sent
-the same prompts in the same order (so both radix caches hold the same prefixes).
+the same prompts in the same order (so both radix caches hold the same prefixes). The prefill
+streams layer by layer under overlap too (`backend.layer_stream`): every prompt its forward
+computes, the one with a cached prefix included; the fully cached repeat goes after its forward.
 
 One PD cluster and one single server for the module, started together; the single server stops
 once it has answered.
@@ -22,12 +24,14 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 
-from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, TRACE_DIR_ENV
 from lynx_sglang.speculation.controller import IN_FLIGHT_PARK_REASON
+from lynx_sglang.trace import read_records
 from lynx_tools.client import generate
 from lynx_tools.cluster import Cluster
 from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
@@ -53,24 +57,28 @@ class Runs:
     reference: list[list[int]]
     pd: list[list[int]]
     pd_cluster: Cluster
+    trace_dir: Path
 
 
 @pytest.fixture(scope="module")
 def runs(sglang_model, start_cluster, pd_link, tmp_path_factory) -> Runs:
     single = ClusterSpec(sglang_model, ClusterMode.SINGLE, overlap_schedule=True,
                          run_dir=tmp_path_factory.mktemp("single"))
+    trace_dir = tmp_path_factory.mktemp("trace")
     pd = ClusterSpec(
         sglang_model, ClusterMode.PD, "lynx", link=pd_link, overlap_schedule=True,
         # The cap above MAX_NEW_TOKENS: speculation ends when the Residual lands, not at a cap.
         server_args=(*COARSE_ANCHOR_SPEC_ARGS, "--lynx-spec-max-tokens", str(MAX_NEW_TOKENS + 1)),
-        extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S)},
+        extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S),
+                   TRACE_DIR_ENV: str(trace_dir)},
     )
     with ThreadPoolExecutor(1) as pool:
         pd_started = pool.submit(start_cluster, pd)
         with Cluster(single) as server:
             reference = [_greedy(server.url, prompt) for prompt in PROMPTS]
         cluster = pd_started.result()
-    return Runs(reference, [_greedy(cluster.url, prompt) for prompt in PROMPTS], cluster)
+    return Runs(reference, [_greedy(cluster.url, prompt) for prompt in PROMPTS], cluster,
+                trace_dir)
 
 
 def _greedy(url: str, prompt: str) -> list[int]:
@@ -107,3 +115,22 @@ def test_prefill_sent_cached_prefixes(runs):
     assert sum(n > 0 for n in cached) >= 2, cached
     # SGLang's CUDA event of that early send (lynx_sglang.cpu_compat gives the prefill a CPU one).
     assert "Tried to instantiate dummy base class Event" not in log
+
+
+def test_prefill_streams_layers_during_the_forward_under_overlap(runs):
+    """The overlap scheduler hands forward N's rooms over after launching forward N+1; the
+    rooms still go to their decode as forward N starts and each layer as the forward writes it.
+    (Before, overlap turned layer streaming off: every room was sent after its forward.)"""
+    log = _log(runs.pd_cluster, "prefill")
+    opened = re.search(r"first streamed forward opened (\d+) of (\d+) layers", log)
+    assert opened is not None and opened[1] == opened[2], log[-2000:]
+    records = [r for r in read_records(runs.trace_dir) if r["kind"] == "prefill"]
+    assert len(records) == len(PROMPTS), records
+    # Prompts 1-3, the third with its cached prefix already in the pool; not the fourth, fully
+    # cached (its last token computed again, and swapped for the cache's copy: sent after).
+    streamed = [r for r in records if r["facts"].get("layer_streamed")]
+    assert len(streamed) == len(PROMPTS) - 1, [r["facts"] for r in records]
+    # Sent before SGLang handed the room over: the first Anchor layer's encode began before
+    # `send` (measured: 0.05-1.2 s before; the long prompt's forward leaves the most).
+    assert any(r["spans"]["encode_anchor"][0][1] < r["marks"]["submitted"] for r in streamed), \
+        [(r["spans"]["encode_anchor"][0], r["marks"]) for r in streamed]
