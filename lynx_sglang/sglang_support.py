@@ -2,8 +2,9 @@
 
 Called by the plugin when a server is started with `--disaggregation-transfer-backend lynx`
 (`check_server_options`, on the parsed command line, before SGLang resolves it) and by the Lynx KV
-manager at start-up (`check_sglang_version`, `check_kv_pool`), so a server that cannot run Lynx
-correctly stops at once with a message that names the option instead of failing mid-request.
+manager at start-up (`check_sglang_version`, `check_anchor_safety`; the KV pool itself is
+checked by `backend.pool.KVPoolView.from_sglang_pool`), so a server that cannot run Lynx correctly
+stops at once with a message that names the option instead of failing mid-request.
 """
 
 from __future__ import annotations

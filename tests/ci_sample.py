@@ -40,6 +40,7 @@ SAMPLED = (
     "sglang/test_pd_lynx_overlap.py",
     "sglang/test_pd_lynx_paged.py",
     "sglang/test_pd_lynx_tp.py",
+    "sglang/test_pd_lynx_mla.py",
 )
 SAMPLED_PER_RUN = 2
 # Each runs with its own probability: one request through real SGLang servers inside the

@@ -13,12 +13,16 @@ into the room's staging range and are dropped (`drop_views`) before that range i
 
 from __future__ import annotations
 
+from lynx_kernels import StreamKind
+
 from .plan import StreamPlan
+from .pool import KINDS
 from .streams import LayerRuns, ResidualReader, anchor_layer
 
 
 class TransferProgress:
-    def __init__(self, num_layers: int, num_tokens: int, *, windowed: bool):
+    def __init__(self, num_layers: int, num_tokens: int, *, windowed: bool,
+                 kinds: tuple[StreamKind, ...] = KINDS):
         self._num_layers = num_layers
         self._windowed = windowed
         # Per layer: the landed Anchor's views, until the layer is final.
@@ -26,7 +30,7 @@ class TransferProgress:
         self._anchor_landed = 0  # layers [0, n) landed, in order
         self._anchor_written = 0  # layers [0, n) looked at for writing their Anchor to the pool
         self._final = 0  # layers at their final precision in the pool
-        self._reader = ResidualReader(num_layers, num_tokens)
+        self._reader = ResidualReader(num_layers, num_tokens, kinds=kinds)
         # Layers whose Residual is complete and not yet applied (waiting for their Anchor).
         self._ready: list[tuple[int, LayerRuns]] = []
         self._residual_at_anchor: int | None = None  # Residual bytes in when the Anchor was

@@ -83,7 +83,8 @@ class WindowedApplier:
                                    self.spec, room.room, self.deps.apply_helper)
             return 0
         landed = landed_prefix(residual, plan.residual_bytes)
-        reader = ResidualReader(len(layers), plan.num_tokens, first_layer=layers.start)
+        reader = ResidualReader(len(layers), plan.num_tokens, first_layer=layers.start,
+                                kinds=plan.kinds)
         ready = reader.advance(view[plan.anchor_bytes:], landed)
         if not reader.done or reader.pos != landed:
             raise KVStreamError(f"segment {j} (layers {layers.start}-{layers.stop - 1}): its "

@@ -119,9 +119,10 @@ class LynxKVManager(MooncakeKVManager):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: bool | None = False):
         check_sglang_version()
-        if is_mla_backend:
-            raise UnsupportedSGLangError("the lynx transfer backend supports MHA KV pools only, "
-                                         "not MLA")
+        if is_mla_backend and (getattr(server_args, "tp_size", 1) or 1) > 1:
+            # Every TP rank holds the whole latent; Lynx's per-rank streams are untested there.
+            raise UnsupportedSGLangError("the lynx transfer backend supports MLA KV pools at "
+                                         "TP 1 only")
         # Again here, not only at CLI parsing: a programmatic launch never passes through it.
         check_anchor_safety(server_args)
         self.lynx = LynxConfig.from_env() or LynxConfig()

@@ -1,8 +1,9 @@
 """`StreamPlan`: the byte layout of one request's two streams, computed once from what both ends
 know before anything is encoded (codec settings, KV shape, token count, chunk size).
 
-Stream layout: for layer 0..L-1, for K then V, the wire chunks of tokens [0, T) cut every
-`chunk_tokens` tokens (`lynx_kernels.fused.run_nbytes`), concatenated. Every layer's share of the Anchor
+Stream layout: for layer 0..L-1, for each kind the pool holds (K then V; an MLA pool's latent
+alone, `backend.pool`), the wire chunks of tokens [0, T) cut every `chunk_tokens` tokens
+(`lynx_kernels.fused.run_nbytes`), concatenated. Every layer's share of the Anchor
 stream has the same length, so layer l's Anchor lies at `anchor_offset(l)`. The Residual's layers
 also follow one another, but an exact Residual is coded, so its size depends on the values: the
 plan gives each layer's bound (`residual_layer_bytes`), and the decode finds the layers by walking
@@ -17,12 +18,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from lynx_kernels import CodecSpec, KVShape, WireStream, fused
+from lynx_kernels import CodecSpec, KVShape, StreamKind, WireStream, fused
 from lynx_kernels.sizes import stream_nbytes_per_token
 
 from ..config import LynxConfig
 from ..errors import KVStreamError
-from .pool import KINDS
+from .pool import KINDS, PoolShape
 from .staging import ALIGN
 
 logger = logging.getLogger(__name__)
@@ -33,29 +34,34 @@ class StreamPlan:
     num_tokens: int
     num_layers: int
     chunk_tokens: int
-    # Per layer: the K run's bytes, then the V run's (Anchor exactly; Residual its bound).
-    anchor_run_bytes: tuple[int, int]
-    residual_run_bound: tuple[int, int]
+    # Per layer, per kind of `kinds` (K then V, or the MLA latent alone): the run's bytes
+    # (Anchor exactly; Residual its bound).
+    anchor_run_bytes: tuple[int, ...]
+    residual_run_bound: tuple[int, ...]
     # The Residual's expected size: its bound for the fixed-size int8 format; for the coded
     # exact one the estimate from corrections measured on real KV (`lynx_kernels.sizes`).
     residual_bytes_expected: int
+    kinds: tuple[StreamKind, ...] = KINDS
 
     @classmethod
     def build(cls, spec: CodecSpec, shape: KVShape, num_tokens: int,
               chunk_tokens: int) -> StreamPlan:
         if num_tokens <= 0:
             raise KVStreamError(f"a request must have at least one token, got {num_tokens}")
+        # A shape read off a live pool says which kinds it holds; any other is MHA's K and V.
+        kinds = shape.kinds if isinstance(shape, PoolShape) else KINDS
         runs = [fused.run_nbytes(spec, kind, shape.dtype, shape.num_kv_heads, shape.head_dim,
-                                 num_tokens, chunk_tokens) for kind in KINDS]
-        bound = shape.num_layers * (runs[0].residual_bound + runs[1].residual_bound)
+                                 num_tokens, chunk_tokens) for kind in kinds]
+        bound = shape.num_layers * sum(run.residual_bound for run in runs)
         per_token = stream_nbytes_per_token(spec, shape.num_kv_heads, shape.head_dim,
                                             shape.dtype.itemsize, num_tokens, dtype=shape.dtype)
-        values = shape.num_layers * num_tokens
+        # `per_token` counts K and V; a pool may hold one kind.
+        values = shape.num_layers * num_tokens * len(kinds) / len(KINDS)
         headers = max(bound - round(values * per_token.residual), 0)
         expected = min(bound, round(values * per_token.residual_expected) + headers)
         return cls(num_tokens, shape.num_layers, chunk_tokens,
-                   (runs[0].anchor, runs[1].anchor),
-                   (runs[0].residual_bound, runs[1].residual_bound), expected)
+                   tuple(run.anchor for run in runs),
+                   tuple(run.residual_bound for run in runs), expected, kinds)
 
     @property
     def anchor_layer_bytes(self) -> int:

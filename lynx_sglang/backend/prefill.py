@@ -54,7 +54,7 @@ from ..recorder import Recorder
 from .faults import FaultPlan
 from .layer_stream import LayerGate
 from .pages import num_pages
-from .pool import KINDS, KVPoolView
+from .pool import KVPoolView
 from .prefill_job import Job, KeptRows, StreamedJobs
 from .prefill_link import PrefillLink, SentBytes
 from .prefill_sessions import DecodeSessions
@@ -192,12 +192,13 @@ class PrefillSender:
         layers = range(pool.shape.num_layers)
         with job.lock:
             same = all(torch.equal(pool.read(layer, kind, was), pool.read(layer, kind, now))
-                       for layer in layers for kind in KINDS)
+                       for layer in layers for kind in pool.kinds)
             if not same:
                 job.kept = KeptRows(
                     torch.as_tensor(start + differ, device=pool.device),
                     [pool.read(layer, StreamKind.K, was) for layer in layers],
-                    [pool.read(layer, StreamKind.V, was) for layer in layers],
+                    [pool.read(layer, StreamKind.V, was) for layer in layers
+                     if StreamKind.V in pool.kinds],
                     torch.arange(len(job.slots), device=pool.device))
                 if torch.device(pool.device).type == "cuda":
                     # The copies are queued on this (the scheduler's) stream, and the worker

@@ -20,7 +20,7 @@ from lynx_kernels import StreamKind
 from .. import trace
 from ..errors import KVStreamError, RoomDroppedError
 from .layer_stream import LayerGate
-from .pool import KINDS, KVPoolView
+from .pool import KVPoolView
 from .prefill_link import Destination
 
 # How often a layer-streamed room waiting for SGLang's hand-over checks that SGLang still has it.
@@ -86,7 +86,7 @@ class KeptRows:
 
     positions: torch.Tensor  # into the room's slots
     k: list[torch.Tensor]  # per layer: [len(positions), kv_heads, head_dim]
-    v: list[torch.Tensor]
+    v: list[torch.Tensor]  # empty for an MLA pool (no V)
     order: torch.Tensor  # 0..len(slots)-1: the rows of a `layer_view`, in slot order
 
     @property
@@ -94,10 +94,13 @@ class KeptRows:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def layer_view(self, pool: KVPoolView, layer: int, slots: torch.Tensor) -> LayerRows:
-        k, v = (pool.read(layer, kind, slots) for kind in KINDS)
+        k = pool.read(layer, StreamKind.K, slots)
         k[self.positions] = self.k[layer]
-        v[self.positions] = self.v[layer]
-        return LayerRows(layer, k, v)
+        v = None
+        if self.v:
+            v = pool.read(layer, StreamKind.V, slots)
+            v[self.positions] = self.v[layer]
+        return LayerRows(layer, k, v, pool.kinds)
 
 
 @dataclass
@@ -106,7 +109,8 @@ class LayerRows:
 
     index: int
     k: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor | None
+    kinds: tuple[StreamKind, ...]
 
     def layer(self, layer: int, kind: StreamKind) -> torch.Tensor:
         assert layer == self.index, (layer, self.index)

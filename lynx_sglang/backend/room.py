@@ -103,7 +103,8 @@ class DecodeRoom:
             self.state = RoomState.AWAITING_STAGING
         self.waiting_since = self.created
         self.progress = TransferProgress(self.plan.num_layers, self.plan.num_tokens,
-                                         windowed=self.segments is not None)
+                                         windowed=self.segments is not None,
+                                         kinds=self.plan.kinds)
         self.trace = tracing.Trace("decode", self.room)
         self.trace.mark_mono("registered", self.created)
         self.trace.facts.update(tokens=self.plan.num_tokens, anchor_bytes=self.plan.anchor_bytes)

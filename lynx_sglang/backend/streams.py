@@ -1,7 +1,8 @@
 """How one request's KV cache becomes the two Lynx byte streams, and back into a KV pool.
 
 The layout of the streams is the request's `StreamPlan` (`backend.plan`): per layer, the K run's
-chunks then the V run's. Every call here is one fused codec call per (layer, kind) run
+chunks then the V run's (an MLA pool's latent: one run, `backend.pool`). Every call here is one
+fused codec call per (layer, kind) run
 (`lynx_kernels.fused`: the C kernels on CPU pools, one GIL-free call each): pool rows are encoded
 straight into staging, and landed staging bytes are applied straight into pool rows, with no
 intermediate tensors or chunk objects.
@@ -10,7 +11,7 @@ Prefill (`backend.prefill_writer`, a destination worker's thread): `encode_layer
 layer's Anchor (and, when given a buffer, its Residual) into staging. Decode (`backend.decode`,
 applier thread): the Anchor of layer l lies at the plan's fixed offset (`anchor_layer`); an exact
 Residual's size depends on the values, so a `ResidualReader` walks the chunk headers of the landed
-Residual bytes to find each layer's K and V runs; `apply_anchor_layer` / `apply_full_layer` then
+Residual bytes to find each layer's runs; `apply_anchor_layer` / `apply_full_layer` then
 validate every chunk of the layer (header, CRC, tiling, and for the exact Residual every
 correction) before writing anything, and write only the request's slots.
 
@@ -30,33 +31,43 @@ from lynx_kernels.wire import HEADER, MAGIC
 
 from ..errors import KVStreamError
 from .plan import StreamPlan
-from .pool import KINDS, KVPoolView
+from .pool import KINDS, LATENT_KINDS, KVPoolView
 
 # Header fields the reader needs (lynx_kernels.wire.HEADER's order).
 _F_MAGIC, _F_KIND, _F_LAYER, _F_START, _F_END, _F_PAYLOAD = 0, 3, 8, 16, 17, 18
+# The header's kind field (lynx_kernels.wire).
+_KIND_CODE = {StreamKind.K: 0, StreamKind.V: 1}
 
 
 @dataclass(frozen=True)
 class LayerRuns:
-    """One layer's bytes of one stream: its K run's chunks and its V run's chunks."""
+    """One layer's bytes of one stream: each kind's run of chunks (K's then V's, or the MLA
+    latent's alone)."""
 
-    k: memoryview
-    v: memoryview
+    kinds: tuple[StreamKind, ...]
+    runs: tuple[memoryview, ...]
 
     def of(self, kind: StreamKind) -> memoryview:
-        return self.k if kind is StreamKind.K else self.v
+        return self.runs[self.kinds.index(kind)]
+
+
+def _kinds(pool) -> tuple[StreamKind, ...]:
+    # A `KVPoolView` says what it holds; `prefill_job.LayerRows` (a gathered layer of an MHA
+    # pool) has no `kinds` and holds K and V.
+    return getattr(pool, "kinds", KINDS)
 
 
 def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
                       chunk_tokens: int, request_tag: int, anchor_out, residual_out=None,
                       executor: Executor | None = None) -> tuple[int, int]:
-    """Encode one layer (K then V) of the tokens held in `slots`: its Anchor chunks back to back
-    into `anchor_out`, and, if `residual_out` is given, its Residual chunks into that (None: the
-    Anchor only, see `lynx_kernels.fused.encode_run_into`). Returns the bytes written to each.
+    """Encode one layer (K then V, or the MLA latent) of the tokens held in `slots`: its Anchor
+    chunks back to back into `anchor_out`, and, if `residual_out` is given, its Residual chunks
+    into that (None: the Anchor only, see `lynx_kernels.fused.encode_run_into`). Returns the
+    bytes written to each.
 
-    With `executor`, K and V are encoded at once (the C codec releases the GIL): V's Residual is
-    written after K's bound and moved down next to K's real end afterwards (an exact Residual's
-    length is known only once it is coded)."""
+    With `executor` and two kinds, K and V are encoded at once (the C codec releases the GIL):
+    V's Residual is written after K's bound and moved down next to K's real end afterwards (an
+    exact Residual's length is known only once it is coded)."""
     k_size = fused.run_nbytes(spec, StreamKind.K, pool.layer(layer, StreamKind.K).dtype,
                               *pool.layer(layer, StreamKind.K).shape[1:], len(slots),
                               chunk_tokens)
@@ -68,6 +79,8 @@ def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: C
             anchor_out[a_at:], None if residual_out is None else residual_out[r_at:])
 
     try:
+        if _kinds(pool) == LATENT_KINDS:
+            return run(StreamKind.K, 0, 0)
         if executor is None:
             ka, kr = run(StreamKind.K, 0, 0)
             va, vr = run(StreamKind.V, ka, kr)
@@ -85,22 +98,27 @@ def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: C
 def anchor_layer(view: memoryview, plan: StreamPlan, layer: int) -> LayerRuns:
     """Layer `layer`'s runs in a landed Anchor stream (fixed offsets: nothing is read)."""
     at = plan.anchor_offset(layer)
-    k_end = at + plan.anchor_run_bytes[0]
-    return LayerRuns(view[at:k_end], view[k_end: at + plan.anchor_layer_bytes])
+    runs = []
+    for size in plan.anchor_run_bytes:
+        runs.append(view[at: at + size])
+        at += size
+    return LayerRuns(plan.kinds, tuple(runs))
 
 
-def _each_kind(write, layer: int, what: str, executor: Executor | None) -> None:
-    """`write(kind)` for K and V: with `executor`, V on it while K runs here (the C codec
-    releases the GIL, and the two kinds are separate pool tensors). Either kind's codec error
-    is raised once both have ended, so neither call is left running on the room's buffers."""
+def _each_kind(write, layer: int, what: str, kinds: tuple[StreamKind, ...],
+               executor: Executor | None) -> None:
+    """`write(kind)` for each kind the pool holds: with `executor` and K and V, V on it while K
+    runs here (the C codec releases the GIL, and the two kinds are separate pool tensors). Either
+    kind's codec error is raised once both have ended, so neither call is left running on the
+    room's buffers."""
     def run(kind: StreamKind) -> None:
         try:
             write(kind)
         except CodecError as exc:
             raise KVStreamError(f"{what} {kind.value.upper()} of layer {layer}: {exc}") from exc
 
-    if executor is None:
-        for kind in KINDS:
+    if executor is None or kinds == LATENT_KINDS:
+        for kind in kinds:
             run(kind)
         return
     v = executor.submit(run, StreamKind.V)
@@ -118,7 +136,7 @@ def apply_anchor_layer(anchor: LayerRuns, pool: KVPoolView, layer: int, slots: t
     (K and V at once with `executor`)."""
     _each_kind(lambda kind: fused.apply_anchor_run(
         anchor.of(kind), pool.layer(layer, kind), slots, spec, kind, layer, request_tag,
-        len(slots)), layer, "the Anchor", executor)
+        len(slots)), layer, "the Anchor", pool.kinds, executor)
 
 
 def apply_full_layer(anchor: LayerRuns, residual: LayerRuns, pool: KVPoolView, layer: int,
@@ -128,24 +146,27 @@ def apply_full_layer(anchor: LayerRuns, residual: LayerRuns, pool: KVPoolView, l
     V at once with `executor`)."""
     _each_kind(lambda kind: fused.apply_residual_run(
         anchor.of(kind), residual.of(kind), pool.layer(layer, kind), slots, spec, kind, layer,
-        request_tag, len(slots)), layer, "the Residual", executor)
+        request_tag, len(slots)), layer, "the Residual", pool.kinds, executor)
 
 
 class ResidualReader:
     """Finds the layers of a Residual stream while it lands. `advance(view, landed)` walks the
-    chunk headers among the first `landed` bytes and returns the layers whose K and V runs are
-    complete, in layer order. The stream's runs come layer by layer, K then V, each tiling the
-    request's tokens (the prefill writes them so); anything else is refused here. The chunks
-    themselves (CRC, settings, corrections) are validated when the layer is applied."""
+    chunk headers among the first `landed` bytes and returns the layers whose runs are complete,
+    in layer order. The stream's runs come layer by layer, one per kind of `kinds` in order (K
+    then V; an MLA pool's latent alone), each tiling the request's tokens (the prefill writes
+    them so); anything else is refused here. The chunks themselves (CRC, settings, corrections)
+    are validated when the layer is applied."""
 
-    def __init__(self, num_layers: int, num_tokens: int, first_layer: int = 0):
+    def __init__(self, num_layers: int, num_tokens: int, first_layer: int = 0,
+                 kinds: tuple[StreamKind, ...] = KINDS):
         # The stream holds layers [first_layer, first_layer + num_layers) (a windowed room's
         # segment holds a few; `backend.window`).
         self.end_layer, self.num_tokens = first_layer + num_layers, num_tokens
+        self.kinds = kinds
         self.pos = 0
         self.next_layer = first_layer
-        self._run_start = 0  # where the current layer's K run starts
-        self._k_end: int | None = None  # where its V run starts, once the K run is complete
+        self._run_start = 0  # where the current layer's current run starts
+        self._runs: list[memoryview] = []  # the current layer's complete runs
         self._covered = 0  # tokens of the current run so far
 
     @property
@@ -157,13 +178,13 @@ class ResidualReader:
         while not self.done and landed - self.pos >= HEADER.size:
             h = HEADER.unpack_from(view, self.pos)
             end = self.pos + HEADER.size + h[_F_PAYLOAD]
-            kind = StreamKind.K if self._k_end is None else StreamKind.V
+            kind = self.kinds[len(self._runs)]
             where = f"Residual chunk at byte {self.pos}"
             if h[_F_MAGIC] != MAGIC:
                 raise KVStreamError(f"{where} is not a Lynx chunk")
             if end > len(view):
                 raise KVStreamError(f"{where} runs past the stream end ({end} > {len(view)})")
-            if h[_F_LAYER] != self.next_layer or h[_F_KIND] != (0 if kind is StreamKind.K else 1):
+            if h[_F_LAYER] != self.next_layer or h[_F_KIND] != _KIND_CODE[kind]:
                 raise KVStreamError(f"{where} is of layer {h[_F_LAYER]} kind {h[_F_KIND]} while "
                                     f"layer {self.next_layer} {kind.value.upper()} is incomplete")
             if h[_F_START] != self._covered or not self._covered < h[_F_END] <= self.num_tokens:
@@ -176,11 +197,11 @@ class ResidualReader:
             if self._covered < self.num_tokens:
                 continue
             self._covered = 0
-            if self._k_end is None:
-                self._k_end = end
+            self._runs.append(view[self._run_start:end])
+            self._run_start = end
+            if len(self._runs) < len(self.kinds):
                 continue
-            ready.append((self.next_layer, LayerRuns(view[self._run_start:self._k_end],
-                                                     view[self._k_end:end])))
+            ready.append((self.next_layer, LayerRuns(self.kinds, tuple(self._runs))))
             self.next_layer += 1
-            self._run_start, self._k_end = end, None
+            self._runs = []
         return ready

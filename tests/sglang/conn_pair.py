@@ -167,11 +167,18 @@ class PD:
     bootstrap_addr: str
 
 
-def _build_side(sgl: SGLang, mode) -> Side:
-    """What `_init_kv_manager` of SGLang's prefill / decode queue does, for an MHA pool on CPU."""
-    pool = sgl.MHATokenToKVPool(size=POOL_TOKENS, page_size=1, dtype=torch.bfloat16,
+def mha_pool(sgl: SGLang):
+    """The MHA pool every test_conn_*.py module runs on: bf16, page size 1, on CPU."""
+    return sgl.MHATokenToKVPool(size=POOL_TOKENS, page_size=1, dtype=torch.bfloat16,
                                 head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
                                 enable_memory_saver=False)
+
+
+def _build_side(sgl: SGLang, mode, make_pool: Callable[[SGLang], object] = mha_pool,
+                kv_head_num: int = HEADS, mla: bool = False) -> Side:
+    """What `_init_kv_manager` of SGLang's prefill / decode queue does, for the pool `make_pool`
+    builds on CPU (an MHA pool by default; `mla`: an MLA pool, as SGLang's `is_mla_backend`)."""
+    pool = make_pool(sgl)
     meta = sgl.MetadataBuffers(AUX_ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16,
                                max_sampling_mask_tokens=16)
     kv_args = sgl.KVArgs()
@@ -189,14 +196,14 @@ def _build_side(sgl: SGLang, mode) -> Side:
     kv_args.kv_layer_ids = sgl.build_kv_layer_ids(
         token_to_kv_pool=pool, draft_token_to_kv_pool=None, num_draft_entries=0,
         num_hidden_layers=LAYERS)
-    kv_args.kv_head_num = HEADS
-    kv_args.total_kv_head_num = HEADS
+    kv_args.kv_head_num = kv_head_num
+    kv_args.total_kv_head_num = kv_head_num
     kv_args.page_size = pool.page_size
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
     kv_args.ib_device = None
     kv_args.gpu_id = 0
     sgl.setup_state_kv_args(kv_args, pool, None, LAYERS, req_to_token_pool=None)
-    mgr = sgl.Manager(kv_args, mode, sgl.server_args, False)
+    mgr = sgl.Manager(kv_args, mode, sgl.server_args, mla)
     mgr.attach_kv_pool(pool)
     return Side(mgr, pool, meta)
 
@@ -210,12 +217,15 @@ def _stop(mgr) -> None:
 
 @contextlib.contextmanager
 def pd_factory(sgl: SGLang, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., PD]]:
-    """make_pd(prefill=LynxConfig, decode=LynxConfig, residual_hold_s=0, anchor_hold_s=0) -> PD,
-    on a fresh bootstrap server; everything it started is stopped when the context ends."""
+    """make_pd(prefill=LynxConfig, decode=LynxConfig, residual_hold_s=0, anchor_hold_s=0,
+    make_pool=mha_pool, kv_head_num=HEADS, mla=False) -> PD, on a fresh bootstrap server;
+    everything it started is stopped when the context ends."""
     started: list = []
 
     def _make(prefill: LynxConfig, decode: LynxConfig | None = None,
-              residual_hold_s: float = 0.0, anchor_hold_s: float = 0.0) -> PD:
+              residual_hold_s: float = 0.0, anchor_hold_s: float = 0.0,
+              make_pool: Callable[[SGLang], object] = mha_pool, kv_head_num: int = HEADS,
+              mla: bool = False) -> PD:
         port = sgl.get_free_port()
         sgl.context.override("conn_pair", disaggregation_bootstrap_port=port)
         server = sgl.BootstrapServer(host=LOOPBACK, port=port)
@@ -229,7 +239,7 @@ def pd_factory(sgl: SGLang, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callabl
             monkeypatch.setenv(CONFIG_ENV, json.dumps(cfg.flat()))
             monkeypatch.setenv(FAULT_RESIDUAL_DELAY_ENV, str(delays[0]))
             monkeypatch.setenv(FAULT_ANCHOR_DELAY_ENV, str(delays[1]))
-            side = _build_side(sgl, mode)
+            side = _build_side(sgl, mode, make_pool, kv_head_num, mla)
             started.append(lambda m=side.mgr: _stop(m))
             sides.append(side)
         return PD(sides[0], sides[1], f"{LOOPBACK}:{port}")
