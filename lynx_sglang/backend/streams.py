@@ -51,12 +51,6 @@ class LayerRuns:
         return self.runs[self.kinds.index(kind)]
 
 
-def _kinds(pool) -> tuple[StreamKind, ...]:
-    # A `KVPoolView` says what it holds; `prefill_job.LayerRows` (a gathered layer of an MHA
-    # pool) has no `kinds` and holds K and V.
-    return getattr(pool, "kinds", KINDS)
-
-
 def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
                       chunk_tokens: int, request_tag: int, anchor_out, residual_out=None,
                       executor: Executor | None = None) -> tuple[int, int]:
@@ -79,7 +73,7 @@ def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: C
             anchor_out[a_at:], None if residual_out is None else residual_out[r_at:])
 
     try:
-        if _kinds(pool) == LATENT_KINDS:
+        if pool.kinds == LATENT_KINDS:
             return run(StreamKind.K, 0, 0)
         if executor is None:
             ka, kr = run(StreamKind.K, 0, 0)
