@@ -128,6 +128,11 @@ def _latent_views(pool) -> list[torch.Tensor]:
     """Per layer, SGLang's MLA buffer `[slots, 1, width]` seen (no copy) as `[slots, width / d,
     d]` with d = `latent_head_dim(width)`. Only the plain latent pool: DeepSeek V3.2's DSA pool
     (an indexer cache beside the latent, fp8-packed rows) and the FP4 pool hold other layouts."""
+    # Neither an MHA nor an MLA pool (no buffer of either): refused before importing SGLang's
+    # pool module, which a process that never built an SGLang pool may not be able to import.
+    if not hasattr(pool, "kv_buffer"):
+        raise KVStreamError(f"Lynx supports SGLang's MHA and MLA KV pools only; got "
+                            f"{type(pool).__name__}")
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     if type(pool) is not MLATokenToKVPool or getattr(pool, "use_dsa", False):
