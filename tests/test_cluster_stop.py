@@ -1,7 +1,8 @@
 """How `Cluster.stop()` and `Cluster.kill()` end a server's whole process tree (psutil), on small
 stand-in trees (a Python parent with `sleep` children), no SGLang: SIGTERM first, SIGKILL for
 what outlives the deadline (logged), and a child whose parent died before the stop (re-parented,
-but still in the server's process group) is found too."""
+but still in the server's process group) is found too. Also which scheduler the cluster `up`
+starts runs (`up_spec`)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,23 @@ def test_kill_ends_the_whole_tree(cluster, tmp_path):
     while not all(_gone(pid) for pid in pids):
         assert time.monotonic() < deadline, "a process of the killed tree survived"
         time.sleep(0.05)
+
+
+def test_up_runs_sglangs_overlap_scheduler_unless_told_otherwise(tmp_path):
+    """`lynx-sglang up` starts what SGLang deploys by default; `-- --disable-overlap-schedule`
+    reaches every server once (not once from the operator and once from ClusterSpec)."""
+    import argparse
+
+    from lynx_tools.cluster import add_arguments, up_spec
+    from lynx_tools.cluster_spec import server_command
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def command(*argv: str) -> list[str]:
+        spec = up_spec(parser.parse_args(["--model", str(tmp_path), *argv]))
+        return server_command(spec, 30000, "decode", 8998)
+
+    assert "--disable-overlap-schedule" not in command("--", "--lynx-target", "exact")
+    off = command("--", "--disable-overlap-schedule", "--lynx-target", "exact")
+    assert off.count("--disable-overlap-schedule") == 1 and "--lynx-target" in off

@@ -29,14 +29,16 @@ class Generation:
 
 def generate(url: str, *, text: str | None = None, input_ids: list[int] | None = None,
              max_new_tokens: int = 16, timeout_s: float = 300.0,
-             sampling: dict | None = None, rid: str | None = None) -> Generation:
+             sampling: dict | None = None, rid: str | None = None,
+             fields: dict | None = None) -> Generation:
     """Greedy (temperature 0) unless `sampling` overrides it; raises GenerateError on HTTP errors
-    or an error reported by the server. `rid` names the request (its spec stream topic)."""
+    or an error reported by the server. `rid` names the request (its spec stream topic);
+    `fields`: other /generate fields (e.g. return_logprob, top_logprobs_num)."""
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text / input_ids")
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     params.update(sampling or {})
-    body = {"sampling_params": params}
+    body = {**(fields or {}), "sampling_params": params}
     if rid is not None:
         body["rid"] = rid
     if text is not None:

@@ -373,24 +373,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Lynx PD: TLS 1.3 on the transport's data connections, with a CA and "
                              "a certificate made for this cluster in the run dir (tls/)")
     parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
-                        help="extra SGLang/Lynx server flags after `--`, e.g. -- --lynx-target exact")
+                        help="extra SGLang/Lynx server flags after `--`, e.g. -- --lynx-target "
+                             "exact. Every server runs SGLang's default overlap scheduler unless "
+                             "-- --disable-overlap-schedule")
 
 
-def run(args: argparse.Namespace) -> int:
+def up_spec(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster `up` starts: SGLang's default overlap scheduler unless the server flags after
+    `--` turn it off (ClusterSpec then passes that flag, once, to every server)."""
     from .model import embedded_model_dir
 
-    spec = ClusterSpec(
+    no_overlap = "--disable-overlap-schedule"
+    return ClusterSpec(
         model_path=str(args.model or embedded_model_dir()),
         mode=ClusterMode(args.mode),
         transfer_backend=args.transfer_backend,
         run_dir=args.run_dir,
-        server_args=tuple(args.server_args),
+        server_args=tuple(a for a in args.server_args if a != no_overlap),
+        overlap_schedule=no_overlap not in args.server_args,
         max_total_tokens=args.max_total_tokens,
         startup_timeout_s=args.startup_timeout_s,
         link=args.link,
         link_qdisc=args.link_qdisc,
         tls=args.tls,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = up_spec(args)
     stop = False
 
     def _on_signal(signum, frame):

@@ -105,7 +105,8 @@ class Matrix:
     def __init__(self, model: str, run_dir: Path, link: bool, server_args: tuple[str, ...] = (),
                  *, transport: str = "tcp", ib_device: str | None = None,
                  timing: Timing | None = None, prompt_tokens: int = PROMPT_TOKENS,
-                 new_tokens: int = NEW_TOKENS, staging_mib: int | None = None):
+                 new_tokens: int = NEW_TOKENS, staging_mib: int | None = None,
+                 overlap_schedule: bool = True):
         from transformers import AutoTokenizer
 
         if transport not in TRANSPORTS:
@@ -123,7 +124,8 @@ class Matrix:
         common = ("--disable-radix-cache", "--enable-metrics",
                   "--watchdog-timeout", str(t.watchdog_s), *server_args)
         with Cluster(ClusterSpec(model, ClusterMode.SINGLE, run_dir=run_dir / "single",
-                                 server_args=common, startup_timeout_s=t.startup_s)) as single:
+                                 server_args=common, startup_timeout_s=t.startup_s,
+                                 overlap_schedule=overlap_schedule)) as single:
             self.reference = {
                 tuple(p): generate(single.url, input_ids=p, max_new_tokens=self.new_tokens,
                                    timeout_s=t.request_s + t.outage_s).output_ids
@@ -139,7 +141,7 @@ class Matrix:
         self.spec = ClusterSpec(
             model, ClusterMode.PD, "lynx", run_dir=run_dir / "pd",
             link=BASE_RATE if link else None, startup_timeout_s=t.startup_s,
-            server_args=(*common, *lynx),
+            server_args=(*common, *lynx), overlap_schedule=overlap_schedule,
             extra_env={FAULT_RESIDUAL_DELAY_ENV: str(t.residual_hold_s),
                        FAULT_ANCHOR_DELAY_ENV: str(t.anchor_hold_s),
                        FAULT_VERIFY_DELAY_ENV: str(t.verify_hold_s),

@@ -43,6 +43,9 @@ Windowed (`--windowed`): both servers get less staging than the faulted request 
 `between` is then after its first segment (where the prefill's hold sits for such a room, which
 is also mid-Anchor for the request: `mid-anchor` is not run), and `during-verification` does not
 exist (a windowed room does not speculate). The next request still fits whole.
+
+Scheduler: every server runs SGLang's default overlap scheduler (batch N+1 launched before batch
+N's results are processed), as deployments do; `--disable-overlap-schedule` runs the other.
 """
 
 from __future__ import annotations
@@ -123,6 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "during-verification is skipped: such a room does not speculate)")
     parser.add_argument("--out", type=Path, default=Path("out/faults.json"),
                         help="JSON report (default out/faults.json); the table goes to stdout")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="pass SGLang's --disable-overlap-schedule to every server, the "
+                             "reference single server included (default: SGLang's overlap "
+                             "scheduler, what a deployment runs)")
     add_kv_dtype_argument(parser)
 
 
@@ -179,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         "tcp, shaped link" if link else "tcp, loopback")
     if staging_mib is not None:
         where += f", windowed: --lynx-staging-mib {staging_mib}"
+    overlap = not args.disable_overlap_schedule
+    where += ", overlap scheduler" if overlap else ", --disable-overlap-schedule"
     print(f"{len(cells)} cells ({where}; timing x{args.slow_factor:g})", flush=True)
 
     def write_report(results: list[CellResult]) -> None:
@@ -187,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         out.write_text(json.dumps({"link": link, "transport": args.transport,
                                    "windowed_staging_mib": staging_mib,
                                    "slow_factor": args.slow_factor,
+                                   "overlap_schedule": overlap,
                                    "prompt_tokens": args.prompt_tokens,
                                    "cells_planned": len(cells),
                                    # a report of a run stopped part-way is not clean
@@ -202,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                          transport=args.transport, ib_device=args.ib_device,
                          timing=Timing().scaled(args.slow_factor),
                          prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                         staging_mib=staging_mib)
+                         staging_mib=staging_mib, overlap_schedule=overlap)
     clean = all(r.clean for r in results)
     print(table(results))
     ran = [r for r in results if r.skipped is None]

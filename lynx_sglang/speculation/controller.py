@@ -11,11 +11,12 @@ commits the request and decodes it like any other, reading Anchor-precision prom
   a speculative EOS / stop string / length finish is held back and parks the request instead (the
   hooks in `speculation.hooks`).
 - A request is parked (taken out of the running batch, its KV kept) when it must not or need not
-  speculate further: not speculable (logprobs, grammar, a custom logit processor, ...: it waits
+  speculate further: not speculable (a grammar, a custom logit processor, ...: it waits
   for the Residual with no speculative token at all), a held-back finish, the token cap, or the
   deadline.
 - When the applier says the Residual is applied, one forward verifies every speculative position
-  (`speculation.verify`); then the request either finishes or rejoins the running batch.
+  (`speculation.verify`), the output logprobs of a request that asked for them become the exact
+  ones (`speculation.logprobs`); then the request either finishes or rejoins the running batch.
 - A Residual that fails aborts the request; a request released early (client abort, a first token
   that already finishes it) cancels its transfer before its slots can be reused (`on_release`).
 - Under SGLang's overlap schedule, `step` runs while the last decode step is in flight (launched,
@@ -40,6 +41,7 @@ from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
 from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
 from ..recorder import Recorder
+from .logprobs import replace_speculative_logprobs, truncate_logprobs
 from .penalties import draft_row, has_logit_transforms, resume_batches
 from .record import log_verification
 from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
@@ -50,6 +52,7 @@ from .verify import (
     free_kv_past_output,
     recount_reasoning,
     rollback,
+    sampler_rows,
     verify_forward,
 )
 
@@ -279,6 +282,8 @@ class SpecController:
         # Roll back to the verified prefix first: a partial answer must not contain a token
         # the exact KV never confirmed.
         del req.output_ids[st.verified_len:]
+        if req.return_logprob:
+            truncate_logprobs(req, st.verified_len)
         if self.publisher is not None:
             self.publisher.aborted(req.rid, req.output_ids, message)
         prepare_abort(req, message, status_code=status_code)
@@ -325,7 +330,10 @@ class SpecController:
             st = self._detach(req)
             result = VerifyResult(0, 0, None)
             if checked:
-                result = apply_acceptance(req, st, decide(req, st, by_req[id(req)]))
+                rows = sampler_rows(req, st, by_req[id(req)])
+                result = apply_acceptance(req, st, decide(req, st, rows))
+                if req.return_logprob:
+                    replace_speculative_logprobs(req, st.verified_len, rows, not st.sampled)
                 rollback(scheduler, req, st.verified_len, result)
                 recount_reasoning(scheduler, req, st)
             log_verification(self.recorder, self.counters, req, st, result,

@@ -82,14 +82,12 @@ def not_speculable_reason(req) -> str | None:
     may speculate). Verification reproduces greedy decoding and temperature sampling exactly,
     top-k/top-p/min-p included where SGLang filters with its torch sampler
     (`speculation.filtering`), and penalties, logit bias and min_new_tokens
-    (`speculation.penalties`); logprobs, grammars and custom logit processors would need more
-    (logprob rewriting, grammar rollback, processor state)."""
+    (`speculation.penalties`), and returns the exact logprobs (`speculation.logprobs`);
+    grammars and custom logit processors would need more (matcher rollback, processor state)."""
     sp = req.sampling_params
     if (not is_greedy(req) and has_filter(sp.top_k, sp.top_p, sp.min_p)
             and _sampling_backend() != FILTERING_BACKEND):
         return "sampled with top-k/top-p/min-p"
-    if req.return_logprob:
-        return "returns logprobs"
     if req.grammar is not None:
         return "grammar-constrained"
     if req.return_hidden_states:

@@ -1,6 +1,7 @@
 """The verification forward and what follows it: one EXTEND forward over a batch of requests'
 speculative positions on exact (refined) prompt KV (`verify_forward`), the acceptance decision
-per request (`decide`, with the rules of `speculation.acceptance`), the edit of its output
+per request (`sampler_rows`, then `decide` with the rules of `speculation.acceptance`), the edit
+of its output
 (`apply_acceptance`), the freeing of rejected positions' KV (`rollback`) and SGLang's reasoning
 counters recounted over the verified tokens (`recount_reasoning`).
 
@@ -165,15 +166,23 @@ def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
     return [int(w) for w in wanted]
 
 
+def sampler_rows(req, st: SpecState, exact_logits: torch.Tensor) -> torch.Tensor:
+    """The verification's logits as SGLang's sampler would see them at each position: with
+    penalties, logit bias or min_new_tokens transformed as at that position
+    (`speculation.penalties`; the draft rows were recorded so), else unchanged. Taken while
+    output_ids still holds every draft; row i then depends only on output_ids[:verified_len + i],
+    so the rows stay valid for the tokens `apply_acceptance` keeps or adds."""
+    if has_logit_transforms(req.sampling_params):
+        return exact_rows(req, exact_logits, st.verified_len)
+    return exact_logits
+
+
 def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
     """Greedy: compare argmaxes. Sampled: speculative sampling with the exact distribution p and
     the one each draft token was drawn from, q: both at the request's temperature and filtered
-    by its top-k/top-p/min-p as SGLang's sampler filters them (`speculation.filtering`). With
-    penalties, logit bias or min_new_tokens the exact rows are first transformed as SGLang's
-    sampler would at each position (`speculation.penalties`; the draft rows were recorded so)."""
+    by its top-k/top-p/min-p as SGLang's sampler filters them (`speculation.filtering`).
+    `exact_logits`: the verification's rows as the sampler sees them (`sampler_rows`)."""
     drafts = list(req.output_ids[st.verified_len:])
-    if has_logit_transforms(req.sampling_params):
-        exact_logits = exact_rows(req, exact_logits, st.verified_len)
     if not st.sampled:
         return accept_greedy(exact_logits, drafts)
     sp = req.sampling_params

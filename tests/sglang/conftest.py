@@ -38,6 +38,8 @@ PROMPTS = (
     + " Question: what is the value of key k17? Answer:",
 )
 MAX_NEW_TOKENS = 16
+# What a chat client asks for beside the tokens: the chosen token's logprob and the top 3.
+LOGPROB_FIELDS = {"return_logprob": True, "top_logprobs_num": 3}
 # Codec of the INT8 reference and of the int8 PD test (for target int8 the full reconstruction
 # depends on the grouping, not on the anchor bits).
 INT8_CODEC = LynxConfig.build(target="int8", anchor_bits=4, group_size=64)
@@ -160,6 +162,8 @@ class References:
     int8: dict[str, list[int]]
     stop: StopCase
     sampling: SamplingCase
+    # meta_info of the greedy requests with LOGPROB_FIELDS, per prompt.
+    logprobs: dict[str, dict]
 
 
 @pytest.fixture(scope="session")
@@ -191,13 +195,15 @@ def references(tmp_path_factory) -> References:
         stop = StopCase(stop_prompt, stop_token, generate(
             cluster.url, text=stop_prompt, max_new_tokens=MAX_NEW_TOKENS,
             sampling={"stop_token_ids": [stop_token]}).output_ids)
+        logprobs = {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
+                                fields=LOGPROB_FIELDS).meta for p in PROMPTS}
         sampling = SamplingCase(SAMPLING_PROMPT, SAMPLING_TEMPERATURE, SAMPLING_NEW_TOKENS,
                                 sample_many(cluster.url, SAMPLING_N, seed0=0))
         log = cluster.log_path("server").read_text(errors="replace")
     # Exactly the flagged requests had their prompt KV reconstructed.
     assert log.count("lynx reference:") == len(PROMPTS), log[-3000:]
     assert len(stop.output_ids) < MAX_NEW_TOKENS, stop
-    return References(exact, int8, stop, sampling)
+    return References(exact, int8, stop, sampling, logprobs)
 
 
 @pytest.fixture(scope="session")
@@ -218,3 +224,8 @@ def stop_case(references) -> StopCase:
 @pytest.fixture(scope="session")
 def sampling_case(references) -> SamplingCase:
     return references.sampling
+
+
+@pytest.fixture(scope="session")
+def reference_logprobs(references) -> dict[str, dict]:
+    return references.logprobs

@@ -104,6 +104,35 @@ def test_stream_carries_only_verified_tokens(spec_cluster, reference_outputs, pr
     assert rec["speculated"] > 0, rec
 
 
+def test_logprob_requests_speculate_and_return_the_exact_logprobs(spec_cluster, prompts,
+                                                                  reference_logprobs,
+                                                                  reference_outputs,
+                                                                  max_new_tokens):
+    """A request asking for logprobs speculates like any other, and what it returns is the exact
+    model's: each token's logprob and top 3 equal the single server's within float rounding
+    (the verification's extend forward against its decode steps), far from what the 2-bit Anchor
+    gives (rolled-back tokens would not even be the same tokens)."""
+    from conftest import LOGPROB_FIELDS
+
+    before = len(_spec_lines(spec_cluster))
+    for prompt in prompts[2:]:
+        got = generate(spec_cluster.url, text=prompt, max_new_tokens=max_new_tokens,
+                       fields=LOGPROB_FIELDS)
+        assert got.output_ids == reference_outputs[prompt], prompt[:60]
+        ref = reference_logprobs[prompt]
+        ours, theirs = got.meta["output_token_logprobs"], ref["output_token_logprobs"]
+        assert [t[1] for t in ours] == [t[1] for t in theirs] == got.output_ids
+        assert [t[0] for t in ours] == pytest.approx([t[0] for t in theirs], abs=2e-3)
+        for mine, ref_top in zip(got.meta["output_top_logprobs"], ref["output_top_logprobs"],
+                                 strict=True):
+            assert [t[1] for t in mine] == [t[1] for t in ref_top]
+            assert [t[0] for t in mine] == pytest.approx([t[0] for t in ref_top], abs=2e-3)
+    recs = _spec_lines(spec_cluster)[before:]
+    assert len(recs) == len(prompts[2:]), recs
+    assert all(r["no_spec_reason"] is None for r in recs), recs
+    assert sum(r["speculated"] for r in recs) > 0 and sum(r["rolled_back"] for r in recs) > 0, recs
+
+
 def test_spec_stream_reports_speculation_and_rollbacks(spec_cluster, reference_outputs, prompts,
                                                       max_new_tokens):
     """Opt-in stream (--lynx-spec-stream-port): provisional tokens reach the subscriber before

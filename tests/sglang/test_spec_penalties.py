@@ -14,7 +14,7 @@ import torch
 
 from lynx_sglang.speculation import penalties, state
 from lynx_sglang.speculation.state import SpecState
-from lynx_sglang.speculation.verify import decide
+from lynx_sglang.speculation.verify import decide, sampler_rows
 
 VOCAB = 16
 EOS, STOP = 2, 7
@@ -183,7 +183,8 @@ def test_greedy_verification_takes_the_argmax_after_penalties(sgl):
     # The raw argmax is EOS everywhere: the mask and the penalty chose the first two.
     assert drafts[:2] == [5, 9] and EOS in drafts, drafts
     req = _req(sgl, spec.output_ids, **params)
-    acc = decide(req, SpecState(room=1), raw[:, 0])
+    st = SpecState(room=1)
+    acc = decide(req, st, sampler_rows(req, st, raw[:, 0]))
     assert acc.accepted == steps
     assert acc.next_token == int(penalties.exact_rows(req, raw[:, 0], 1)[-1].argmax())
 
@@ -210,7 +211,7 @@ def test_sampled_verification_uses_transformed_p_and_q(sgl):
     for seed in range(20):
         torch.manual_seed(seed)
         st = SpecState(room=seed, sampled=True, logit_transforms=True, draft_logits=draft_rows)
-        assert decide(req, st, raw[:, 0]).accepted == 4
+        assert decide(req, st, sampler_rows(req, st, raw[:, 0])).accepted == 4
 
 
 def test_penalties_speculate_custom_processors_do_not(sgl):
