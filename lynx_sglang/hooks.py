@@ -53,7 +53,8 @@ def run_batch_around(original, scheduler, batch, *args, **kwargs):
 
 
 def set_kv_buffer_after(result, pool, layer, *args, layer_id_override=None, **kwargs):
-    """`MHATokenToKVPool.set_kv_buffer`, inside a forward: layer `layer` of the batch is in the
+    """`MHATokenToKVPool.set_kv_buffer` (or MLA's `set_kv_buffer` / `set_mla_kv_buffer`, the same
+    arguments up to the tensors), inside a forward: layer `layer` of the batch is in the
     pool (CUDA: queued on the forward's stream, which is still current here, so the layer's event
     is recorded after the write). Called for every layer of every forward: a few attribute reads
     where nothing streams."""

@@ -54,7 +54,14 @@ UPDATE_STATUS = "sglang.srt.disaggregation.common.conn.CommonKVManager.update_st
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+# Where a forward writes a layer's KV into the pool: MHA, and MLA's two write paths (the
+# attention backend picks one); each opens that layer for layer streaming.
 SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
+SET_KV_BUFFER_TARGETS = (
+    SET_KV_BUFFER,
+    "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_kv_buffer",
+    "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_mla_kv_buffer",
+)
 CREATE_RECEIVER = ("sglang.srt.disaggregation.decode.DecodePreallocQueue."
                    "_create_receiver_and_enqueue")
 
@@ -65,7 +72,7 @@ def hook_targets() -> tuple[str, ...]:
 
     return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
             DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST, SCHEDULER_ON_IDLE,
-            UPDATE_STATUS, RUN_BATCH, SET_KV_BUFFER, CREATE_RECEIVER,
+            UPDATE_STATUS, RUN_BATCH, *SET_KV_BUFFER_TARGETS, CREATE_RECEIVER,
             *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
 
 
@@ -101,7 +108,8 @@ def register() -> None:
             HookRegistry.register(CREATE_RECEIVER, _receiver_made_after, HookType.AFTER)
             if config.layer_stream:
                 HookRegistry.register(RUN_BATCH, hooks.run_batch_around, HookType.AROUND)
-                HookRegistry.register(SET_KV_BUFFER, hooks.set_kv_buffer_after, HookType.AFTER)
+                for target in SET_KV_BUFFER_TARGETS:
+                    HookRegistry.register(target, hooks.set_kv_buffer_after, HookType.AFTER)
             if config.speculate:
                 _register_speculation_hooks()
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:

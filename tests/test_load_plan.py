@@ -1,5 +1,5 @@
-"""`lynx_tools.load`: the request mix of a load round and what makes a round clean (no
-servers)."""
+"""`lynx_tools.load` and `lynx_tools.load_mix`: the request mix of a load round, what makes a
+round clean and the tally of what speculation did with each kind (no servers)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,53 @@ def test_resources_grow_only_past_the_slack():
     assert not Resources(100 + THREAD_SLACK, 200 + FD_SLACK, 5000.0).grown_past(base)
     assert Resources(101 + THREAD_SLACK, 200, 900.0).grown_past(base)
     assert Resources(100, 201 + FD_SLACK, 900.0).grown_past(base)
+
+
+def test_the_mix_takes_each_kind_in_turn_and_names_it_in_the_rid():
+    from lynx_tools.load_mix import KINDS, kinds_by_name, request_id
+
+    prompts = {n: [n] * n for n in (10, 20, 30, 40)}
+    reqs = plan_requests(prompts, 20, abandon_fraction=0.0, seed=1)
+    assert [r.kind for r in reqs[:len(KINDS)]] == list(KINDS)
+    # 4 prompt lengths, 3 token counts and 5 kinds: each kind meets every prompt length.
+    assert {len(r.prompt) for r in reqs if r.kind.name == "top-p"} == set(prompts)
+    two = kinds_by_name("logprobs,greedy")
+    assert [k.name for k in two] == ["logprobs", "greedy"]
+    assert {r.kind.name for r in plan_requests(prompts, 6, 0.0, seed=1, kinds=two)} == {
+        "logprobs", "greedy"}
+    assert request_id(2, 7, two[0]) == "load-r2-7.logprobs"
+    for bad in ("greedy,beam", ""):
+        try:
+            kinds_by_name(bad)
+        except ValueError as exc:
+            assert "choose from greedy, logprobs" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
+
+
+def test_the_tally_counts_each_kinds_speculation_from_the_decode_log():
+    import json
+
+    from lynx_tools.load_mix import merged_tallies, speculation_summary, tally
+
+    def line(rid, reason=None, speculated=3):
+        return "x lynx spec " + json.dumps({"rid": rid, "no_spec_reason": reason,
+                                            "speculated": speculated})
+
+    log = "\n".join([
+        line("load-r0-0.greedy"), line("load-r0-1.logprobs", speculated=0),
+        line("load-r0-4.penalties", reason="penalties under overlap"),
+        line("load-r1-0.greedy"),  # another round
+        line("other-request"), "unrelated line"])
+    t = tally(log, 0)
+    assert set(t) == {"greedy", "logprobs", "penalties"}
+    assert (t["greedy"].speculated, t["greedy"].with_tokens) == (1, 1)
+    assert (t["logprobs"].speculated, t["logprobs"].with_tokens) == (1, 0)
+    assert t["penalties"].fraction == 0 and t["penalties"].waited == {
+        "penalties under overlap": 1}
+    both = merged_tallies([t, tally(log, 1)])
+    assert both["greedy"].committed_early == 2
+    summary = speculation_summary(both)
+    assert summary.startswith("3/4 speculated (75 %)"), summary
+    assert "penalties 0/1 (1 waited: penalties under overlap)" in summary
+    assert speculation_summary({}) == "no request was committed at Anchor time"

@@ -78,15 +78,17 @@ class StreamedGeneration:
 
 def generate_stream(url: str, *, input_ids: list[int] | None = None, text: str | None = None,
                     max_new_tokens: int = 16, timeout_s: float = 300.0,
-                    sampling: dict | None = None, rid: str | None = None) -> StreamedGeneration:
+                    sampling: dict | None = None, rid: str | None = None,
+                    fields: dict | None = None) -> StreamedGeneration:
     """Greedy /generate with `"stream": true` (unless `sampling` overrides it), reading SGLang's
     server-sent events. `timeout_s` bounds the connect and each socket read; `rid` names the
-    request (for /abort_request); raises GenerateError on HTTP errors, aborts or an empty stream."""
+    request (for /abort_request); `fields`: other /generate fields (e.g. return_logprob); raises
+    GenerateError on HTTP errors, aborts or an empty stream."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     params.update(sampling or {})
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text / input_ids")
-    body = {"stream": True, "sampling_params": params}
+    body = {**(fields or {}), "stream": True, "sampling_params": params}
     if rid is not None:
         body["rid"] = rid
     body.update({"text": text} if text is not None else {"input_ids": input_ids})

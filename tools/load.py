@@ -9,6 +9,14 @@ holds Lynx staging memory or per-request map entries (`lynx_staging_used_bytes`,
 `lynx_tracked_requests` on every /metrics page). `--duration-s`
 repeats rounds until the time is up (a soak). Exit status 1 if any round found a problem.
 
+The mix (`load_mix.KINDS`, `--kinds`): greedy requests, greedy ones asking for logprobs,
+temperature, top-p/top-k/min-p and penalized ones, in turn. Deterministic kinds are checked token
+for token; sampled and penalized ones for completing (see `RequestKind.exact`). Each round also
+reports, per kind, how many of the requests the decode committed at Anchor time were allowed to
+speculate and why the others waited (`load_mix.SpecTally`, from the decode's `lynx spec` lines):
+on loopback most Residuals land first, so `--hold-residual-s` holds each one back (the prefill's
+fault-injection knob) to give every request the chance.
+
 The reference runs on a single server with the radix cache off, one request at a time; the PD
 cluster batches the same prompts together. On this CPU the model computes in fp32 and SGLang's
 torch-native attention works per request, so batching does not change greedy tokens here; a
@@ -33,9 +41,22 @@ from pathlib import Path
 
 import requests
 
+from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
+
 from .client import GenerateError, generate, generate_stream
 from .cluster import Cluster
 from .cluster_spec import TRANSFER_BACKENDS, ClusterMode, ClusterSpec, sglang_pd_timeouts_env
+from .load_mix import (
+    KIND_NAMES,
+    KINDS,
+    RequestKind,
+    SpecTally,
+    kinds_by_name,
+    merged_tallies,
+    request_id,
+    speculation_summary,
+    tally,
+)
 from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
 from .model import embedded_model_dir
 from .process_tree import Resources
@@ -55,6 +76,7 @@ class LoadRequest:
     prompt: tuple[int, ...]
     max_new_tokens: int
     abandon_after: int | None  # the client closes the stream after this many chunks; None: never
+    kind: RequestKind = KINDS[0]
 
 
 @dataclass
@@ -73,6 +95,8 @@ class LoadReport:
     resources: dict[str, Resources] = field(default_factory=dict)
     grown: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # Per request kind: what speculation did with the requests committed at Anchor time.
+    speculation: dict[str, SpecTally] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -82,7 +106,7 @@ class LoadReport:
 
 
 def plan_requests(prompts: dict[int, list[int]], count: int, abandon_fraction: float,
-                  seed: int) -> list[LoadRequest]:
+                  seed: int, kinds: tuple[RequestKind, ...] = KINDS) -> list[LoadRequest]:
     rng = random.Random(seed)
     lengths = sorted(prompts)
     out = []
@@ -90,14 +114,15 @@ def plan_requests(prompts: dict[int, list[int]], count: int, abandon_fraction: f
         length = lengths[i % len(lengths)]
         abandon = rng.randint(0, 3) if rng.random() < abandon_fraction else None
         out.append(LoadRequest(i, tuple(prompts[length]), NEW_TOKENS[i % len(NEW_TOKENS)],
-                               abandon))
+                               abandon, kinds[i % len(kinds)]))
     return out
 
 
-def _abandon(url: str, req: LoadRequest, timeout_s: float) -> None:
+def _abandon(url: str, req: LoadRequest, timeout_s: float, rid: str) -> None:
     """Stream the request and hang up after `abandon_after` chunks, as a client that gives up."""
-    body = {"input_ids": list(req.prompt), "stream": True,
-            "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0}}
+    body = {**req.kind.fields, "input_ids": list(req.prompt), "stream": True, "rid": rid,
+            "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0,
+                                **req.kind.sampling}}
     with requests.post(url.rstrip("/") + "/generate", json=body, stream=True,
                        timeout=timeout_s) as r:
         seen = 0
@@ -108,19 +133,21 @@ def _abandon(url: str, req: LoadRequest, timeout_s: float) -> None:
 
 
 def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple, list[int]],
-              baseline_slots: int, timeout_s: float) -> LoadReport:
+              baseline_slots: int, timeout_s: float, round_no: int = 0) -> LoadReport:
     report = LoadReport(len(reqs), sum(r.abandon_after is not None for r in reqs))
     start = threading.Barrier(len(reqs))
     lock = threading.Lock()
 
     def one(req: LoadRequest) -> None:
         start.wait()
+        rid = request_id(round_no, req.index, req.kind)
         try:
             if req.abandon_after is not None:
-                _abandon(cluster.url, req, timeout_s)
+                _abandon(cluster.url, req, timeout_s, rid)
                 return
             got = generate_stream(cluster.url, input_ids=list(req.prompt),
-                                  max_new_tokens=req.max_new_tokens, timeout_s=timeout_s)
+                                  max_new_tokens=req.max_new_tokens, timeout_s=timeout_s,
+                                  sampling=req.kind.sampling, fields=req.kind.fields, rid=rid)
         except (GenerateError, requests.RequestException) as exc:
             with lock:
                 report.errors.append(f"request {req.index} ({len(req.prompt)} tokens): {exc}")
@@ -128,12 +155,13 @@ def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple,
         want = references[req.prompt][: req.max_new_tokens]
         with lock:
             report.completed += 1
-            if got.output_ids != want:
+            if req.kind.exact and got.output_ids != want:
                 # Lengths may differ (an EOS on one side): compare the common prefix.
                 pairs = zip(got.output_ids, want, strict=False)
                 diverge = next((i for i, (a, b) in enumerate(pairs) if a != b),
                                min(len(got.output_ids), len(want)))
-                report.mismatches.append({"request": req.index, "prompt_tokens": len(req.prompt),
+                report.mismatches.append({"request": req.index, "kind": req.kind.name,
+                                          "prompt_tokens": len(req.prompt),
                                           "first_difference": diverge,
                                           "got": got.output_ids, "want": want})
 
@@ -154,6 +182,7 @@ def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple,
     report.leaked_decode_slots = max(used, 0)
     report.staging_used_bytes = staging
     report.tracked_requests = tracked
+    report.speculation = tally(cluster.log_path("decode").read_text(errors="replace"), round_no)
     return report
 
 
@@ -183,6 +212,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "scheduler, what a deployment runs): to tell whether a mismatch or "
                              "leak depends on the scheduler, or to compare with rounds run that "
                              "way (before 2026-12-06)")
+    parser.add_argument("--kinds", type=kinds_by_name, default=KINDS, metavar="KIND,...",
+                        help="request kinds of the mix, in turn (default: all of "
+                             f"{','.join(KIND_NAMES)}; see lynx_tools.load_mix)")
+    parser.add_argument("--hold-residual-s", type=float, default=0.0,
+                        help="the prefill holds each Residual this long after its Anchor (its "
+                             "fault-injection knob), so that every request can speculate even on "
+                             "loopback: to measure which kinds speculate (default 0)")
     parser.add_argument("server_args", nargs="*", metavar="-- SERVER_ARG",
                         help="extra flags for every server (e.g. -- --lynx-target int8)")
 
@@ -190,10 +226,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: float,
              duration_s: float, transfer_backend: str, seed: int, timeout_s: float,
              server_args: tuple[str, ...], run_dir: Path,
-             overlap_schedule: bool = False) -> list[LoadReport]:
+             overlap_schedule: bool = False, kinds: tuple[RequestKind, ...] = KINDS,
+             hold_residual_s: float = 0.0) -> list[LoadReport]:
     """The rounds of one run. `overlap_schedule`: SGLang's overlap scheduler on every server
     (the CLI's default); off by default here for the callers that keep the scheduling of
-    earlier runs (tests/sglang/test_load.py)."""
+    earlier runs (tests/sglang/test_load.py). `kinds`: the request mix; `hold_residual_s`: the
+    prefill's Residual hold (`--hold-residual-s`)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -212,7 +250,9 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
     # is not what a round checks. They get the client's timeout instead.
     pd = ClusterSpec(model, ClusterMode.PD, transfer_backend=transfer_backend,
                      run_dir=run_dir / "pd", server_args=common, prefills=prefills,
-                     extra_env=sglang_pd_timeouts_env(timeout_s),
+                     extra_env={**sglang_pd_timeouts_env(timeout_s),
+                                **({FAULT_RESIDUAL_DELAY_ENV: str(hold_residual_s)}
+                                   if hold_residual_s else {})},
                      overlap_schedule=overlap_schedule)
     reports = []
     with Cluster(pd) as cluster:
@@ -220,8 +260,8 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
         t_end = time.monotonic() + duration_s
         round_no = 0
         while True:
-            reqs = plan_requests(prompts, requests_per_round, abandon, seed + round_no)
-            report = run_round(cluster, reqs, references, baseline, timeout_s)
+            reqs = plan_requests(prompts, requests_per_round, abandon, seed + round_no, kinds)
+            report = run_round(cluster, reqs, references, baseline, timeout_s, round_no)
             report.resources = {name: cluster.resources(name) for name in cluster.names}
             # The first round's values are the baseline: servers open their pools lazily.
             first = reports[0].resources if reports else report.resources
@@ -230,13 +270,14 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
             reports.append(report)
             logger.info("round %d: %d requests (%d abandoned) in %.1f s: %d completed, "
                         "%d mismatches, %d errors, %d leaked decode slots, staging %s, "
-                        "tracked %s, threads/fds/RSS %s%s",
+                        "tracked %s, threads/fds/RSS %s%s; speculation %s",
                         round_no + 1, report.requests, report.abandoned, report.seconds,
                         report.completed, len(report.mismatches), len(report.errors),
                         report.leaked_decode_slots, report.staging_used_bytes,
                         report.tracked_requests,
                         {n: (r.threads, r.fds, r.rss_mib) for n, r in report.resources.items()},
-                        f", GROWN: {report.grown}" if report.grown else "")
+                        f", GROWN: {report.grown}" if report.grown else "",
+                        speculation_summary(report.speculation))
             round_no += 1
             if time.monotonic() >= t_end:
                 return reports
@@ -252,11 +293,14 @@ def run(args: argparse.Namespace) -> int:
                        timeout_s=args.request_timeout_s,
                        server_args=(*kv_dtype_server_args(args.kv_dtype), *args.server_args),
                        run_dir=out.parent / (out.stem + "_runs"),
-                       overlap_schedule=not args.disable_overlap_schedule)
+                       overlap_schedule=not args.disable_overlap_schedule,
+                       kinds=args.kinds, hold_residual_s=args.hold_residual_s)
     clean = all(r.clean for r in reports)
     out.write_text(json.dumps({"transfer_backend": args.transfer_backend,
                                "prefills": args.prefills, "clean": clean,
                                "overlap_schedule": not args.disable_overlap_schedule,
+                               "kinds": [dataclasses.asdict(k) for k in args.kinds],
+                               "hold_residual_s": args.hold_residual_s,
                                "rounds": [dataclasses.asdict(r) for r in reports]}, indent=1))
     total = sum(r.requests for r in reports)
     print(f"{len(reports)} round(s), {total} requests, {sum(r.abandoned for r in reports)} "
@@ -266,4 +310,6 @@ def run(args: argparse.Namespace) -> int:
           f"{max(r.leaked_decode_slots for r in reports)} leaked decode slots at most, "
           f"threads/fds grown past round 1 in {sum(bool(r.grown) for r in reports)} round(s); "
           f"{'clean' if clean else 'NOT clean'} (report: {out})")
+    print("speculation (requests committed at Anchor time, all rounds): "
+          + speculation_summary(merged_tallies(r.speculation for r in reports)))
     return 0 if clean else 1

@@ -10,8 +10,9 @@ hooks drive it (adapters in `lynx_sglang.hooks`):
   chunks and a cached prefix are in the pool already) is handed to the sender at once, all in
   one call (`PrefillSender.start_early`, which sends the rooms bound for one decode layer by
   layer together) with the forward's `LayerGate`; after the forward, every layer is open.
-- `layer_written` (`MHATokenToKVPool.set_kv_buffer`, inside the forward): layer l's KV of every
-  request in the batch is in the pool (CPU), or queued to be written there (CUDA): open layer l.
+- `layer_written` (`MHATokenToKVPool.set_kv_buffer`, or an MLA pool's `set_kv_buffer` /
+  `set_mla_kv_buffer`, inside the forward): layer l's KV of every request in the batch is in the
+  pool (CPU), or queued to be written there (CUDA): open layer l.
 
 A forward that raises fails the gate, and the rooms waiting on it fail with the reason.
 
@@ -261,5 +262,6 @@ class LayerStreamer:
                         "before it ended", opened, self.num_layers)
         else:
             logger.warning("lynx: layer streaming: the forward wrote no layer through "
-                           "MHATokenToKVPool.set_kv_buffer (a KV pool class that overrides it?): "
+                           "the hooked set_kv_buffer methods (a KV pool class that overrides "
+                           "them?): "
                            "each Anchor is sent after its forward")

@@ -18,6 +18,7 @@ attends over the latent rows Lynx moved (absorbed MLA).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -86,6 +87,9 @@ def test_greedy_mla_output_is_token_identical_to_a_single_server(mla_model, pd_l
                 for role in ("prefill", "decode")]
     assert got == want
     assert all(len(ids) == MAX_NEW_TOKENS for ids in want)  # random weights: no early EOS
+    # Layer streaming opened every layer of the MLA pool during the prefill's forward.
+    opened = re.search(r"first streamed forward opened (\d+) of (\d+) layers", logs[0])
+    assert opened is not None and opened[1] == opened[2], logs[0][-2000:]
     # Both Lynx managers ran on SGLang's MLA pool.
     for log in logs:
         assert "lynx: MLA KV pool: a latent of 192 values per token and layer (128 + 64 rope), " \
