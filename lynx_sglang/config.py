@@ -132,8 +132,8 @@ class LynxConfig:
               "(see --lynx-spec-stream-port); greedy, temperature and (with SGLang's pytorch "
               "sampling backend) top-k/top-p/min-p requests speculate, and without the overlap "
               "schedule penalty, logit-bias and min_new_tokens ones too; logprob requests speculate "
-              "and get the exact model's logprobs; grammar, custom-logit-processor and "
-              "hidden-state requests wait for the Residual instead")
+              "and get the exact model's logprobs, grammar ones (xgrammar) too; "
+              "custom-logit-processor and hidden-state requests wait for the Residual instead")
     spec_policy: str = _opt(
         "auto", "decode, with --lynx-speculate: 'auto' speculates on a request only when it "
                 "pays (the Residual's expected arrival, from the measured link rate, is later "

@@ -11,12 +11,13 @@ commits the request and decodes it like any other, reading Anchor-precision prom
   a speculative EOS / stop string / length finish is held back and parks the request instead (the
   hooks in `speculation.hooks`).
 - A request is parked (taken out of the running batch, its KV kept) when it must not or need not
-  speculate further: not speculable (a grammar, a custom logit processor, ...: it waits
+  speculate further: not speculable (a custom logit processor, ...: it waits
   for the Residual with no speculative token at all), a held-back finish, the token cap, or the
   deadline.
 - When the applier says the Residual is applied, one forward verifies every speculative position
   (`speculation.verify`), the output logprobs of a request that asked for them become the exact
-  ones (`speculation.logprobs`); then the request either finishes or rejoins the running batch.
+  ones (`speculation.logprobs`), a grammar's matcher is rolled back to the verified output
+  (`speculation.grammar`); then the request either finishes or rejoins the running batch.
 - A Residual that fails aborts the request; a request released early (client abort, a first token
   that already finishes it) cancels its transfer before its slots can be reused (`on_release`).
 - Under SGLang's overlap schedule, `step` runs while the last decode step is in flight (launched,
@@ -41,6 +42,7 @@ from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
 from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
 from ..recorder import Recorder
+from .grammar import resync, rollback_cap
 from .logprobs import replace_speculative_logprobs, truncate_logprobs
 from .penalties import draft_row, has_logit_transforms, resume_batches
 from .record import log_verification
@@ -126,7 +128,8 @@ class SpecController:
         if reason is None and self.max_tokens == 0:
             reason = "--lynx-spec-max-tokens 0"
         st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req),
-                       logit_transforms=has_logit_transforms(req.sampling_params),
+                       logit_transforms=(has_logit_transforms(req.sampling_params)
+                                         or req.grammar is not None),
                        reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
         req.lynx_spec = st
         if st.sampled and reason is None:
@@ -142,6 +145,10 @@ class SpecController:
                 self._park(req, st.no_spec_reason)
             else:
                 keep.append(i)
+                if st is not None and req.grammar is not None:
+                    # The prebuilt batch has fed the grammar the first token: speculation
+                    # starts here, and verification rewinds the matcher to this point.
+                    st.grammar_base = len(req.grammar.accepted_tokens)
         if len(keep) != len(batch.reqs):
             batch.filter_batch(keep_indices=keep)
 
@@ -225,8 +232,9 @@ class SpecController:
         if st.finish_pending:
             return "speculative finish (EOS, stop or length) held for verification"
         # Under the overlap schedule, a token of the step in flight is not in output_ids yet.
-        if len(req.output_ids) + in_flight - st.verified_len >= self.max_tokens:
-            return f"speculative token cap ({self.max_tokens}) reached"
+        cap = self.max_tokens if req.grammar is None else min(self.max_tokens, rollback_cap())
+        if len(req.output_ids) + in_flight - st.verified_len >= cap:
+            return f"speculative token cap ({cap}) reached"
         if now - st.t_committed > self.deadline_s:
             return f"Residual later than --lynx-spec-deadline-s {self.deadline_s:g} s"
         return None
@@ -332,6 +340,8 @@ class SpecController:
             if checked:
                 rows = sampler_rows(req, st, by_req[id(req)])
                 result = apply_acceptance(req, st, decide(req, st, rows))
+                if st.grammar_base is not None:
+                    resync(req, st.grammar_base, st.verified_len)
                 if req.return_logprob:
                     replace_speculative_logprobs(req, st.verified_len, rows, not st.sampled)
                 rollback(scheduler, req, st.verified_len, result)
@@ -341,6 +351,8 @@ class SpecController:
                              len(to_check), wall0 if checked else None)
             if len(req.output_ids) > st.verified_len:
                 req.update_finish_state(len(req.output_ids) - st.verified_len)
+            if req.grammar is not None:
+                req.grammar.finished = req.finished()  # as SGLang's decode step sets it
             if self.publisher is not None:
                 self.publisher.verified(req.rid, req.output_ids, st.verified_len,
                                         result.speculated, result.accepted,

@@ -47,35 +47,51 @@ class _OneRequest:
 
 def exact_rows(req, logits: torch.Tensor, start: int) -> torch.Tensor:
     """Rows [n, vocab] predicting req.output_ids[start], [start+1], ... -> the same rows as SGLang's
-    sampler sees them after penalties, min_new_tokens and logit bias, each with the penalty state
-    of output_ids[:start+i] (a row past output_ids, the bonus row, has seen all of them)."""
+    sampler sees them after penalties, min_new_tokens, a grammar's mask and logit bias, each with
+    the penalty state of output_ids[:start+i] (a row past output_ids, the bonus row, has seen all
+    of them). A grammar must stand at output_ids[:start] (`grammar.rewind`): it is fed each
+    token past `start` after its row's mask is taken, and ends where it stood before the rewind."""
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
     batch = _OneRequest(req, logits.device)
     info = SamplingBatchInfo.from_schedule_batch(batch, logits.shape[1])
+    grammar = req.grammar
+    if grammar is not None:
+        info.grammars = [grammar]  # SGLang sets this per forward (ForwardBatch.init_new)
     orchestrator = info.penalizer_orchestrator
     out = logits.clone()
     for k in range(start + logits.shape[0]):
         i = k - start
         if i >= 0:
+            if grammar is not None:
+                info.update_regex_vocab_mask()
             info.copy_for_forward().apply_logits_bias(out[i: i + 1])
         if k < len(req.output_ids) and orchestrator.is_required:
             orchestrator.cumulate_output_tokens(
                 torch.tensor([req.output_ids[k]], dtype=torch.int64, device=logits.device))
+        if grammar is not None and start <= k < len(req.output_ids):
+            grammar.accept_token(req.output_ids[k])  # a terminated matcher ignores it
     return out
 
 
 def draft_row(sampling_info, logits: torch.Tensor, row: int) -> torch.Tensor:
     """Batch row `row` of a decode step's logits as that step's sampler transformed it:
     `sampling_info` is the forward's copy (SGLang's `copy_for_forward`: penalties accumulated,
-    no orchestrator). Grammar-constrained requests do not speculate, so no vocab mask applies."""
+    no orchestrator). SGLang fills the grammar mask inside `ModelRunner.sample`, after the hook
+    that calls this: the row's mask is taken here from its grammar, which stands where that mask
+    will (a grammar batch is not overlapped: SGLang processes the previous step first)."""
     def one(t):
         return None if t is None else t[row: row + 1]
 
+    grammar = sampling_info.grammars[row] if sampling_info.grammars else None
     info = dataclasses.replace(
         sampling_info, acc_additive_penalties=one(sampling_info.acc_additive_penalties),
         acc_scaling_penalties=one(sampling_info.acc_scaling_penalties),
-        logit_bias=one(sampling_info.logit_bias), penalizer_orchestrator=None, grammar_mask=None)
+        logit_bias=one(sampling_info.logit_bias), penalizer_orchestrator=None, grammar_mask=None,
+        temperatures=one(sampling_info.temperatures),
+        grammars=[grammar] if grammar is not None else None)
+    if grammar is not None:
+        info.update_regex_vocab_mask()
     out = logits[row: row + 1].clone()
     info.apply_logits_bias(out)
     return out[0]

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .filtering import FILTERING_BACKEND, has_filter
+from .grammar import rollback_capable
 
 
 @dataclass
@@ -32,10 +33,14 @@ class SpecState:
     # Sampled requests: the logits each speculative token was drawn from (one row per token, in
     # order), captured before SGLang's sampler (`sample_before`).
     sampled: bool = False
-    # Penalties, logit bias or min_new_tokens (`speculation.penalties`): draft rows are recorded
-    # as the sampler transformed them, and verification transforms the exact rows.
+    # Penalties, logit bias, min_new_tokens (`speculation.penalties`) or a grammar's mask
+    # (`speculation.grammar`): draft rows are recorded as the sampler transformed them, and
+    # verification transforms the exact rows.
     logit_transforms: bool = False
     draft_logits: list = field(default_factory=list)
+    # Grammar-constrained requests (`speculation.grammar`): how many tokens the grammar had
+    # accepted when speculation began (set by `SpecController.on_prebuilt`), None without one.
+    grammar_base: int | None = None
     # SGLang's reasoning-token counters of the request at commit (`REASONING_STATE`): speculative
     # tokens advance them, so verification recounts them over the verified tokens.
     reasoning: tuple = ()
@@ -82,14 +87,15 @@ def not_speculable_reason(req) -> str | None:
     may speculate). Verification reproduces greedy decoding and temperature sampling exactly,
     top-k/top-p/min-p included where SGLang filters with its torch sampler
     (`speculation.filtering`), and penalties, logit bias and min_new_tokens
-    (`speculation.penalties`), and returns the exact logprobs (`speculation.logprobs`);
-    grammars and custom logit processors would need more (matcher rollback, processor state)."""
+    (`speculation.penalties`), returns the exact logprobs (`speculation.logprobs`) and rolls a
+    grammar's matcher back (`speculation.grammar`); custom logit processors would need their
+    processor state rolled back."""
     sp = req.sampling_params
     if (not is_greedy(req) and has_filter(sp.top_k, sp.top_p, sp.min_p)
             and _sampling_backend() != FILTERING_BACKEND):
         return "sampled with top-k/top-p/min-p"
-    if req.grammar is not None:
-        return "grammar-constrained"
+    if req.grammar is not None and not rollback_capable(req.grammar):
+        return "grammar-constrained (a grammar backend without rollback; xgrammar has it)"
     if req.return_hidden_states:
         return "returns hidden states"
     if getattr(sp, "custom_params", None) or req.custom_logit_processor:

@@ -18,6 +18,7 @@ import torch
 from ..backend.pages import page_ceil
 from .acceptance import Acceptance, accept_greedy, accept_sampled
 from .filtering import filter_probs
+from .grammar import rewind
 from .penalties import exact_rows, has_logit_transforms
 from .state import REASONING_STATE, SpecState, VerifyResult
 
@@ -168,10 +169,18 @@ def _bonus_slots(scheduler, reqs: list, wanted: list[bool]) -> list[int]:
 
 def sampler_rows(req, st: SpecState, exact_logits: torch.Tensor) -> torch.Tensor:
     """The verification's logits as SGLang's sampler would see them at each position: with
-    penalties, logit bias or min_new_tokens transformed as at that position
-    (`speculation.penalties`; the draft rows were recorded so), else unchanged. Taken while
-    output_ids still holds every draft; row i then depends only on output_ids[:verified_len + i],
-    so the rows stay valid for the tokens `apply_acceptance` keeps or adds."""
+    penalties, logit bias, min_new_tokens or a grammar transformed as at that position
+    (`speculation.penalties`, with the grammar's matcher rewound to the verified prefix and
+    stepped through the drafts again: `speculation.grammar`; the draft rows were recorded so),
+    else unchanged. Taken while output_ids still holds every draft; row i then depends only on
+    output_ids[:verified_len + i], so the rows stay valid for the tokens `apply_acceptance`
+    keeps or adds."""
+    if req.grammar is not None:
+        if st.grammar_base is None:
+            raise RuntimeError(f"lynx verify: request {req.rid} has a grammar but no record of "
+                               "where its speculation began")
+        rewind(req, st.grammar_base)
+        return exact_rows(req, exact_logits, st.verified_len)
     if has_logit_transforms(req.sampling_params):
         return exact_rows(req, exact_logits, st.verified_len)
     return exact_logits

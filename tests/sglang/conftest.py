@@ -40,6 +40,9 @@ PROMPTS = (
 MAX_NEW_TOKENS = 16
 # What a chat client asks for beside the tokens: the chosen token's logprob and the top 3.
 LOGPROB_FIELDS = {"return_logprob": True, "top_logprobs_num": 3}
+# A grammar-constrained request (SGLang's default xgrammar backend): long enough to speculate
+# past a few tokens, loose enough that the model still chooses.
+GRAMMAR_SAMPLING = {"regex": r" [A-Z][a-z]{2,9}(, [a-z]{2,9}){2,4}, and [a-z]{2,9}\."}
 # Codec of the INT8 reference and of the int8 PD test (for target int8 the full reconstruction
 # depends on the grouping, not on the anchor bits).
 INT8_CODEC = LynxConfig.build(target="int8", anchor_bits=4, group_size=64)
@@ -164,6 +167,8 @@ class References:
     sampling: SamplingCase
     # meta_info of the greedy requests with LOGPROB_FIELDS, per prompt.
     logprobs: dict[str, dict]
+    # output_ids of the greedy requests with GRAMMAR_SAMPLING, per prompt.
+    grammar: dict[str, list[int]]
 
 
 @pytest.fixture(scope="session")
@@ -197,13 +202,15 @@ def references(tmp_path_factory) -> References:
             sampling={"stop_token_ids": [stop_token]}).output_ids)
         logprobs = {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
                                 fields=LOGPROB_FIELDS).meta for p in PROMPTS}
+        grammar = {p: generate(cluster.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
+                               sampling=GRAMMAR_SAMPLING).output_ids for p in PROMPTS[:3]}
         sampling = SamplingCase(SAMPLING_PROMPT, SAMPLING_TEMPERATURE, SAMPLING_NEW_TOKENS,
                                 sample_many(cluster.url, SAMPLING_N, seed0=0))
         log = cluster.log_path("server").read_text(errors="replace")
     # Exactly the flagged requests had their prompt KV reconstructed.
     assert log.count("lynx reference:") == len(PROMPTS), log[-3000:]
     assert len(stop.output_ids) < MAX_NEW_TOKENS, stop
-    return References(exact, int8, stop, sampling, logprobs)
+    return References(exact, int8, stop, sampling, logprobs, grammar)
 
 
 @pytest.fixture(scope="session")
@@ -229,3 +236,8 @@ def sampling_case(references) -> SamplingCase:
 @pytest.fixture(scope="session")
 def reference_logprobs(references) -> dict[str, dict]:
     return references.logprobs
+
+
+@pytest.fixture(scope="session")
+def reference_grammar_outputs(references) -> dict[str, list[int]]:
+    return references.grammar

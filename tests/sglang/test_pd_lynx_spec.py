@@ -133,6 +133,24 @@ def test_logprob_requests_speculate_and_return_the_exact_logprobs(spec_cluster, 
     assert sum(r["speculated"] for r in recs) > 0 and sum(r["rolled_back"] for r in recs) > 0, recs
 
 
+def test_grammar_requests_speculate_and_stay_exact(spec_cluster, reference_grammar_outputs,
+                                                   max_new_tokens):
+    """A regex-constrained request (xgrammar) speculates: drafts are masked by the matcher as it
+    advanced over them, verification masks each exact row as exact decoding would and rolls the
+    matcher back to the verified output; the answer equals the single server's."""
+    from conftest import GRAMMAR_SAMPLING
+
+    before = len(_spec_lines(spec_cluster))
+    for prompt, want in reference_grammar_outputs.items():
+        got = generate(spec_cluster.url, text=prompt, max_new_tokens=max_new_tokens,
+                       sampling=GRAMMAR_SAMPLING)
+        assert got.output_ids == want, prompt[:60]
+    recs = _spec_lines(spec_cluster)[before:]
+    assert len(recs) == len(reference_grammar_outputs), recs
+    assert all(r["no_spec_reason"] is None for r in recs), recs
+    assert sum(r["speculated"] for r in recs) > 0, recs
+
+
 def test_spec_stream_reports_speculation_and_rollbacks(spec_cluster, reference_outputs, prompts,
                                                       max_new_tokens):
     """Opt-in stream (--lynx-spec-stream-port): provisional tokens reach the subscriber before

@@ -30,6 +30,7 @@ class _Req:
     output_ids: list[int]
     lynx_spec: SpecState
     to_finish: object = None
+    grammar: object = None
 
     def finished(self) -> bool:
         return False

@@ -62,7 +62,7 @@ def _req(sgl, output_ids, temperature=0.0, **params):
         sampling_params=sp, output_ids=list(output_ids), eos_token_ids={EOS},
         tokenizer=SimpleNamespace(additional_stop_token_ids=None, eos_token_id=EOS),
         custom_logit_processor=None, return_sampling_mask=False, sampling_logprobs_mode=None,
-        multimodal_inputs=None)
+        multimodal_inputs=None, grammar=None)
 
 
 def _raw_logits(steps: int, rows: int, seed: int) -> torch.Tensor:
