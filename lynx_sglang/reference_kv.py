@@ -39,7 +39,7 @@ def quantize_prompt_kv_before(scheduler, batch, result):
 
     from lynx_kernels import decode, encode
 
-    from .backend.pool import KINDS, KVPoolView
+    from .backend.pool import KVPoolView
 
     if not batch.forward_mode.is_extend():
         return None
@@ -57,7 +57,7 @@ def quantize_prompt_kv_before(scheduler, batch, result):
         n = len(req.origin_input_ids)
         slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
         for layer in range(pool.shape.num_layers):
-            for kind in KINDS:
+            for kind in pool.kinds:  # K and V; an MLA pool's one latent
                 buf = pool.layer(layer, kind)
                 buf[slots] = decode(encode(buf[slots], spec, kind.value, layer=layer), "full")
         logger.info("lynx reference: %d prompt tokens' KV reconstructed (%s)", n,

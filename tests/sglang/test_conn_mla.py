@@ -193,3 +193,45 @@ def test_mla_at_tp_above_1_is_refused(sgl):
     args = msgspec.structs.replace(sgl.server_args, tp_size=2)
     with pytest.raises(UnsupportedSGLangError, match="MLA"):
         sgl.Manager(sgl.KVArgs(), sgl.DisaggregationMode.PREFILL, args, True)
+
+
+def test_reference_mode_reconstructs_an_mla_prompt(sgl, monkeypatch):
+    """`reference_kv` (a single server whose prompt KV goes through the codec, the tests'
+    reference for int8 outputs) on SGLang's MLA pool: the flagged prompt's latent rows become
+    the INT8 reconstruction, every other row is untouched (it looped over K and V before, and an
+    MLA pool has no V)."""
+    import json
+    from types import SimpleNamespace
+
+    from lynx_sglang import reference_kv
+    from lynx_sglang.config import LynxConfig
+    from lynx_sglang.names import CONFIG_ENV
+
+    config = LynxConfig.build(target="int8", anchor_bits=4, group_size=64)
+    monkeypatch.setenv(CONFIG_ENV, json.dumps(config.flat()))
+    pool = mla_pool(sgl)
+    g = torch.Generator().manual_seed(5)
+    for buf in pool.kv_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    before = [buf.clone() for buf in pool.kv_buffer]
+    slots = torch.arange(3, 3 + 40)
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    req_to_token[1, :40] = slots
+    req = SimpleNamespace(origin_input_ids=list(range(40)), kv=SimpleNamespace(req_pool_idx=1),
+                          sampling_params=SimpleNamespace(
+                              custom_params={reference_kv.REQUEST_FLAG: True}),
+                          finished=lambda: False)
+    scheduler = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), chunked_req=None)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), reqs=[req])
+    reference_kv.quantize_prompt_kv_before(scheduler, batch, None)
+    view = KVPoolView.from_sglang_pool(pool)
+    for layer, (buf, old) in enumerate(zip(pool.kv_buffer, before, strict=True)):
+        (kind,) = view.kinds
+        rows = old[slots].view(40, -1, latent_head_dim(KV_LORA_RANK + ROPE_DIM))
+        want = decode_kv(encode(rows, config.codec, kind.value, layer=layer), "full")
+        assert torch.equal(buf[slots].view_as(want), want.to(buf.dtype)), layer
+        others = torch.ones(buf.shape[0], dtype=torch.bool)
+        others[slots] = False
+        assert torch.equal(buf[others], old[others]), layer
