@@ -98,9 +98,19 @@ def not_speculable_reason(req) -> str | None:
         return "grammar-constrained (a grammar backend without rollback; xgrammar has it)"
     if req.return_hidden_states:
         return "returns hidden states"
-    if getattr(sp, "custom_params", None) or req.custom_logit_processor:
+    if req.custom_logit_processor or any(
+            not key.startswith(SGLANG_PRIVATE_PARAM) for key in getattr(sp, "custom_params", None)
+            or {}):
         return "a custom logit processor or custom parameters"
     return None
+
+
+# SGLang puts its own keys into custom_params (0.5.23: the reasoning end token ids its OpenAI chat
+# endpoint picks for reasoning models, whether the grammar covers the reasoning). Without a custom
+# logit processor they only steer the reasoning-token count, which verification recounts, and the
+# reasoning grammar wrapper, which keeps no rollback record and so waits (`grammar`): such a
+# request may speculate, or every reasoning model's chat request would wait.
+SGLANG_PRIVATE_PARAM = "__sglang_"
 
 
 def _sampling_backend() -> str:

@@ -227,3 +227,16 @@ def test_penalties_speculate_custom_processors_do_not(sgl):
     for params in PARAMS:
         assert reason(**params) is None, params
     assert reason(custom_params={"x": 1}) == "a custom logit processor or custom parameters"
+    # What SGLang's chat endpoint adds for a reasoning model does not stop speculation.
+    assert reason(custom_params={"__sglang_reasoning_end_token_ids": [7]}) is None
+    assert reason(custom_params={"__sglang_reasoning_end_token_ids": [7], "x": 1}) is not None
+
+
+def test_sglangs_own_custom_params_keys_carry_the_private_prefix(sgl):
+    """The keys SGLang itself puts into custom_params are recognised by their prefix: a new
+    SGLang that renamed them would otherwise silently stop reasoning models' speculation."""
+    from sglang.srt.sampling import sampling_params
+
+    for key in (sampling_params.REQUEST_REASONING_END_TOKEN_IDS_KEY,
+                sampling_params.REQUEST_REASONING_IN_GRAMMAR_KEY):
+        assert key.startswith(state.SGLANG_PRIVATE_PARAM), key
