@@ -10,9 +10,10 @@ each decode step first feeds the request's last output token (`ScheduleBatch.pre
 so the step predicting output token k has seen output tokens 0..k-1 (without the overlap schedule;
 with it SGLang feeds each token one step late).
 
-- `exact_rows` (called by `verify.decide`): verification logits row i predicts output token
+- `exact_rows` (called by `verify.sampler_rows`): verification logits row i predicts output token
   start+i; it is transformed with a one-request `SamplingBatchInfo` whose orchestrator has seen
-  output tokens 0..start+i-1, with SGLang's own classes, so p is what exact decoding samples from.
+  output tokens 0..start+i-1 (and, for a grammar request, the mask of its matcher at that
+  position), with SGLang's own classes, so p is what exact decoding samples from.
 - `draft_row` (called by `controller.SpecController.record_draft_logits`, from the sampler hook):
   the draft step's own transformation of one batch row, from the forward's `SamplingBatchInfo`,
   so q is what the draft was really drawn from, whatever penalty state that step had.
