@@ -48,6 +48,7 @@ from .measure import (
 from .netns import netns_available
 from .progress import Progress
 from .prompts import WARMUP_PROMPT, passkey_prompt
+from .regimes import nearest
 from .trace_report import Breakdown, breakdown, format_breakdown, parse_rate, records_by_request
 from .variants import (
     DISABLE_OVERLAP_HELP,
@@ -300,8 +301,15 @@ def regime_note(results: list[DemoResult], link_bps: float | None) -> str | None
     if lynx is None or not link_bps:
         return None
     wire_s = (lynx.stream_bytes["anchor"] + lynx.stream_bytes["residual"]) * 8 / link_bps
-    head = (f"where Lynx pays in this run: its forward took {lynx.prefill_done_s:.1f} s and its "
+    head = (f"Where Lynx pays in this run: its forward took {lynx.prefill_done_s:.1f} s and its "
             f"streams need {wire_s * 1e3:.0f} ms of wire; ")
+    whole = next((r for r in results if "kv" in r.stream_bytes), None)
+    if whole is not None and lynx.prefill_done_s > 0:
+        # R, the ratio every benchmark here is read by (docs/benchmarks.md), and what it stands
+        # for on GPUs (tools/regimes.py: estimates).
+        r = whole.stream_bytes["kv"] * 8 / link_bps / lynx.prefill_done_s
+        head = (f"R (the whole KV's wire time / the forward) = {r:.2g}; on H100s that is about "
+                + "; ".join(d.label() for d in nearest(r, k=2)) + ". " + head)
     if not lynx.layer_stream:
         return head + ("its prefill sent them after the forward, as mooncake_tcp sends its whole "
                        "transfer: with --no-lynx-layer-stream there is no layer streaming, so "

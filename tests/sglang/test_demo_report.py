@@ -147,6 +147,10 @@ def test_the_regime_note_says_which_part_was_slow():
     results = [_result("mooncake", [1]), _result("lynx", [1], **LYNX)]
     fast = regime_note(results, 1e9)
     assert "forward took 0.8 s" in fast and "67 ms of wire" in fast
+    # mooncake's 1 MiB of KV: 8.4 ms of wire over a 0.8 s forward, and the GPU setups near it.
+    assert fast.startswith("R (the whole KV's wire time / the forward) = 0.01; on H100s that is "
+                           "about "), fast
+    assert fast.count("(estimate)") == 2
     assert "layer streaming sent them while the forward ran" in fast
     slow = regime_note(results, 1e7)
     assert "6711 ms of wire" in slow and "the link is the slow part" in slow
