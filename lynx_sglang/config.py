@@ -130,8 +130,8 @@ class LynxConfig:
               "speculative tokens with one forward once the Residual is in and roll back what "
               "the exact KV disagrees with; SGLang's own output only ever carries verified tokens "
               "(see --lynx-spec-stream-port); greedy, temperature and (with SGLang's pytorch "
-              "sampling backend) top-k/top-p/min-p requests speculate, and without the overlap "
-              "schedule penalty, logit-bias and min_new_tokens ones too; logprob requests speculate "
+              "sampling backend) top-k/top-p/min-p requests speculate, penalty, logit-bias and "
+              "min_new_tokens ones too; logprob requests speculate "
               "and get the exact model's logprobs, grammar ones (xgrammar) too; "
               "custom-logit-processor and hidden-state requests wait for the Residual instead")
     spec_policy: str = _opt(

@@ -83,9 +83,6 @@ def _in_flight(scheduler) -> set[int]:
     return {id(req) for batch, _ in getattr(scheduler, "result_queue", ()) for req in batch.reqs}
 
 
-OVERLAP_PENALTIES_REASON = "penalties, logit bias or min_new_tokens under the overlap scheduler"
-
-
 class SpecController:
     """Per-decode-scheduler controller. `step` runs at the top of every scheduler iteration."""
 
@@ -120,14 +117,9 @@ class SpecController:
         if room is None or self.transfers.residual_outcome(room) is None:
             return  # not reported at Anchor time: its KV is already exact
         reason = not_speculable_reason(req)
-        if reason is None and overlap and has_logit_transforms(req.sampling_params):
-            # Under overlap SGLang feeds each output token to the penalizers one step late;
-            # verification rebuilds the non-overlap order, so its tokens could differ from what
-            # this server would decode from exact KV.
-            reason = OVERLAP_PENALTIES_REASON
         if reason is None and self.max_tokens == 0:
             reason = "--lynx-spec-max-tokens 0"
-        st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req),
+        st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req), overlap=overlap,
                        logit_transforms=(has_logit_transforms(req.sampling_params)
                                          or req.grammar is not None),
                        reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
@@ -363,7 +355,7 @@ class SpecController:
             else:
                 resume.append(req)
         scheduler.output_streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
-        for batch in resume_batches(scheduler, resume):
+        for batch in resume_batches(scheduler, resume, overlap=scheduler.enable_overlap):
             if scheduler.running_batch.is_empty():
                 scheduler.running_batch = batch
             else:

@@ -11,6 +11,7 @@ pool, and in a prefill scheduler, there is none and every adapter is a no-op.
 from __future__ import annotations
 
 from .. import runtime
+from . import penalties
 from .controller import SpecController
 from .verify import extend_attention_as_decode
 
@@ -73,6 +74,11 @@ def sample_before(runner, logits_output, forward_batch):
     return None
 
 
+def cumulate_penalty_output_tokens_around(original, batch):
+    # Stateless (a one-shot attribute `penalties.seed_penalties` sets on a resumed request).
+    return penalties.cumulate_penalty_output_tokens_around(original, batch)
+
+
 def update_finish_state_around(original, req, new_accepted_len: int = 1):
     st = getattr(req, "lynx_spec", None)
     if st is None or req.to_finish is not None or len(req.output_ids) <= st.verified_len:
@@ -131,6 +137,8 @@ HOOKS = (
      process_batch_result_prebuilt_after, "AFTER"),
     ("sglang.srt.managers.schedule_batch.Req.update_finish_state",
      update_finish_state_around, "AROUND"),
+    ("sglang.srt.managers.schedule_batch.ScheduleBatch.cumulate_penalty_output_tokens",
+     cumulate_penalty_output_tokens_around, "AROUND"),
     ("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
      accept_around, "AROUND"),
     ("sglang.srt.mem_cache.common.release_kv_cache", release_kv_cache_before, "BEFORE"),

@@ -38,6 +38,9 @@ class SpecState:
     # verification transforms the exact rows.
     logit_transforms: bool = False
     draft_logits: list = field(default_factory=list)
+    # The decode runs SGLang's overlap schedule: penalties are fed one step late
+    # (`penalties.penalty_feed`).
+    overlap: bool = False
     # Grammar-constrained requests (`speculation.grammar`): how many tokens the grammar had
     # accepted when speculation began (set by `SpecController.on_prebuilt`), None without one.
     grammar_base: int | None = None

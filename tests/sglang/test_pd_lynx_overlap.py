@@ -134,3 +134,33 @@ def test_prefill_streams_layers_during_the_forward_under_overlap(runs):
     # `send` (measured: 0.05-1.2 s before; the long prompt's forward leaves the most).
     assert any(r["spans"]["encode_anchor"][0][1] < r["marks"]["submitted"] for r in streamed), \
         [(r["spans"]["encode_anchor"][0], r["marks"]) for r in streamed]
+
+
+PENALTIES = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "repetition_penalty": 1.2,
+             "min_new_tokens": 3}
+
+
+def test_penalized_requests_speculate_and_match_ones_that_waited(runs):
+    """Under overlap SGLang feeds each output token to the penalizers one step late;
+    verification builds the exact rows in that order and a verified request resumes with the
+    state its uninterrupted decoding would have (`speculation.penalties`). So a greedy
+    penalized request that speculates (and rolls back) returns exactly what the same request
+    returns when it waits for its Residual (`custom_params` keep it off speculation)."""
+    marker = "lynx spec "
+    cluster = runs.pd_cluster
+    for i, prompt in enumerate(PROMPTS[:3]):
+        spec = generate(cluster.url, text=prompt, max_new_tokens=MAX_NEW_TOKENS,
+                        sampling=PENALTIES, rid=f"pen-spec-{i}").output_ids
+        waited = generate(cluster.url, text=prompt, max_new_tokens=MAX_NEW_TOKENS,
+                          sampling={**PENALTIES, "custom_params": {"lynx_test_exact_only": 1}},
+                          rid=f"pen-wait-{i}").output_ids
+        assert spec == waited, prompt[:60]
+    lines = {rec["rid"]: rec for rec in (json.loads(line.split(marker, 1)[1])
+                                         for line in _log(cluster, "decode").splitlines()
+                                         if marker in line)}
+    spec_recs = [lines[f"pen-spec-{i}"] for i in range(3)]
+    assert all(r["no_spec_reason"] is None and r["speculated"] > 0 for r in spec_recs), spec_recs
+    assert sum(r["rolled_back"] for r in spec_recs) > 0, spec_recs
+    # (A waiting request has a line only if its Residual was still out when it was committed.)
+    assert all(lines.get(f"pen-wait-{i}", {"speculated": 0})["speculated"] == 0
+               for i in range(3))

@@ -15,7 +15,6 @@ from lynx_sglang.config import LynxConfig
 from lynx_sglang.recorder import Recorder
 from lynx_sglang.speculation.controller import (
     IN_FLIGHT_PARK_REASON,
-    OVERLAP_PENALTIES_REASON,
     SpecController,
 )
 from lynx_sglang.speculation.hooks import update_finish_state_around
@@ -123,13 +122,15 @@ def _penalized_request(presence_penalty: float):
                            **{name: None for name in REASONING_STATE})
 
 
-def test_a_penalized_request_waits_under_the_overlap_scheduler_only():
-    """Under overlap SGLang feeds each output token to the penalizers one step late, and
-    verification rebuilds the non-overlap order: such a request must not speculate there."""
+def test_a_penalized_request_speculates_under_either_scheduler_and_says_which():
+    """Under overlap SGLang feeds each output token to the penalizers one step late; the request
+    speculates and its state says so, for verification to rebuild that order
+    (test_spec_penalties.py checks the rows and the resumed state)."""
     ctl = SpecController(_Transfers(ResidualState.PENDING), LynxConfig.build(),
                          Recorder.for_process())
-    for overlap, penalty, reason in ((True, 0.5, OVERLAP_PENALTIES_REASON), (False, 0.5, None),
-                                     (True, 0.0, None)):
+    for overlap, penalty in ((True, 0.5), (False, 0.5), (True, 0.0)):
         req = _penalized_request(penalty)
         ctl.on_commit(req, overlap=overlap)
-        assert req.lynx_spec.no_spec_reason == reason, (overlap, penalty)
+        st = req.lynx_spec
+        assert (st.no_spec_reason, st.overlap, st.logit_transforms) == (
+            None, overlap, bool(penalty)), (overlap, penalty)

@@ -74,23 +74,42 @@ def _raw_logits(steps: int, rows: int, seed: int) -> torch.Tensor:
     return raw
 
 
-def _sglang_decode(sgl, batch: _Batch, raw: torch.Tensor, forced: list | None = None):
+def _sglang_decode(sgl, batch: _Batch, raw: torch.Tensor, forced: list | None = None,
+                   overlap: bool = False, cumulate=None):
     """SGLang's decode steps over `raw` ([steps, rows, VOCAB]): prepare_for_decode feeds each
     request's last output token to the penalizers, the forward's copy of the sampling info
-    transforms the logits, greedy picks (or `forced[step][row]`) are appended. Returns the
-    transformed logits per step and the forward copies."""
-    processed, forward_infos = [], []
+    transforms the logits, greedy picks (or `forced[step][row]`, unless `forced[step]` is None)
+    are appended. Returns the
+    transformed logits per step and the forward copies. `overlap`: as SGLang's overlap event
+    loop orders it, each step is prepared before the previous step's tokens are appended (the
+    last step's are appended at the end). `cumulate`: the function feeding the penalizers
+    (default SGLang's `cumulate_penalty_output_tokens`)."""
+    cumulate = cumulate or sgl.ScheduleBatch.cumulate_penalty_output_tokens
+    processed, forward_infos, pending = [], [], None
+
+    def append(tokens):
+        for req, token in zip(batch.reqs, tokens, strict=True):
+            req.output_ids.append(token)
+
     for step in range(raw.shape[0]):
         if batch.sampling_info.penalizer_orchestrator.is_required:
-            sgl.ScheduleBatch.cumulate_penalty_output_tokens(batch)
+            cumulate(batch)
+        if pending is not None:  # the previous step's result, processed after this launch
+            append(pending)
+            pending = None
         info = batch.sampling_info.copy_for_forward()
         logits = raw[step].clone()
         info.apply_logits_bias(logits)
         processed.append(logits)
         forward_infos.append(info)
-        for row, req in enumerate(batch.reqs):
-            token = forced[step][row] if forced else int(logits[row].argmax())
-            req.output_ids.append(token)
+        tokens = [forced[step][row] if forced and forced[step] is not None
+                  else int(logits[row].argmax()) for row in range(len(batch.reqs))]
+        if overlap:
+            pending = tokens
+        else:
+            append(tokens)
+    if pending is not None:
+        append(pending)
     return torch.stack(processed), forward_infos
 
 
@@ -240,3 +259,57 @@ def test_sglangs_own_custom_params_keys_carry_the_private_prefix(sgl):
     for key in (sampling_params.REQUEST_REASONING_END_TOKEN_IDS_KEY,
                 sampling_params.REQUEST_REASONING_IN_GRAMMAR_KEY):
         assert key.startswith(state.SGLANG_PRIVATE_PARAM), key
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_exact_rows_follow_the_overlap_schedules_late_feed(sgl, params):
+    """Under the overlap schedule SGLang prepares step k before it has appended step k-1's token:
+    the exact rows must be transformed with that state ([t0, t0, t1, ..., t(k-2)]), not the
+    non-overlap one (the two differ, or this would prove nothing)."""
+    steps = 7
+    target = _req(sgl, [4], **params)
+    other = _req(sgl, [5], frequency_penalty=1.1, logit_bias={"3": 4.0})
+    raw = _raw_logits(steps, 2, seed=len(str(params)) + 1)
+    processed, _ = _sglang_decode(sgl, _Batch(sgl, [target, other]), raw, overlap=True)
+    verified = _req(sgl, target.output_ids[:steps], **params)
+    ours = penalties.exact_rows(verified, raw[:, 0], start=1, overlap=True)
+    torch.testing.assert_close(ours, processed[:, 0], rtol=0, atol=1e-6)
+    # Logit bias and min_new_tokens (a count, k either way) do not depend on the feed order.
+    if {"frequency_penalty", "presence_penalty", "repetition_penalty"} & set(params):
+        assert not torch.equal(penalties.exact_rows(verified, raw[:, 0], start=1), ours)
+
+
+def test_a_request_resumed_under_overlap_goes_on_as_one_that_never_paused(sgl):
+    """After verification under the overlap schedule a resumed request's first step has nothing
+    in flight, so SGLang would feed its last token where an uninterrupted request feeds the one
+    before: seed_penalties and the cumulate hook make every later step's logits equal those of a
+    request that decoded the verified tokens straight through."""
+    params = dict(frequency_penalty=0.5, presence_penalty=0.4, repetition_penalty=1.5,
+                  min_new_tokens=7, logit_bias={"4": 1.0})
+    t0, verified, free = 4, [5, 9, 11, 5], 4
+    raw = _raw_logits(len(verified) + free, 1, seed=9)
+    # Never paused: the verified tokens (forced), then free greedy steps, one pipeline.
+    never = _Batch(sgl, [_req(sgl, [t0], **params)])
+    expected, _ = _sglang_decode(sgl, never, raw, overlap=True,
+                                 forced=[[t] for t in verified] + [None] * free)
+    assert never.reqs[0].output_ids[:len(verified) + 1] == [t0, *verified]
+    # Resumed: a fresh one-request batch as resume_batches builds it, then the same free steps.
+    scheduler = SimpleNamespace(_build_hisparse_decode_batch=lambda reqs: _Batch(sgl, reqs))
+    req = _req(sgl, [t0, *verified], **params)
+    (resumed,) = penalties.resume_batches(scheduler, [req], overlap=True)
+    assert getattr(req, penalties.RESUME_FEED_ATTR) == verified[-2]
+
+    def hooked(batch):
+        return penalties.cumulate_penalty_output_tokens_around(
+            sgl.ScheduleBatch.cumulate_penalty_output_tokens, batch)
+
+    got, _ = _sglang_decode(sgl, resumed, raw[len(verified):], overlap=True, cumulate=hooked)
+    torch.testing.assert_close(got[:, 0], expected[len(verified):, 0], rtol=0, atol=0)
+    assert req.output_ids == never.reqs[0].output_ids
+    assert not hasattr(req, penalties.RESUME_FEED_ATTR)  # fed once
+    # Without the hook's substitution the resumed request goes another way (its point).
+    other = _req(sgl, [t0, *verified], **params)
+    (plain,) = penalties.resume_batches(scheduler, [other], overlap=True)
+    delattr(other, penalties.RESUME_FEED_ATTR)
+    unhooked, _ = _sglang_decode(sgl, plain, raw[len(verified):], overlap=True)
+    assert not torch.equal(unhooked[:, 0], expected[len(verified):, 0])
