@@ -160,3 +160,37 @@ def test_rewind_refuses_a_matcher_behind_its_start(sgl):
     req = _req(sgl, _first_allowed(sgl))
     with pytest.raises(RuntimeError, match="fewer than"):
         spec_grammar.rewind(req, len(req.grammar.accepted_tokens) + 1)
+
+
+def test_sampled_grammar_verification_keeps_p_and_q_masked(sgl):
+    """Sampled (temperature 0.8) drafts with their draft rows as recorded: with exact rows equal
+    to the Anchor's every draft is kept whatever the seed (p == q after masking), and with other
+    exact rows every token verification emits is one the grammar allows at its position."""
+    n = 4
+    anchor = _logits(sgl, n + 1, seed=21) * 3
+    exact = _logits(sgl, n + 1, seed=22) * 3
+    for rows_exact, all_kept in ((anchor, True), (exact, False)):
+        for seed in range(6):
+            req = _req(sgl, _first_allowed(sgl))
+            req.sampling_params = sgl.SamplingParams(temperature=0.8)
+            req.sampling_params.verify(sgl.vocab)
+            st = SpecState(room=seed, sampled=True, logit_transforms=True,
+                           grammar_base=len(req.grammar.accepted_tokens))
+            gen = torch.Generator().manual_seed(seed)
+            for step in range(n):
+                info = _Batch(sgl, [req]).sampling_info.copy_for_forward()
+                info.grammars = [req.grammar]
+                row = penalties.draft_row(info, anchor[step][None], 0)
+                st.draft_logits.append(row)
+                token = int(torch.multinomial(torch.softmax(row / 0.8, -1), 1, generator=gen))
+                req.output_ids.append(token)
+                req.grammar.accept_token(token)
+            torch.manual_seed(seed)
+            rows = sampler_rows(req, st, rows_exact)
+            acc = decide(req, st, rows)
+            if all_kept:
+                assert acc.accepted == n, seed
+            apply_acceptance(req, st, acc)
+            # Every emitted token passes the grammar (accept_token raises otherwise).
+            spec_grammar.resync(req, st.grammar_base, st.verified_len)
+            assert req.grammar.accepted_tokens == req.output_ids
