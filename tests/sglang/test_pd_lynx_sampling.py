@@ -16,12 +16,16 @@ checked on the same cluster, against requests of the same cluster that must wait
 (a `custom_params` entry, which SGLang's sampler ignores, makes them not speculable) and so decode
 on exact KV only: no second server to start. Greedy decoding with penalties is checked the same
 way, token for token.
+
+`LYNX_SAMPLING_OVERLAP=1` runs the cluster on SGLang's overlap scheduler instead (a command, not
+CI's run: docs/testing.md), where penalties are fed one step late and verification follows that.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +54,7 @@ def sampling_cluster(sglang_model, start_cluster, pd_link):
         sglang_model, ClusterMode.PD, "lynx", link=pd_link,
         server_args=COARSE_ANCHOR_SPEC_ARGS,
         extra_env={FAULT_RESIDUAL_DELAY_ENV: "0.5"},
+        overlap_schedule=os.environ.get("LYNX_SAMPLING_OVERLAP") == "1",
     ))
 
 
