@@ -10,8 +10,9 @@ holds Lynx staging memory or per-request map entries (`lynx_staging_used_bytes`,
 repeats rounds until the time is up (a soak). Exit status 1 if any round found a problem.
 
 The mix (`load_mix.KINDS`, `--kinds`): greedy requests, greedy ones asking for logprobs,
-temperature, top-p/top-k/min-p and penalized ones, in turn. Deterministic kinds are checked token
-for token; sampled and penalized ones for completing (see `RequestKind.exact`). Each round also
+temperature, top-p/top-k/min-p, penalized and regex-constrained ones, in turn (shifted on each
+pass over the prompt lengths). Deterministic kinds are checked token for token; sampled and
+penalized ones for completing (see `RequestKind.exact`). Each round also
 reports, per kind, how many of the requests the decode committed at Anchor time were allowed to
 speculate and why the others waited (`load_mix.SpecTally`, from the decode's `lynx spec` lines):
 on loopback most Residuals land first, so `--hold-residual-s` holds each one back (the prefill's
@@ -53,6 +54,7 @@ from .load_mix import (
     SpecTally,
     kinds_by_name,
     merged_tallies,
+    reference_key,
     request_id,
     speculation_summary,
     tally,
@@ -113,8 +115,11 @@ def plan_requests(prompts: dict[int, list[int]], count: int, abandon_fraction: f
     for i in range(count):
         length = lengths[i % len(lengths)]
         abandon = rng.randint(0, 3) if rng.random() < abandon_fraction else None
+        # Kinds in turn, shifted by one on each pass over the prompt lengths, so that every kind
+        # meets every length (i % len(kinds) alone would pair them by their common divisor).
+        kind = kinds[(i + i // len(lengths)) % len(kinds)]
         out.append(LoadRequest(i, tuple(prompts[length]), NEW_TOKENS[i % len(NEW_TOKENS)],
-                               abandon, kinds[i % len(kinds)]))
+                               abandon, kind))
     return out
 
 
@@ -132,7 +137,8 @@ def _abandon(url: str, req: LoadRequest, timeout_s: float, rid: str) -> None:
             seen += line.startswith(b"data:")
 
 
-def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple, list[int]],
+def run_round(cluster: Cluster, reqs: list[LoadRequest],
+              references: dict[tuple[tuple, str], list[int]],
               baseline_slots: int, timeout_s: float, round_no: int = 0) -> LoadReport:
     report = LoadReport(len(reqs), sum(r.abandon_after is not None for r in reqs))
     start = threading.Barrier(len(reqs))
@@ -152,10 +158,12 @@ def run_round(cluster: Cluster, reqs: list[LoadRequest], references: dict[tuple,
             with lock:
                 report.errors.append(f"request {req.index} ({len(req.prompt)} tokens): {exc}")
             return
-        want = references[req.prompt][: req.max_new_tokens]
         with lock:
             report.completed += 1
-            if req.kind.exact and got.output_ids != want:
+            if not req.kind.exact:
+                return
+            want = references[req.prompt, reference_key(req.kind)][: req.max_new_tokens]
+            if got.output_ids != want:
                 # Lengths may differ (an EOS on one side): compare the common prefix.
                 pairs = zip(got.output_ids, want, strict=False)
                 diverge = next((i for i, (a, b) in enumerate(pairs) if a != b),
@@ -239,12 +247,17 @@ def run_load(model: str, *, requests_per_round: int, prefills: int, abandon: flo
     common = ("--disable-radix-cache", "--enable-metrics", *server_args)
     single = ClusterSpec(model, ClusterMode.SINGLE, run_dir=run_dir / "single",
                          server_args=common, overlap_schedule=overlap_schedule)
+    # One reference per prompt and per sampling of the deterministic kinds (greedy and logprobs
+    # share theirs; a grammar has its own).
+    samplings = {reference_key(k): k.sampling for k in kinds if k.exact}
     with Cluster(single) as cluster:
-        logger.info("reference outputs of %d prompts from a single server", len(prompts))
-        references = {tuple(ids): generate(cluster.url, input_ids=ids,
-                                           max_new_tokens=max(NEW_TOKENS),
-                                           timeout_s=timeout_s).output_ids
-                      for ids in prompts.values()}
+        logger.info("reference outputs of %d prompts x %d samplings from a single server",
+                    len(prompts), len(samplings))
+        references = {(tuple(ids), key): generate(cluster.url, input_ids=ids,
+                                                  max_new_tokens=max(NEW_TOKENS),
+                                                  sampling=sampling,
+                                                  timeout_s=timeout_s).output_ids
+                      for ids in prompts.values() for key, sampling in samplings.items()}
     # A round queues far more work than 2 CPU cores do in SGLang's default 300 s: its bootstrap
     # and waiting timeouts (the same for every backend) would fail requests for capacity, which
     # is not what a round checks. They get the client's timeout instead.

@@ -1,12 +1,13 @@
 """The kinds of request a `lynx-sglang load` round mixes (what chat and RAG clients send: greedy,
-logprobs, temperature, top-p/top-k/min-p, penalties) and what the decode's speculation did with
-each kind (`SpecTally`, from its `lynx spec` lines).
+logprobs, temperature, top-p/top-k/min-p, penalties, a grammar) and what the decode's speculation
+did with each kind (`SpecTally`, from its `lynx spec` lines).
 
 Used by `lynx_tools.load` (the runner) and its tests; no servers here.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from .measure import spec_lines
@@ -37,6 +38,8 @@ KINDS = (
     # completing only.
     RequestKind("penalties", {"frequency_penalty": 0.4, "presence_penalty": 0.3,
                               "repetition_penalty": 1.1}, exact=False),
+    # Structured output (SGLang's xgrammar backend): the tokens the grammar allows, greedy.
+    RequestKind("regex", {"regex": r"[A-Za-z0-9 ,.:'-]{1,400}"}),
 )
 KIND_NAMES = tuple(k.name for k in KINDS)
 
@@ -49,6 +52,11 @@ def kinds_by_name(names: str) -> tuple[RequestKind, ...]:
         raise ValueError(f"unknown request kind(s) {unknown or names!r}: choose from "
                          f"{', '.join(KIND_NAMES)}")
     return tuple(next(k for k in KINDS if k.name == n) for n in dict.fromkeys(wanted))
+
+
+def reference_key(kind: RequestKind) -> str:
+    """Kinds with the same sampling parameters share a single server's reference output."""
+    return json.dumps(kind.sampling, sort_keys=True)
 
 
 def request_id(round_no: int, index: int, kind: RequestKind) -> str:
