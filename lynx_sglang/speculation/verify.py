@@ -180,10 +180,9 @@ def sampler_rows(req, st: SpecState, exact_logits: torch.Tensor) -> torch.Tensor
             raise RuntimeError(f"lynx verify: request {req.rid} has a grammar but no record of "
                                "where its speculation began")
         rewind(req, st.grammar_base)
-        return exact_rows(req, exact_logits, st.verified_len, st.overlap)
-    if has_logit_transforms(req.sampling_params):
-        return exact_rows(req, exact_logits, st.verified_len, st.overlap)
-    return exact_logits
+    elif not has_logit_transforms(req.sampling_params):
+        return exact_logits
+    return exact_rows(req, exact_logits, st.verified_len, st.overlap)
 
 
 def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
