@@ -152,3 +152,17 @@ def test_runtime_holds_no_mutable_module_state(name):
     found = [f"line {node.lineno}: global {', '.join(node.names)}"
              for node in ast.walk(tree) if isinstance(node, ast.Global)]
     assert not found, f"{name} rebinds module-level names: {found}"
+
+
+def test_no_test_imports_from_a_conftest():
+    """`from conftest import X` resolves to whichever conftest.py pytest put first on sys.path:
+    a module run alone finds its own folder's, the full run finds another folder's (CI of
+    363ca05 failed so). Shared test values live in a named helper module."""
+    offenders = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if "conftest" in names:
+                offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, f"import from conftest: {offenders}"

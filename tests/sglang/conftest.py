@@ -14,6 +14,7 @@ import importlib.util
 import json
 
 import pytest
+from request_fields import GRAMMAR_SAMPLING, LOGPROB_FIELDS
 from sampling_case import (
     SAMPLING_N,
     SAMPLING_NEW_TOKENS,
@@ -38,11 +39,6 @@ PROMPTS = (
     + " Question: what is the value of key k17? Answer:",
 )
 MAX_NEW_TOKENS = 16
-# What a chat client asks for beside the tokens: the chosen token's logprob and the top 3.
-LOGPROB_FIELDS = {"return_logprob": True, "top_logprobs_num": 3}
-# A grammar-constrained request (SGLang's default xgrammar backend): long enough to speculate
-# past a few tokens, loose enough that the model still chooses.
-GRAMMAR_SAMPLING = {"regex": r" [A-Z][a-z]{2,9}(, [a-z]{2,9}){2,4}, and [a-z]{2,9}\."}
 # Codec of the INT8 reference and of the int8 PD test (for target int8 the full reconstruction
 # depends on the grouping, not on the anchor bits).
 INT8_CODEC = LynxConfig.build(target="int8", anchor_bits=4, group_size=64)

@@ -17,6 +17,7 @@ import json
 
 import pytest
 from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
+from request_fields import GRAMMAR_SAMPLING, LOGPROB_FIELDS
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, SPEC_PARKED_LOG
 from lynx_sglang.speculation.stream import SpecStreamClient
@@ -112,7 +113,6 @@ def test_logprob_requests_speculate_and_return_the_exact_logprobs(spec_cluster, 
     model's: each token's logprob and top 3 equal the single server's within float rounding
     (the verification's extend forward against its decode steps), far from what the 2-bit Anchor
     gives (rolled-back tokens would not even be the same tokens)."""
-    from conftest import LOGPROB_FIELDS
 
     before = len(_spec_lines(spec_cluster))
     for prompt in prompts[2:]:
@@ -138,7 +138,6 @@ def test_grammar_requests_speculate_and_stay_exact(spec_cluster, reference_gramm
     """A regex-constrained request (xgrammar) speculates: drafts are masked by the matcher as it
     advanced over them, verification masks each exact row as exact decoding would and rolls the
     matcher back to the verified output; the answer equals the single server's."""
-    from conftest import GRAMMAR_SAMPLING
 
     before = len(_spec_lines(spec_cluster))
     for prompt, want in reference_grammar_outputs.items():
