@@ -69,7 +69,7 @@ from .faults import FaultPlan
 from .identity import Identity
 from .layer_stream import LayerStreamer
 from .pages import token_slots
-from .peer_sockets import close_departed_peers
+from .peer_sockets import PeerSockets
 from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
@@ -138,6 +138,7 @@ class LynxKVManager(MooncakeKVManager):
         # `register_buffer_to_engine` builds the staging pool, which records its use.
         self.lynx_runtime = LynxRuntime(idle=IdleWaiter(recorder.metrics), recorder=recorder)
         self.rank_key = RankKey()  # before SGLang's constructor: `_register_topology_row`
+        self.peer_sockets = PeerSockets()  # before SGLang's constructor: `_connect`
         # Before SGLang's constructor too: its bootstrap thread handles aborts from then on.
         self.early_aborts = EarlyAborts(
             float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)),
@@ -274,12 +275,10 @@ class LynxKVManager(MooncakeKVManager):
 
     def _connect(self, endpoint: str, is_ipv6: bool = False):
         """SGLang's cached PUSH socket to `endpoint`, after closing the cached sockets of peers
-        that have gone. SGLang replaces a disconnected peer's socket only when that endpoint is
-        dialled again; a peer that comes back on a new port (every decode restart) left its
-        socket and monitor behind for the life of this process, 3 fds each (measured: +3 fds on
-        the prefill per decode restart, with mooncake_tcp as with lynx)."""
-        close_departed_peers(self._socket_lock, self._socket_cache, self._monitor_cache,
-                             self._socket_send_locks, keep=endpoint)
+        that have gone (`backend.peer_sockets`: SGLang replaces a dead peer's socket only when
+        that endpoint is dialled again, and a restarted decode comes back on a new port)."""
+        self.peer_sockets.before_dial(self._socket_lock, self._socket_cache, self._monitor_cache,
+                                      self._socket_send_locks, keep=endpoint)
         return super()._connect(endpoint, is_ipv6)
 
     def _require_pool(self) -> KVPoolView:

@@ -1,7 +1,8 @@
 """SGLang's cached control-plane sockets (the status/registration PUSH sockets of
-`CommonKVManager._connect`) as LynxKVManager keeps them: a peer that has gone away leaves no
-socket behind once another peer is dialled. Real zmq sockets over loopback TCP; the manager is
-built without its SGLang start-up (only the socket cache is exercised)."""
+`CommonKVManager._connect`) as LynxKVManager keeps them: a peer that has gone away (or was gone
+before it was dialled) leaves no socket behind once another peer is dialled. Real zmq sockets
+over loopback TCP; the manager is built without its SGLang start-up (only the socket cache is
+exercised)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 import psutil
 import pytest
 import zmq
+
+from lynx_sglang.backend.peer_sockets import PeerSockets
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,7 @@ def manager(manager_class):
     mgr._socket_lock = threading.Lock()
     mgr._socket_cache, mgr._monitor_cache, mgr._socket_send_locks = {}, {}, {}
     mgr.defer_decode_allocation = False
+    mgr.peer_sockets = PeerSockets()
     yield mgr
     for sock in [*mgr._socket_cache.values(), *mgr._monitor_cache.values()]:
         sock.close(linger=0)
@@ -77,6 +81,52 @@ def test_a_departed_peer_socket_is_closed_when_another_peer_is_dialled(manager, 
         first_ep = endpoint
     assert list(manager._socket_cache) in ([first_ep], [])
     assert _fds() <= baseline + 4  # one peer's socket and monitor, at most
+
+
+def _dead_endpoint() -> str:
+    """An endpoint nobody listens on: a decode killed before the prefill first dialled it."""
+    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as sock:
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return f"tcp://127.0.0.1:{port}"
+
+
+def test_a_socket_dialled_to_a_dead_peer_is_closed_once_idle(manager, new_peer):
+    """zmq reports a connection that never came up as EVENT_CLOSED, which SGLang's monitor (it
+    watches disconnects) never sees: only the idle rule closes such a socket. Before it, each
+    decode killed before its room's status went out left 3 fds on the prefill for good (the
+    fault matrix's decode/sigkill/before-anchor cells)."""
+    manager.peer_sockets.idle_close_s = 0.5
+    live, live_ep = new_peer()
+    _send(manager, live_ep, live)  # the context's I/O thread is up before the baseline
+    time.sleep(0.3)
+    baseline = _fds()
+    dead = []
+    for _ in range(6):
+        endpoint = _dead_endpoint()
+        manager._send_multipart_locked(endpoint, [b"failed"])  # "succeeds": nobody gets it
+        dead.append(endpoint)
+    time.sleep(0.3)
+    assert all(manager._monitor_cache[e].poll(0) == 0 for e in dead), \
+        "a monitor saw the failed connect: the idle rule would not be needed"
+    assert _fds() >= baseline + 6
+    time.sleep(0.6)
+    _send(manager, live_ep, live)
+    assert list(manager._socket_cache) == [live_ep]
+    time.sleep(0.5)  # zmq's reaper closes sockets asynchronously
+    assert _fds() <= baseline + 2
+
+
+def test_a_live_peer_closed_for_idleness_still_gets_the_next_message(manager, new_peer):
+    manager.peer_sockets.idle_close_s = 0.3
+    a, a_ep = new_peer()
+    b, b_ep = new_peer()
+    _send(manager, a_ep, a)
+    first = manager._socket_cache[a_ep]
+    time.sleep(0.5)
+    _send(manager, b_ep, b)
+    assert a_ep not in manager._socket_cache
+    _send(manager, a_ep, a)  # dialled again
+    assert manager._socket_cache[a_ep] is not first
 
 
 def test_a_live_peer_socket_is_kept(manager, new_peer):
