@@ -38,6 +38,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "at wire-to-forward ratios (--regime R,...), or of an already running cluster (--url)",
     ),
     Subcommand(
+        "bench-load",
+        "lynx_tools.bench_load",
+        "P50/P99 TTFT, time per output token, throughput and SLO attainment of PD variants under "
+        "Poisson arrivals (sglang.bench_serving --request-rate) at a wire-to-forward ratio R",
+    ),
+    Subcommand(
         "bench-verify",
         "lynx_tools.bench_verify",
         "cost of one verification forward in decode steps of the same request, per speculation "

@@ -24,23 +24,29 @@ from .variants import WARMUP_ATTEMPTS
 
 def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new_tokens: int,
                           requests: int, seed: int, output_file: Path,
-                          concurrency: int = 1) -> list[str]:
+                          concurrency: int = 1, *, request_rate: float = float("inf"),
+                          range_ratio: float = 1.0) -> list[str]:
+    """`request_rate` (requests/s, Poisson arrivals; inf: all at once, up to `concurrency`) and
+    `range_ratio` (prompt lengths uniform in [range_ratio, 1] x `prompt_tokens`) as
+    bench_serving takes them; the defaults are bench-ttft's: latency, every prompt full length."""
     return [
         sys.executable, "-m", "lynx_tools.bench_serving_offline",
         "--backend", "sglang", "--base-url", url,
         "--model", str(model_dir), "--tokenizer", str(model_dir),
         "--dataset-name", "random-ids", "--tokenize-prompt",
         "--random-input-len", str(prompt_tokens), "--random-output-len", str(max_new_tokens),
-        "--random-range-ratio", "1", "--num-prompts", str(requests), "--seed", str(seed),
+        "--random-range-ratio", f"{range_ratio:g}", "--num-prompts", str(requests),
+        "--seed", str(seed),
         # Latency, not throughput: one request at a time unless asked for more. The caller warms
         # the cluster up with a different prompt; bench_serving's own warm-up would send the
         # first measured prompt and put it in the prefix cache.
-        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--warmup-requests", "0",
+        "--max-concurrency", str(concurrency), "--request-rate", f"{request_rate:g}",
+        "--warmup-requests", "0",
         "--output-file", str(output_file), "--output-details", "--disable-tqdm",
     ]
 
 
-def _flush_prefix_cache(server_url: str, timeout_s: float = 60.0) -> None:
+def flush_prefix_cache(server_url: str, timeout_s: float = 60.0) -> None:
     """Empty a server's prefix cache (waits until it is idle), so a repeated prompt is prefilled
     and transferred in full again. A router passes it on to all its servers."""
     try:
@@ -115,7 +121,7 @@ def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], f
     """One round: `flush_url`'s prefix cache emptied, then the prompts of `round_` (prompt
     numbers from `first`) sent at once with lynx_tools.client; their streams and request
     ids, in prompt order."""
-    _flush_prefix_cache(flush_url)
+    flush_prefix_cache(flush_url)
     ids = [f"bench-{name}-{first + j}-{time.time_ns()}" for j in range(len(round_))]
     with ThreadPoolExecutor(len(round_)) as pool:
         futures = [pool.submit(generate_stream, url, input_ids=p,

@@ -208,8 +208,14 @@ def test_bench_serving_command_is_offline_and_sequential(tmp_path):
     assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd
     assert flag("--random-range-ratio") == "1" and flag("--max-concurrency") == "1"
     assert flag("--tokenizer") == str(tmp_path) and flag("--warmup-requests") == "0"
+    assert flag("--request-rate") == "inf"
     cmd = bench_serving_command("http://r", tmp_path, 300, 4, 8, 7, tmp_path / "o.jsonl", 4)
     assert cmd[cmd.index("--max-concurrency") + 1] == "4"
+    # bench-load's Poisson arrivals and mixed lengths
+    cmd = bench_serving_command("http://r", tmp_path, 300, 4, 8, 7, tmp_path / "o.jsonl", 8,
+                                request_rate=0.25, range_ratio=0.5)
+    assert cmd[cmd.index("--request-rate") + 1] == "0.25"
+    assert cmd[cmd.index("--random-range-ratio") + 1] == "0.5"
 
 
 def test_random_ids_prompts():

@@ -1,0 +1,238 @@
+"""`lynx-sglang bench-load` (also `scripts/bench_load.py`): PD cluster variants under Poisson
+arrivals, as a serving engineer sizes a deployment: P50/P99 TTFT, time per output token,
+throughput and SLO attainment per arrival rate.
+
+Every variant's cluster is started once and kept up (`tools.ttft_clusters.start_clusters`, as
+`bench-ttft --interleave`); the link between prefill and decode is shaped to a wire-to-forward
+ratio R (`--regime`, from a forward measured on the baseline as `bench-ttft --regime` does) or to
+a fixed `--link` rate. Then for each `--rates` value, each variant in turn (the first turning per
+rate, `ttft_clusters.interleaved_order`): the prefix cache flushed, and `sglang.bench_serving`
+(through `tools.bench_serving_offline`) sends `--requests` random-id prompts of
+`--range-ratio`..1 × `--prompt-tokens` tokens at Poisson arrivals of that rate, no concurrency
+cap, the same seed for every variant (the same prompts at the same moments). The figures are
+`tools.load_stats`'; the SLO is TTFT ≤ `--slo-ttft-s` (default 3 × the measured forward) for
+`--slo-target` of the requests.
+
+Writes `<out>/bench_load.json` (after every pass, so a run cut short keeps what it has),
+`<out>/bench_load.png` (P99 TTFT and SLO attainment per rate) and the servers' and
+bench_serving's logs under `<out>/bench_ttft_runs/<variant>/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .cluster import Cluster
+from .load_stats import LoadPass, LoadReport
+from .measure import add_kv_dtype_argument, model_kv_shape
+from .progress import Progress
+from .prompts import passkey_prompt
+from .ttft_clients import bench_serving_command, flush_prefix_cache
+from .ttft_clusters import Measured, interleaved_order, run_dir_of, start_clusters
+from .ttft_regime import CALIBRATION_LINK, link_rate_for, slow_link_variant
+from .ttft_regime_run import calibrate
+from .ttft_results import BenchConfig, BenchError
+from .variants import select_variants, variant_names
+
+JSON_NAME = "bench_load.json"
+DEFAULT_VARIANTS = "mooncake-nospin,lynx"
+# The SLO bound by default, in measured forwards: a request whose KV crosses a link at R = 1
+# right after its forward answers in about 2 forwards; the third is the queueing a loaded
+# deployment allows itself.
+SLO_FORWARDS = 3.0
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """`--rates`' argparse type: positive requests per second, run in ascending order."""
+    try:
+        rates = tuple(sorted(float(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"every rate must be a positive number: {text!r}")
+    return rates
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated variants, all kept up at once (default "
+                             f"{DEFAULT_VARIANTS}; about 6 GiB each with the embedded model)")
+    parser.add_argument("--baseline", default=None,
+                        help="variant the ratios divide by (default the first)")
+    parser.add_argument("--rates", type=parse_rates, default=(0.05, 0.1), metavar="R1,R2,…",
+                        help="Poisson arrival rates in requests/s (default 0.05,0.1: on 2 CPU "
+                             "cores a 1000-token forward takes 2-4 s)")
+    link = parser.add_mutually_exclusive_group()
+    link.add_argument("--regime", type=float, default=None, metavar="R",
+                      help="shape the link so that a --prompt-tokens prompt's BF16 KV takes R x "
+                           "the measured forward on the wire (default 1)")
+    link.add_argument("--link", default=None, metavar="RATE",
+                      help="a fixed link rate instead (e.g. 100mbit)")
+    parser.add_argument("--requests", type=int, default=10, help="requests per rate and variant")
+    parser.add_argument("--prompt-tokens", type=int, default=1000,
+                        help="longest prompt (default 1000)")
+    parser.add_argument("--range-ratio", type=float, default=0.5,
+                        help="prompt lengths uniform in [ratio, 1] x --prompt-tokens "
+                             "(bench_serving's --random-range-ratio; default 0.5)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--slo-ttft-s", type=float, default=None,
+                        help=f"TTFT bound of the SLO (default {SLO_FORWARDS:g} x the forward "
+                             "measured at the start)")
+    parser.add_argument("--slo-target", type=float, default=0.9,
+                        help="share of requests within the bound that meets the SLO (default 0.9)")
+    parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed")
+    add_kv_dtype_argument(parser)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--out", type=Path, default=Path("out/bench_load"))
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.requests < 2 or args.max_new_tokens < 2:
+        parser.error("--requests and --max-new-tokens must be at least 2 (a P99 and a time per "
+                     "output token need them)")
+    if not 0 < args.range_ratio <= 1 or not 0 < args.slo_target <= 1:
+        parser.error("--range-ratio and --slo-target must be in (0, 1]")
+    if args.regime is not None and args.regime <= 0:
+        parser.error("--regime must be positive")
+    if args.regime is None and args.link is None:
+        args.regime = 1.0
+    args.baseline = args.baseline or variant_names(args.variants)[0]
+    if args.baseline not in variant_names(args.variants):
+        parser.error(f"--baseline {args.baseline} is not among --variants")
+
+
+def run_pass(cluster: Cluster, variant: str, rate: float, cfg: BenchConfig, run_dir: Path,
+             range_ratio: float) -> LoadPass:
+    """One bench_serving pass of Poisson arrivals at `rate` against `cluster`."""
+    flush_prefix_cache(cluster.prefill_url)
+    out_file = run_dir / f"bench_load_{rate:g}.jsonl"
+    out_file.unlink(missing_ok=True)  # bench_serving appends
+    cmd = bench_serving_command(cluster.url, Path(cfg.model), cfg.prompt_tokens,
+                                cfg.max_new_tokens, cfg.requests, cfg.seed, out_file,
+                                concurrency=cfg.requests, request_rate=rate,
+                                range_ratio=range_ratio)
+    log_path = run_dir / f"bench_load_{rate:g}.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              timeout=cfg.request_timeout_s * cfg.requests + 300)
+    if proc.returncode != 0 or not out_file.is_file():
+        raise BenchError(f"{variant} at {rate:g} req/s: bench_serving exited with "
+                         f"{proc.returncode}; log {log_path}")
+    return LoadPass.from_bench_serving(variant, rate,
+                                       json.loads(out_file.read_text().splitlines()[-1]))
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from .model import embedded_model_dir
+
+    variants = [slow_link_variant(v, args.request_timeout_s)
+                for v in select_variants(args.variants)]
+    model_dir = embedded_model_dir()
+    link = args.link or CALIBRATION_LINK
+    cfg = BenchConfig(link, str(model_dir), args.prompt_tokens, args.max_new_tokens,
+                      args.requests, args.seed, (), tuple(v.name for v in variants),
+                      args.baseline, args.startup_timeout_s, args.request_timeout_s,
+                      args.kv_dtype, interleave=True)
+    warmup_ids = passkey_prompt(AutoTokenizer.from_pretrained(str(model_dir)), args.prompt_tokens)
+    kv_bytes = model_kv_shape(model_dir, "bfloat16").bytes_for(args.prompt_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = Progress("bench-load", len(variants))
+    t0, load_start = time.monotonic(), os.getloadavg()
+    doc: dict = {"variants": list(cfg.variants), "rates": list(args.rates),
+                 "requests_per_pass": args.requests, "prompt_tokens": args.prompt_tokens,
+                 "range_ratio": args.range_ratio, "max_new_tokens": args.max_new_tokens,
+                 "kv_dtype": args.kv_dtype, "kv_bf16_bytes_longest_prompt": kv_bytes,
+                 "cpus": os.cpu_count(), "loadavg_start": load_start}
+    report: LoadReport | None = None
+
+    def write(complete: bool) -> None:
+        doc.update(complete=complete, loadavg_end=os.getloadavg(),
+                   wall_s=round(time.monotonic() - t0, 1))
+        if report is not None:
+            doc["report"] = report.to_json()
+        (args.out / JSON_NAME).write_text(json.dumps(doc, indent=1))
+
+    try:
+        with contextlib.ExitStack() as stack:
+            up = start_clusters(stack, variants, cfg, warmup_ids, args.out, progress)
+            base, base_cluster = up[args.baseline]
+            _shape(up, CALIBRATION_LINK)
+            calibration = calibrate(base, base_cluster, warmup_ids, replace(cfg, link=link))
+            forward_s = calibration.forward_s
+            if args.regime is not None:
+                shaped = link_rate_for(args.regime, kv_bytes, forward_s)
+                link = shaped.tc
+                doc["link"] = {"regime": args.regime, "tc": shaped.tc, "bps": shaped.bps,
+                               "describe": shaped.describe()}
+            else:
+                doc["link"] = {"tc": link}
+            _shape(up, link)
+            slo = args.slo_ttft_s or round(SLO_FORWARDS * forward_s, 3)
+            doc["forward_s"] = {"fastest": forward_s, "samples": list(calibration.samples_s)}
+            report = LoadReport(args.baseline, slo, args.slo_target)
+            print(f"[bench-load] forward {forward_s:.2f} s; link {link}; SLO TTFT <= {slo:.2f} s "
+                  f"for {args.slo_target:.0%}; rates {list(args.rates)} req/s, "
+                  f"{args.requests} requests each", flush=True)
+            for rate, names in zip(args.rates, interleaved_order(list(up), len(args.rates)),
+                                   strict=True):
+                for name in names:
+                    m, cluster = up[name]
+                    progress.note(f"{name}: {args.requests} requests at {rate:g}/s")
+                    report.passes.append(run_pass(cluster, name, rate, cfg,
+                                                  run_dir_of(args.out, m.variant),
+                                                  args.range_ratio))
+                    write(complete=False)
+    except KeyboardInterrupt:
+        print("[bench-load] interrupted; the running clusters were stopped", file=sys.stderr)
+        write(complete=False)
+        return 130
+    write(complete=True)
+    print("\n" + report.table())
+    _plot(report, args.out / "bench_load.png", doc["link"])
+    print(f"\n[bench-load] wrote {args.out / JSON_NAME} and {args.out / 'bench_load.png'} "
+          f"({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+def _shape(up: dict[str, tuple[Measured, Cluster]], rate: str) -> None:
+    for _, cluster in up.values():
+        if cluster.link is None:
+            raise BenchError("bench-load needs shaped links (root, iproute2)")
+        cluster.link.set_rate(rate, cluster.spec.link_qdisc)
+
+
+def _plot(report: LoadReport, path: Path, link: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    by_variant: dict[str, list] = {}
+    for f in report.figures():
+        by_variant.setdefault(f.variant, []).append(f)
+    for name, figs in by_variant.items():
+        figs.sort(key=lambda f: f.rate)
+        ax1.plot([f.rate for f in figs], [f.ttft_p99_s for f in figs], "o-", label=name)
+        ax2.plot([f.rate for f in figs], [f.slo_attainment for f in figs], "o-", label=name)
+    ax1.axhline(report.slo_ttft_s, color="grey", linestyle=":", label="SLO bound")
+    ax1.set(xlabel="arrival rate (req/s)", ylabel="P99 TTFT (s)", title="P99 TTFT")
+    ax2.set(xlabel="arrival rate (req/s)", ylabel="share within the bound",
+            title="SLO attainment", ylim=(0, 1.05))
+    ax1.legend()
+    fig.suptitle(f"Poisson arrivals; link {link.get('describe') or link.get('tc')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
