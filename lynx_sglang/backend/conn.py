@@ -22,8 +22,10 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 
+from ..errors import SettingsMismatchError
 from ..failures import FailureKind, failure_kind_of
 from .decode_bindings import BootstrapSlot, Registration
+from .heads import check_tp_sizes
 from .rank_key import BOOTSTRAP_FIELD, valid_key
 
 logger = logging.getLogger(__name__)
@@ -57,10 +59,10 @@ class LynxKVReceiver(CommonKVReceiver):
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
             return
-        if self.prefill_info.attn_tp_size != self.kv_mgr.attn_tp_size:
-            self._fail(f"lynx needs equal attention TP sizes on prefill "
-                       f"({self.prefill_info.attn_tp_size}) and decode "
-                       f"({self.kv_mgr.attn_tp_size})", FailureKind.SETTINGS_MISMATCH)
+        try:
+            check_tp_sizes(self.prefill_info.attn_tp_size, self.kv_mgr.attn_tp_size)
+        except SettingsMismatchError as exc:
+            self._fail(str(exc), FailureKind.SETTINGS_MISMATCH)
 
     def _get_bootstrap_info_from_server(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank,
                                         target_pp_rank):

@@ -66,6 +66,7 @@ from .conn import lookup_prefill_rank
 from .decode import DecodeApplier, DecodeLink
 from .early_aborts import EarlyAborts
 from .faults import FaultPlan
+from .heads import head_range
 from .identity import Identity
 from .layer_stream import LayerStreamer
 from .pages import token_slots
@@ -312,8 +313,26 @@ class LynxKVManager(MooncakeKVManager):
         return room in self.request_status and self.check_status(room) != KVPoll.Failed
 
     def _destinations(self, room: int) -> list[Destination]:
-        return [Destination(i.mooncake_session_id, len(i.dst_kv_indices), (i.endpoint, i.dst_port))
-                for i in list(self.transfer_infos.get(room, {}).values()) if not i.is_dummy]
+        return [self._destination(i) for i in list(self.transfer_infos.get(room, {}).values())
+                if not i.is_dummy]
+
+    def _destination(self, info) -> Destination:
+        """SGLang's transfer info of one decode rank as the sender's `Destination`, with the KV
+        heads that rank holds when its attention TP size differs (from its registration, as
+        SGLang's Mooncake backend slices them)."""
+        heads, refusal = None, None
+        peer = self.decode_kv_args_table.get(info.mooncake_session_id)
+        decode_tp = self.attn_tp_size if peer is None else int(peer.dst_attn_tp_size)
+        if decode_tp != self.attn_tp_size:
+            total = int(getattr(self.kv_args, "total_kv_head_num", 0)
+                        or self.kv_args.kv_head_num * self.attn_tp_size)
+            try:
+                heads = head_range(self.attn_tp_size, decode_tp, self.kv_args.engine_rank,
+                                   int(peer.dst_tp_rank), total)
+            except SettingsMismatchError as exc:
+                refusal = str(exc)
+        return Destination(info.mooncake_session_id, len(info.dst_kv_indices),
+                           (info.endpoint, info.dst_port), heads, refusal)
 
     def _read_aux(self, aux_index: int) -> bytes:
         return pack_aux([
@@ -373,7 +392,8 @@ class LynxKVManager(MooncakeKVManager):
         real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
         if len(real) != 1:
             raise SettingsMismatchError(f"lynx needs exactly one prefill rank per decode rank "
-                                        f"and request (equal attention TP sizes); got {len(real)}")
+                                        f"and request (a decode attention TP size no smaller "
+                                        f"than the prefill's); got {len(real)}")
         prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
         # Pages of the whole prompt under --page-size > 1 (no decode-side prefix); the tail of
         # the last one is where this decode writes its own tokens.

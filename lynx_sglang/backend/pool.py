@@ -100,6 +100,17 @@ class KVPoolView:
     def device(self) -> torch.device:
         return self.k[0].device
 
+    def heads(self, first: int, count: int) -> KVPoolView:
+        """The same pool seen through KV heads `first`..`first + count - 1` only (no copy; rows
+        stay `[slots, count, head_dim]` with the whole pool's row stride): what a decode rank of
+        a larger attention TP size holds (`backend.heads`)."""
+        if self.kinds != KINDS or not (first >= 0 and count > 0
+                                       and first + count <= self.k[0].shape[1]):
+            raise KVStreamError(f"no KV heads {first}..{first + count - 1} in a pool of "
+                                f"{self.k[0].shape[1]} heads ({len(self.kinds)} kinds)")
+        return KVPoolView([t[:, first: first + count] for t in self.k],
+                          [t[:, first: first + count] for t in self.v], self.page_size)
+
     def layer(self, layer: int, kind: StreamKind) -> torch.Tensor:
         if kind is StreamKind.K:
             return self.k[layer]

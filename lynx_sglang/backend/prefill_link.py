@@ -18,11 +18,15 @@ SENT_BYTES_KEPT = 4096
 @dataclass(frozen=True)
 class Destination:
     """One decode rank a room goes to: its transport address, how many KV pages it allocated
-    (slots at page size 1; `backend.pages`), and SGLang's (endpoint, port) to notify."""
+    (slots at page size 1; `backend.pages`), SGLang's (endpoint, port) to notify, and which of
+    this rank's KV heads it holds ((first, count) when its attention TP size is larger:
+    `backend.heads`; None: all) or why it cannot be sent to (`refusal`)."""
 
     session_address: str
     num_pages: int
     notify: tuple[str, int]
+    heads: tuple[int, int] | None = None
+    refusal: str | None = None
 
 
 @dataclass(frozen=True)

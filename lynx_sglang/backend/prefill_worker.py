@@ -179,7 +179,9 @@ class DestinationWorker:
         deps = self.deps
         config = deps.writer.config
         room, tr = job.room, job.trace
-        pool = deps.pool()
+        if dst.refusal is not None:
+            raise SettingsMismatchError(dst.refusal)
+        pool = deps.pool() if dst.heads is None else deps.pool().heads(*dst.heads)
         num_tokens = len(job.slots)
         plan = StreamPlan.build(config.codec, pool.shape, num_tokens, config.chunk_tokens)
         tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,

@@ -7,9 +7,11 @@ builds its own model once: the embedded weights with the first 2 KV heads (and t
 heads) of every layer kept, a real checkpoint (prompt-dependent output, identical on every load).
 One single TP 2 server gives the reference, then one PD cluster (TP 2 + TP 2, `lynx`, target
 exact); every greedy answer must be token-identical. (On loopback each Residual lands before its
-Anchor is applied, so these requests do not speculate.) Then a prefill and a decode of different
-TP sizes (1 -> 2, 2 -> 1), which Lynx does not support yet: each request must fail with the
-reason naming both sizes, and both servers must keep serving.
+Anchor is applied, so these requests do not speculate.) Then a TP 1 prefill with a TP 2 decode
+(each decode rank gets its half of the heads, `backend.heads`), token-identical to SGLang's
+`mooncake_tcp` on the same sizes; and a TP 2 prefill with a TP 1 decode, which Lynx does not
+support yet: each request must fail with the reason naming both sizes, and both servers must
+keep serving.
 
 SGLang's CPU engine binds each rank's OpenMP threads to cores: with more ranks than NUMA nodes it
 refuses to start unless SGLANG_CPU_OMP_THREADS_BIND names one core list per rank ("0|1" here).
@@ -18,6 +20,7 @@ Skips where the box has fewer than 2 cores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -134,16 +137,40 @@ def test_one_transport_session_per_rank_pair(tp_runs):
     assert len({prefill for _, prefill in sessions}) == TP, sessions
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_unequal_tp_sizes_fail_each_request_with_both_sizes(tp_model, tmp_path_factory,
-                                                            prefill_tp, decode_tp):
-    spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp("unequal"),
-                    prefill_tp, decode_tp, ("--lynx-target", "exact"))
+def test_prefill_tp1_to_decode_tp2_slices_heads_as_mooncake_does(tp_model, tmp_path_factory):
+    """A TP 1 prefill and a TP 2 decode: each decode rank gets its own half of the KV heads,
+    encoded from the prefill's pool by head (`backend.heads`). The reference is SGLang's own
+    `mooncake_tcp` on the same TP sizes (raw KV bytes, head-sliced by SGLang): an exact Lynx
+    transfer leaves the decode the same KV, so the same tokens. (Neither TP 1 nor TP 2 single
+    servers are: the prefill's KV comes from a TP 1 forward, the decode steps at TP 2.)"""
+    answers = {}
+    for backend in ("mooncake_tcp", "lynx"):
+        spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp(f"p1d2-{backend}"), 1,
+                        2, ("--lynx-target", "exact") if backend == "lynx" else ())
+        spec = dataclasses.replace(spec, transfer_backend=backend)
+        with Cluster(spec) as c:
+            answers[backend] = [generate(c.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
+                                         timeout_s=300).output_ids for p in PROMPTS]
+            if backend == "lynx":
+                decode_log = c.log_path("decode").read_text(errors="replace")
+    for prompt, want, have in zip(PROMPTS, answers["mooncake_tcp"], answers["lynx"], strict=True):
+        assert len(have) == MAX_NEW_TOKENS
+        assert have == want, prompt[:60]
+    # Both decode ranks had their own session from the one prefill rank.
+    ranks = set(re.findall(r"\[[^]]* TP(\d)\] lynx: transport session from prefill rank",
+                           decode_log))
+    assert ranks == {"0", "1"}, ranks
+
+
+def test_prefill_tp2_to_decode_tp1_fails_each_request_with_both_sizes(tp_model,
+                                                                      tmp_path_factory):
+    spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp("unequal"), 2, 1,
+                    ("--lynx-target", "exact"))
     with Cluster(spec) as c:
         for _ in range(2):  # the first failure leaves both servers able to fail the next
             with pytest.raises(GenerateError, match=re.escape(
-                    f"lynx needs equal attention TP sizes on prefill ({prefill_tp}) and "
-                    f"decode ({decode_tp})")):
+                    "lynx does not support a prefill attention TP size (2) larger than the "
+                    "decode's (1) yet")):
                 generate(c.url, text=PROMPTS[0], max_new_tokens=4,
                          timeout_s=UNEQUAL_FAILS_WITHIN_S)
         for name in ("prefill", "decode"):

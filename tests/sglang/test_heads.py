@@ -1,0 +1,87 @@
+"""A decode of a larger attention TP size than the prefill's (`backend.heads`, `KVPoolView.heads`):
+which KV heads each decode rank holds, checked against SGLang's own head slicing, and the streams
+a prefill encodes from its pool's head slice: byte for byte those of a pool holding only those
+heads (what the decode rank's own plan expects; test_kv_streams.py applies such streams)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lynx_kernels import CodecSpec
+from lynx_sglang.backend.heads import check_tp_sizes, head_range
+from lynx_sglang.backend.plan import StreamPlan
+from lynx_sglang.backend.pool import KVPoolView
+from lynx_sglang.backend.streams import encode_layer_into
+from lynx_sglang.errors import KVStreamError, SettingsMismatchError
+
+GRID = [(p, d, heads) for p in (1, 2, 4) for d in (1, 2, 4, 8) if d >= p and d % p == 0
+        for heads in (8, 16, 32) if heads % d == 0]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "heads"), GRID)
+def test_head_ranges_are_sglangs(sglang_in_process, prefill_tp, decode_tp, heads):
+    """Every decode rank reads its heads from the prefill rank SGLang maps it to
+    (target_tp_rank = d * P // D), at the offset SGLang's Mooncake backend slices."""
+    from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params
+
+    covered = []
+    for d in range(decode_tp):
+        p = d * prefill_tp // decode_tp
+        got = head_range(prefill_tp, decode_tp, p, d, heads)
+        if prefill_tp == decode_tp:
+            assert got is None
+            continue
+        start, count, dst_start, _ = compute_head_slice_params(prefill_tp, decode_tp, p, d, heads)
+        assert got == (start, count) and dst_start == 0
+        covered += [p * heads // prefill_tp + start + i for i in range(count)]
+        if prefill_tp > 1:
+            with pytest.raises(SettingsMismatchError, match="does not hold"):
+                head_range(prefill_tp, decode_tp, (p + 1) % prefill_tp, d, heads)
+    if prefill_tp != decode_tp:
+        assert covered == list(range(heads))  # every head to exactly one decode rank
+
+
+def test_what_lynx_cannot_pair_is_refused_with_the_reason():
+    with pytest.raises(SettingsMismatchError, match=r"prefill attention TP size \(2\) larger"):
+        check_tp_sizes(2, 1)
+    with pytest.raises(SettingsMismatchError, match="multiple"):
+        check_tp_sizes(2, 3)
+    check_tp_sizes(1, 2)
+    with pytest.raises(SettingsMismatchError, match="replicates"):
+        head_range(1, 4, 0, 0, 2)  # 2 KV heads over 4 decode ranks
+
+
+def _pool(heads: int, seed: int, slots: int = 300, layers: int = 2) -> KVPoolView:
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: torch.randn(slots, heads, 64, generator=g).to(torch.bfloat16)  # noqa: E731
+    return KVPoolView([mk() for _ in range(layers)], [mk() for _ in range(layers)])
+
+
+@pytest.mark.parametrize("target", ["exact", "int8"])
+def test_a_head_slice_encodes_as_a_pool_of_those_heads(target):
+    spec = CodecSpec(anchor_bits=4, group_size=64, target=target)
+    full = _pool(4, 0)
+    half = full.heads(2, 2)
+    alone = KVPoolView([t[:, 2:4].contiguous() for t in full.k],
+                       [t[:, 2:4].contiguous() for t in full.v])
+    assert half.shape == alone.shape and half.shape.num_kv_heads == 2
+    slots = torch.randperm(300)[:200]
+    plan = StreamPlan.build(spec, half.shape, len(slots), 256)
+    for layer in range(2):
+        outs = []
+        for pool in (half, alone):
+            a = bytearray(plan.anchor_layer_bytes)
+            r = bytearray(plan.residual_bytes)
+            sizes = encode_layer_into(pool, layer, slots, spec, 256, 7, memoryview(a),
+                                      memoryview(r))
+            outs.append((bytes(a[:sizes[0]]), bytes(r[:sizes[1]])))
+        assert outs[0] == outs[1]
+    assert torch.equal(half.read(1, half.kinds[1], slots), alone.read(1, alone.kinds[1], slots))
+
+
+def test_a_head_slice_outside_the_pool_is_refused():
+    pool = _pool(4, 0)
+    for first, count in ((3, 2), (-1, 1), (0, 0)):
+        with pytest.raises(KVStreamError, match="no KV heads"):
+            pool.heads(first, count)
