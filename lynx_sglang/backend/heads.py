@@ -26,11 +26,11 @@ def check_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
     if prefill_tp > decode_tp:
         raise SettingsMismatchError(
             f"lynx does not support a prefill attention TP size ({prefill_tp}) larger than the "
-            f"decode's ({decode_tp}) yet: run the decode with TP >= the prefill's (equal sizes, "
-            "or a decode with more ranks, are supported)")
+            f"decode attention TP size ({decode_tp}) yet: run the decode with as many ranks as "
+            "the prefill or more")
     if decode_tp % prefill_tp:
         raise SettingsMismatchError(
-            f"lynx needs the decode's attention TP size ({decode_tp}) to be a multiple of the "
+            f"lynx needs the decode attention TP size ({decode_tp}) to be a multiple of the "
             f"prefill's ({prefill_tp})")
 
 

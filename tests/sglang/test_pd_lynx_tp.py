@@ -170,7 +170,7 @@ def test_prefill_tp2_to_decode_tp1_fails_each_request_with_both_sizes(tp_model,
         for _ in range(2):  # the first failure leaves both servers able to fail the next
             with pytest.raises(GenerateError, match=re.escape(
                     "lynx does not support a prefill attention TP size (2) larger than the "
-                    "decode's (1) yet")):
+                    "decode attention TP size (1) yet")):
                 generate(c.url, text=PROMPTS[0], max_new_tokens=4,
                          timeout_s=UNEQUAL_FAILS_WITHIN_S)
         for name in ("prefill", "decode"):
