@@ -32,6 +32,8 @@ def test_a_pass_from_bench_serving():
     f = LoadFigures.of(p, slo_ttft_s=2.0)
     assert (f.ttft_p50_s, f.ttft_max_s, f.tpot_median_s) == (2.0, 3.0, pytest.approx(0.2))
     assert f.slo_attainment == 0.5
+    # send to last token: 1.0 + 2 x 0.2 and 3.0 + 0
+    assert (f.e2e_p50_s, f.e2e_p99_s) == (pytest.approx(2.2), pytest.approx(1.4 + 1.6 * 0.99))
     assert f.request_throughput == pytest.approx(0.2) and f.output_tokens_per_s == 0.4
 
 
