@@ -232,7 +232,8 @@ def _plot(report: LoadReport, path: Path, link: dict) -> None:
     ax2.set(xlabel="arrival rate (req/s)", ylabel="share within the bound",
             title="SLO attainment", ylim=(0, 1.05))
     ax1.legend()
-    fig.suptitle(f"Poisson arrivals; link {link.get('describe') or link.get('tc')}")
+    regime = f"R {link['regime']:g}, " if "regime" in link else ""
+    fig.suptitle(f"Poisson arrivals; {regime}link {link.get('describe') or link.get('tc')}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
