@@ -36,9 +36,9 @@ from .measure import add_kv_dtype_argument, model_kv_shape
 from .progress import Progress
 from .prompts import passkey_prompt
 from .ttft_clients import bench_serving_command, flush_prefix_cache
-from .ttft_clusters import Measured, interleaved_order, run_dir_of, start_clusters
+from .ttft_clusters import interleaved_order, run_dir_of, start_clusters
 from .ttft_regime import CALIBRATION_LINK, link_rate_for, slow_link_variant
-from .ttft_regime_run import calibrate
+from .ttft_regime_run import calibrate, shape_links
 from .ttft_results import BenchConfig, BenchError
 from .variants import select_variants, variant_names
 
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             up = start_clusters(stack, variants, cfg, warmup_ids, args.out, progress)
             base, base_cluster = up[args.baseline]
-            _shape(up, CALIBRATION_LINK)
+            shape_links(up, CALIBRATION_LINK)
             calibration = calibrate(base, base_cluster, warmup_ids, replace(cfg, link=link))
             forward_s = calibration.forward_s
             if args.regime is not None:
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                                "describe": shaped.describe()}
             else:
                 doc["link"] = {"tc": link}
-            _shape(up, link)
+            shape_links(up, link)
             slo = args.slo_ttft_s or round(SLO_FORWARDS * forward_s, 3)
             doc["forward_s"] = {"fastest": forward_s, "samples": list(calibration.samples_s)}
             report = LoadReport(args.baseline, slo, args.slo_target)
@@ -204,13 +204,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n[bench-load] wrote {args.out / JSON_NAME} and {args.out / 'bench_load.png'} "
           f"({time.monotonic() - t0:.0f} s)")
     return 0
-
-
-def _shape(up: dict[str, tuple[Measured, Cluster]], rate: str) -> None:
-    for _, cluster in up.values():
-        if cluster.link is None:
-            raise BenchError("bench-load needs shaped links (root, iproute2)")
-        cluster.link.set_rate(rate, cluster.spec.link_qdisc)
 
 
 def _plot(report: LoadReport, path: Path, link: dict) -> None:

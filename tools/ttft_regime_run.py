@@ -65,7 +65,8 @@ def _timeline_record(trace_dir: Path, rid: str) -> dict | None:
     return records_by_request(trace_dir, rid).get("timeline")
 
 
-def _shape(up: dict[str, tuple[Measured, Cluster]], rate: str) -> None:
+def shape_links(up: dict[str, tuple[Measured, Cluster]], rate: str) -> None:
+    """Every cluster's shaped link re-shaped to `rate` in place (bench-ttft --regime, bench-load)."""
     for _, cluster in up.values():
         if cluster.link is None:
             raise BenchError("--regime needs shaped links (root)")
@@ -77,13 +78,13 @@ def _measure_regime(r: float, up: dict[str, tuple[Measured, Cluster]], cfg: Benc
                     kv_shape: KVShape, progress: Progress) -> Regime:
     """One R: the forward measured at CALIBRATION_LINK, every link re-shaped to R's rate, the
     prompts sent to the variants in turn."""
-    _shape(up, CALIBRATION_LINK)
+    shape_links(up, CALIBRATION_LINK)
     base, base_cluster = up[cfg.baseline]
     calibration = calibrate(base, base_cluster, warmup_ids, cfg)
     rate = link_rate_for(r, kv_bytes, calibration.forward_s)
     progress.phase(f"R {r:g}: forward {calibration.forward_s:.2f} s (of "
                    f"{list(calibration.samples_s)}) -> link {rate.describe()}")
-    _shape(up, rate.tc)
+    shape_links(up, rate.tc)
     cfg_r = replace(cfg, link=rate.tc)
     # The same clusters, with what they measure started afresh: each R reports its own requests.
     fresh = {name: (Measured(m.variant, m.run_dir, m.warmup_attempts), c)
