@@ -12,7 +12,7 @@ Not supported, refused with the reason: a decode with fewer ranks than the prefi
 rank would take several prefill ranks' streams into one room) and replicated heads (fewer KV
 heads than decode ranks, or a count the decode TP size does not divide).
 
-Called by `backend.manager.LynxKVManager._destinations` (prefill) and
+Called by `backend.prefill_link.destination_of` (prefill) and
 `backend.conn.LynxKVReceiver.init` (decode).
 """
 

@@ -47,8 +47,6 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
-from lynx_transport import Endpoint, gpu_direct
-
 from .. import runtime
 from ..config import LynxConfig
 from ..errors import KVStreamError, LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
@@ -66,7 +64,6 @@ from .conn import lookup_prefill_rank
 from .decode import DecodeApplier, DecodeLink
 from .early_aborts import EarlyAborts
 from .faults import FaultPlan
-from .heads import head_range
 from .identity import Identity
 from .layer_stream import LayerStreamer
 from .pages import token_slots
@@ -74,9 +71,10 @@ from .peer_sockets import PeerSockets
 from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
-from .prefill_link import Destination, PrefillLink
+from .prefill_link import Destination, PrefillLink, destination_of
 from .rank_key import BOOTSTRAP_FIELD, Claimant, RankKey
 from .staging import StagingPool
+from .transport_setup import open_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -84,27 +82,6 @@ logger = logging.getLogger(__name__)
 # hundred KiB at most, whatever a decode sends.
 EARLY_ABORTS_CAP = 4096
 EARLY_ABORT_REASON = "the decode aborted this request before it reached this prefill"
-
-
-def rdma_device(lynx_device: str | None, sglang_devices: str | None, gpu_id: int) -> str | None:
-    """This rank's RDMA device: `--lynx-ib-device` if given, else SGLang's
-    `--disaggregation-ib-device` resolved for this GPU the way SGLang's Mooncake backend does it (a
-    list "mlx5_0,mlx5_1", a per-GPU JSON map '{"0": "mlx5_0"}' or a JSON file of one); where
-    that leaves several devices, the GPU's own by index (the transport drives one NIC per rank)."""
-    if lynx_device:
-        return lynx_device
-    if not sglang_devices:
-        return None
-    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        get_ib_devices_for_gpu,
-    )
-
-    try:
-        resolved = get_ib_devices_for_gpu(sglang_devices, gpu_id) or ""
-    except ValueError as exc:
-        raise LynxConfigError(f"--disaggregation-ib-device: {exc}") from None
-    devices = [d.strip() for d in resolved.split(",") if d.strip()]
-    return devices[gpu_id % len(devices)] if devices else None
 
 
 class LynxKVManager(MooncakeKVManager):
@@ -185,30 +162,9 @@ class LynxKVManager(MooncakeKVManager):
     # ---- engine hooks of MooncakeKVManager: the transport replaces Mooncake's engine ---------
     def init_engine(self):
         self.engine = None
-        options = None
-        if self.lynx.transport == "verbs":
-            device = rdma_device(self.lynx.ib_device, getattr(self.kv_args, "ib_device", None),
-                                 getattr(self.kv_args, "gpu_id", 0) or 0)
-            options = self.lynx.verbs_options(device)
-            logger.info("lynx: verbs transport on RDMA device %s (GID index %s; Anchor SL %d TC "
-                        "%d, Residual SL %d TC %d)", device or "(the first one)",
-                        "auto" if options["gid_index"] is None else options["gid_index"],
-                        options["anchor_sl"], options["anchor_tc"], options["residual_sl"],
-                        options["residual_tc"])
-        else:
-            tls = self.lynx.tls_config()
-            options = {"tls": tls} if tls else None
-            logger.info("lynx: tcp transport, data connections %s",
-                        f"in TLS 1.3 (certificate {tls.cert_file}, CA {tls.ca_file})" if tls
-                        else "in clear (no TLS: --lynx-tls-cert/-key/-ca to encrypt them)")
-        self.endpoint = Endpoint(backend=self.lynx.transport, host=self.local_ip,
-                                 secret=self.lynx.load_secret(), allow_insecure=self.lynx.insecure,
-                                 backend_options=options, name=f"lynx-{self.rank_port}")
-        if self.lynx.transport == "verbs":
-            # The device the backend opened (ibv_get_device_list's first when none was named),
-            # not a guess made before it picked one.
-            opened = self.endpoint.backend.local_info()["device"]
-            logger.info("lynx: %s", gpu_direct.detect(opened).summary())
+        self.endpoint = open_endpoint(self.lynx, self.local_ip, f"lynx-{self.rank_port}",
+                                      getattr(self.kv_args, "ib_device", None),
+                                      getattr(self.kv_args, "gpu_id", 0) or 0)
 
     def register_buffer_to_engine(self):
         self.staging = StagingPool(self.lynx.staging_mib << 20, self.lynx_runtime.recorder.metrics)
@@ -313,26 +269,11 @@ class LynxKVManager(MooncakeKVManager):
         return room in self.request_status and self.check_status(room) != KVPoll.Failed
 
     def _destinations(self, room: int) -> list[Destination]:
-        return [self._destination(i) for i in list(self.transfer_infos.get(room, {}).values())
-                if not i.is_dummy]
-
-    def _destination(self, info) -> Destination:
-        """SGLang's transfer info of one decode rank as the sender's `Destination`, with the KV
-        heads that rank holds when its attention TP size differs (from its registration, as
-        SGLang's Mooncake backend slices them)."""
-        heads, refusal = None, None
-        peer = self.decode_kv_args_table.get(info.mooncake_session_id)
-        decode_tp = self.attn_tp_size if peer is None else int(peer.dst_attn_tp_size)
-        if decode_tp != self.attn_tp_size:
-            total = int(getattr(self.kv_args, "total_kv_head_num", 0)
-                        or self.kv_args.kv_head_num * self.attn_tp_size)
-            try:
-                heads = head_range(self.attn_tp_size, decode_tp, self.kv_args.engine_rank,
-                                   int(peer.dst_tp_rank), total)
-            except SettingsMismatchError as exc:
-                refusal = str(exc)
-        return Destination(info.mooncake_session_id, len(info.dst_kv_indices),
-                           (info.endpoint, info.dst_port), heads, refusal)
+        total_heads = int(getattr(self.kv_args, "total_kv_head_num", 0)
+                          or self.kv_args.kv_head_num * self.attn_tp_size)
+        return [destination_of(i, self.decode_kv_args_table.get(i.mooncake_session_id),
+                               self.attn_tp_size, self.kv_args.engine_rank, total_heads)
+                for i in list(self.transfer_infos.get(room, {}).values()) if not i.is_dummy]
 
     def _read_aux(self, aux_index: int) -> bytes:
         return pack_aux([

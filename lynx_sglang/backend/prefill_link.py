@@ -11,6 +11,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import SettingsMismatchError
+from .heads import head_range
+
 # Rooms whose sent-byte count waits for SGLang to read it (it reads right after Success).
 SENT_BYTES_KEPT = 4096
 
@@ -27,6 +30,24 @@ class Destination:
     notify: tuple[str, int]
     heads: tuple[int, int] | None = None
     refusal: str | None = None
+
+
+def destination_of(info, peer, prefill_tp: int, prefill_rank: int,
+                   total_heads: int) -> Destination:
+    """SGLang's transfer info of one decode rank (`info`) as the sender's `Destination`, with the
+    KV heads that rank holds when its attention TP size differs, read from its KV-args
+    registration (`peer`, None if it has not registered), as SGLang's Mooncake backend slices
+    them."""
+    heads, refusal = None, None
+    decode_tp = prefill_tp if peer is None else int(peer.dst_attn_tp_size)
+    if decode_tp != prefill_tp:
+        try:
+            heads = head_range(prefill_tp, decode_tp, prefill_rank, int(peer.dst_tp_rank),
+                               total_heads)
+        except SettingsMismatchError as exc:
+            refusal = str(exc)
+    return Destination(info.mooncake_session_id, len(info.dst_kv_indices),
+                       (info.endpoint, info.dst_port), heads, refusal)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ heads (what the decode rank's own plan expects; test_kv_streams.py applies such 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from lynx_kernels import CodecSpec
 from lynx_sglang.backend.heads import check_tp_sizes, head_range
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KVPoolView
+from lynx_sglang.backend.prefill_link import destination_of
 from lynx_sglang.backend.streams import encode_layer_into
 from lynx_sglang.errors import KVStreamError, SettingsMismatchError
 
@@ -50,6 +53,27 @@ def test_what_lynx_cannot_pair_is_refused_with_the_reason():
     check_tp_sizes(1, 2)
     with pytest.raises(SettingsMismatchError, match="replicates"):
         head_range(1, 4, 0, 0, 2)  # 2 KV heads over 4 decode ranks
+
+
+def _info(session: str = "10.0.0.2:7000", pages: int = 12):
+    """SGLang's TransferInfo fields the sender reads."""
+    return SimpleNamespace(mooncake_session_id=session, dst_kv_indices=list(range(pages)),
+                           endpoint="10.0.0.2", dst_port=7001)
+
+
+def test_a_destination_carries_the_head_slice_its_registration_implies():
+    """The prefill's view of one decode rank (`destination_of`): all heads at equal TP or before
+    the rank registered, its slice under a larger decode TP, a refusal naming both sizes else."""
+    same = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=1, dst_tp_rank=0), 1, 0, 8)
+    assert (same.heads, same.refusal, same.num_pages, same.notify) == (None, None, 12,
+                                                                       ("10.0.0.2", 7001))
+    assert destination_of(_info(), None, 2, 1, 8).heads is None
+    second = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=4, dst_tp_rank=3), 2, 1, 8)
+    assert (second.heads, second.refusal) == ((2, 2), None)
+    wrong = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=4, dst_tp_rank=0), 2, 1, 8)
+    assert wrong.heads is None and "does not hold" in wrong.refusal
+    larger = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=1, dst_tp_rank=0), 2, 0, 8)
+    assert larger.heads is None and "(2) larger than" in larger.refusal
 
 
 def _pool(heads: int, seed: int, slots: int = 300, layers: int = 2) -> KVPoolView:

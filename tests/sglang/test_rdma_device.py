@@ -16,7 +16,7 @@ if importlib.util.find_spec("sglang") is None:
 
 @pytest.fixture(scope="module")
 def rdma_device(sglang_in_process):
-    from lynx_sglang.backend.manager import rdma_device
+    from lynx_sglang.backend.transport_setup import rdma_device
 
     return rdma_device
 
