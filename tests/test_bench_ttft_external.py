@@ -251,3 +251,24 @@ def test_launch_defaults_without_url():
     assert args.link == "10mbit" and args.url is None and args.label is None
     assert {k: getattr(args, k) for k in LAUNCH_DEFAULTS if k != "link"} == {
         k: v for k, v in LAUNCH_DEFAULTS.items() if k != "link"}
+
+
+def test_bench_serving_record_reads_the_last_record_or_names_the_log(tmp_path):
+    """The one runner of `sglang.bench_serving` for bench-ttft and bench-load: the last JSONL
+    record of a run that wrote one (an earlier file is not appended to), a BenchError naming what
+    ran and its log otherwise."""
+    from lynx_tools.ttft_clients import bench_serving_record
+    from lynx_tools.ttft_results import BenchError
+
+    out, log = tmp_path / "out.jsonl", tmp_path / "run.log"
+    out.write_text('{"stale": 1}\n')
+    write = ("import json, sys; f = open(sys.argv[1], 'a'); "
+             "[f.write(json.dumps({'n': i}) + '\\n') for i in range(2)]; print('ran')")
+    assert bench_serving_record([sys.executable, "-c", write, str(out)], out, log, 60,
+                                "x") == {"n": 1}
+    assert log.read_text().strip() == "ran"
+    with pytest.raises(BenchError, match=r"lynx at 0\.1 req/s: bench_serving exited with 3; log"):
+        bench_serving_record([sys.executable, "-c", "raise SystemExit(3)"], out, log, 60,
+                             "lynx at 0.1 req/s")
+    with pytest.raises(BenchError, match="exited with 0"):  # a run that wrote no record
+        bench_serving_record([sys.executable, "-c", "pass"], out, log, 60, "x")

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -35,11 +34,11 @@ from .load_stats import LoadPass, LoadReport
 from .measure import add_kv_dtype_argument, model_kv_shape
 from .progress import Progress
 from .prompts import passkey_prompt
-from .ttft_clients import bench_serving_command, flush_prefix_cache
+from .ttft_clients import bench_serving_command, bench_serving_record, flush_prefix_cache
 from .ttft_clusters import interleaved_order, run_dir_of, start_clusters
 from .ttft_regime import CALIBRATION_LINK, link_rate_for, slow_link_variant
 from .ttft_regime_run import calibrate, shape_links
-from .ttft_results import BenchConfig, BenchError
+from .ttft_results import BenchConfig
 from .variants import select_variants, variant_names
 
 JSON_NAME = "bench_load.json"
@@ -115,21 +114,14 @@ def run_pass(cluster: Cluster, variant: str, rate: float, cfg: BenchConfig, run_
     """One bench_serving pass of Poisson arrivals at `rate` against `cluster`."""
     flush_prefix_cache(cluster.prefill_url)
     out_file = run_dir / f"bench_load_{rate:g}.jsonl"
-    out_file.unlink(missing_ok=True)  # bench_serving appends
     cmd = bench_serving_command(cluster.url, Path(cfg.model), cfg.prompt_tokens,
                                 cfg.max_new_tokens, cfg.requests, cfg.seed, out_file,
                                 concurrency=cfg.requests, request_rate=rate,
                                 range_ratio=range_ratio)
-    log_path = run_dir / f"bench_load_{rate:g}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              timeout=cfg.request_timeout_s * cfg.requests + 300)
-    if proc.returncode != 0 or not out_file.is_file():
-        raise BenchError(f"{variant} at {rate:g} req/s: bench_serving exited with "
-                         f"{proc.returncode}; log {log_path}")
-    return LoadPass.from_bench_serving(variant, rate,
-                                       json.loads(out_file.read_text().splitlines()[-1]))
+    record = bench_serving_record(cmd, out_file, run_dir / f"bench_load_{rate:g}.log",
+                                  cfg.request_timeout_s * cfg.requests + 300,
+                                  f"{variant} at {rate:g} req/s")
+    return LoadPass.from_bench_serving(variant, rate, record)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -97,23 +97,32 @@ def warm_up(url: str, warmup_ids: list[int], cfg: BenchConfig, progress: Progres
             return attempt
 
 
+def bench_serving_record(cmd: list[str], out_file: Path, log_path: Path, timeout_s: float,
+                         what: str) -> dict:
+    """Run one `sglang.bench_serving` command (offline: the model is local) with its output to
+    `log_path`, and return the result record it appended to `out_file`; BenchError naming `what`
+    and the log if it failed or wrote none."""
+    out_file.unlink(missing_ok=True)  # bench_serving appends
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              timeout=timeout_s)
+    if proc.returncode != 0 or not out_file.is_file():
+        raise BenchError(f"{what}: bench_serving exited with {proc.returncode}; log {log_path}")
+    return json.loads(out_file.read_text().splitlines()[-1])
+
+
 def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
                       progress: Progress) -> list[RequestTiming]:
     out_file = run_dir / "bench_serving.jsonl"
-    out_file.unlink(missing_ok=True)  # bench_serving appends
     cmd = bench_serving_command(url, Path(cfg.model), cfg.prompt_tokens, cfg.max_new_tokens,
                                 cfg.requests, cfg.seed, out_file, cfg.concurrency)
     (run_dir / "bench_serving.cmd").write_text(" ".join(cmd) + "\n")
     progress.note(f"sglang.bench_serving: {cfg.requests} request(s), {cfg.pacing} "
                   f"(log {run_dir / 'bench_serving.log'})")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(run_dir / "bench_serving.log", "wb") as bs_log:
-        proc = subprocess.run(cmd, stdout=bs_log, stderr=subprocess.STDOUT, env=env,
-                              timeout=cfg.request_timeout_s * cfg.requests + 300)
-    if proc.returncode != 0 or not out_file.is_file():
-        raise BenchError(f"{name}: bench_serving exited with {proc.returncode}; "
-                         f"log {run_dir / 'bench_serving.log'}")
-    return parse_bench_serving(json.loads(out_file.read_text().splitlines()[-1]), cfg.token_marks)
+    record = bench_serving_record(cmd, out_file, run_dir / "bench_serving.log",
+                                  cfg.request_timeout_s * cfg.requests + 300, name)
+    return parse_bench_serving(record, cfg.token_marks)
 
 
 def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], first: int,
