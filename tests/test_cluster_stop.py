@@ -7,6 +7,7 @@ starts runs (`up_spec`)."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import psutil
 import pytest
 
 from lynx_tools.cluster import Cluster, _Proc
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster_spec import ClusterError, ClusterMode, ClusterSpec, split_cpus
 
 # The stand-in server: starts a child that ignores SIGTERM (SGLang's scheduler outliving its
 # parent) and a plain one, writes their pids, then sleeps (or exits at once with "exit").
@@ -114,3 +115,30 @@ def test_up_runs_sglangs_overlap_scheduler_unless_told_otherwise(tmp_path):
     assert "--disable-overlap-schedule" not in command("--", "--lynx-target", "exact")
     off = command("--", "--disable-overlap-schedule", "--lynx-target", "exact")
     assert off.count("--disable-overlap-schedule") == 1 and "--lynx-target" in off
+
+
+def test_a_pinned_role_runs_on_its_cpus_and_what_it_starts_too(tmp_path):
+    """`ClusterSpec.role_cpus`: the server and the children it starts run on the role's CPUs."""
+    last = sorted(os.sched_getaffinity(0))[-1]
+    c = Cluster(ClusterSpec("unused", run_dir=tmp_path, role_cpus={"decode": (last,)}))
+    child = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
+             "subprocess.run([sys.executable, '-c', "
+             "'import os; print(sorted(os.sched_getaffinity(0)))'])")
+    proc = c._spawn("decode", [sys.executable, "-c", child], "http://unused",
+                    cpus=c.spec.role_cpus["decode"])
+    assert proc.popen.wait(60) == 0
+    assert proc.log_path.read_text().split() == [f"[{last}]", f"[{last}]"]
+
+
+def test_role_cpus_are_checked_and_split_in_halves():
+    usable = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ClusterError, match="unknown role 'router'"):
+        ClusterSpec("m", role_cpus={"router": (usable[0],)})
+    with pytest.raises(ClusterError, match="may use only"):
+        ClusterSpec("m", role_cpus={"decode": (max(usable) + 1,)})
+    with pytest.raises(ClusterError, match="needs the PD mode"):
+        ClusterSpec("m", ClusterMode.SINGLE, role_cpus={"decode": (usable[0],)})
+    if len(usable) >= 2:
+        halves = split_cpus()
+        assert halves["prefill"] + halves["decode"] == tuple(usable)
+        assert len(halves["prefill"]) == len(usable) // 2

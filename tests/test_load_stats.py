@@ -80,3 +80,19 @@ def test_rates_parse_sorted_and_positive():
     for bad in ("", "0", "-1,2", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_rates(bad)
+
+
+def test_cpu_per_request_by_role():
+    """What each role's servers used in a pass, per request, in the figures and the table;
+    a pass measured without it shows none."""
+    from dataclasses import replace
+
+    measured = replace(_pass("lynx", 0.1, [1.0, 2.0, 3.0, 4.0]),
+                       cpu_s={"prefill": 10.0, "decode": 6.0})
+    r = LoadReport("lynx", slo_ttft_s=5.0, slo_target=0.9)
+    r.passes += [measured, _pass("lynx", 0.2, [1.0, 2.0])]
+    first, second = r.figures()
+    assert first.cpu_s_per_request == {"prefill": 2.5, "decode": 1.5}
+    assert second.cpu_s_per_request == {}
+    assert "2.50+1.50" in r.table()
+    assert r.to_json()["passes"][0]["cpu_s"] == {"prefill": 10.0, "decode": 6.0}

@@ -30,8 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from .cluster import Cluster
+from .cluster_spec import split_cpus
 from .load_stats import LoadPass, LoadReport
 from .measure import add_kv_dtype_argument, model_kv_shape
+from .process_tree import tree_cpu_s
 from .progress import Progress
 from .prompts import passkey_prompt
 from .ttft_clients import bench_serving_command, bench_serving_record, flush_prefix_cache
@@ -88,6 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-target", type=float, default=0.9,
                         help="share of requests within the bound that meets the SLO (default 0.9)")
     parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed")
+    parser.add_argument("--pin-roles", action="store_true",
+                        help="run every prefill on the first half of this box's CPUs and every "
+                             "decode on the other half (taskset), as separate machines would: "
+                             "otherwise one role's work (the prefill's encode and next forward) "
+                             "takes cores from the other's decode steps")
     add_kv_dtype_argument(parser)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -118,10 +125,19 @@ def run_pass(cluster: Cluster, variant: str, rate: float, cfg: BenchConfig, run_
                                 cfg.max_new_tokens, cfg.requests, cfg.seed, out_file,
                                 concurrency=cfg.requests, request_rate=rate,
                                 range_ratio=range_ratio)
+    cpu_before = _role_cpu_s(cluster)
     record = bench_serving_record(cmd, out_file, run_dir / f"bench_load_{rate:g}.log",
                                   cfg.request_timeout_s * cfg.requests + 300,
                                   f"{variant} at {rate:g} req/s")
-    return LoadPass.from_bench_serving(variant, rate, record)
+    cpu_after = _role_cpu_s(cluster)
+    return replace(LoadPass.from_bench_serving(variant, rate, record),
+                   cpu_s={role: round(cpu_after[role] - cpu_before[role], 3)
+                          for role in cpu_before})
+
+
+def _role_cpu_s(cluster: Cluster) -> dict[str, float]:
+    """CPU seconds each role's server trees have used so far."""
+    return {role: tree_cpu_s(cluster.proc(role)) for role in ("prefill", "decode")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(link, str(model_dir), args.prompt_tokens, args.max_new_tokens,
                       args.requests, args.seed, (), tuple(v.name for v in variants),
                       args.baseline, args.startup_timeout_s, args.request_timeout_s,
-                      args.kv_dtype, interleave=True)
+                      args.kv_dtype, interleave=True,
+                      role_cpus=split_cpus() if args.pin_roles else {})
     warmup_ids = passkey_prompt(AutoTokenizer.from_pretrained(str(model_dir)), args.prompt_tokens)
     kv_bytes = model_kv_shape(model_dir, "bfloat16").bytes_for(args.prompt_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
                  "requests_per_pass": args.requests, "prompt_tokens": args.prompt_tokens,
                  "range_ratio": args.range_ratio, "max_new_tokens": args.max_new_tokens,
                  "kv_dtype": args.kv_dtype, "kv_bf16_bytes_longest_prompt": kv_bytes,
-                 "cpus": os.cpu_count(), "loadavg_start": load_start}
+                 "cpus": os.cpu_count(), "role_cpus": cfg.role_cpus,
+                 "loadavg_start": load_start}
     report: LoadReport | None = None
 
     def write(complete: bool) -> None:

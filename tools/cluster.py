@@ -104,7 +104,12 @@ class Cluster:
         env.update(self.spec.extra_env)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], health_url: str, host_ip: str = HOST) -> _Proc:
+    def _spawn(self, name: str, cmd: list[str], health_url: str, host_ip: str = HOST,
+               cpus: tuple[int, ...] = ()) -> _Proc:
+        """Start one process (on `cpus` only, if given: util-linux's taskset sets it before the
+        command runs, so everything the command starts inherits it)."""
+        if cpus:
+            cmd = ["taskset", "--cpu-list", ",".join(map(str, cpus)), *cmd]
         log_path = self.run_dir / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child; closed below
         try:
@@ -172,7 +177,8 @@ class Cluster:
             self._spawn("prefill" if i == 0 else f"prefill{i + 1}",
                         wrap_p(server_command(spec, port, "prefill", bootstrap, p_host)
                                + list(spec.role_args.get("prefill", ()))),
-                        self.prefill_urls[i] + "/health", p_host)
+                        self.prefill_urls[i] + "/health", p_host,
+                        spec.role_cpus.get("prefill", ()))
         decode_cmd = (server_command(spec, d_port, "decode", b_port, d_host)
                       + list(spec.role_args.get("decode", ())))
         if spec.link:
@@ -180,7 +186,7 @@ class Cluster:
             # decode's host KV pool automatically; an explicit ratio skips that lookup.
             decode_cmd += ["--hicache-ratio", "2"]
         self._spawn("decode", wrap_d(decode_cmd),
-                    self.decode_url + "/health", d_host)
+                    self.decode_url + "/health", d_host, spec.role_cpus.get("decode", ()))
         self._wait_healthy(self._procs)
         self.url = self._reachable(d_host, r_port)
         router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",

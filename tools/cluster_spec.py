@@ -6,6 +6,7 @@ fault matrix and the tests build their specs with this module.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -57,6 +58,11 @@ class ClusterSpec:
     # tests compare scheduling-independent runs (tests/sglang/test_pd_lynx_overlap.py runs it).
     # The tools (demo, bench-ttft, load) ask for it unless given --disable-overlap-schedule.
     overlap_schedule: bool = False
+    # PD only: the CPUs each role's servers run on ("prefill", "decode"; os.sched_setaffinity,
+    # inherited by their schedulers), e.g. {"prefill": (0,), "decode": (1,)}. On a small box it
+    # keeps one role's work (the prefill's encode and next forward) off the other's cores, as
+    # separate machines would; the router and the clients stay unpinned. Empty: no pinning.
+    role_cpus: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.link and self.mode is not ClusterMode.PD:
@@ -68,6 +74,15 @@ class ClusterSpec:
         if self.tls and (self.mode is not ClusterMode.PD or self.transfer_backend != "lynx"):
             raise ClusterError("--tls is the Lynx transport's: it needs --mode pd and "
                                "--transfer-backend lynx")
+        if self.role_cpus and self.mode is not ClusterMode.PD:
+            raise ClusterError("role_cpus pins the PD roles: it needs the PD mode")
+        usable = os.sched_getaffinity(0)
+        for role, cpus in self.role_cpus.items():
+            if role not in ("prefill", "decode"):
+                raise ClusterError(f"role_cpus: unknown role {role!r} (prefill, decode)")
+            if not cpus or not set(cpus) <= usable:
+                raise ClusterError(f"role_cpus: {role} on CPUs {sorted(cpus)}, but this "
+                                   f"process may use only {sorted(usable)}")
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ClusterError(
                 f"transfer backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
@@ -117,3 +132,13 @@ def server_command(spec: ClusterSpec, port: int, role: str | None,
                 "--disaggregation-transfer-backend", spec.transfer_backend,
                 "--disaggregation-bootstrap-port", str(bootstrap_port)]
     return cmd + list(spec.server_args)
+
+
+def split_cpus() -> dict[str, tuple[int, ...]]:
+    """The CPUs this process may use, split in halves: the first for the prefill, the rest for
+    the decode (`ClusterSpec.role_cpus`). ClusterError on a one-CPU box."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ClusterError("pinning prefill and decode apart needs at least 2 CPUs")
+    half = len(cpus) // 2
+    return {"prefill": tuple(cpus[:half]), "decode": tuple(cpus[half:])}

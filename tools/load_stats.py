@@ -39,6 +39,8 @@ class LoadPass:
     tpots_s: list[float | None]
     texts: list[str]
     duration_s: float
+    # CPU seconds each role's servers used during the pass ("prefill", "decode"), when measured.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_bench_serving(cls, variant: str, rate: float, result: dict) -> LoadPass:
@@ -74,6 +76,9 @@ class LoadFigures:
     request_throughput: float
     output_tokens_per_s: float
     slo_attainment: float
+    # CPU seconds per request of each role's servers (what the pass used, over its requests):
+    # on a box where prefill and decode share cores, one role's work slows the other's steps.
+    cpu_s_per_request: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, p: LoadPass, slo_ttft_s: float) -> LoadFigures:
@@ -85,7 +90,8 @@ class LoadFigures:
                    statistics.median(tpots) if tpots else None,
                    percentile(e2e, 50), percentile(e2e, 99),
                    len(p.ttfts_s) / p.duration_s, sum(p.output_lens) / p.duration_s,
-                   sum(t <= slo_ttft_s for t in p.ttfts_s) / len(p.ttfts_s))
+                   sum(t <= slo_ttft_s for t in p.ttfts_s) / len(p.ttfts_s),
+                   {role: round(cpu / len(p.ttfts_s), 3) for role, cpu in p.cpu_s.items()})
 
 
 @dataclass
@@ -145,7 +151,8 @@ class LoadReport:
 
     def table(self) -> str:
         head = (f"{'rate/s':>7} {'variant':<18} {'n':>3} {'TTFT p50':>9} {'p99':>8} "
-                f"{'max':>8} {'TPOT':>8} {'e2e p99':>8} {'req/s':>6} {'tok/s':>7} {'SLO':>5}")
+                f"{'max':>8} {'TPOT':>8} {'e2e p99':>8} {'req/s':>6} {'tok/s':>7} {'SLO':>5} "
+                f"{'CPU s/req P+D':>13}")
         rows = [head, "-" * len(head)]
         for f in sorted(self.figures(), key=lambda f: (f.rate, f.variant != self.baseline)):
             tpot = "-" if f.tpot_median_s is None else f"{f.tpot_median_s * 1000:.0f} ms"
@@ -153,12 +160,18 @@ class LoadReport:
                         f"{f.ttft_p99_s:>7.2f}s {f.ttft_max_s:>7.2f}s {tpot:>8} "
                         f"{f.e2e_p99_s:>7.2f}s "
                         f"{f.request_throughput:>6.3f} {f.output_tokens_per_s:>7.1f} "
-                        f"{f.slo_attainment:>5.0%}")
+                        f"{f.slo_attainment:>5.0%} {_cpu_cell(f.cpu_s_per_request):>13}")
         best = ", ".join(f"{v}: {'none' if r is None else f'{r:g}/s'}"
                          for v, r in self.highest_rate_meeting_slo().items())
         rows.append(f"SLO: TTFT <= {self.slo_ttft_s:.2f} s for >= {self.slo_target:.0%} of "
                     f"requests; highest rate meeting it: {best}")
         return "\n".join(rows)
+
+
+def _cpu_cell(per_request: dict[str, float]) -> str:
+    if not per_request:
+        return "-"
+    return f"{per_request.get('prefill', 0):.2f}+{per_request.get('decode', 0):.2f}"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -1,5 +1,6 @@
 """The process tree of a server started in its own session: finding it (`process_tree`), counting
-what it holds (`tree_resources`, `tree_fd_kinds`: the leak checks' census) and waiting for it to
+what it holds (`tree_resources`, `tree_fd_kinds`: the leak checks' census), what it has used
+(`tree_cpu_s`: the load benchmark's CPU per request) and waiting for it to
 exit (`wait_exited`). Used by `lynx_tools.cluster.Cluster` and the fault matrix.
 """
 
@@ -42,6 +43,17 @@ def tree_resources(popen: subprocess.Popen) -> Resources:
             fds += proc.num_fds()
             rss += proc.memory_info().rss
     return Resources(threads, fds, round(rss / (1 << 20), 1))
+
+
+def tree_cpu_s(popen: subprocess.Popen) -> float:
+    """CPU seconds (user + system) the live processes of one tree have used so far, their
+    waited-for children included; a process gone by the time it is read is left out."""
+    total = 0.0
+    for proc in process_tree(popen):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            t = proc.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def tree_fd_kinds(popen: subprocess.Popen) -> collections.Counter[str]:

@@ -45,7 +45,7 @@ def cluster_spec(variant: Variant, cfg: BenchConfig, run_dir: Path) -> ClusterSp
     return ClusterSpec(cfg.model, ClusterMode.PD, variant.transfer_backend, run_dir=run_dir,
                        server_args=variant.server_args + kv_dtype_server_args(cfg.kv_dtype),
                        link=cfg.link, startup_timeout_s=cfg.startup_timeout_s, tls=variant.tls,
-                       overlap_schedule=variant.overlap_schedule,
+                       overlap_schedule=variant.overlap_schedule, role_cpus=cfg.role_cpus,
                        extra_env={**dict(variant.env), TIMELINE_ENV: "1",
                                   TRACE_DIR_ENV: str(run_dir / "trace")})
 

@@ -224,6 +224,8 @@ class BenchConfig:
     concurrency: int = 1
     # --interleave: all clusters up at once, each round sent to one variant after another.
     interleave: bool = False
+    # CPUs of each role's servers (`ClusterSpec.role_cpus`); empty: unpinned.
+    role_cpus: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def pacing(self) -> str:
