@@ -41,6 +41,7 @@ SAMPLED = (
     "sglang/test_pd_lynx_paged.py",
     "sglang/test_pd_lynx_tp.py",
     "sglang/test_pd_lynx_mla.py",
+    "sglang/test_pd_lynx_mla_tp.py",
 )
 SAMPLED_PER_RUN = 2
 # Each runs with its own probability: one request through real SGLang servers inside the

@@ -272,3 +272,26 @@ def test_bench_serving_record_reads_the_last_record_or_names_the_log(tmp_path):
                              "lynx at 0.1 req/s")
     with pytest.raises(BenchError, match="exited with 0"):  # a run that wrote no record
         bench_serving_record([sys.executable, "-c", "pass"], out, log, 60, "x")
+
+
+def test_a_shared_prefix_workload_replaces_the_random_prompts(tmp_path):
+    """bench-load --workload rag: bench_serving's generated-shared-prefix dataset with the
+    documents' and questions' sizes, one request per question, instead of random-id prompts."""
+    from lynx_tools.ttft_clients import SharedPrefixWorkload, bench_serving_command
+
+    rag = SharedPrefixWorkload(docs=3, questions_per_doc=5, doc_tokens=1500, question_tokens=32)
+    cmd = bench_serving_command("http://x", tmp_path, 999, 16, 2, 7, tmp_path / "o.jsonl",
+                                request_rate=0.1, shared_prefix=rag)
+
+    def value(flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert value("--dataset-name") == "generated-shared-prefix"
+    assert (value("--gsp-num-groups"), value("--gsp-prompts-per-group"),
+            value("--gsp-system-prompt-len"), value("--gsp-question-len"),
+            value("--gsp-output-len"), value("--num-prompts")) == ("3", "5", "1500", "32", "16",
+                                                                   "15")
+    assert "--random-input-len" not in cmd and "--tokenize-prompt" in cmd
+    plain = bench_serving_command("http://x", tmp_path, 999, 16, 2, 7, tmp_path / "o.jsonl")
+    assert plain[plain.index("--dataset-name") + 1] == "random-ids"
+    assert plain[plain.index("--random-input-len") + 1] == "999"

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .cluster import Cluster
@@ -36,7 +36,12 @@ from .measure import add_kv_dtype_argument, model_kv_shape
 from .process_tree import tree_cpu_s
 from .progress import Progress
 from .prompts import passkey_prompt
-from .ttft_clients import bench_serving_command, bench_serving_record, flush_prefix_cache
+from .ttft_clients import (
+    SharedPrefixWorkload,
+    bench_serving_command,
+    bench_serving_record,
+    flush_prefix_cache,
+)
 from .ttft_clusters import interleaved_order, run_dir_of, start_clusters
 from .ttft_regime import CALIBRATION_LINK, link_rate_for, slow_link_variant
 from .ttft_regime_run import calibrate, shape_links
@@ -90,6 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-target", type=float, default=0.9,
                         help="share of requests within the bound that meets the SLO (default 0.9)")
     parser.add_argument("--seed", type=int, default=42, help="bench_serving's --seed")
+    parser.add_argument("--workload", choices=("random", "rag"), default="random",
+                        help="random: independent random-id prompts (default); rag: documents "
+                             "of --prompt-tokens tokens each asked several short questions "
+                             "(bench_serving's generated-shared-prefix dataset, shuffled with "
+                             "--seed): every question after a document's first finds it in the "
+                             "prefill's prefix cache, as RAG serving sends them")
+    parser.add_argument("--rag-docs", type=int, default=4, help="rag: documents (default 4)")
+    parser.add_argument("--rag-questions-per-doc", type=int, default=4,
+                        help="rag: questions per document (default 4); the requests per pass "
+                             "are documents x questions (--requests is not used)")
+    parser.add_argument("--rag-question-tokens", type=int, default=32,
+                        help="rag: tokens per question (default 32)")
     parser.add_argument("--pin-roles", action="store_true",
                         help="run every prefill on the first half of this box's CPUs and every "
                              "decode on the other half (taskset), as separate machines would: "
@@ -102,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.workload == "rag":
+        if min(args.rag_docs, args.rag_questions_per_doc, args.rag_question_tokens) < 1:
+            parser.error("--rag-docs, --rag-questions-per-doc and --rag-question-tokens must be "
+                         "at least 1")
+        args.requests = args.rag_docs * args.rag_questions_per_doc
     if args.requests < 2 or args.max_new_tokens < 2:
         parser.error("--requests and --max-new-tokens must be at least 2 (a P99 and a time per "
                      "output token need them)")
@@ -117,14 +139,14 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def run_pass(cluster: Cluster, variant: str, rate: float, cfg: BenchConfig, run_dir: Path,
-             range_ratio: float) -> LoadPass:
+             range_ratio: float, shared_prefix: SharedPrefixWorkload | None = None) -> LoadPass:
     """One bench_serving pass of Poisson arrivals at `rate` against `cluster`."""
     flush_prefix_cache(cluster.prefill_url)
     out_file = run_dir / f"bench_load_{rate:g}.jsonl"
     cmd = bench_serving_command(cluster.url, Path(cfg.model), cfg.prompt_tokens,
                                 cfg.max_new_tokens, cfg.requests, cfg.seed, out_file,
                                 concurrency=cfg.requests, request_rate=rate,
-                                range_ratio=range_ratio)
+                                range_ratio=range_ratio, shared_prefix=shared_prefix)
     cpu_before = _role_cpu_s(cluster)
     record = bench_serving_record(cmd, out_file, run_dir / f"bench_load_{rate:g}.log",
                                   cfg.request_timeout_s * cfg.requests + 300,
@@ -154,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
                       args.baseline, args.startup_timeout_s, args.request_timeout_s,
                       args.kv_dtype, interleave=True,
                       role_cpus=split_cpus() if args.pin_roles else {})
+    shared_prefix = None
+    if args.workload == "rag":
+        shared_prefix = SharedPrefixWorkload(args.rag_docs, args.rag_questions_per_doc,
+                                             args.prompt_tokens, args.rag_question_tokens)
     warmup_ids = passkey_prompt(AutoTokenizer.from_pretrained(str(model_dir)), args.prompt_tokens)
     kv_bytes = model_kv_shape(model_dir, "bfloat16").bytes_for(args.prompt_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     doc: dict = {"variants": list(cfg.variants), "rates": list(args.rates),
                  "requests_per_pass": args.requests, "prompt_tokens": args.prompt_tokens,
                  "range_ratio": args.range_ratio, "max_new_tokens": args.max_new_tokens,
+                 "workload": (asdict(shared_prefix) | {"kind": "rag"} if shared_prefix
+                              else {"kind": "random"}),
                  "kv_dtype": args.kv_dtype, "kv_bf16_bytes_longest_prompt": kv_bytes,
                  "cpus": os.cpu_count(), "role_cpus": cfg.role_cpus,
                  "loadavg_start": load_start}
@@ -202,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
                     progress.note(f"{name}: {args.requests} requests at {rate:g}/s")
                     report.passes.append(run_pass(cluster, name, rate, cfg,
                                                   run_dir_of(args.out, m.variant),
-                                                  args.range_ratio))
+                                                  args.range_ratio, shared_prefix))
                     write(complete=False)
     except KeyboardInterrupt:
         print("[bench-load] interrupted; the running clusters were stopped", file=sys.stderr)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -22,20 +23,54 @@ from .ttft_results import BenchConfig, BenchError, RequestTiming, parse_bench_se
 from .variants import WARMUP_ATTEMPTS
 
 
+@dataclass(frozen=True)
+class SharedPrefixWorkload:
+    """A RAG-like request set (bench_serving's generated-shared-prefix dataset): `docs` documents
+    of `doc_tokens` tokens, each followed by `questions_per_doc` different questions of
+    `question_tokens` tokens, in a seeded shuffled order; every question after a document's first
+    finds the document in the prefill's prefix cache."""
+
+    docs: int
+    questions_per_doc: int
+    doc_tokens: int
+    question_tokens: int
+
+    @property
+    def requests(self) -> int:
+        return self.docs * self.questions_per_doc
+
+    def dataset_args(self, max_new_tokens: int) -> list[str]:
+        return ["--dataset-name", "generated-shared-prefix", "--tokenize-prompt",
+                "--gsp-num-groups", str(self.docs),
+                "--gsp-prompts-per-group", str(self.questions_per_doc),
+                "--gsp-system-prompt-len", str(self.doc_tokens),
+                "--gsp-question-len", str(self.question_tokens),
+                "--gsp-output-len", str(max_new_tokens), "--gsp-range-ratio", "1"]
+
+
 def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new_tokens: int,
                           requests: int, seed: int, output_file: Path,
                           concurrency: int = 1, *, request_rate: float = float("inf"),
-                          range_ratio: float = 1.0) -> list[str]:
+                          range_ratio: float = 1.0,
+                          shared_prefix: SharedPrefixWorkload | None = None) -> list[str]:
     """`request_rate` (requests/s, Poisson arrivals; inf: all at once, up to `concurrency`) and
     `range_ratio` (prompt lengths uniform in [range_ratio, 1] x `prompt_tokens`) as
-    bench_serving takes them; the defaults are bench-ttft's: latency, every prompt full length."""
+    bench_serving takes them; the defaults are bench-ttft's: latency, every prompt full length.
+    With `shared_prefix` the prompts are that workload's instead (`prompt_tokens`, `range_ratio`
+    and `requests` then come from it)."""
+    if shared_prefix is None:
+        dataset = ["--dataset-name", "random-ids", "--tokenize-prompt",
+                   "--random-input-len", str(prompt_tokens),
+                   "--random-output-len", str(max_new_tokens),
+                   "--random-range-ratio", f"{range_ratio:g}"]
+    else:
+        dataset = shared_prefix.dataset_args(max_new_tokens)
+        requests = shared_prefix.requests
     return [
         sys.executable, "-m", "lynx_tools.bench_serving_offline",
         "--backend", "sglang", "--base-url", url,
         "--model", str(model_dir), "--tokenizer", str(model_dir),
-        "--dataset-name", "random-ids", "--tokenize-prompt",
-        "--random-input-len", str(prompt_tokens), "--random-output-len", str(max_new_tokens),
-        "--random-range-ratio", f"{range_ratio:g}", "--num-prompts", str(requests),
+        *dataset, "--num-prompts", str(requests),
         "--seed", str(seed),
         # Latency, not throughput: one request at a time unless asked for more. The caller warms
         # the cluster up with a different prompt; bench_serving's own warm-up would send the

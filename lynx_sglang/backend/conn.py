@@ -59,6 +59,8 @@ class LynxKVReceiver(CommonKVReceiver):
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
             return
+        if self.kv_mgr.is_mla_backend:
+            return  # every rank holds the whole latent: SGLang pairs any TP sizes with one source
         try:
             check_tp_sizes(self.prefill_info.attn_tp_size, self.kv_mgr.attn_tp_size)
         except SettingsMismatchError as exc:

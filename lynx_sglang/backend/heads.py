@@ -10,7 +10,8 @@ groups never cross a head, so the bytes are what a prefill holding only those he
 
 Not supported, refused with the reason: a decode with fewer ranks than the prefill (each decode
 rank would take several prefill ranks' streams into one room) and replicated heads (fewer KV
-heads than decode ranks, or a count the decode TP size does not divide).
+heads than decode ranks, or a count the decode TP size does not divide). An MLA pool has no heads
+to slice (every rank holds the whole latent) and does not come here.
 
 Called by `backend.prefill_link.destination_of` (prefill) and
 `backend.conn.LynxKVReceiver.init` (decode).

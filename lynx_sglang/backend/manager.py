@@ -49,7 +49,7 @@ from sglang.srt.utils.network import NetworkAddress
 
 from .. import runtime
 from ..config import LynxConfig
-from ..errors import KVStreamError, LynxConfigError, SettingsMismatchError, UnsupportedSGLangError
+from ..errors import KVStreamError, LynxConfigError, SettingsMismatchError
 from ..idle import IdleWaiter
 from ..metrics import Metrics
 from ..names import FAULT_VERIFY_DELAY_ENV
@@ -97,10 +97,6 @@ class LynxKVManager(MooncakeKVManager):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: bool | None = False):
         check_sglang_version()
-        if is_mla_backend and (getattr(server_args, "tp_size", 1) or 1) > 1:
-            # Every TP rank holds the whole latent; Lynx's per-rank streams are untested there.
-            raise UnsupportedSGLangError("the lynx transfer backend supports MLA KV pools at "
-                                         "TP 1 only")
         # Again here, not only at CLI parsing: a programmatic launch never passes through it.
         check_anchor_safety(server_args)
         self.lynx = LynxConfig.from_env() or LynxConfig()
@@ -269,10 +265,12 @@ class LynxKVManager(MooncakeKVManager):
         return room in self.request_status and self.check_status(room) != KVPoll.Failed
 
     def _destinations(self, room: int) -> list[Destination]:
+        # Only an unequal MHA pairing reads it; an MLA model's KVArgs have no head counts.
         total_heads = int(getattr(self.kv_args, "total_kv_head_num", 0)
-                          or self.kv_args.kv_head_num * self.attn_tp_size)
+                          or getattr(self.kv_args, "kv_head_num", 0) * self.attn_tp_size)
         return [destination_of(i, self.decode_kv_args_table.get(i.mooncake_session_id),
-                               self.attn_tp_size, self.kv_args.engine_rank, total_heads)
+                               self.attn_tp_size, self.kv_args.engine_rank, total_heads,
+                               latent=bool(self.is_mla_backend))
                 for i in list(self.transfer_infos.get(room, {}).values()) if not i.is_dummy]
 
     def _read_aux(self, aux_index: int) -> bytes:

@@ -32,15 +32,16 @@ class Destination:
     refusal: str | None = None
 
 
-def destination_of(info, peer, prefill_tp: int, prefill_rank: int,
-                   total_heads: int) -> Destination:
+def destination_of(info, peer, prefill_tp: int, prefill_rank: int, total_heads: int, *,
+                   latent: bool = False) -> Destination:
     """SGLang's transfer info of one decode rank (`info`) as the sender's `Destination`, with the
     KV heads that rank holds when its attention TP size differs, read from its KV-args
     registration (`peer`, None if it has not registered), as SGLang's Mooncake backend slices
-    them."""
+    them. An MLA pool (`latent`) has no heads to slice: every TP rank holds the whole latent, and
+    SGLang has each decode rank read it from one prefill rank (the others are its dummies)."""
     heads, refusal = None, None
     decode_tp = prefill_tp if peer is None else int(peer.dst_attn_tp_size)
-    if decode_tp != prefill_tp:
+    if decode_tp != prefill_tp and not latent:
         try:
             heads = head_range(prefill_tp, decode_tp, prefill_rank, int(peer.dst_tp_rank),
                                total_heads)

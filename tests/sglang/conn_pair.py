@@ -196,8 +196,9 @@ def _build_side(sgl: SGLang, mode, make_pool: Callable[[SGLang], object] = mha_p
     kv_args.kv_layer_ids = sgl.build_kv_layer_ids(
         token_to_kv_pool=pool, draft_token_to_kv_pool=None, num_draft_entries=0,
         num_hidden_layers=LAYERS)
-    kv_args.kv_head_num = kv_head_num
-    kv_args.total_kv_head_num = kv_head_num
+    if not mla:  # SGLang's MLA KVArgs carry no head counts (PrefillBootstrapQueue, decode too)
+        kv_args.kv_head_num = kv_head_num
+        kv_args.total_kv_head_num = kv_head_num
     kv_args.page_size = pool.page_size
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
     kv_args.ib_device = None

@@ -6,7 +6,7 @@ Anchor's reconstruction alone (`--no-lynx-residual`), only the request's slots a
 both staging ranges are given back; speculating, Success comes at Anchor time and the exact
 latent follows; a room larger than the decode's staging arrives exact in segments
 (`backend.window`). Also what stays refused: the MLA pools Lynx does not code
-(fp8-stored latents) and MLA at TP > 1.
+(fp8-stored latents). MLA at TP > 1 runs end to end in test_pd_lynx_mla.py.
 
 The managers are built as SGLang's scheduler builds them for an MLA model
 (`is_mla_backend=True`, TP 1).
@@ -180,19 +180,6 @@ def test_mla_pools_lynx_does_not_code_are_refused(sgl):
     pool = mla_pool(sgl, dtype=torch.float8_e4m3fn)
     with pytest.raises(KVStreamError, match=r"stores torch\.float8_e4m3fn as torch\.uint8"):
         KVPoolView.from_sglang_pool(pool)
-
-
-def test_mla_at_tp_above_1_is_refused(sgl):
-    """What SGLang's scheduler passes for an MLA model (`is_mla_backend=True`) with TP > 1 is
-    refused by `LynxKVManager`: every TP rank holds the whole latent, and Lynx's per-rank
-    streams are untested there."""
-    import msgspec
-
-    from lynx_sglang.errors import UnsupportedSGLangError
-
-    args = msgspec.structs.replace(sgl.server_args, tp_size=2)
-    with pytest.raises(UnsupportedSGLangError, match="MLA"):
-        sgl.Manager(sgl.KVArgs(), sgl.DisaggregationMode.PREFILL, args, True)
 
 
 def test_reference_mode_reconstructs_an_mla_prompt(sgl, monkeypatch):

@@ -74,6 +74,11 @@ def test_a_destination_carries_the_head_slice_its_registration_implies():
     assert wrong.heads is None and "does not hold" in wrong.refusal
     larger = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=1, dst_tp_rank=0), 2, 0, 8)
     assert larger.heads is None and "(2) larger than" in larger.refusal
+    # An MLA latent is whole on every rank: any pairing of TP sizes, nothing sliced.
+    for decode_tp, rank in ((1, 0), (4, 3)):
+        latent = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=decode_tp,
+                                                         dst_tp_rank=rank), 2, 1, 1, latent=True)
+        assert (latent.heads, latent.refusal) == (None, None)
 
 
 def _pool(heads: int, seed: int, slots: int = 300, layers: int = 2) -> KVPoolView:
