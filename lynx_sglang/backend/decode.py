@@ -51,7 +51,7 @@ from .decode_sessions import PrefillSessions
 from .decode_windowed import WindowedApplier
 from .outcome import ResidualOutcome
 from .pool import KVPoolView
-from .room import DecodeRoom, RoomState
+from .room import TRANSFERRING, DecodeRoom, RoomState, Source
 from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,11 @@ class DecodeApplier:
                 staged = self.admission.admit_queued()
                 rooms = self.rooms.start_applying()
             for room in rooms:
+                if room.state not in TRANSFERRING:
+                    # Failed meanwhile with another part of its room (`StatusReporter.fail`).
+                    with self.rooms.lock:
+                        self.rooms.done_applying(room)
+                    continue
                 try:
                     self._step(room)
                 except Exception as exc:
@@ -162,13 +167,15 @@ class DecodeApplier:
         """`RoomTable.tracked`."""
         return self.rooms.tracked()
 
-    def register(self, room_id: int, prefill: tuple[str, int], kv_indices,
+    def register(self, room_id: int, sources: list[Source], kv_indices,
                  aux_index: int, rid: str | None = None) -> bool:
-        """A receiver is about to send the room's metadata to the prefill (`rid`: SGLang's
-        request id, for the records). Returns False if the room is queued for staging: the
-        receiver must hold the metadata back until `staged` returns True. Raises
-        `StagingFullError` for a room one layer of which exceeds the whole staging pool."""
-        return self.admission.register(room_id, prefill, kv_indices, aux_index, rid)
+        """A receiver is about to send the room's metadata to the prefill ranks its KV comes
+        from (`sources`: one, or several when the prefill's attention TP size is larger; `rid`:
+        SGLang's request id, for the records). Returns False if the room is queued for staging:
+        the receiver must hold the metadata back until `staged` returns True. Raises
+        `StagingFullError` for a room one layer of which exceeds the whole staging pool (of
+        several sources: one source's part)."""
+        return self.admission.register(room_id, sources, kv_indices, aux_index, rid)
 
     def staged(self, room_id: int) -> bool:
         """A queued room's receiver asks (scheduler thread, from its poll) whether the room holds
@@ -189,12 +196,13 @@ class DecodeApplier:
         (a clear after SGLang committed a room reported at Anchor time) the Residual transfer
         goes on for the speculation controller."""
         with self.rooms.lock:
-            room = self.rooms.get(room_id)
-            if room is None or (keep_speculative and room.reported_at_anchor):
-                return
-            self.rooms.pop(room_id)
-            self.rooms.wait_idle(room)
-            self._end(room)
+            parts = self.rooms.parts_of(room_id)
+            if keep_speculative and any(room.reported_at_anchor for room in parts):
+                return  # a room of several sources never speculates: one part is the room
+            for room in parts:
+                self.rooms.pop(room.key)
+                self.rooms.wait_idle(room)
+                self._end(room)
 
     # ---- the speculation controller's interface -----------------------------------------------
     def residual_outcome(self, room_id: int) -> ResidualOutcome | None:

@@ -35,10 +35,10 @@ from .decode_rooms import RoomTable
 from .decode_sessions import PrefillSessions
 from .plan import StreamPlan
 from .pool import KVPoolView
-from .room import DecodeRoom, RoomState
+from .room import DecodeRoom, RoomState, Source
 from .staging import ALIGN as STAGING_ALIGN
 from .staging import StagingPool
-from .window import SEGMENT_IDS
+from .window import SEGMENT_IDS, Windows
 from .window import choose as choose_windows
 from .window import cut as cut_segments
 
@@ -62,68 +62,101 @@ class StagingAdmission:
         self.waiting_s = waiting_s
         # Rooms that found no staging range, in arrival order (ids of rooms dropped meanwhile are
         # skipped when they come up).
-        self._queue: deque[int] = deque()
+        self._queue: deque[int | tuple[int, int]] = deque()  # `DecodeRoom.key`s
         self._next_segment_id = SEGMENT_IDS.start  # ids of windowed rooms' segments 1..
 
     # ---- SGLang's scheduler thread ------------------------------------------------------------
-    def register(self, room_id: int, prefill: tuple[str, int], kv_indices, aux_index: int,
+    def register(self, room_id: int, sources: list[Source], kv_indices, aux_index: int,
                  rid: str | None = None) -> bool:
-        """See `DecodeApplier.register`."""
+        """See `DecodeApplier.register`. A room of several sources is one `DecodeRoom` per source
+        (`DecodeRoom.part`), each with a plan of its heads and its own staging range; their
+        ranges are queued one after the other, and the room is staged once all are."""
         pool = self._pool()
         slots = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64), device=pool.device)
-        plan = StreamPlan.build(self.config.codec, pool.shape, len(slots), self.config.chunk_tokens)
-        windows = None
-        if not self.staging.holds(plan.staging_bytes):
-            windows = choose_windows(plan, self.staging.nbytes, STAGING_ALIGN)
-        need = windows.staging_bytes if windows else plan.staging_bytes
+        planned = []
+        for source in sources:
+            shape = (pool if source.heads is None else pool.heads(*source.heads)).shape
+            plan = StreamPlan.build(self.config.codec, shape, len(slots),
+                                    self.config.chunk_tokens)
+            windows = None
+            if not self.staging.holds(plan.staging_bytes):
+                if len(sources) > 1:
+                    raise StagingFullError(
+                        f"room {room_id} takes KV from {len(sources)} prefill ranks and one "
+                        f"rank's part needs {plan.staging_bytes} B of staging, more than the "
+                        f"whole pool ({self.staging.nbytes} B); such a room is not sent in "
+                        "segments: raise --lynx-staging-mib")
+                windows = choose_windows(plan, self.staging.nbytes, STAGING_ALIGN)
+            planned.append((source, plan, windows))
+        staged = True
         with self.rooms.lock:
             self.admit_queued()
-            # Never block the scheduler thread; never overtake a room queued before this one.
-            staging = None if self._queue else self.staging.try_allocate(need)
-            segments = None
-            if windows is not None:
-                segments = cut_segments(plan.num_layers, windows.layers_per_segment,
-                                        self._next_segment_id)
-                self._next_segment_id += segments.count - 1
-            room = DecodeRoom(room_id, prefill, slots, aux_index, plan, staging, windows, segments)
-            if rid is not None:
-                room.trace.facts["rid"] = rid
-            if windows is not None:
-                room.trace.facts.update(segments=segments.count, windows=windows.count)
-                logger.info("lynx: room %s needs %d B of staging, " + WINDOWED_ROOM_LOG +
-                            " (%d B): sent in %d segments of %d layers through %d windows of %d B",
-                            room_id, plan.staging_bytes, self.staging.nbytes, segments.count,
-                            windows.layers_per_segment, windows.count, windows.nbytes)
-            self.rooms.add(room)
-            if staging is None:
-                self._queue.append(room_id)
-                logger.info("lynx: room %s %s: needs %d B (%d B free, %d rooms queued before "
-                            "it)", room_id, STAGING_QUEUED_LOG, need,
-                            self.staging.free_bytes(), len(self._queue) - 1)
-                return False
-            self.try_announce(room)
+            for part, (source, plan, windows) in enumerate(planned):
+                staged &= self._add(room_id, source, slots, aux_index, plan, windows, rid,
+                                    part, len(planned))
         self._wake()
+        return staged
+
+    def _add(self, room_id: int, source: Source, slots: torch.Tensor, aux_index: int,
+             plan: StreamPlan, windows: Windows | None, rid: str | None, part: int,
+             parts: int) -> bool:
+        """With the table's lock held: hold one new room (one part of a room of several
+        sources), with a staging range if one is free and no room is queued before it (never
+        block the scheduler thread; never overtake), announced if its session is up; else queued.
+        True if it got a range."""
+        need = windows.staging_bytes if windows else plan.staging_bytes
+        staging = None if self._queue else self.staging.try_allocate(need)
+        segments = None
+        if windows is not None:
+            segments = cut_segments(plan.num_layers, windows.layers_per_segment,
+                                    self._next_segment_id)
+            self._next_segment_id += segments.count - 1
+        room = DecodeRoom(room_id, source.prefill, slots, aux_index, plan, staging, windows,
+                          segments, part=part, parts=parts, heads=source.heads)
+        if rid is not None:
+            room.trace.facts["rid"] = rid
+        if parts > 1:
+            room.trace.facts.update(part=part, parts=parts, heads=list(source.heads))
+        if windows is not None:
+            room.trace.facts.update(segments=segments.count, windows=windows.count)
+            logger.info("lynx: room %s needs %d B of staging, " + WINDOWED_ROOM_LOG +
+                        " (%d B): sent in %d segments of %d layers through %d windows of %d B",
+                        room_id, plan.staging_bytes, self.staging.nbytes, segments.count,
+                        windows.layers_per_segment, windows.count, windows.nbytes)
+        self.rooms.add(room)
+        if staging is None:
+            self._queue.append(room.key)
+            logger.info("lynx: room %s %s: needs %d B (%d B free, %d rooms queued before "
+                        "it)", room_id, STAGING_QUEUED_LOG, need,
+                        self.staging.free_bytes(), len(self._queue) - 1)
+            return False
+        self.try_announce(room)
         return True
 
     def staged(self, room_id: int) -> bool:
-        """See `DecodeApplier.staged`."""
+        """See `DecodeApplier.staged`: True once every part of the room holds its range."""
         with self.rooms.lock:
             self.admit_queued()
-            room = self.rooms.get(room_id)
-            if room is None:
+            parts = self.rooms.parts_of(room_id)
+            if not parts:
                 raise RoomDroppedError(f"room {room_id} was dropped while it waited for staging")
-            if room.state is not RoomState.AWAITING_STAGING:
+            waiting = [r for r in parts if r.state is RoomState.AWAITING_STAGING]
+            if not waiting:
                 return True
-            waited = time.monotonic() - room.waiting_since
-            if waited <= self.waiting_s:
+            if time.monotonic() - min(r.waiting_since for r in waiting) <= self.waiting_s:
                 return False
-            self.rooms.pop(room_id)
-            reason = (f"no {room.staging_need} B of staging came free within "
+            need = sum(r.staging_need for r in waiting)
+            reason = (f"no {need} B of staging came free within "
                       f"{self.waiting_s:g} s ({self.staging.free_bytes()} B free of "
                       f"{self.staging.nbytes} B; raise --lynx-staging-mib, or admit fewer "
                       "concurrent requests)")
-            room.fail(reason)
-        self.recorder.emit(room.trace)
+            for room in parts:
+                self.rooms.pop(room.key)
+                self.rooms.wait_idle(room)  # a part that got its range may be being applied
+                room.fail(reason)
+                self.release(room)
+        for room in parts:
+            self.recorder.emit(room.trace)
         raise StagingFullError(reason)
 
     # ---- with the room table's lock held ------------------------------------------------------
@@ -133,7 +166,7 @@ class StagingAdmission:
         by short ones). Returns how many got one."""
         admitted = 0
         while self._queue:
-            room = self.rooms.get(self._queue[0])
+            room = self.rooms.get(self._queue[0])  # a DecodeRoom.key
             if room is None or room.state is not RoomState.AWAITING_STAGING:
                 self._queue.popleft()  # dropped or failed while queued
                 continue

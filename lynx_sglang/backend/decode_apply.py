@@ -29,7 +29,7 @@ from lynx_transport import Stream, StreamState
 from ..config import LynxConfig
 from ..errors import KVStreamError
 from .aux import unpack_aux
-from .decode_policy import Estimates, decide_speculation
+from .decode_policy import Estimates, decide_speculation, not_speculating
 from .decode_report import DecodeLink, StatusReporter
 from .decode_rooms import RoomTable
 from .pool import KVPoolView
@@ -77,7 +77,7 @@ class StreamApplier:
             residual = self.deps.reporter.stream_or_fail(room, Stream.RESIDUAL)
             if residual is None:
                 return
-        pool = self.deps.pool()
+        pool = part_pool(self.deps.pool(), room)
         progressed = self._land_anchor_layers(room, anchor)
         progressed |= self._write_final_layers(room, residual, pool)
         if room.state is RoomState.ANNOUNCED:
@@ -108,7 +108,7 @@ class StreamApplier:
 
     def _write_anchor_layers(self, room: DecodeRoom, pool: KVPoolView) -> bool:
         """Dequantize the landed Anchor layers that are not final yet into the pool."""
-        if not (self.deps.config.speculate or not self.deps.config.residual):
+        if self.deps.config.residual and (not self.deps.config.speculate or room.parts > 1):
             return False  # nothing would read Anchor-precision KV before the Residual's
         wrote = False
         for layer, runs in room.progress.take_unwritten_anchor():
@@ -175,9 +175,15 @@ class StreamApplier:
             self.deps.reporter.conclude(room)
             return
         room.progress.anchor_complete(residual.nbytes)
-        decision = decide_speculation(
-            self.deps.config, room.plan, st, residual, final_layers=room.progress.final_layers,
-            anchor_written=room.progress.anchor_written, estimates=self.estimates)
+        if room.parts > 1:
+            # Each part would decide alone, and SGLang must hear one Success for the room.
+            decision = not_speculating(f"its KV comes from {room.parts} prefill ranks (a prefill "
+                                       "attention TP size larger than the decode's)")
+        else:
+            decision = decide_speculation(
+                self.deps.config, room.plan, st, residual,
+                final_layers=room.progress.final_layers,
+                anchor_written=room.progress.anchor_written, estimates=self.estimates)
         if decision.speculating:
             self._write_anchor_layers(room, pool)
             sync_pool(pool)
@@ -187,6 +193,12 @@ class StreamApplier:
             room.anchor_complete(st.t_done)
         if decision.speculating:
             self.deps.reporter.success_at_anchor(room)
+
+
+def part_pool(pool: KVPoolView, room: DecodeRoom) -> KVPoolView:
+    """The pool as the room's streams fill it: the KV heads of its source (a part of a room of
+    several sources), else all."""
+    return pool if room.heads is None else pool.heads(*room.heads)
 
 
 def landed_prefix(st: StreamState, bound: int) -> int:

@@ -72,8 +72,9 @@ class StatusReporter:
         with self.rooms.lock:
             if room.state is RoomState.AWAITING_PREFILL and room.prefill_success:
                 room.done()
-                self.rooms.pop(room.room)
-                report = True
+                self.rooms.pop(room.key)
+                # A room of several sources: SGLang hears Success with its last part.
+                report = not self.rooms.parts_of(room.room)
         if room.state is RoomState.REFINED or report:
             self.recorder.emit(room.trace)
         if report:
@@ -105,13 +106,19 @@ class StatusReporter:
             logger.exception("lynx: failing room %s failed", room.room)
 
     def fail(self, room: DecodeRoom, reason: str, kind: FailureKind) -> None:
+        """Fail the room (from the applier thread); with it the other parts of a room of several
+        sources, whose transfers then stop (their prefill ranks find no announcement)."""
         logger.error("lynx: room %s failed (%s): %s", room.room, kind.value, reason)
         self.recorder.metrics.record_failure(kind)
         with self.rooms.lock:
             room.fail(reason)
             reported = room.reported_at_anchor
-        self._release(room)
-        self.recorder.emit(room.trace)
+            others = [r for r in self.rooms.parts_of(room.room) if r is not room and r.live]
+            for other in others:
+                other.fail(f"part {room.part + 1} of {room.parts} of the room failed: {reason}")
+        for failed in (room, *others):
+            self._release(failed)
+            self.recorder.emit(failed.trace)
         if reported:
             # SGLang already has Success and no longer polls: the speculation controller aborts
             # the running request when it reads this outcome.
@@ -125,21 +132,24 @@ class StatusReporter:
             self.link.report(room.room, reason)
         finally:
             with self.rooms.lock:
-                self.rooms.forget(room)
+                for failed in (room, *others):
+                    self.rooms.forget(failed)
 
     # ---- SGLang's thread (status from the prefill) --------------------------------------------
     def on_prefill_success(self, room_id: int) -> bool:
         """See `DecodeApplier.on_prefill_success`."""
         with self.rooms.lock:
-            room = self.rooms.get(room_id)
-            if room is None:
+            parts = self.rooms.parts_of(room_id)
+            if not parts:
                 return False
-            room.prefill_success = True
-            if room.state is RoomState.AWAITING_PREFILL:
-                room.done()
-                self.rooms.pop(room_id)
-                self.recorder.emit(room.trace)
-                return False
+            for room in parts:
+                room.prefill_success = True
+                if room.state is RoomState.AWAITING_PREFILL:
+                    room.done()
+                    self.rooms.pop(room.key)
+                    self.recorder.emit(room.trace)
+            if not self.rooms.parts_of(room_id):
+                return False  # every part's final KV is in
             self._wake()
             return True
 

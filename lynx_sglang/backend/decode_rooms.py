@@ -26,27 +26,51 @@ class RoomTable:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._idle = threading.Condition(self.lock)
-        self._rooms: dict[int, DecodeRoom] = {}
+        # By `DecodeRoom.key`: SGLang's room id, or (room id, part) for the parts of a room with
+        # several sources (`parts_of`).
+        self._rooms: dict[int | tuple[int, int], DecodeRoom] = {}
+        self._parts: dict[int, int] = {}  # room id -> its part count, for rooms of several
         # Rooms the applier thread is working on (cancel/drop wait for them to leave).
         self._applying: set[DecodeRoom] = set()
 
-    def get(self, room_id: int) -> DecodeRoom | None:
-        """One dict read, safe without `lock`; whoever acts on the room holds it."""
-        return self._rooms.get(room_id)
+    def get(self, key: int | tuple[int, int]) -> DecodeRoom | None:
+        """One dict read, safe without `lock`; whoever acts on the room holds it. `key`: a
+        `DecodeRoom.key` (for a room of one source, SGLang's room id)."""
+        return self._rooms.get(key)
+
+    def parts_of(self, room_id: int) -> list[DecodeRoom]:
+        """With `lock` held: the rooms held for SGLang's room `room_id`: the one, or the parts
+        of a room with several sources still held."""
+        n = self._parts.get(room_id)
+        if n is None:
+            room = self._rooms.get(room_id)
+            return [] if room is None else [room]
+        return [r for r in (self._rooms.get((room_id, p)) for p in range(n)) if r is not None]
 
     def add(self, room: DecodeRoom) -> None:
         """With `lock` held."""
-        self._rooms[room.room] = room
+        self._rooms[room.key] = room
+        if room.parts > 1:
+            self._parts[room.room] = room.parts
 
-    def pop(self, room_id: int) -> DecodeRoom | None:
+    def pop(self, key: int | tuple[int, int]) -> DecodeRoom | None:
         """With `lock` held: forget the room."""
-        return self._rooms.pop(room_id, None)
+        room = self._rooms.pop(key, None)
+        if room is not None:
+            self._forget_parts(room.room)
+        return room
 
     def forget(self, room: DecodeRoom) -> None:
-        """With `lock` held: forget `room` unless another room took its id meanwhile (or it is
+        """With `lock` held: forget `room` unless another room took its key meanwhile (or it is
         forgotten already: its receiver dropped it)."""
-        if self._rooms.get(room.room) is room:
-            del self._rooms[room.room]
+        if self._rooms.get(room.key) is room:
+            del self._rooms[room.key]
+            self._forget_parts(room.room)
+
+    def _forget_parts(self, room_id: int) -> None:
+        n = self._parts.get(room_id)
+        if n is not None and not any((room_id, p) in self._rooms for p in range(n)):
+            del self._parts[room_id]
 
     # ---- the applier thread's work ------------------------------------------------------------
     def start_applying(self) -> list[DecodeRoom]:

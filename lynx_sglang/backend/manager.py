@@ -64,6 +64,7 @@ from .conn import lookup_prefill_rank
 from .decode import DecodeApplier, DecodeLink
 from .early_aborts import EarlyAborts
 from .faults import FaultPlan
+from .heads import source_slices
 from .identity import Identity
 from .layer_stream import LayerStreamer
 from .pages import token_slots
@@ -73,6 +74,7 @@ from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
 from .prefill_link import Destination, PrefillLink, destination_of
 from .rank_key import BOOTSTRAP_FIELD, Claimant, RankKey
+from .room import Source
 from .staging import StagingPool
 from .transport_setup import open_endpoint
 
@@ -329,16 +331,25 @@ class LynxKVManager(MooncakeKVManager):
         metadata to the prefill.
         False: the room is queued for staging (`DecodeApplier.register`)."""
         real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
-        if len(real) != 1:
-            raise SettingsMismatchError(f"lynx needs exactly one prefill rank per decode rank "
-                                        f"and request (a decode attention TP size no smaller "
-                                        f"than the prefill's); got {len(real)}")
-        prefill = (real[0]["rank_ip"], int(real[0]["rank_port"]))
+        ranks = [(b["rank_ip"], int(b["rank_port"])) for b in real]
+        if len(ranks) == 1:
+            sources = [Source(ranks[0])]
+        else:
+            # A prefill attention TP size larger than ours: each of those ranks sends all of its
+            # KV heads, which fill consecutive slices of ours, in SGLang's order of the ranks.
+            slices = source_slices(receiver.prefill_info.attn_tp_size, self.attn_tp_size,
+                                   self._require_pool().shape.num_kv_heads)
+            if len(slices) != len(ranks):
+                raise SettingsMismatchError(
+                    f"room {receiver.bootstrap_room} lists {len(ranks)} prefill ranks; at "
+                    f"prefill TP {receiver.prefill_info.attn_tp_size} and decode TP "
+                    f"{self.attn_tp_size} lynx expects {len(slices)}")
+            sources = [Source(rank, heads) for rank, heads in zip(ranks, slices, strict=True)]
         # Pages of the whole prompt under --page-size > 1 (no decode-side prefix); the tail of
         # the last one is where this decode writes its own tokens.
         kv_indices = token_slots(kv_indices, self._require_pool().page_size,
                                  getattr(receiver, "lynx_kv_tokens", None))
-        return self.applier.register(receiver.bootstrap_room, prefill, kv_indices, aux_index,
+        return self.applier.register(receiver.bootstrap_room, sources, kv_indices, aux_index,
                                      getattr(receiver, "lynx_rid", None))
 
     def record_own_failure(self, room: int, reason: str) -> None:

@@ -18,6 +18,10 @@ which may arrive in any state (`prefill_success`), its speculation decision, mad
 (`decide`; `backend.decode_policy`), which says after a failure too whether SGLang heard Success
 at Anchor time, and how far its bytes have come (`progress`, a `TransferProgress`).
 
+A room whose KV comes from several prefill ranks is one DecodeRoom per source (`part` of `parts`,
+`Source`), each its own state machine over its own stream pair; the table and the reporter join
+them (`RoomTable.parts_of`, `StatusReporter`).
+
 Owned by `backend.decode.DecodeApplier` and the parts it drives: rooms are kept in its
 `RoomTable`; a transition that SGLang's threads may meet (staged, announced, anchor_complete, done,
 fail, cancel) happens under that table's lock, and the progress belongs to the applier thread
@@ -71,9 +75,19 @@ class RoomStateError(RuntimeError):
     """A transition from a state it does not start from: a bug, never a peer's doing."""
 
 
+@dataclass(frozen=True)
+class Source:
+    """One prefill rank a decode room's KV comes from, and the KV heads (first, count) of the
+    decode's pool its stream fills (None: every head, the room's only source)."""
+
+    prefill: tuple[str, int]
+    heads: tuple[int, int] | None = None
+
+
 # Compared by identity: two rooms are never the same because their fields are equal.
 @dataclass(eq=False)
 class DecodeRoom:
+    # SGLang's room id: also the transport request id and the codec's request tag of its streams.
     room: int
     prefill: tuple[str, int]
     slots: torch.Tensor
@@ -84,6 +98,13 @@ class DecodeRoom:
     # segments.
     windows: Windows | None = None
     segments: Segments | None = None
+    # A room whose KV comes from several prefill ranks (a prefill attention TP size larger than
+    # the decode's; `backend.heads.source_slices`) is one DecodeRoom per source, each with its own
+    # session, staging and progress: `part` of `parts`, writing KV heads `heads` (first, count)
+    # of the pool. One source: part 0 of 1, every head.
+    part: int = 0
+    parts: int = 1
+    heads: tuple[int, int] | None = None
     state: RoomState = RoomState.AWAITING_SESSION
     created: float = field(default_factory=time.monotonic)
     # Since when the room waits for what it needs next (a staging range, then the prefill's
@@ -176,6 +197,12 @@ class DecodeRoom:
         self.trace.facts["cancelled"] = True
 
     # ---- views --------------------------------------------------------------------------------
+    @property
+    def key(self) -> int | tuple[int, int]:
+        """The room's key in the decode's `RoomTable`: SGLang's room id, or (room id, part) for a
+        part of a room with several sources."""
+        return self.room if self.parts == 1 else (self.room, self.part)
+
     @property
     def staging_need(self) -> int:
         """Bytes of staging the room holds: its windows, or its whole plan."""

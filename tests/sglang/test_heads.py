@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lynx_kernels import CodecSpec
-from lynx_sglang.backend.heads import check_tp_sizes, head_range
+from lynx_sglang.backend.heads import check_tp_sizes, head_range, source_slices
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KVPoolView
 from lynx_sglang.backend.prefill_link import destination_of
@@ -46,13 +46,34 @@ def test_head_ranges_are_sglangs(sglang_in_process, prefill_tp, decode_tp, heads
 
 
 def test_what_lynx_cannot_pair_is_refused_with_the_reason():
-    with pytest.raises(SettingsMismatchError, match=r"prefill attention TP size \(2\) larger"):
-        check_tp_sizes(2, 1)
     with pytest.raises(SettingsMismatchError, match="multiple"):
         check_tp_sizes(2, 3)
+    with pytest.raises(SettingsMismatchError, match="multiple"):
+        check_tp_sizes(6, 4)
     check_tp_sizes(1, 2)
+    check_tp_sizes(4, 2)
     with pytest.raises(SettingsMismatchError, match="replicates"):
         head_range(1, 4, 0, 0, 2)  # 2 KV heads over 4 decode ranks
+    with pytest.raises(SettingsMismatchError, match="replicates"):
+        source_slices(4, 1, 2)  # a decode rank of 2 heads fed by 4 prefill ranks
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "heads"),
+                         [(p, d, h) for p in (2, 4, 8) for d in (1, 2, 4) if p > d and p % d == 0
+                          for h in (8, 16, 32) if h % p == 0])
+def test_a_smaller_decode_tp_takes_each_prefill_ranks_heads_in_order(prefill_tp, decode_tp,
+                                                                    heads):
+    """A decode rank reads from SGLang's target_tp_ranks (consecutive prefill ranks, each
+    holding the next heads): source i fills slice i of its heads, together all of them once,
+    and each prefill rank sends every head it holds (`head_range` None)."""
+    per_decode = heads // decode_tp
+    slices = source_slices(prefill_tp, decode_tp, per_decode)
+    assert len(slices) == prefill_tp // decode_tp
+    covered = [h for first, count in slices for h in range(first, first + count)]
+    assert covered == list(range(per_decode))
+    for d in range(decode_tp):
+        for p in range(d * prefill_tp // decode_tp, (d + 1) * prefill_tp // decode_tp):
+            assert head_range(prefill_tp, decode_tp, p, d, heads) is None
 
 
 def _info(session: str = "10.0.0.2:7000", pages: int = 12):
@@ -73,7 +94,9 @@ def test_a_destination_carries_the_head_slice_its_registration_implies():
     wrong = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=4, dst_tp_rank=0), 2, 1, 8)
     assert wrong.heads is None and "does not hold" in wrong.refusal
     larger = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=1, dst_tp_rank=0), 2, 0, 8)
-    assert larger.heads is None and "(2) larger than" in larger.refusal
+    assert (larger.heads, larger.refusal) == (None, None)  # all of this rank's heads
+    odd = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=3, dst_tp_rank=0), 2, 0, 6)
+    assert odd.heads is None and "multiple" in odd.refusal
     # An MLA latent is whole on every rank: any pairing of TP sizes, nothing sliced.
     for decode_tp, rank in ((1, 0), (4, 3)):
         latent = destination_of(_info(), SimpleNamespace(dst_attn_tp_size=decode_tp,

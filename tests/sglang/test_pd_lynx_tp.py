@@ -9,9 +9,9 @@ One single TP 2 server gives the reference, then one PD cluster (TP 2 + TP 2, `l
 exact); every greedy answer must be token-identical. (On loopback each Residual lands before its
 Anchor is applied, so these requests do not speculate.) Then a TP 1 prefill with a TP 2 decode
 (each decode rank gets its half of the heads, `backend.heads`), token-identical to SGLang's
-`mooncake_tcp` on the same sizes; and a TP 2 prefill with a TP 1 decode, which Lynx does not
-support yet: each request must fail with the reason naming both sizes, and both servers must
-keep serving.
+`mooncake_tcp` on the same sizes; and a TP 2 prefill with a TP 1 decode (the decode's rank fills
+each half of its heads from one prefill rank, `backend.heads.source_slices`), token-identical to
+`mooncake_tcp` on those sizes too.
 
 SGLang's CPU engine binds each rank's OpenMP threads to cores: with more ranks than NUMA nodes it
 refuses to start unless SGLANG_CPU_OMP_THREADS_BIND names one core list per rank ("0|1" here).
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_tools.client import GenerateError, generate
+from lynx_tools.client import generate
 from lynx_tools.cluster import Cluster
 from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
 
@@ -47,12 +47,6 @@ PROMPTS = (
     + " Question: what is the value of key k17? Answer:",
 )
 MAX_NEW_TOKENS = 16
-# How long an unequal-TP request may take to fail. The decode refuses it as its receiver is
-# created and tells the prefill ranks at once; once the decode has the prefill's bootstrap info
-# cached, that abort can reach a prefill rank before the request does, and SGLang's prefill drops
-# an abort for a room it does not know: before `backend.early_aborts`, the prefill then held the
-# request for SGLang's 300 s bootstrap timeout (seen with 2 -> 1, the second request).
-UNEQUAL_FAILS_WITHIN_S = 90
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                     "chat_template.jinja")
 
@@ -162,16 +156,33 @@ def test_prefill_tp1_to_decode_tp2_slices_heads_as_mooncake_does(tp_model, tmp_p
     assert ranks == {"0", "1"}, ranks
 
 
-def test_prefill_tp2_to_decode_tp1_fails_each_request_with_both_sizes(tp_model,
-                                                                      tmp_path_factory):
-    spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp("unequal"), 2, 1,
-                    ("--lynx-target", "exact"))
-    with Cluster(spec) as c:
-        for _ in range(2):  # the first failure leaves both servers able to fail the next
-            with pytest.raises(GenerateError, match=re.escape(
-                    "lynx does not support a prefill attention TP size (2) larger than the "
-                    "decode attention TP size (1) yet")):
-                generate(c.url, text=PROMPTS[0], max_new_tokens=4,
-                         timeout_s=UNEQUAL_FAILS_WITHIN_S)
-        for name in ("prefill", "decode"):
-            assert c.proc(name).poll() is None, f"the {name} server died"
+def test_prefill_tp2_to_decode_tp1_fills_each_half_from_its_prefill_rank(tp_model,
+                                                                       tmp_path_factory):
+    """A TP 2 prefill and a TP 1 decode: the decode's one rank reads from both prefill ranks,
+    each sending all of its KV heads into its own half of the decode's heads (one room part per
+    prefill rank, `backend.heads.source_slices`). Token-identical to SGLang's `mooncake_tcp` on
+    the same sizes, both prefill ranks with their own session to the decode."""
+    answers = {}
+    for backend in ("mooncake_tcp", "lynx"):
+        spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp(f"p2d1-{backend}"), 2,
+                        1, ("--lynx-target", "exact") if backend == "lynx" else ())
+        spec = dataclasses.replace(spec, transfer_backend=backend)
+        with Cluster(spec) as c:
+            answers[backend] = [generate(c.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
+                                         timeout_s=300).output_ids for p in PROMPTS]
+            if backend == "lynx":
+                decode_log = c.log_path("decode").read_text(errors="replace")
+                for name in ("prefill", "decode"):
+                    assert c.proc(name).poll() is None, f"the {name} server died"
+    for prompt, want, have in zip(PROMPTS, answers["mooncake_tcp"], answers["lynx"], strict=True):
+        assert len(have) == MAX_NEW_TOKENS
+        assert have == want, prompt[:60]
+    sessions = set(re.findall(r"lynx: transport session from prefill rank (\S+)", decode_log))
+    assert len(sessions) == TP, sessions
+    # Every room came in two parts, one per prefill rank, each recorded as its own transfer.
+    records = [json.loads(line.split("lynx transfer ", 1)[1])
+               for line in decode_log.splitlines() if "lynx transfer {" in line]
+    rooms = {}
+    for record in records:
+        rooms.setdefault(record["room"], []).append(record)
+    assert len(rooms) >= len(PROMPTS) and all(len(parts) == TP for parts in rooms.values()), rooms

@@ -28,6 +28,7 @@ import torch
 
 from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
 from lynx_sglang.backend.pool import KVPoolView
+from lynx_sglang.backend.room import Source
 from lynx_sglang.backend.staging import StagingPool
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.recorder import Recorder
@@ -133,7 +134,7 @@ def _race(mgr, KVPoll, room: int) -> None:
     it once the waiting budget passes) and deliver its prefill's Success meanwhile."""
     mgr.update_status(room, KVPoll.Bootstrapping)
     mgr.update_status(room, KVPoll.WaitingForInput)
-    assert mgr.applier.register(room, PREFILL, np.arange(4), aux_index=0)
+    assert mgr.applier.register(room, [Source(PREFILL)], np.arange(4), aux_index=0)
     deadline = time.monotonic() + SETTLE_S
 
     def deliver_success() -> None:
