@@ -142,3 +142,54 @@ def test_role_cpus_are_checked_and_split_in_halves():
         halves = split_cpus()
         assert halves["prefill"] + halves["decode"] == tuple(usable)
         assert len(halves["prefill"]) == len(usable) // 2
+
+
+# A stand-in router: serves /health on the port its last argument names, or says what uvicorn says
+# when another process holds that port.
+ROUTER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *args):
+        pass
+try:
+    server = HTTPServer(("127.0.0.1", int(sys.argv[-1])), Health)
+except OSError as exc:
+    print(f"ERROR:    {exc}: address already in use", flush=True)
+    sys.exit(3)
+print("router up", flush=True)
+server.serve_forever()
+"""
+
+
+def test_a_router_whose_port_was_taken_starts_on_another(tmp_path):
+    """The router's port is chosen before the servers start; another process may bind it
+    meanwhile: the router then starts on a new port (`Cluster._start_router`)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    c = Cluster(ClusterSpec("unused", ClusterMode.SINGLE, run_dir=tmp_path, stop_timeout_s=1.0))
+    try:
+        c._start_router([sys.executable, "-c", ROUTER, str(port)], "127.0.0.1", port)
+        assert c.url != f"http://127.0.0.1:{port}"
+        assert [p.name for p in c._procs] == ["router"] and c._procs[0].popen.poll() is None
+        assert "address already in use" in (tmp_path / "router.log").read_text()
+    finally:
+        c.stop()
+        taken.close()
+
+
+def test_a_router_that_fails_otherwise_is_not_retried(tmp_path):
+    c = Cluster(ClusterSpec("unused", ClusterMode.SINGLE, run_dir=tmp_path, stop_timeout_s=1.0))
+    try:
+        with pytest.raises(ClusterError, match="exited with code 2"):
+            c._start_router([sys.executable, "-c", "import sys; sys.exit(2)", "1"], "127.0.0.1",
+                            1)
+        assert len(c._procs) == 1
+    finally:
+        c.stop()

@@ -51,6 +51,11 @@ from .process_tree import Resources, process_tree, tree_fd_kinds, tree_resources
 
 logger = logging.getLogger(__name__)
 
+# The router binds a port chosen before the servers started; another process may take it meanwhile.
+ROUTER_PORT_TRIES = 3
+PORT_TAKEN = "address already in use"
+
+
 @dataclass
 class _Proc:
     name: str
@@ -188,14 +193,10 @@ class Cluster:
         self._spawn("decode", wrap_d(decode_cmd),
                     self.decode_url + "/health", d_host, spec.role_cpus.get("decode", ()))
         self._wait_healthy(self._procs)
-        self.url = self._reachable(d_host, r_port)
-        router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                  "--mini-lb"]
-        for port, bootstrap in zip(p_ports, b_ports, strict=True):
-            router += ["--prefill", f"http://{p_host}:{port}", str(bootstrap)]
-        router += ["--decode", f"http://{d_host}:{d_port}", "--host", d_host, "--port", str(r_port)]
-        self._spawn("router", wrap_d(router), self.url + "/health", d_host)
-        self._wait_healthy(self._procs[-1:])
+        self._start_router(wrap_d(self._router_command(
+            [(f"http://{p_host}:{port}", bootstrap) for port, bootstrap in zip(p_ports, b_ports,
+                                                                               strict=True)],
+            f"http://{d_host}:{d_port}", d_host, r_port)), d_host, r_port)
         (self.run_dir / "cluster.json").write_text(json.dumps(
             {"router": self.url, "prefill": self.prefill_url, "prefills": self.prefill_urls,
              "decode": self.decode_url, "bootstrap_port": b_port,
@@ -203,6 +204,36 @@ class Cluster:
              "link": spec.link, "link_qdisc": spec.link_qdisc if spec.link else None,
              "namespaces": [self._link.sender_ns, self._link.receiver_ns] if self._link else None},
             indent=1))
+
+    @staticmethod
+    def _router_command(prefills: list[tuple[str, int]], decode_url: str, host: str,
+                        port: int) -> list[str]:
+        """sglang-router in PD mode over (prefill URL, bootstrap port) pairs and one decode."""
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--mini-lb"]
+        for url, bootstrap in prefills:
+            cmd += ["--prefill", url, str(bootstrap)]
+        return [*cmd, "--decode", decode_url, "--host", host, "--port", str(port)]
+
+    def _start_router(self, cmd: list[str], host: str, port: int) -> None:
+        """Start the router on `port` (the last element of `cmd` names it) and wait until it is
+        healthy. Its port was chosen free when the cluster started, but the servers start first,
+        and any process may bind it meanwhile (seen in CI: "address already in use"): then again
+        on a new port, up to ROUTER_PORT_TRIES times."""
+        for attempt in range(1, ROUTER_PORT_TRIES + 1):
+            self.url = self._reachable(host, port)
+            proc = self._spawn("router", cmd, self.url + "/health", host)
+            try:
+                self._wait_healthy([proc])
+                return
+            except ClusterError:
+                if attempt == ROUTER_PORT_TRIES or PORT_TAKEN not in log_tail(proc.log_path).lower():
+                    raise
+            logger.warning("router port %d was taken before the router bound it; trying another",
+                           port)
+            self._procs.remove(proc)
+            port = free_port()
+            cmd = [*cmd[:-1], str(port)]
 
     def _reachable(self, host: str, port: int) -> str:
         """URL of host:port as seen from this process (a forwarder when it is in a namespace)."""
