@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 class DecodeApplier:
     def __init__(self, config: LynxConfig, pool: Callable[[], KVPoolView], staging: StagingPool,
                  staging_region: Region, endpoint: Endpoint, link: DecodeLink,
-                 recorder: Recorder, waiting_timeout_s: float = 300.0):
+                 recorder: Recorder, waiting_timeout_s: float = 300.0, tp_ranks: int = 1):
         self.config = config
         self.link = link
         self.recorder = recorder
@@ -85,7 +85,7 @@ class DecodeApplier:
         self.apply_helper = (ThreadPoolExecutor(1, thread_name_prefix="lynx-apply-v")
                              if config.apply_threads > 1 else None)
         deps = ApplyDeps(config, pool, staging, self.rooms, link, self.reporter, self.apply_helper,
-                         wake)
+                         wake, tp_ranks)
         self.streams = StreamApplier(deps, self.estimates)
         self.windowed = WindowedApplier(deps, self.admission)
         endpoint.on_progress(wake)

@@ -53,6 +53,8 @@ class ApplyDeps:
     apply_helper: Executor | None
     # Wakes the applier thread: look again, more may have landed.
     wake: Callable[[], None]
+    # The decode's attention TP size: its ranks take every speculation decision alike.
+    tp_ranks: int = 1
 
 
 class StreamApplier:
@@ -183,7 +185,8 @@ class StreamApplier:
             decision = decide_speculation(
                 self.deps.config, room.plan, st, residual,
                 final_layers=room.progress.final_layers,
-                anchor_written=room.progress.anchor_written, estimates=self.estimates)
+                anchor_written=room.progress.anchor_written, estimates=self.estimates,
+                tp_ranks=self.deps.tp_ranks)
         if decision.speculating:
             self._write_anchor_layers(room, pool)
             sync_pool(pool)

@@ -117,14 +117,21 @@ def not_speculating(why: str, **estimate: float) -> SpeculationDecision:
 
 def decide_speculation(config: LynxConfig, plan: StreamPlan, anchor: StreamState,
                        residual: StreamState | None, *, final_layers: int, anchor_written: int,
-                       estimates: Estimates) -> SpeculationDecision:
+                       estimates: Estimates, tp_ranks: int = 1) -> SpeculationDecision:
     """Whether decoding on the complete Anchor now beats waiting for the Residual: the Residual's
     expected arrival (its bytes still to come, at the rate recent Residuals came in, else at the
     rate this Anchor came in) against what speculating costs first (the Anchor layers still to
     write into the pool, one verification). `final_layers`/`anchor_written`: the room's layers
-    at full precision / with their Anchor in the pool so far."""
+    at full precision / with their Anchor in the pool so far.
+
+    With `tp_ranks` > 1 (the decode's attention TP size) every rank decides the same from the
+    flags alone: each rank's streams land at their own times, and a request one rank speculates
+    on while another waits would have the ranks run different batches (seen: a TP 2 decode hung
+    on a request its rank 1 speculated on and its rank 0 did not)."""
     if not config.speculate:
         return not_speculating("--no-lynx-speculate")
+    if tp_ranks > 1:
+        return speculating(f"decode attention TP {tp_ranks}: every rank speculates alike")
     if final_layers == plan.num_layers or (residual is not None and residual.ok):
         return not_speculating("the Residual is already in")
     if config.spec_policy == "always":

@@ -134,7 +134,7 @@ class LynxKVManager(MooncakeKVManager):
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
                 DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank,
                            self.lynx_runtime.idle.notify, lookup_prefill_rank),
-                recorder, self.waiting_timeout)
+                recorder, self.waiting_timeout, tp_ranks=self.attn_tp_size)
             self._start_thread(self.applier.accept_loop, "lynx-accept")
             self._start_thread(self.applier.run, "lynx-apply")
         self.lynx_runtime.idle.report_tracked(self.tracked)

@@ -84,6 +84,20 @@ def test_no_speculation_without_the_flag_or_once_the_residual_is_in():
         assert decision.why == "the Residual is already in"
 
 
+def test_under_tensor_parallelism_every_rank_decides_from_the_flags_alone():
+    """A TP 2 decode's ranks see their streams land at their own times: a rank whose Residual is
+    in must still speculate when another's is not, so both decide alike."""
+    on = LynxConfig.build(speculate=True)
+    for residual, final in ((_residual(8 * MIB, Status.COMPLETE), 4), (_residual(), 0)):
+        decision = decide_speculation(on, PLAN, _anchor(), residual, final_layers=final,
+                                      anchor_written=4, estimates=Estimates(0.05), tp_ranks=2)
+        assert decision.speculating and "TP 2" in decision.why
+    off = decide_speculation(LynxConfig.build(speculate=False), PLAN, _anchor(), _residual(),
+                             final_layers=0, anchor_written=4, estimates=Estimates(0.05),
+                             tp_ranks=2)
+    assert off.mode is Speculation.NOT_SPECULATING
+
+
 def test_policy_always_speculates_without_weighing():
     decision = _decide(LynxConfig.build(speculate=True, spec_policy="always"))
     assert decision.speculating and decision.residual_eta_s is None
