@@ -104,13 +104,11 @@ class DecodeApplier:
                 staged = self.admission.admit_queued()
                 rooms = self.rooms.start_applying()
             for room in rooms:
-                if room.state not in TRANSFERRING:
-                    # Failed meanwhile with another part of its room (`StatusReporter.fail`).
-                    with self.rooms.lock:
-                        self.rooms.done_applying(room)
-                    continue
                 try:
-                    self._step(room)
+                    # Not if it failed meanwhile with another part of its room
+                    # (`StatusReporter.fail`).
+                    if room.state in TRANSFERRING:
+                        self._step(room)
                 except Exception as exc:
                     logger.exception("lynx: applying room %s failed", room.room)
                     self.reporter.fail_safely(room, f"lynx decode failed: {exc}",
