@@ -131,25 +131,38 @@ def test_one_transport_session_per_rank_pair(tp_runs):
     assert len({prefill for _, prefill in sessions}) == TP, sessions
 
 
-def test_prefill_tp1_to_decode_tp2_slices_heads_as_mooncake_does(tp_model, tmp_path_factory):
-    """A TP 1 prefill and a TP 2 decode: each decode rank gets its own half of the KV heads,
-    encoded from the prefill's pool by head (`backend.heads`). The reference is SGLang's own
-    `mooncake_tcp` on the same TP sizes (raw KV bytes, head-sliced by SGLang): an exact Lynx
-    transfer leaves the decode the same KV, so the same tokens. (Neither TP 1 nor TP 2 single
-    servers are: the prefill's KV comes from a TP 1 forward, the decode steps at TP 2.)"""
+def _unequal_matches_mooncake(tp_model: str, tmp_path_factory, prefill_tp: int,
+                              decode_tp: int) -> str:
+    """One PD cluster of these TP sizes per backend, `mooncake_tcp` then `lynx` (target exact),
+    the same prompts; every greedy answer must be Lynx's and Mooncake's alike, and both Lynx
+    servers alive after. Returns the Lynx decode's log."""
     answers = {}
+    tag = f"p{prefill_tp}d{decode_tp}"
     for backend in ("mooncake_tcp", "lynx"):
-        spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp(f"p1d2-{backend}"), 1,
-                        2, ("--lynx-target", "exact") if backend == "lynx" else ())
+        spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp(f"{tag}-{backend}"),
+                        prefill_tp, decode_tp,
+                        ("--lynx-target", "exact") if backend == "lynx" else ())
         spec = dataclasses.replace(spec, transfer_backend=backend)
         with Cluster(spec) as c:
             answers[backend] = [generate(c.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
                                          timeout_s=300).output_ids for p in PROMPTS]
             if backend == "lynx":
                 decode_log = c.log_path("decode").read_text(errors="replace")
+                for name in ("prefill", "decode"):
+                    assert c.proc(name).poll() is None, f"the {name} server died"
     for prompt, want, have in zip(PROMPTS, answers["mooncake_tcp"], answers["lynx"], strict=True):
         assert len(have) == MAX_NEW_TOKENS
         assert have == want, prompt[:60]
+    return decode_log
+
+
+def test_prefill_tp1_to_decode_tp2_slices_heads_as_mooncake_does(tp_model, tmp_path_factory):
+    """A TP 1 prefill and a TP 2 decode: each decode rank gets its own half of the KV heads,
+    encoded from the prefill's pool by head (`backend.heads`). The reference is SGLang's own
+    `mooncake_tcp` on the same TP sizes (raw KV bytes, head-sliced by SGLang): an exact Lynx
+    transfer leaves the decode the same KV, so the same tokens. (Neither TP 1 nor TP 2 single
+    servers are: the prefill's KV comes from a TP 1 forward, the decode steps at TP 2.)"""
+    decode_log = _unequal_matches_mooncake(tp_model, tmp_path_factory, 1, 2)
     # Both decode ranks had their own session from the one prefill rank.
     ranks = set(re.findall(r"\[[^]]* TP(\d)\] lynx: transport session from prefill rank",
                            decode_log))
@@ -162,21 +175,7 @@ def test_prefill_tp2_to_decode_tp1_fills_each_half_from_its_prefill_rank(tp_mode
     each sending all of its KV heads into its own half of the decode's heads (one room part per
     prefill rank, `backend.heads.source_slices`). Token-identical to SGLang's `mooncake_tcp` on
     the same sizes, both prefill ranks with their own session to the decode."""
-    answers = {}
-    for backend in ("mooncake_tcp", "lynx"):
-        spec = _tp_spec(tp_model, ClusterMode.PD, tmp_path_factory.mktemp(f"p2d1-{backend}"), 2,
-                        1, ("--lynx-target", "exact") if backend == "lynx" else ())
-        spec = dataclasses.replace(spec, transfer_backend=backend)
-        with Cluster(spec) as c:
-            answers[backend] = [generate(c.url, text=p, max_new_tokens=MAX_NEW_TOKENS,
-                                         timeout_s=300).output_ids for p in PROMPTS]
-            if backend == "lynx":
-                decode_log = c.log_path("decode").read_text(errors="replace")
-                for name in ("prefill", "decode"):
-                    assert c.proc(name).poll() is None, f"the {name} server died"
-    for prompt, want, have in zip(PROMPTS, answers["mooncake_tcp"], answers["lynx"], strict=True):
-        assert len(have) == MAX_NEW_TOKENS
-        assert have == want, prompt[:60]
+    decode_log = _unequal_matches_mooncake(tp_model, tmp_path_factory, 2, 1)
     sessions = set(re.findall(r"lynx: transport session from prefill rank (\S+)", decode_log))
     assert len(sessions) == TP, sessions
     # Every room came in two parts, one per prefill rank, each recorded as its own transfer.
