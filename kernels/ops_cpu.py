@@ -10,9 +10,11 @@ and `unavailable_reason()` says why.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -45,14 +47,18 @@ class _Params(ctypes.Structure):
     ]
 
 
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    spec = importlib.util.find_spec("lynx_kernels._ckernels")
-    if spec is None or not spec.origin:
-        return None, "lynx_kernels._ckernels is not built (reinstall with a C compiler: pip install -e .)"
+def _load(path: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """The C codec at `path` (default: the built `lynx_kernels._ckernels`), or None and why not."""
+    if path is None:
+        spec = importlib.util.find_spec("lynx_kernels._ckernels")
+        if spec is None or not spec.origin:
+            return None, ("lynx_kernels._ckernels is not built (reinstall with a C compiler: "
+                          "pip install -e .)")
+        path = spec.origin
     try:
-        lib = ctypes.CDLL(spec.origin)
+        lib = ctypes.CDLL(path)
     except OSError as exc:
-        return None, f"cannot load {spec.origin}: {exc}"
+        return None, f"cannot load {path}: {exc}"
     ptr, i64, cp = ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p
     params = ctypes.POINTER(_Params)
     lib.lynx_init.restype = None
@@ -69,6 +75,21 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 
 _LIB, _WHY = _load()
+
+
+@contextlib.contextmanager
+def library_at(path: str) -> Iterator[None]:
+    """Runs impl="cpu" with another build of the C codec (same ABI) inside the block: for
+    comparing two builds in one process (scripts/ab_codec_builds.py); not thread-safe."""
+    global _LIB
+    lib, why = _load(path)
+    if lib is None:
+        raise CodecError(why)
+    saved, _LIB = _LIB, lib
+    try:
+        yield
+    finally:
+        _LIB = saved
 
 
 def available() -> bool:

@@ -6,6 +6,7 @@ typedef struct {
     const lynx_params *p;
     int64_t n, hd, stride;
     int H, D, g, a, r, vb, wbits, over, rotate, exact;
+    int wide16;  /* 512-bit vectors: row_minmax (row_minmax8 otherwise) */
     int64_t kept_end;  /* tokens [sink, kept_end) are not protected */
 } geo_t;
 
@@ -24,6 +25,11 @@ static void geo_init(geo_t *G, const lynx_params *p) {
     G->over = p->over_tokens;
     G->rotate = p->rotate;
     G->exact = p->exact;
+#if defined(__x86_64__)
+    G->wide16 = __builtin_cpu_supports("avx512f");
+#else
+    G->wide16 = 0;
+#endif
     G->kept_end = G->n - p->recent;
 }
 

@@ -84,8 +84,9 @@ def test_c_matches_torch_on_adversarial_values(dtype, rotate, kind, k_grouping):
 
 @pytest.mark.parametrize(("heads", "group_size"), [(8, 32), (8, 64), (5, 32), (3, 128)])
 def test_per_token_groups_sixteen_at_a_time_and_the_rest(heads, group_size):
-    """The C encoder reduces a row's per-token groups sixteen at a time, the rest one by one:
-    32, 16, 16 + 4 and 3 groups a row, each group's extremes at random lanes."""
+    """The C encoder reduces a row's per-token groups sixteen at a time with 512-bit vectors,
+    eight at a time without (row_minmax8), the rest one by one: 32, 16, 20 and 3 groups a row,
+    each group's extremes at random lanes."""
     x = torch.randn(40, heads, 128) * torch.rand(40, heads, 1) * 10
     for target in ("int8", "exact"):
         spec = CodecSpec(target=target, group_size=group_size)
