@@ -113,6 +113,13 @@ class LynxConfig:
               "to send (with chunked prefill: the forward of the prompt's last chunk); CPU and "
               "CUDA KV pools (on CUDA through per-layer events). "
               "--no-lynx-layer-stream sends after the forward")
+    layer_stream_min_share: float = _opt(
+        0.1, "prefill, CPU pools: layer-stream a request only where sending its Anchor after the "
+             "forward would delay it by at least this share of its forward (from the measured "
+             "link to that decode and the measured forward pace; the encode beside the forward "
+             "slows it, which does not pay on a fast link). The first request to a decode, and "
+             "one every 5 minutes while streaming, goes after its forward to measure the link. "
+             "0 = stream every request (CUDA pools always do: their forward is not timed yet)")
     staging_mib: int = _opt(256, "registered staging memory per server for in-flight requests' "
                                  "encoded KV, in MiB")
     connect_timeout_s: float = _opt(30.0, "deadline for the prefill to connect to a decode's data "
@@ -177,6 +184,9 @@ class LynxConfig:
                 f"{flag_name('chunk_tokens')} must be a positive multiple of "
                 f"{flag_name('group_size')} ({self.codec.group_size}): K grouped per channel is "
                 f"cut on group boundaries; got {self.chunk_tokens}")
+        if not 0 <= self.layer_stream_min_share <= 10:
+            raise LynxConfigError(f"{flag_name('layer_stream_min_share')} must be in 0..10 (a "
+                                  f"share of the forward), got {self.layer_stream_min_share}")
         if self.staging_mib <= 0:
             raise LynxConfigError(f"{flag_name('staging_mib')} must be positive, got "
                                   f"{self.staging_mib}")

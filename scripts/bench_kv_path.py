@@ -4,7 +4,9 @@
 Prefill side (`backend.prefill_writer.RoomWriter`, without the transport): every layer's Anchor
 encoded straight into a staging numpy buffer (one fused C call per layer and kind, K and V on two
 threads with `--encode-threads 2`), then the Residual: for target int8 in the same pass, for exact
-in a second pass. Decode side (`backend.decode`): every layer's Anchor applied into the decode
+in a second pass, as after the forward (`prefill`); `prefill_streamed` is the layer-streamed
+writer's one pass (the default, `--lynx-layer-stream`: each layer's Residual with its Anchor).
+Decode side (`backend.decode`): every layer's Anchor applied into the decode
 pool's slots, then the Residual (the layers found by walking the landed Residual's chunk headers),
 K and V on two threads with `--apply-threads 2`; `decode_residual_only` skips the Anchor write, as
 the applier does when both streams have landed by the time it looks.
@@ -64,11 +66,15 @@ def make_pool(layers: int, heads: int, head_dim: int, slots: int, seed: int,
 
 
 def encode_request(pool: KVPoolView, slots: torch.Tensor, spec: CodecSpec, chunk_tokens: int,
-                   buf: np.ndarray, plan: StreamPlan, executor: Executor | None) -> int:
+                   buf: np.ndarray, plan: StreamPlan, executor: Executor | None,
+                   streamed: bool = False) -> int:
     """Every layer's chunks into `buf` (Anchor stream, then Residual stream), as the prefill
-    sender writes them; returns the Residual's bytes."""
+    sender writes them after the forward (an exact Residual in a second pass, after every
+    Anchor); `streamed`: as it writes them layer-streamed (the default, `--lynx-layer-stream`),
+    each layer's Residual in the Anchor's pass at the layer's bound-sized place. Returns the
+    Residual's bytes (streamed: the bound, its layers are not back to back)."""
     a_layer, r_layer = plan.anchor_layer_bytes, plan.residual_layer_bytes
-    one_pass = spec.target is Target.INT8
+    one_pass = spec.target is Target.INT8 or streamed
     for layer in range(plan.num_layers):
         at = plan.anchor_offset(layer)
         r_at = plan.anchor_bytes + layer * r_layer
@@ -126,6 +132,8 @@ def bench(tokens: int, args, spec: CodecSpec) -> dict:
     t_copy = timed(lambda: plain_copy(src, src_slots, copy_out), args.repeats)
     t_prefill = timed(lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan,
                                              executor), args.repeats)
+    t_streamed = timed(lambda: encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan,
+                                              executor, streamed=True), args.repeats)
     residual_bytes = encode_request(src, src_slots, spec, args.chunk_tokens, buf, plan, executor)
     t_decode = timed(lambda: decode_request(buf, dst, dst_slots, spec, plan, residual_bytes,
                                             apply_helper), args.repeats)
@@ -141,7 +149,8 @@ def bench(tokens: int, args, spec: CodecSpec) -> dict:
     row = {"tokens": tokens, "kv_bytes": kv_bytes,
            "anchor_bytes": plan.anchor_bytes, "residual_bytes": residual_bytes,
            "copy_s": t_copy[0], "copy_cpu_s": t_copy[1], "link_1gbit_s": link_s}
-    for name, (wall, cpu) in (("prefill", t_prefill), ("decode", t_decode),
+    for name, (wall, cpu) in (("prefill", t_prefill), ("prefill_streamed", t_streamed),
+                              ("decode", t_decode),
                               ("decode_residual_only", t_residual_only)):
         row[f"{name}_s"] = wall
         row[f"{name}_cpu_s"] = cpu
@@ -178,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             row = {"target": target, **bench(tokens, args, spec)}
             rows.append(row)
             print(f"{target:5s} {tokens:5d} tok: prefill {row['prefill_s'] * 1e3:7.1f} ms "
-                  f"({row['prefill_vs_copy']:6.1f}x copy, {row['prefill_vs_link']:5.2f}x 1 Gbit/s)"
+                  f"({row['prefill_vs_copy']:6.1f}x copy, {row['prefill_vs_link']:5.2f}x 1 Gbit/s; "
+                  f"streamed {row['prefill_streamed_s'] * 1e3:.1f} ms, "
+                  f"{row['prefill_streamed_vs_copy']:.1f}x copy)"
                   f"  decode {row['decode_s'] * 1e3:7.1f} ms ({row['decode_vs_copy']:6.1f}x copy, "
                   f"{row['decode_vs_link']:5.2f}x 1 Gbit/s)  copy {row['copy_s'] * 1e3:.2f} ms  "
                   f"(cpu: prefill {row['prefill_cpu_s'] * 1e3:.1f} ms, decode "

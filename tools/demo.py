@@ -103,8 +103,9 @@ class DemoResult:
     verified_s: float | None = None
     breakdown: Breakdown | None = None
     run_dir: str = ""
-    # Lynx: whether its prefill could stream the KV layer by layer during the forward; not with
-    # --no-lynx-layer-stream (`layer_streams`).
+    # Lynx: whether its prefill streamed the KV layer by layer during the forward; not with
+    # --no-lynx-layer-stream (`layer_streams`), nor where its stream policy found the link fast
+    # enough to send after the forward (--lynx-layer-stream-min-share).
     layer_stream: bool = True
 
     @property
@@ -170,7 +171,7 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
         got = generate_stream(cluster.url, input_ids=prompt_ids, max_new_tokens=max_new_tokens,
                               timeout_s=request_timeout_s, sampling={"ignore_eos": True},
                               rid=rid)
-        needed = ("timeline", "decode", "request") if is_lynx else ("timeline",)
+        needed = ("timeline", "decode", "request", "prefill") if is_lynx else ("timeline",)
         # The servers write their records asynchronously: give them a moment.
         wait_for(lambda: all(k in records_by_request(trace_dir, rid) for k in needed))
         records = records_by_request(trace_dir, rid)
@@ -200,7 +201,10 @@ def run_variant(variant: Variant, *, model_dir: Path, prompt_ids: list[int], max
     return DemoResult(
         variant.name, variant.exact, got.prompt_tokens, got.output_ids,
         rel(done), rel(got.t_first_token), rel(got.t_last_token), token_s, stream_bytes,
-        is_lynx, events, outcome, verified, parts, str(run_dir), layer_streams(variant))
+        is_lynx, events, outcome, verified, parts, str(run_dir),
+        # What the prefill did with this room (its stream policy may send it after the forward).
+        layer_streams(variant) and bool(records.get("prefill", {}).get("facts", {})
+                                        .get("layer_streamed")))
 
 
 def _fmt_bytes(result: DemoResult) -> str:
@@ -312,7 +316,8 @@ def regime_note(results: list[DemoResult], link_bps: float | None) -> str | None
                 + "; ".join(d.label() for d in nearest(r, k=2)) + ". " + head)
     if not lynx.layer_stream:
         return head + ("its prefill sent them after the forward, as mooncake_tcp sends its whole "
-                       "transfer: with --no-lynx-layer-stream there is no layer streaming, so "
+                       "transfer (--no-lynx-layer-stream, or a link fast enough against the "
+                       "forward that streaming would not pay: --lynx-layer-stream-min-share), so "
                        "Lynx saves the bytes it leaves out and, on a link slower than the "
                        "forward, the wait for the Residual.")
     if wire_s < lynx.prefill_done_s:

@@ -16,6 +16,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 
 from .regimes import Deployment, nearest
+from .ttft_bounds import Bound, byte_bounds
 from .ttft_report import result_json
 from .ttft_results import LYNX_CLIENT, BenchConfig, VariantResult, medians, metric_values, ratios
 from .variants import Variant, variant_names
@@ -159,6 +160,11 @@ class Regime:
     def deployments(self) -> list[Deployment]:
         return nearest(self.rate.r_target)
 
+    def bounds(self) -> dict[str, Bound]:
+        """Each variant's byte bound in this R (`ttft_bounds`), from the measured forward."""
+        return byte_bounds(self.results, self.cfg.baseline, self.measured_forward_s,
+                           self.rate.bps)
+
     def ratio_table(self) -> dict[str, dict]:
         return ratios({r.variant.name: medians(r.requests, self.cfg.token_marks)
                        for r in self.results}, self.cfg.baseline)
@@ -203,6 +209,12 @@ def format_regime(g: Regime) -> str:
         if f"{LYNX_CLIENT}.ttft_s" in vals:
             lines.append(f"  {pair.replace('/', ' ÷ ')}, TTFT from send: "
                          f"{vals[f'{LYNX_CLIENT}.ttft_s']:.2f} (> 1: faster than {cfg.baseline})")
+    bounds = g.bounds()
+    if bounds:
+        lines.append("  TTFT from send ÷ its byte bound (forward, the bytes the first token waits "
+                     "for, the baseline's fixed cost; docs/benchmarks.md): " + "; ".join(
+                         f"{name} {b.ratio:.2f} (bound {b.bound_s:.2f} s)"
+                         for name, b in bounds.items() if b.ratio is not None))
     return "\n".join(lines)
 
 
@@ -237,5 +249,6 @@ def regime_json(g: Regime, link_desc: str, extra: dict) -> dict:
                          "h100s": d.model.gpus, "link_gbps": d.link_gbps, "mfu": d.mfu,
                          "forward_s_estimate": round(d.forward_s, 4),
                          "r_estimate": round(d.r, 4)} for d in g.deployments()],
+        "byte_bounds": {name: asdict(b) | {"ratio": b.ratio} for name, b in g.bounds().items()},
         "bench": result_json(g.results, g.cfg, link_desc, g.ratio_table(), extra),
     }

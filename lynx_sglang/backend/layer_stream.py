@@ -196,7 +196,9 @@ class LayerStreamer:
         forward (any other device)."""
         if device_type == "cpu":
             logger.info("lynx: layer streaming on: each layer's Anchor is sent while the prefill "
-                        "forward computes the later layers (--no-lynx-layer-stream: after it)")
+                        "forward computes the later layers, where the link is slow enough for "
+                        "that to pay (--lynx-layer-stream-min-share; --no-lynx-layer-stream: "
+                        "always after the forward)")
             return cls(sender, num_layers)
         if device_type == "cuda":
             logger.info("lynx: layer streaming on: per-layer CUDA events; each layer's Anchor is "
@@ -210,18 +212,24 @@ class LayerStreamer:
 
     def run_batch(self, original, scheduler, batch, *args, **kwargs):
         """SGLang's `run_batch`, with the rooms whose prompt an extend forward completes handed
-        to the sender as it starts, behind this forward's gate."""
+        to the sender as it starts, behind this forward's gate (those its `stream_policy` finds
+        worth streaming, on a CPU pool, whose extend forwards are timed for it)."""
         if (self.gate is not None or not batch.forward_mode.is_extend()
                 or getattr(batch, "hicache_consumer_index", -1) >= 0):
             return original(scheduler, batch, *args, **kwargs)
+        # A CUDA forward's kernels run after run_batch returns: only a CPU one is timed here.
+        tokens = (getattr(batch, "extend_num_tokens", None) or 0) if self.make_event is None else 0
+        started = time.monotonic()
         gate = LayerGate(self.num_layers)
         rooms = []
         for req in batch.reqs:
             slots = _prompt_slots(scheduler, req)
             if slots is not None:
                 rooms.append((req.bootstrap_room, slots))
-        if not rooms or not self.sender.start_early(rooms, gate):
-            return original(scheduler, batch, *args, **kwargs)
+        if not rooms or not self.sender.start_early(rooms, gate, tokens or None):
+            result = original(scheduler, batch, *args, **kwargs)
+            self.sender.stream_policy.observe_forward(tokens, time.monotonic() - started)
+            return result
         self.gate = gate
         try:
             result = original(scheduler, batch, *args, **kwargs)
@@ -230,6 +238,7 @@ class LayerStreamer:
             raise
         finally:
             self.gate = None
+        self.sender.stream_policy.observe_forward(tokens, time.monotonic() - started)
         self._say_how_layers_opened(gate.opened)
         # Overlap: SGLang ran the forward on its forward stream, current only inside run_batch.
         gate.finish(self._recorded_event(

@@ -54,14 +54,16 @@ from ..recorder import Recorder
 from .faults import FaultPlan
 from .layer_stream import LayerGate
 from .pages import num_pages
+from .plan import StreamPlan
 from .pool import KVPoolView
 from .prefill_job import Job, KeptRows, StreamedJobs
-from .prefill_link import PrefillLink, SentBytes
+from .prefill_link import Destination, PrefillLink, SentBytes
 from .prefill_sessions import DecodeSessions
 from .prefill_worker import DestinationWorkers, WorkerDeps
 from .prefill_writer import WriterDeps
 from .rank_key import Claimant
 from .staging import StagingPool
+from .stream_policy import StreamPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class PrefillSender:
         self._pending: dict[int, list[np.ndarray]] = {}
         self._streamed = StreamedJobs()
         self._sent = SentBytes()
+        self.stream_policy = StreamPolicy(config.layer_stream_min_share)
+        self._streams_to: dict[str, bool] = {}  # the last decision per decode, to log changes
         self.stopping = threading.Event()
         # Shared by every destination worker: a layer's V is encoded while its K is.
         self.encoder = (ThreadPoolExecutor(1, thread_name_prefix="lynx-encode")
@@ -103,7 +107,8 @@ class PrefillSender:
         self._workers = DestinationWorkers(WorkerDeps(
             WriterDeps(config, staging, staging_region, self.encoder, link.is_live,
                        link.read_aux, self.faults),
-            pool, link, self.sessions, self._streamed, self._sent, self.stopping, recorder))
+            pool, link, self.sessions, self._streamed, self._sent, self.stopping, recorder,
+            self.stream_policy))
 
     def tracked(self) -> dict[str, int]:
         """Rooms this sender still holds (0 on an idle prefill; `lynx_tracked_requests`)."""
@@ -111,7 +116,8 @@ class PrefillSender:
                 "prefill_rooms_streaming": len(self._streamed),
                 "prefill_rooms_in_flight": self._workers.in_flight()}
 
-    def start_early(self, rooms: list[tuple[int, np.ndarray]], gate: LayerGate) -> set[int]:
+    def start_early(self, rooms: list[tuple[int, np.ndarray]], gate: LayerGate,
+                    forward_tokens: int | None = None) -> set[int]:
         """SGLang's scheduler thread, as a forward that computes the whole prompt of each
         (room, slots) in `rooms` starts: queue those rooms now, each Anchor layer to be sent once
         `gate` has it. Returns the rooms queued; the others go the usual way after the forward.
@@ -119,12 +125,17 @@ class PrefillSender:
         pages these slots fill (`backend.pages`). The rooms bound for one decode go to its worker
         as one group, which it sends layer by layer across the group
         (`DestinationWorker.send_group`): every room's first layers go out while the forward
-        computes, not one room after another's whole transfer."""
+        computes, not one room after another's whole transfer. With `forward_tokens` (the
+        forward's prompt tokens; CPU pools) a room is queued only where `stream_policy` finds
+        that streaming pays."""
         jobs: list[Job] = []
         for room, slots in rooms:
             destinations = self.link.destinations(room) if self.link.is_live(room) else []
             if (len(destinations) != 1 or destinations[0].num_pages
                     != num_pages(len(slots), self._pool().page_size)):
+                continue
+            if forward_tokens is not None and not self._streams(destinations[0], len(slots),
+                                                                forward_tokens):
                 continue
             tr = trace.Trace("prefill", room)
             tr.facts["layer_streamed"] = True
@@ -137,6 +148,20 @@ class PrefillSender:
                 job.trace.facts["streamed_with_rooms"] = len(group)
             self._workers.dispatch(group)
         return {job.room for job in jobs}
+
+    def _streams(self, dst: Destination, tokens: int, forward_tokens: int) -> bool:
+        """Whether a room of `tokens` to `dst` is layer-streamed (`stream_policy`); a change of
+        the answer for a decode is logged."""
+        plan = StreamPlan.build(self.config.codec, self._pool().shape, tokens,
+                                self.config.chunk_tokens)
+        decision = self.stream_policy.decide(dst.session_address, plan.anchor_bytes,
+                                             forward_tokens)
+        if self._streams_to.get(dst.session_address) != decision.stream:
+            self._streams_to[dst.session_address] = decision.stream
+            logger.info("lynx: layer streaming to %s: %s (%s)", dst.session_address,
+                        "on" if decision.stream else "off, Anchors after the forward",
+                        decision.why)
+        return decision.stream
 
     def submit(self, room: int, kv_indices, is_last: bool, aux_index: int | None,
                wait_event=None, trace_ctx=None) -> None:
@@ -268,7 +293,7 @@ class PrefillSender:
         if not destinations:
             self.link.report(room, None, [])
             return None
-        return Job(room, slots, item.aux_index, destinations, tr)
+        return Job(room, slots, item.aux_index, destinations, tr, ready_at=time.monotonic())
 
     def _hand_over(self, room: int, item: _Chunk | None, slots: np.ndarray | None,
                    refused: str | None) -> bool:

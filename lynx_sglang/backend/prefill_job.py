@@ -40,6 +40,9 @@ class Job:
     # Layer-streamed (`start_early`): the forward's layers written so far, and SGLang's hand-over
     # of the room after the forward (`handed_over`; `refused` says why the room cannot be sent).
     gate: LayerGate | None = None
+    # Sent after its forward: when the room was ready to send (monotonic), from which its
+    # Anchor's delivery time measures the link (`backend.stream_policy`).
+    ready_at: float | None = None
     handed_over: threading.Event = field(default_factory=threading.Event)
     refused: str | None = None
     # Held by the worker while it reads pool rows of `slots`, and by `_reconcile_streamed` while

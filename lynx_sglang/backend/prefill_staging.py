@@ -22,6 +22,7 @@ from ..errors import StagingFullError
 from ..recorder import Recorder
 from ..trace import Trace
 from .staging import StagingPool, StagingRange
+from .stream_policy import StreamPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +40,21 @@ class InFlight:
     session: Session
     staging: StagingRange
     trace: Trace | None
+    # Sent after its forward: the decode's session address and when the room was ready to send
+    # (monotonic), whose Anchor delivery then measures that link (`StreamPolicy.observe_anchor`).
+    decode: str | None = None
+    ready_at: float | None = None
 
 
 class InFlightStaging:
     """One worker's staging ranges in the transport's hands (see the module)."""
 
-    def __init__(self, staging: StagingPool, config: LynxConfig, recorder: Recorder):
+    def __init__(self, staging: StagingPool, config: LynxConfig, recorder: Recorder,
+                 stream_policy: StreamPolicy | None = None):
         self.staging = staging
         self.config = config
         self.recorder = recorder  # a delivered room's trace record is emitted here
+        self.stream_policy = stream_policy  # told the Anchor delivery of rooms sent after forward
         self._entries: list[InFlight] = []
 
     def __len__(self) -> int:
@@ -102,12 +109,24 @@ class InFlightStaging:
             if not done:
                 keep.append(f)
                 continue
+            self._measure_link(f)
             release_request(f.session, f.room)
             self.staging.free(f.staging)
             if f.trace is not None:
                 _trace_streams(f, streams)
                 self.recorder.emit(f.trace)
         self._entries[:] = keep
+
+    def _measure_link(self, f: InFlight) -> None:
+        """A room sent after its forward, delivered: its Anchor's time from ready to delivered."""
+        if self.stream_policy is None or f.ready_at is None or f.decode is None:
+            return
+        try:
+            st = f.session.send_state(f.room, Stream.ANCHOR)
+        except TransportError:
+            return
+        if st.ok and st.t_done is not None and st.nbytes:
+            self.stream_policy.observe_anchor(f.decode, st.nbytes, st.t_done - f.ready_at)
 
 
 def _trace_streams(f: InFlight, streams: tuple[Stream, ...]) -> None:

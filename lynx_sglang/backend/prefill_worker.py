@@ -34,6 +34,7 @@ from .prefill_link import Destination, PrefillLink, SentBytes
 from .prefill_sessions import DecodeSessions
 from .prefill_staging import InFlight, InFlightStaging
 from .prefill_writer import RoomWriter, WindowedWriter, WriterDeps, check_announcement
+from .stream_policy import StreamPolicy
 from .window import Segments
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class WorkerDeps:
     stopping: threading.Event
     # The process's: each room's trace record, failed sends.
     recorder: Recorder
+    # The sender's: rooms sent after their forward report their Anchor's delivery time to it.
+    stream_policy: StreamPolicy
 
 
 class DestinationWorker:
@@ -70,7 +73,8 @@ class DestinationWorker:
         self.address = address
         self._retire = retire
         self.jobs: queue.Queue[list[Job]] = queue.Queue()
-        self.inflight = InFlightStaging(deps.writer.staging, deps.writer.config, deps.recorder)
+        self.inflight = InFlightStaging(deps.writer.staging, deps.writer.config, deps.recorder,
+                                        deps.stream_policy)
         self.thread = threading.Thread(target=self._run, name=f"lynx-send-{address[-12:]}",
                                        daemon=True)
         self.thread.start()
@@ -200,7 +204,7 @@ class DestinationWorker:
                                   self.inflight), None
         check_announcement(ann, plan)
         staging = self.inflight.allocate(plan.staging_bytes)
-        f = InFlight(room, session, staging, tr)
+        f = InFlight(room, session, staging, tr, dst.session_address, job.ready_at)
         writer = RoomWriter(deps.writer, session, job, pool, staging, plan)
         self.inflight.add(f)
         return writer, f

@@ -26,7 +26,9 @@ from conn_pair import (
     Request,
     SGLang,
     anchor_in,
+    expected_kv,
     failure_message,
+    forward_and_send,
     forward_layer,
     holds,
     make_cfg,
@@ -467,3 +469,27 @@ def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd, monk
     wait_for("the prefill staging to be freed", lambda: prefill_staging_free(pd), timeout=5.0)
     assert _anchor_layers_landed(pd, req.room) < LAYERS
     assert kinds and set(kinds) == {FailureKind.ABORTED}, kinds
+
+
+def test_a_room_the_policy_does_not_stream_goes_after_its_forward_and_measures_the_link(
+        sgl, make_pd):
+    """With the default --lynx-layer-stream-min-share a decode's first room is not streamed
+    (`start_early` leaves it to the usual path, nothing queued); sent after its forward it ends
+    exact, and its Anchor's delivery is then what the policy knows of that decode's link."""
+    from lynx_sglang.backend.layer_stream import LayerGate
+
+    pd = make_pd(make_cfg(target="exact"))
+    sender = pd.prefill.mgr.sender
+    req, g = open_request(sgl, pd, room=1301, seed=31)
+    slots = req.prefill_slots.numpy().astype("int64")
+    decode = sender.link.destinations(req.room)[0].session_address
+    assert sender.stream_policy.link_s_per_byte(decode) is None
+    assert sender.start_early([(req.room, slots)], LayerGate(LAYERS),
+                              forward_tokens=NUM_TOKENS) == set()
+    forward_and_send(pd, req, g)
+    assert poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
+    for got, want in expected_kv(pd, req, "full"):
+        assert torch.equal(got, want)
+    measured = wait_for("the Anchor's delivery measured",
+                        lambda: sender.stream_policy.link_s_per_byte(decode))
+    assert 0 < measured < 1e-3  # seconds per byte: in-process delivery takes milliseconds

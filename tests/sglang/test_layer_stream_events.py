@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lynx_sglang.backend.layer_stream import LayerGate, LayerGateError, LayerStreamer
+from lynx_sglang.backend.stream_policy import StreamPolicy
 
 LAYERS = 4
 WAIT_S = 10
@@ -91,12 +92,14 @@ class Worker:
 
 
 class Sender:
-    """`PrefillSender.start_early`: each forward's rooms go to one worker."""
+    """`PrefillSender.start_early`: each forward's rooms go to one worker (whatever a
+    `forward_tokens` policy would say: the events are what is tested here)."""
 
     def __init__(self) -> None:
         self.workers: list[Worker] = []
+        self.stream_policy = StreamPolicy(0)
 
-    def start_early(self, rooms, gate: LayerGate) -> set[int]:
+    def start_early(self, rooms, gate: LayerGate, forward_tokens: int | None = None) -> set[int]:
         self.workers.append(Worker(gate))
         return {room for room, _ in rooms}
 

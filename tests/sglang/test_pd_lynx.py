@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from layer_streaming import ALWAYS_STREAM
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, FAULT_RESIDUAL_HOLD_LOG
 from lynx_tools.client import GenerateError, generate
@@ -32,7 +33,7 @@ def lynx_cluster(sglang_model, start_cluster, pd_link):
     return start_cluster(ClusterSpec(
         sglang_model, ClusterMode.PD, "lynx", link=pd_link,
         server_args=("--lynx-target", "exact",
-                     "--lynx-transfer-timeout-s", str(TRANSFER_TIMEOUT_S)),
+                     "--lynx-transfer-timeout-s", str(TRANSFER_TIMEOUT_S), *ALWAYS_STREAM),
         # SGLang's decode forgets a dead prefill's bootstrap info after two missed heartbeats
         # (5 s apart); a prefill restarted faster than that used to leave it stale. Never
         # letting the heartbeat decide makes the restart below test Lynx's own handling.
@@ -53,7 +54,7 @@ def test_lynx_exact_matches_single_server(lynx_cluster, reference_outputs, promp
     log = lynx_cluster.log_path("decode").read_text(errors="replace")
     assert "lynx KV manager (decode)" in log
     assert "transport session from prefill rank" in log
-    # Layer streaming (on by default): the Anchor went out layer by layer during the forward,
+    # Layer streaming (every room: ALWAYS_STREAM): the Anchor went out layer by layer during the forward,
     # every layer opened by SGLang's own KV writes before the forward ended.
     prefill_log = lynx_cluster.log_path("prefill").read_text(errors="replace")
     opened = re.search(r"first streamed forward opened (\d+) of (\d+) layers", prefill_log)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from layer_streaming import ALWAYS_STREAM
 
 from lynx_tools.client import generate
 from lynx_tools.cluster import Cluster
@@ -37,7 +38,8 @@ def chunked_references(sglang_model, long_prompts, max_new_tokens, tmp_path_fact
 @pytest.fixture(scope="module")
 def chunked_cluster(sglang_model, start_cluster, pd_link):
     return start_cluster(ClusterSpec(sglang_model, ClusterMode.PD, "lynx", link=pd_link,
-                                     server_args=("--lynx-target", "exact", *CHUNK)))
+                                     server_args=("--lynx-target", "exact", *CHUNK,
+                                                  *ALWAYS_STREAM)))
 
 
 def test_chunked_prefill_streams_the_last_chunk_and_matches(chunked_cluster, chunked_references,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from layer_streaming import ALWAYS_STREAM
 from tiny_deepseek import DUMMY, MAX_NEW_TOKENS, PROMPTS, write_model
 
 from lynx_tools.client import generate
@@ -31,7 +32,8 @@ def test_greedy_mla_output_is_token_identical_to_a_single_server(mla_model, pd_l
                                                                   tmp_path_factory):
     single = ClusterSpec(mla_model, ClusterMode.SINGLE, server_args=DUMMY,
                          run_dir=tmp_path_factory.mktemp("single"))
-    pd = ClusterSpec(mla_model, ClusterMode.PD, "lynx", link=pd_link, server_args=DUMMY,
+    pd = ClusterSpec(mla_model, ClusterMode.PD, "lynx", link=pd_link,
+                     server_args=(*DUMMY, *ALWAYS_STREAM),
                      run_dir=tmp_path_factory.mktemp("pd"))
     # One cluster at a time: two cores.
     with Cluster(single) as server:

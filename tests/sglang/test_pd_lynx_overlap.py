@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
+from layer_streaming import ALWAYS_STREAM
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, TRACE_DIR_ENV
 from lynx_sglang.speculation.controller import IN_FLIGHT_PARK_REASON
@@ -68,7 +69,8 @@ def runs(sglang_model, start_cluster, pd_link, tmp_path_factory) -> Runs:
     pd = ClusterSpec(
         sglang_model, ClusterMode.PD, "lynx", link=pd_link, overlap_schedule=True,
         # The cap above MAX_NEW_TOKENS: speculation ends when the Residual lands, not at a cap.
-        server_args=(*COARSE_ANCHOR_SPEC_ARGS, "--lynx-spec-max-tokens", str(MAX_NEW_TOKENS + 1)),
+        server_args=(*COARSE_ANCHOR_SPEC_ARGS, "--lynx-spec-max-tokens", str(MAX_NEW_TOKENS + 1),
+                     *ALWAYS_STREAM),
         extra_env={FAULT_RESIDUAL_DELAY_ENV: str(RESIDUAL_DELAY_S),
                    TRACE_DIR_ENV: str(trace_dir)},
     )

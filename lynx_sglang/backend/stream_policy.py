@@ -1,0 +1,110 @@
+"""Whether a room's Anchor is layer-streamed (sent while the prefill forward computes) or sent
+after the forward: `StreamPolicy`, one per prefill sender.
+
+Layer streaming hides the Anchor's wire time under the forward, but its encode runs beside the
+forward and takes CPU from it (and where the decode shares the box, so does its apply). Where the
+link is fast against the forward there is nothing to hide and only that cost is left: on this
+project's 2-core box at 5 Gbit/s (R ≈ 0.01) a streamed 1500-token request's forward took ~25 %
+longer (TTFT from the send 5.16 s against mooncake-nospin's 4.08 s; sent after the forward,
+3.6-4.4 s), for an Anchor whose whole wire time was 16 ms. So a room is streamed only where
+sending after the forward would delay it by at least `min_share` of its forward: the Anchor's
+post-forward delivery (encode and wire, per byte, measured on this decode's earlier rooms sent
+after their forward) times this room's Anchor bytes, against this forward's predicted time
+(seconds per prompt token of the earlier forwards).
+
+The first room to a decode, and one every `PROBE_EVERY_S` while its rooms are streamed (which
+measure nothing about the link), goes after its forward to measure the link ("probe"); a room
+whose forward was never timed is streamed. `min_share` 0 streams every room.
+
+Called by the scheduler thread (`decide`, `observe_forward`) and by the destination workers
+(`observe_anchor`, from the transport's delivery times); one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+# How long a decode's link measurement is trusted while its rooms are streamed: then one room
+# goes after its forward again, so that a link that got faster is noticed.
+PROBE_EVERY_S = 300.0
+# Weight of a new measurement in the running estimates (a few rooms to follow a change, one
+# outlier does not flip the decision).
+EWMA = 0.3
+
+
+@dataclass(frozen=True)
+class Decision:
+    stream: bool
+    why: str
+
+
+@dataclass
+class _Link:
+    s_per_byte: float  # an Anchor's post-forward delivery time per byte
+    measured_at: float  # monotonic
+
+
+class StreamPolicy:
+    """Layer streaming room by room (see the module). `min_share` 0: always stream."""
+
+    def __init__(self, min_share: float, clock=time.monotonic):
+        if min_share < 0:
+            raise ValueError(f"min_share must be >= 0, got {min_share}")
+        self.min_share = min_share
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._s_per_token: float | None = None
+        self._links: dict[str, _Link] = {}
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        """An extend forward of `tokens` prompt tokens took `seconds`."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = seconds / tokens
+        with self._lock:
+            old = self._s_per_token
+            self._s_per_token = rate if old is None else old + EWMA * (rate - old)
+
+    def observe_anchor(self, decode: str, nbytes: int, seconds: float) -> None:
+        """A room sent after its forward had its `nbytes` Anchor delivered to `decode`
+        `seconds` after the room was ready to send."""
+        if nbytes <= 0 or seconds < 0:
+            return
+        rate = seconds / nbytes
+        with self._lock:
+            old = self._links.get(decode)
+            value = rate if old is None else old.s_per_byte + EWMA * (rate - old.s_per_byte)
+            self._links[decode] = _Link(value, self._clock())
+
+    def link_s_per_byte(self, decode: str) -> float | None:
+        """The running estimate of an Anchor's post-forward delivery time per byte to `decode`
+        (None: not measured)."""
+        with self._lock:
+            link = self._links.get(decode)
+            return None if link is None else link.s_per_byte
+
+    def decide(self, decode: str, anchor_bytes: int, tokens: int) -> Decision:
+        """Stream this room's Anchor to `decode`, or send it after the forward?"""
+        if self.min_share == 0:
+            return Decision(True, "always (--lynx-layer-stream-min-share 0)")
+        with self._lock:
+            link = self._links.get(decode)
+            s_per_token = self._s_per_token
+            if link is None:
+                return Decision(False, "probe: this decode's link not measured yet")
+            if self._clock() - link.measured_at > PROBE_EVERY_S:
+                # Sent after the forward, the room measures the link again (observe_anchor).
+                link.measured_at = self._clock()
+                return Decision(False, f"probe: link last measured over {PROBE_EVERY_S:g} s ago")
+        if s_per_token is None:
+            return Decision(True, "no forward timed yet")
+        after = link.s_per_byte * anchor_bytes
+        forward = s_per_token * tokens
+        share = after / forward
+        if share >= self.min_share:
+            return Decision(True, f"the Anchor after the forward would take {after:.3f} s, "
+                                  f"{share:.2f} of the forward's {forward:.2f} s")
+        return Decision(False, f"the Anchor after the forward takes {after:.3f} s, only "
+                               f"{share:.2f} of the forward's {forward:.2f} s")

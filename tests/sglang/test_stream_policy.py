@@ -1,0 +1,101 @@
+"""Which rooms a prefill layer-streams (`backend.stream_policy.StreamPolicy`): a decode's first
+room goes after its forward to measure the link; then a room is streamed only where its Anchor,
+sent after the forward, would take at least `min_share` of the forward; a link not measured for
+PROBE_EVERY_S while streaming is measured again; `min_share` 0 streams everything."""
+
+from __future__ import annotations
+
+import pytest
+
+from lynx_sglang.backend.stream_policy import PROBE_EVERY_S, StreamPolicy
+from lynx_sglang.config import LynxConfig, LynxConfigError
+
+MB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def policy(min_share: float = 0.1) -> tuple[StreamPolicy, Clock]:
+    clock = Clock()
+    return StreamPolicy(min_share, clock), clock
+
+
+def test_the_first_room_to_a_decode_probes_the_link():
+    p, _ = policy()
+    p.observe_forward(1500, 4.0)
+    d = p.decide("decode-a:1", 10 * MB, 1500)
+    assert not d.stream and "probe" in d.why
+
+
+def test_a_fast_link_sends_after_the_forward_and_a_slow_one_streams():
+    p, _ = policy()
+    p.observe_forward(1500, 4.0)  # 4 s forwards
+    # 10 MiB delivered 0.07 s after the forward (5 Gbit/s-like): 0.02 of the forward.
+    p.observe_anchor("fast:1", 10 * MB, 0.07)
+    d = p.decide("fast:1", 10 * MB, 1500)
+    assert not d.stream and "0.02 of the forward" in d.why
+    # The same Anchor took 2 s on another decode's link (44 Mbit/s-like): half the forward.
+    p.observe_anchor("slow:1", 10 * MB, 2.0)
+    assert p.decide("slow:1", 10 * MB, 1500).stream
+    # A short prompt's forward is short: the fast link's Anchor is then a larger share of it.
+    p.observe_anchor("fast:1", 10 * MB, 0.07)
+    assert p.decide("fast:1", 10 * MB, 100).stream
+
+
+def test_the_share_threshold_is_the_flag():
+    p, _ = policy(min_share=0.5)
+    p.observe_forward(1000, 1.0)
+    p.observe_anchor("d:1", MB, 0.4)
+    assert not p.decide("d:1", MB, 1000).stream
+    p.observe_anchor("d:1", MB, 0.9)  # running estimate 0.4 -> 0.55
+    assert p.decide("d:1", MB, 1000).stream
+
+
+def test_no_forward_timed_yet_streams():
+    p, _ = policy()
+    p.observe_anchor("d:1", MB, 0.001)
+    d = p.decide("d:1", MB, 1000)
+    assert d.stream and "no forward" in d.why
+
+
+def test_a_streaming_link_is_probed_again_after_a_while():
+    p, clock = policy()
+    p.observe_forward(1000, 1.0)
+    p.observe_anchor("d:1", MB, 1.0)  # slow: stream
+    assert p.decide("d:1", MB, 1000).stream
+    clock.t += PROBE_EVERY_S + 1
+    probe = p.decide("d:1", MB, 1000)
+    assert not probe.stream and "probe" in probe.why
+    # One probe, not every room until its measurement lands.
+    assert p.decide("d:1", MB, 1000).stream
+    # The link got fast: the probe's measurement turns streaming off.
+    for _ in range(12):
+        p.observe_anchor("d:1", MB, 0.001)
+    assert not p.decide("d:1", MB, 1000).stream
+
+
+def test_zero_streams_every_room():
+    p, _ = policy(min_share=0)
+    assert p.decide("never-measured:1", 10 * MB, 10).stream
+
+
+def test_nonsense_observations_are_ignored():
+    p, _ = policy()
+    p.observe_forward(0, 1.0)
+    p.observe_forward(100, 0.0)
+    p.observe_anchor("d:1", 0, 1.0)
+    p.observe_anchor("d:1", MB, -1.0)
+    assert "probe" in p.decide("d:1", MB, 100).why
+
+
+def test_the_flag_is_checked():
+    with pytest.raises(LynxConfigError, match="layer-stream-min-share"):
+        LynxConfig.build(layer_stream_min_share=-0.1)
+    with pytest.raises(ValueError):
+        StreamPolicy(-1)
