@@ -194,7 +194,8 @@ class _Link:
 
 def test_run_regimes_reshapes_the_live_links_per_r(monkeypatch, tmp_path, capsys):
     """The run's glue with the clusters, the client and the trace records faked: per R, the links
-    go to the calibration rate, then to R's rate; each R reports its own requests."""
+    go to the calibration rate, then to R's rate, where each Lynx variant gets one unmeasured
+    request (its prefill measures the link it streams by); each R reports its own requests."""
     from types import SimpleNamespace
 
     from lynx_tools import ttft_regime_run as run
@@ -222,8 +223,13 @@ def test_run_regimes_reshapes_the_live_links_per_r(monkeypatch, tmp_path, capsys
                              None, str(m.run_dir))
 
     monkeypatch.setattr(run, "start_clusters", start_clusters)
-    monkeypatch.setattr(run, "stream_round", lambda url, flush, name, round_, first, cfg: (
-        [SimpleNamespace(t_send=100.0 + first)], [f"{name}-{first}"]))
+    rounds: list[tuple[str, str]] = []
+
+    def stream_round(url, flush, name, round_, first, cfg):
+        rounds.append((name, cfg.link))
+        return [SimpleNamespace(t_send=100.0 + first)], [f"{name}-{first}"]
+
+    monkeypatch.setattr(run, "stream_round", stream_round)
     monkeypatch.setattr(run, "_timeline_record",
                         lambda trace_dir, rid: {"marks": {"prefill_done": 104.0 + len(sent)}})
     monkeypatch.setattr(run, "send_interleaved",
@@ -239,6 +245,8 @@ def test_run_regimes_reshapes_the_live_links_per_r(monkeypatch, tmp_path, capsys
     # Calibration: prefill_done 104 + R's index, sends at 100 and 101: the faster is 3 s, then 4.
     rates = [link_rate_for(2.0, SMOL_KV_1500, 3.0).tc, link_rate_for(0.5, SMOL_KV_1500, 4.0).tc]
     assert sent == rates
+    assert [r for r in rounds if "settle" in r[0]] == [("lynx-settle", rates[0]),
+                                                        ("lynx-settle", rates[1])]
     for link in links.values():
         assert link.rates == ["1gbit", rates[0], "1gbit", rates[1]]
     doc = json.loads((tmp_path / "bench_ttft_regimes.json").read_text())

@@ -59,6 +59,16 @@ def calibrate(m: Measured, cluster: Cluster, prompt: list[int], cfg: BenchConfig
     return Calibration(m.variant.name, tuple(rids), tuple(samples))
 
 
+def settle(up: dict[str, tuple[Measured, Cluster]], prompt: list[int], cfg: BenchConfig) -> None:
+    """One full-length request to each Lynx variant on the re-shaped link, not measured: a Lynx
+    prefill chooses layer streaming by the link it measured (`--lynx-layer-stream-min-share`),
+    and without it the first request of an R would go by the previous R's link."""
+    for name, (m, cluster) in up.items():
+        if m.variant.transfer_backend == "lynx":
+            stream_round(cluster.url, cluster.prefill_url, f"{name}-settle", [prompt], 0,
+                         replace(cfg, max_new_tokens=1))
+
+
 def _timeline_record(trace_dir: Path, rid: str) -> dict | None:
     """`rid`'s timeline record, given the prefill a moment to write it."""
     wait_for(lambda: "timeline" in records_by_request(trace_dir, rid))
@@ -76,8 +86,9 @@ def shape_links(up: dict[str, tuple[Measured, Cluster]], rate: str) -> None:
 def _measure_regime(r: float, up: dict[str, tuple[Measured, Cluster]], cfg: BenchConfig, *,
                     prompts: list[list[int]], warmup_ids: list[int], kv_bytes: int,
                     kv_shape: KVShape, progress: Progress) -> Regime:
-    """One R: the forward measured at CALIBRATION_LINK, every link re-shaped to R's rate, the
-    prompts sent to the variants in turn."""
+    """One R: the forward measured at CALIBRATION_LINK, every link re-shaped to R's rate, one
+    unmeasured request to each Lynx variant (`settle`), the prompts sent to the variants in
+    turn."""
     shape_links(up, CALIBRATION_LINK)
     base, base_cluster = up[cfg.baseline]
     calibration = calibrate(base, base_cluster, warmup_ids, cfg)
@@ -86,6 +97,7 @@ def _measure_regime(r: float, up: dict[str, tuple[Measured, Cluster]], cfg: Benc
                    f"{list(calibration.samples_s)}) -> link {rate.describe()}")
     shape_links(up, rate.tc)
     cfg_r = replace(cfg, link=rate.tc)
+    settle(up, warmup_ids, cfg_r)
     # The same clusters, with what they measure started afresh: each R reports its own requests.
     fresh = {name: (Measured(m.variant, m.run_dir, m.warmup_attempts), c)
              for name, (m, c) in up.items()}
