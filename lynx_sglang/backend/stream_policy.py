@@ -32,6 +32,10 @@ PROBE_EVERY_S = 300.0
 # Weight of a new measurement in the running estimates (a few rooms to follow a change, one
 # outlier does not flip the decision).
 EWMA = 0.3
+# Forwards of fewer prompt tokens are not timed: their fixed cost dominates (a 1-token health
+# check took ~30x a long prompt's time per token), and timed they made a 1500-token forward look
+# ten times longer than it was, so that no room was streamed at R = 1.
+MIN_TIMED_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,9 @@ class StreamPolicy:
         self._links: dict[str, _Link] = {}
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
-        """An extend forward of `tokens` prompt tokens took `seconds`."""
-        if tokens <= 0 or seconds <= 0:
+        """An extend forward of `tokens` prompt tokens took `seconds` (short ones are left out:
+        MIN_TIMED_TOKENS)."""
+        if tokens < MIN_TIMED_TOKENS or seconds <= 0:
             return
         rate = seconds / tokens
         with self._lock:

@@ -85,10 +85,22 @@ def test_zero_streams_every_room():
     assert p.decide("never-measured:1", 10 * MB, 10).stream
 
 
+def test_short_forwards_are_not_timed():
+    """A health check's 1-token forward costs far more per token than a prompt's: timed, it
+    made every forward look long and no room was streamed on a slow link."""
+    p, _ = policy()
+    p.observe_forward(1500, 4.5)
+    for _ in range(20):
+        p.observe_forward(1, 0.1)
+    p.observe_anchor("d:1", 10 * MB, 1.6)  # R ~ 1: the Anchor after the forward takes 1.6 s
+    d = p.decide("d:1", 10 * MB, 1500)
+    assert d.stream and "of the forward's 4.50 s" in d.why
+
+
 def test_nonsense_observations_are_ignored():
     p, _ = policy()
     p.observe_forward(0, 1.0)
-    p.observe_forward(100, 0.0)
+    p.observe_forward(1000, 0.0)
     p.observe_anchor("d:1", 0, 1.0)
     p.observe_anchor("d:1", MB, -1.0)
     assert "probe" in p.decide("d:1", MB, 100).why
