@@ -110,10 +110,13 @@ class InFlightStaging:
                 keep.append(f)
                 continue
             self._measure_link(f)
+            # Before the release: the transport forgets the request's stream states with it
+            # (read after it, the send marks and the anchor_send / residual_send stages were lost).
+            if f.trace is not None:
+                _trace_streams(f, streams)
             release_request(f.session, f.room)
             self.staging.free(f.staging)
             if f.trace is not None:
-                _trace_streams(f, streams)
                 self.recorder.emit(f.trace)
         self._entries[:] = keep
 

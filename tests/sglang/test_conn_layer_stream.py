@@ -472,13 +472,15 @@ def test_a_request_aborted_during_its_forward_stops_streaming(sgl, make_pd, monk
 
 
 def test_a_room_the_policy_does_not_stream_goes_after_its_forward_and_measures_the_link(
-        sgl, make_pd):
+        sgl, make_pd, tmp_path):
     """With the default --lynx-layer-stream-min-share a decode's first room is not streamed
     (`start_early` leaves it to the usual path, nothing queued); sent after its forward it ends
-    exact, and its Anchor's delivery is then what the policy knows of that decode's link."""
+    exact, and its Anchor's delivery is then what the policy knows of that decode's link. Its
+    trace record has the transport's send marks (read before the request is released)."""
     from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.trace import read_records
 
-    pd = make_pd(make_cfg(target="exact"))
+    pd = make_pd(make_cfg(target="exact", trace_dir=str(tmp_path)))
     sender = pd.prefill.mgr.sender
     req, g = open_request(sgl, pd, room=1301, seed=31)
     slots = req.prefill_slots.numpy().astype("int64")
@@ -493,3 +495,7 @@ def test_a_room_the_policy_does_not_stream_goes_after_its_forward_and_measures_t
     measured = wait_for("the Anchor's delivery measured",
                         lambda: sender.stream_policy.link_s_per_byte(decode))
     assert 0 < measured < 1e-3  # seconds per byte: in-process delivery takes milliseconds
+    record = wait_for("the prefill's trace record", lambda: next(
+        (r for r in read_records(tmp_path) if r["kind"] == "prefill" and r["room"] == req.room),
+        None))
+    assert {"anchor_first_sent", "anchor_acked", "residual_acked"} <= set(record["marks"])
