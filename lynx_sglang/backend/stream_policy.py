@@ -32,6 +32,11 @@ PROBE_EVERY_S = 300.0
 # Weight of a new measurement in the running estimates (a few rooms to follow a change, one
 # outlier does not flip the decision).
 EWMA = 0.3
+# A link measured slower than its estimate weighs more: sending after the forward on a slow link
+# costs the Anchor's whole wire time, streaming on a fast one only the encode's share of the
+# forward. (At 0.3 a link slowed from 1 Gbit/s to 51 Mbit/s moved its estimate from 0.02 to 0.11
+# of the forward in one room: barely past the 0.1 default.)
+EWMA_SLOWER = 0.7
 # Forwards of fewer prompt tokens are not timed: their fixed cost dominates (a 1-token health
 # check took ~30x a long prompt's time per token), and timed they made a 1500-token forward look
 # ten times longer than it was, so that no room was streamed at R = 1.
@@ -80,7 +85,11 @@ class StreamPolicy:
         rate = seconds / nbytes
         with self._lock:
             old = self._links.get(decode)
-            value = rate if old is None else old.s_per_byte + EWMA * (rate - old.s_per_byte)
+            if old is None:
+                value = rate
+            else:
+                weight = EWMA_SLOWER if rate > old.s_per_byte else EWMA
+                value = old.s_per_byte + weight * (rate - old.s_per_byte)
             self._links[decode] = _Link(value, self._clock())
 
     def link_s_per_byte(self, decode: str) -> float | None:

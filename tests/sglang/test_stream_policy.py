@@ -53,8 +53,21 @@ def test_the_share_threshold_is_the_flag():
     p.observe_forward(1000, 1.0)
     p.observe_anchor("d:1", MB, 0.4)
     assert not p.decide("d:1", MB, 1000).stream
-    p.observe_anchor("d:1", MB, 0.9)  # running estimate 0.4 -> 0.55
+    p.observe_anchor("d:1", MB, 0.6)  # a slower sample weighs 0.7: 0.4 -> 0.54
     assert p.decide("d:1", MB, 1000).stream
+
+
+def test_a_link_that_slows_down_is_followed_at_once_one_that_speeds_up_gradually():
+    """Sending after the forward on a slow link costs the whole Anchor wire time; streaming on
+    a fast one only a share of the forward: a slower measurement weighs more."""
+    p, _ = policy()
+    p.observe_forward(1500, 4.5)
+    p.observe_anchor("d:1", 10 * MB, 0.1)  # the warm-up at 1 Gbit/s
+    p.observe_anchor("d:1", 10 * MB, 1.9)  # the link shaped to 51 Mbit/s: one room
+    d = p.decide("d:1", 10 * MB, 1500)
+    assert d.stream and "0.30 of the forward" in d.why
+    p.observe_anchor("d:1", 10 * MB, 0.1)  # one fast sample (a probe) does not undo it
+    assert p.decide("d:1", 10 * MB, 1500).stream
 
 
 def test_no_forward_timed_yet_streams():
