@@ -63,7 +63,7 @@ from .prefill_worker import DestinationWorkers, WorkerDeps
 from .prefill_writer import WriterDeps
 from .rank_key import Claimant
 from .staging import StagingPool
-from .stream_policy import StreamPolicy
+from .stream_policy import MAX_LINKS, StreamPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ class PrefillSender:
         decision = self.stream_policy.decide(dst.session_address, plan.anchor_bytes,
                                              forward_tokens)
         if self._streams_to.get(dst.session_address) != decision.stream:
+            if len(self._streams_to) >= MAX_LINKS:  # decodes come and go: bounded like the policy
+                self._streams_to.clear()
             self._streams_to[dst.session_address] = decision.stream
             logger.info("lynx: layer streaming to %s: %s (%s)", dst.session_address,
                         "on" if decision.stream else "off, Anchors after the forward",

@@ -41,6 +41,10 @@ EWMA_SLOWER = 0.7
 # check took ~30x a long prompt's time per token), and timed they made a 1500-token forward look
 # ten times longer than it was, so that no room was streamed at R = 1.
 MIN_TIMED_TOKENS = 128
+# Decodes whose links are remembered: their addresses come from SGLang's bootstrap, so a decode
+# restarted on new ports (or a peer naming many) must not grow the table without bound; the
+# least recently measured is forgotten (it is probed again if it comes back).
+MAX_LINKS = 1024
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,10 @@ class StreamPolicy:
             else:
                 weight = EWMA_SLOWER if rate > old.s_per_byte else EWMA
                 value = old.s_per_byte + weight * (rate - old.s_per_byte)
-            self._links[decode] = _Link(value, self._clock())
+            self._links.pop(decode, None)
+            self._links[decode] = _Link(value, self._clock())  # last: the most recently measured
+            while len(self._links) > MAX_LINKS:
+                del self._links[next(iter(self._links))]
 
     def link_s_per_byte(self, decode: str) -> float | None:
         """The running estimate of an Anchor's post-forward delivery time per byte to `decode`

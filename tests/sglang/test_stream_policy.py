@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_sglang.backend.stream_policy import PROBE_EVERY_S, StreamPolicy
+from lynx_sglang.backend.stream_policy import MAX_LINKS, PROBE_EVERY_S, StreamPolicy
 from lynx_sglang.config import LynxConfig, LynxConfigError
 
 MB = 1 << 20
@@ -91,6 +91,20 @@ def test_a_streaming_link_is_probed_again_after_a_while():
     for _ in range(12):
         p.observe_anchor("d:1", MB, 0.001)
     assert not p.decide("d:1", MB, 1000).stream
+
+
+def test_the_links_remembered_are_bounded():
+    """Decode addresses come from the bootstrap: the table keeps the MAX_LINKS most recently
+    measured, and a forgotten decode is probed again."""
+    p, _ = policy()
+    p.observe_forward(1000, 1.0)
+    for i in range(MAX_LINKS + 10):
+        p.observe_anchor(f"d:{i}", MB, 1.0)
+    p.observe_anchor("d:10", MB, 1.0)  # measured again: now the most recent
+    p.observe_anchor("new:1", MB, 1.0)
+    assert p.link_s_per_byte("d:10") is not None
+    assert p.link_s_per_byte("d:0") is None and "probe" in p.decide("d:0", MB, 1000).why
+    assert p.link_s_per_byte(f"d:{MAX_LINKS + 9}") is not None
 
 
 def test_zero_streams_every_room():
