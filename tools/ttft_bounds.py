@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .ttft_results import LYNX_CLIENT, VariantResult
+from .ttft_results import LYNX_CLIENT, VariantResult, metric_values
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _streams(result: VariantResult) -> bool:
 
 
 def _median_ttft(result: VariantResult) -> float | None:
-    values = [q.ttft_s for q in result.requests if q.client == LYNX_CLIENT and q.ttft_s is not None]
+    values = metric_values(result.requests, ()).get(f"{LYNX_CLIENT}.ttft_s")
     return statistics.median(values) if values else None
 
 
