@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "verbs")
 MIN_SECRET_BYTES = 16
 SPEC_POLICIES = ("auto", "always")
+ANCHOR_WIDTHS = ("fixed", "adaptive")
 FLAG_PREFIX = "--lynx-"
 
 
@@ -120,6 +121,15 @@ class LynxConfig:
              "slows it, which does not pay on a fast link). The first request to a decode, and "
              "one every 5 minutes while streaming, goes after its forward to measure the link. "
              "0 = stream every request (CUDA pools always do: their forward is not timed yet)")
+    anchor_width: str = _opt(
+        "fixed", "Anchor width per request: 'fixed' = --lynx-anchor-bits for every request; "
+                 "'adaptive' = the prefill picks --lynx-anchor-bits or one bit fewer per request, "
+                 "the narrower where it brings the first token sooner by at least 0.05 of the "
+                 "forward (a link slow against the forward, from the link to that decode and the "
+                 "forward pace as measured), the wider elsewhere (its speculation agrees with "
+                 "the exact KV more often); exact either way. Give prefill and decode the same "
+                 "setting: the decode's staging then holds either width",
+        choices=ANCHOR_WIDTHS)
     staging_mib: int = _opt(256, "registered staging memory per server for in-flight requests' "
                                  "encoded KV, in MiB")
     connect_timeout_s: float = _opt(30.0, "deadline for the prefill to connect to a decode's data "
@@ -187,6 +197,17 @@ class LynxConfig:
         if not 0 <= self.layer_stream_min_share <= 10:
             raise LynxConfigError(f"{flag_name('layer_stream_min_share')} must be in 0..10 (a "
                                   f"share of the forward), got {self.layer_stream_min_share}")
+        if self.anchor_width not in ANCHOR_WIDTHS:
+            raise LynxConfigError(f"{flag_name('anchor_width')} must be one of {ANCHOR_WIDTHS}, "
+                                  f"got {self.anchor_width!r}")
+        if self.anchor_width == "adaptive" and self.codec.anchor_bits < 3:
+            raise LynxConfigError(f"{flag_name('anchor_width')} adaptive picks "
+                                  f"{flag_name('anchor_bits')} or one bit fewer, and an Anchor "
+                                  "has at least 2 bits: give --lynx-anchor-bits 3 or more")
+        if self.anchor_width == "adaptive" and not self.residual:
+            raise LynxConfigError(f"{flag_name('anchor_width')} adaptive would serve Anchors of "
+                                  "two precisions as final KV with --no-lynx-residual: use "
+                                  "fixed")
         if self.staging_mib <= 0:
             raise LynxConfigError(f"{flag_name('staging_mib')} must be positive, got "
                                   f"{self.staging_mib}")
@@ -235,6 +256,11 @@ class LynxConfig:
         out = {f.name: getattr(self.codec, f.name) for f in dataclasses.fields(CodecSpec)}
         out |= {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "codec"}
         return {k: v.value if isinstance(v, enum.Enum) else v for k, v in out.items()}
+
+    def anchor_widths(self) -> tuple[int, ...]:
+        """The Anchor widths a request may have (`backend.anchor_width`), narrowest first."""
+        bits = self.codec.anchor_bits
+        return (bits - 1, bits) if self.anchor_width == "adaptive" else (bits,)
 
     def wire_settings(self) -> dict[str, Any]:
         """The settings prefill and decode must share for the streams to mean the same thing (the
@@ -454,7 +480,7 @@ def add_lynx_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 WIRE_SETTINGS = (*(f.name for f in dataclasses.fields(CodecSpec)), "chunk_tokens", "residual",
-                 "transport")
+                 "transport", "anchor_width")
 
 
 def wire_mismatch(decode: dict[str, Any], prefill: Any) -> list[str]:

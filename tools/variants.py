@@ -44,6 +44,13 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lynx", "lynx", ("--lynx-target", "exact"),
             "Lynx speculative (default flags), Residual = INT8 low bits + coded corrections "
             "(bit-identical KV)"),
+    Variant("lynx-a3", "lynx", ("--lynx-target", "exact", "--lynx-anchor-bits", "3"),
+            "Lynx speculative, exact Residual, a 3-bit Anchor for every request: it lands "
+            "sooner, its speculation is rolled back more often"),
+    Variant("lynx-adaptive", "lynx", ("--lynx-target", "exact", "--lynx-anchor-width",
+                                      "adaptive"),
+            "Lynx speculative, exact Residual, the Anchor's width (3 or 4 bits) picked per "
+            "request by the prefill from its measured link and forward"),
     Variant("lynx-tls", "lynx", ("--lynx-target", "exact"),
             "Lynx speculative, exact Residual, its tcp data connections in TLS 1.3", tls=True),
     Variant("lynx-after-forward", "lynx", ("--lynx-target", "exact", "--no-lynx-layer-stream"),

@@ -33,7 +33,7 @@ from ..names import STAGING_QUEUED_LOG, WINDOWED_ROOM_LOG
 from ..recorder import Recorder
 from .decode_rooms import RoomTable
 from .decode_sessions import PrefillSessions
-from .plan import StreamPlan
+from .plan import StreamPlan, room_plans
 from .pool import KVPoolView
 from .room import DecodeRoom, RoomState, Source
 from .staging import ALIGN as STAGING_ALIGN
@@ -76,8 +76,8 @@ class StagingAdmission:
         planned = []
         for source in sources:
             shape = (pool if source.heads is None else pool.heads(*source.heads)).shape
-            plan = StreamPlan.build(self.config.codec, shape, len(slots),
-                                    self.config.chunk_tokens)
+            plans = room_plans(self.config, shape, len(slots))
+            plan = plans[self.config.codec.anchor_bits]
             windows = None
             if not self.staging.holds(plan.staging_bytes):
                 if len(sources) > 1:
@@ -86,24 +86,29 @@ class StagingAdmission:
                         f"rank's part needs {plan.staging_bytes} B of staging, more than the "
                         f"whole pool ({self.staging.nbytes} B); such a room is not sent in "
                         "segments: raise --lynx-staging-mib")
+                # Segments carry the configured width (a window holds fixed layouts).
+                plan = StreamPlan.build(self.config.codec, shape, len(slots),
+                                        self.config.chunk_tokens)
+                plans = {plan.anchor_bits: plan}
                 windows = choose_windows(plan, self.staging.nbytes, STAGING_ALIGN)
-            planned.append((source, plan, windows))
+            planned.append((source, plans, windows))
         staged = True
         with self.rooms.lock:
             self.admit_queued()
-            for part, (source, plan, windows) in enumerate(planned):
-                staged &= self._add(room_id, source, slots, aux_index, plan, windows, rid,
+            for part, (source, plans, windows) in enumerate(planned):
+                staged &= self._add(room_id, source, slots, aux_index, plans, windows, rid,
                                     part, len(planned))
         self._wake()
         return staged
 
     def _add(self, room_id: int, source: Source, slots: torch.Tensor, aux_index: int,
-             plan: StreamPlan, windows: Windows | None, rid: str | None, part: int,
+             plans: dict[int, StreamPlan], windows: Windows | None, rid: str | None, part: int,
              parts: int) -> bool:
         """With the table's lock held: hold one new room (one part of a room of several
         sources), with a staging range if one is free and no room is queued before it (never
         block the scheduler thread; never overtake), announced if its session is up; else queued.
         True if it got a range."""
+        plan = plans[self.config.codec.anchor_bits]
         need = windows.staging_bytes if windows else plan.staging_bytes
         staging = None if self._queue else self.staging.try_allocate(need)
         segments = None
@@ -112,7 +117,7 @@ class StagingAdmission:
                                     self._next_segment_id)
             self._next_segment_id += segments.count - 1
         room = DecodeRoom(room_id, source.prefill, slots, aux_index, plan, staging, windows,
-                          segments, part=part, parts=parts, heads=source.heads)
+                          segments, part=part, parts=parts, heads=source.heads, plans=plans)
         if rid is not None:
             room.trace.facts["rid"] = rid
         if parts > 1:
@@ -209,11 +214,12 @@ class StagingAdmission:
 
     def _announce(self, s: Session, request_id: int, plan: StreamPlan, at: int,
                   meta: bytes = b"") -> None:
-        """Both streams of `plan`, back to back from staging offset `at`."""
+        """Both streams' extents of `plan` (any width the prefill may pick fits), back to back
+        from staging offset `at`."""
         rid = self.staging_region.id
         s.announce(request_id, {
-            Stream.ANCHOR: [(rid, at, plan.anchor_bytes)],
-            Stream.RESIDUAL: [(rid, at + plan.anchor_bytes, plan.residual_bytes)]},
+            Stream.ANCHOR: [(rid, at, plan.anchor_extent)],
+            Stream.RESIDUAL: [(rid, at + plan.anchor_extent, plan.residual_extent)]},
             deadline_s=self.waiting_s, stall_deadline_s=self.config.transfer_timeout_s,
             meta=meta)
 

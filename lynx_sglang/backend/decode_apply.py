@@ -20,10 +20,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from lynx_kernels import CodecSpec
+from lynx_kernels.wire import HEADER
 from lynx_transport import Stream, StreamState
 
 from ..config import LynxConfig
@@ -35,7 +37,7 @@ from .decode_rooms import RoomTable
 from .pool import KVPoolView
 from .room import DecodeRoom, RoomState
 from .staging import StagingPool
-from .streams import apply_anchor_layer, apply_full_layer
+from .streams import anchor_bits_of, apply_anchor_layer, apply_full_layer
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ class StreamApplier:
 
     def __init__(self, deps: ApplyDeps, estimates: Estimates):
         self.deps = deps
-        self.spec = deps.config.codec
+        codec = deps.config.codec
+        # By Anchor width: the spec a room's chunks are checked and decoded with.
+        self._specs = {w: replace(codec, anchor_bits=w) for w in deps.config.anchor_widths()}
         self.estimates = estimates
 
     def step(self, room: DecodeRoom) -> None:
@@ -102,11 +106,19 @@ class StreamApplier:
             self.deps.wake()  # more may have landed meanwhile
 
     def _land_anchor_layers(self, room: DecodeRoom, st: StreamState) -> bool:
-        plan = room.plan
-        landed = landed_prefix(st, plan.anchor_bytes)
+        view = self.deps.staging.view(room.staging)
+        landed = landed_prefix(st, room.plan.anchor_extent)
         if room.progress.anchor_layers_landed == 0 and landed:
             room.trace.mark_mono("anchor_first_byte", st.t_first_byte)
-        return room.progress.land_anchor(self.deps.staging.view(room.staging), plan, landed)
+        if not room.width_known and landed >= HEADER.size:
+            room.resolve_width(anchor_bits_of(view))
+        if st.ok and landed != room.plan.anchor_bytes:
+            raise KVStreamError(f"the Anchor stream ended after {landed} B; the request's "
+                                f"Anchor has {room.plan.anchor_bytes} B")
+        return room.progress.land_anchor(view, room.plan, min(landed, room.plan.anchor_bytes))
+
+    def _spec(self, room: DecodeRoom) -> CodecSpec:
+        return self._specs[room.plan.anchor_bits]
 
     def _write_anchor_layers(self, room: DecodeRoom, pool: KVPoolView) -> bool:
         """Dequantize the landed Anchor layers that are not final yet into the pool."""
@@ -117,7 +129,7 @@ class StreamApplier:
             t0 = time.time()
             if room.trace.marks.get("anchor_apply_start") is None:
                 room.trace.mark("anchor_apply_start", t0)
-            apply_anchor_layer(runs, pool, layer, room.slots, self.spec, room.room,
+            apply_anchor_layer(runs, pool, layer, room.slots, self._spec(room), room.room,
                                self.deps.apply_helper)
             t1 = time.time()
             room.trace.span("anchor_apply", layer, t0, t1)
@@ -132,7 +144,7 @@ class StreamApplier:
         if st is None:
             return False
         progress = room.progress
-        view = self.deps.staging.view(room.staging)[room.plan.anchor_bytes:]
+        view = self.deps.staging.view(room.staging)[room.plan.anchor_extent:]
         landed = landed_prefix(st, len(view))
         if landed and "residual_first_byte" not in room.trace.marks:
             room.trace.mark_mono("residual_first_byte", st.t_first_byte)
@@ -141,7 +153,7 @@ class StreamApplier:
             t0 = time.time()
             if room.trace.marks.get("residual_apply_start") is None:
                 room.trace.mark("residual_apply_start", t0)
-            apply_full_layer(anchor, chunks, pool, layer, room.slots, self.spec, room.room,
+            apply_full_layer(anchor, chunks, pool, layer, room.slots, self._spec(room), room.room,
                              self.deps.apply_helper)
             room.trace.span("residual_apply", layer, t0, time.time())
             progress.finalized(layer)

@@ -1,6 +1,13 @@
 """`StreamPlan`: the byte layout of one request's two streams, computed once from what both ends
 know before anything is encoded (codec settings, KV shape, token count, chunk size).
 
+With `--lynx-anchor-width adaptive` the prefill picks the Anchor's width per request
+(`backend.anchor_width`) after the decode has announced its staging, so both ends build one plan
+per width the decode accepts (`StreamPlan.for_widths`): every plan of the set has the same extents
+(each layer's widest Anchor and Residual over the widths), which is what staging and the
+announcement hold; the Anchor and Residual of the width picked lie in their extents' first bytes.
+The decode learns the width from the first Anchor chunk's header (`backend.decode_apply`).
+
 Stream layout: for layer 0..L-1, for each kind the pool holds (K then V; an MLA pool's latent
 alone, `backend.pool`), the wire chunks of tokens [0, T) cut every `chunk_tokens` tokens
 (`lynx_kernels.fused.run_nbytes`), concatenated. Every layer's share of the Anchor
@@ -16,7 +23,7 @@ at the plan's offsets (`backend.prefill_writer`), and the decode parses the land
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lynx_kernels import CodecSpec, KVShape, StreamKind, WireStream, fused
 from lynx_kernels.sizes import stream_nbytes_per_token
@@ -42,6 +49,30 @@ class StreamPlan:
     # exact one the estimate from corrections measured on real KV (`lynx_kernels.sizes`).
     residual_bytes_expected: int
     kinds: tuple[StreamKind, ...] = KINDS
+    # The Anchor's width (`CodecSpec.anchor_bits`) this plan lays out.
+    anchor_bits: int = 4
+    # Per layer, the room staging and the announcement hold for each stream: this plan's own
+    # sizes, or the largest of a set of widths (`for_widths`). 0: this plan's own.
+    anchor_layer_extent: int = 0
+    residual_layer_extent: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "anchor_layer_extent",
+                           max(self.anchor_layer_extent, self.anchor_layer_bytes))
+        object.__setattr__(self, "residual_layer_extent",
+                           max(self.residual_layer_extent, self.residual_layer_bytes))
+
+    @classmethod
+    def for_widths(cls, spec: CodecSpec, widths: tuple[int, ...], shape: KVShape,
+                   num_tokens: int, chunk_tokens: int) -> dict[int, StreamPlan]:
+        """One plan per Anchor width in `widths` (`spec` with that `anchor_bits`), all with the
+        same extents: the largest of each stream's layer over the widths."""
+        plans = {w: cls.build(replace(spec, anchor_bits=w), shape, num_tokens, chunk_tokens)
+                 for w in widths}
+        anchor = max(p.anchor_layer_bytes for p in plans.values())
+        residual = max(p.residual_layer_bytes for p in plans.values())
+        return {w: replace(p, anchor_layer_extent=anchor, residual_layer_extent=residual)
+                for w, p in plans.items()}
 
     @classmethod
     def build(cls, spec: CodecSpec, shape: KVShape, num_tokens: int,
@@ -61,7 +92,7 @@ class StreamPlan:
         expected = min(bound, round(values * per_token.residual_expected) + headers)
         return cls(num_tokens, shape.num_layers, chunk_tokens,
                    tuple(run.anchor for run in runs),
-                   tuple(run.residual_bound for run in runs), expected, kinds)
+                   tuple(run.residual_bound for run in runs), expected, kinds, spec.anchor_bits)
 
     @property
     def anchor_layer_bytes(self) -> int:
@@ -81,25 +112,46 @@ class StreamPlan:
         return self.num_layers * self.residual_layer_bytes
 
     @property
+    def anchor_extent(self) -> int:
+        """The Anchor stream's room in staging and the announcement (>= `anchor_bytes`)."""
+        return self.num_layers * self.anchor_layer_extent
+
+    @property
+    def residual_extent(self) -> int:
+        """The Residual stream's room (>= its bound `residual_bytes`)."""
+        return self.num_layers * self.residual_layer_extent
+
+    @property
     def staging_bytes(self) -> int:
-        """Anchor then Residual, back to back."""
-        return self.anchor_bytes + self.residual_bytes
+        """The Anchor's extent then the Residual's, back to back."""
+        return self.anchor_extent + self.residual_extent
 
     def stream_bytes(self, stream: WireStream) -> int:
         return self.anchor_bytes if stream is WireStream.ANCHOR else self.residual_bytes
+
+    def stream_extent(self, stream: WireStream) -> int:
+        """What the decode announces for `stream`."""
+        return self.anchor_extent if stream is WireStream.ANCHOR else self.residual_extent
 
     def anchor_offset(self, layer: int) -> int:
         """Where layer `layer`'s Anchor chunks start in the Anchor stream (and in staging)."""
         return layer * self.anchor_layer_bytes
 
 
-def max_tokens_in_staging(spec: CodecSpec, shape: KVShape, chunk_tokens: int, staging_bytes: int,
-                          align: int, upper: int) -> int:
+def room_plans(config: LynxConfig, shape: KVShape, num_tokens: int) -> dict[int, StreamPlan]:
+    """A request's plans by Anchor width, one per width `config` allows (`LynxConfig.anchor_widths`),
+    with shared extents (`StreamPlan.for_widths`)."""
+    return StreamPlan.for_widths(config.codec, config.anchor_widths(), shape, num_tokens,
+                                 config.chunk_tokens)
+
+
+def max_tokens_in_staging(config: LynxConfig, shape: KVShape, staging_bytes: int, align: int,
+                          upper: int) -> int:
     """The longest request (at most `upper` tokens) whose staging range, rounded up to `align`
     bytes as the staging pool allocates it, fits in `staging_bytes` (0 if none does). A request
     holds its range whole, so a longer one fails (`StagingFullError`) however idle the server."""
     def fits(n: int) -> bool:
-        need = StreamPlan.build(spec, shape, n, chunk_tokens).staging_bytes
+        need = room_plans(config, shape, n)[config.codec.anchor_bits].staging_bytes
         return -(-need // align) * align <= staging_bytes
 
     lo, hi = 0, upper  # fits(lo) or lo == 0; the staging range grows with the token count
@@ -116,13 +168,12 @@ def log_staging_fit(lynx: LynxConfig, shape: KVShape, staging_bytes: int, longes
     """Log how long a request `staging_bytes` of staging hold whole, against the `longest` this
     server takes: a longer one is sent in segments through windows of staging
     (`backend.window`), slower and without speculation. Called by the manager at start-up."""
-    fit = max_tokens_in_staging(lynx.codec, shape, lynx.chunk_tokens, staging_bytes, ALIGN,
-                                longest)
+    fit = max_tokens_in_staging(lynx, shape, staging_bytes, ALIGN, longest)
     if fit >= longest:
         logger.info("lynx: --lynx-staging-mib %d holds a request of up to %d tokens, the "
                     "longest this server takes", lynx.staging_mib, longest)
         return
-    need = StreamPlan.build(lynx.codec, shape, longest, lynx.chunk_tokens)
+    need = room_plans(lynx, shape, longest)[lynx.codec.anchor_bits]
     logger.warning(
         "lynx: --lynx-staging-mib %d holds a request of up to %d tokens whole (target %s); "
         "this server takes up to %d, and a longer request is sent in segments through "

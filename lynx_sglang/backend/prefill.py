@@ -139,7 +139,8 @@ class PrefillSender:
                 continue
             tr = trace.Trace("prefill", room)
             tr.facts["layer_streamed"] = True
-            job = Job(room, slots, None, destinations, tr, gate=gate)
+            job = Job(room, slots, None, destinations, tr, gate=gate,
+                      forward_tokens=forward_tokens)
             if not self._streamed.add(job):
                 continue
             jobs.append(job)

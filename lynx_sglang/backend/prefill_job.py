@@ -43,6 +43,9 @@ class Job:
     # Sent after its forward: when the room was ready to send (monotonic), from which its
     # Anchor's delivery time measures the link (`backend.stream_policy`).
     ready_at: float | None = None
+    # Layer-streamed: the prompt tokens of the forward it streams beside (the forward's predicted
+    # time weighs the Anchor's width, `backend.anchor_width`).
+    forward_tokens: int | None = None
     handed_over: threading.Event = field(default_factory=threading.Event)
     refused: str | None = None
     # Held by the worker while it reads pool rows of `slots`, and by `_reconcile_streamed` while

@@ -25,9 +25,10 @@ from lynx_transport import TransportError
 from ..errors import SettingsMismatchError
 from ..failures import failure_kind_of
 from ..recorder import Recorder
+from .anchor_width import WidthChoice, choose_width
 from .layer_stream import LayerGateError
 from .pages import num_pages
-from .plan import StreamPlan
+from .plan import StreamPlan, room_plans
 from .pool import KVPoolView
 from .prefill_job import Job, StreamedJobs
 from .prefill_link import Destination, PrefillLink, SentBytes
@@ -187,9 +188,9 @@ class DestinationWorker:
             raise SettingsMismatchError(dst.refusal)
         pool = deps.pool() if dst.heads is None else deps.pool().heads(*dst.heads)
         num_tokens = len(job.slots)
-        plan = StreamPlan.build(config.codec, pool.shape, num_tokens, config.chunk_tokens)
-        tr.facts.update(tokens=num_tokens, anchor_bytes=plan.anchor_bytes,
-                        residual_bytes=plan.residual_bytes if config.residual else 0)
+        plans = room_plans(config, pool.shape, num_tokens)
+        plan = plans[config.codec.anchor_bits]
+        self._note_plan(tr, plan)
         if dst.num_pages != num_pages(num_tokens, pool.page_size):
             raise SettingsMismatchError(f"decode allocated {dst.num_pages} KV pages of "
                                         f"{pool.page_size} tokens for a request of {num_tokens} "
@@ -199,15 +200,41 @@ class DestinationWorker:
         tr.mark("announcement")
         segments = Segments.parse(ann.meta, plan.num_layers)
         if segments is not None:
+            # Segments carry the configured width (the decode's windows hold fixed layouts).
+            plan = StreamPlan.build(config.codec, pool.shape, num_tokens, config.chunk_tokens)
+            self._note_plan(tr, plan)
             tr.facts.update(segments=segments.count)
             return WindowedWriter(deps.writer, session, job, pool, plan, segments,
                                   self.inflight), None
         check_announcement(ann, plan)
+        plan = plans[self._width(job, dst, plans).anchor_bits]
+        self._note_plan(tr, plan)
         staging = self.inflight.allocate(plan.staging_bytes)
         f = InFlight(room, session, staging, tr, dst.session_address, job.ready_at)
         writer = RoomWriter(deps.writer, session, job, pool, staging, plan)
         self.inflight.add(f)
         return writer, f
+
+    def _width(self, job: Job, dst: Destination, plans: dict[int, StreamPlan]) -> WidthChoice:
+        """The room's Anchor width to `dst` (`backend.anchor_width`)."""
+        policy = self.deps.stream_policy
+        streamed = job.gate is not None
+        tokens = job.forward_tokens if streamed else len(job.slots)
+        choice = choose_width(tuple(sorted(plans)),
+                              {w: p.anchor_bytes for w, p in plans.items()},
+                              policy.link_s_per_byte(dst.session_address),
+                              None if tokens is None else policy.forward_s(tokens), streamed)
+        if len(plans) > 1:
+            job.trace.facts["anchor_width"] = choice.why
+            logger.debug("lynx: room %s to %s: %d Anchor bits (%s)", job.room,
+                         dst.session_address, choice.anchor_bits, choice.why)
+        return choice
+
+    def _note_plan(self, tr, plan: StreamPlan) -> None:
+        tr.facts.update(tokens=plan.num_tokens, anchor_bits=plan.anchor_bits,
+                        anchor_bytes=plan.anchor_bytes,
+                        residual_bytes=plan.residual_bytes if self.deps.writer.config.residual
+                        else 0)
 
     def _done(self, job: Job, sent: int, destinations: list[Destination]) -> None:
         self.deps.sent.record(job.room, sent)

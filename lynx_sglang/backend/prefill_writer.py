@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lynx_kernels import Target, WireStream
+from lynx_kernels import CodecSpec, Target, WireStream
 from lynx_transport import AnnouncementTimeoutError, Region, Session, Stream
 
 from ..config import LynxConfig
@@ -51,14 +51,15 @@ class WriterDeps:
     read_aux: Callable[[int], bytes]
     faults: FaultPlan
 
-    def encode(self, job: Job, pool: KVPoolView, layer: int, anchor_out,
-               residual_out) -> tuple[int, int]:
-        """Encode one layer of the job's slots (`encode_layer_into`)."""
+    def encode(self, job: Job, pool: KVPoolView, layer: int, anchor_out, residual_out,
+               spec: CodecSpec | None = None) -> tuple[int, int]:
+        """Encode one layer of the job's slots (`encode_layer_into`) with `spec` (None: the
+        configured codec; else the room's, of the Anchor width picked for it)."""
         # Under the job's lock: the slots may be swapped for the prefix cache's between layers
         # (`PrefillSender._reconcile_streamed`), never during one.
         with job.lock:
             rows, index = job.rows_of(pool, layer)
-            return encode_layer_into(rows, layer, index, self.config.codec,
+            return encode_layer_into(rows, layer, index, spec or self.config.codec,
                                      self.config.chunk_tokens, job.room, anchor_out,
                                      residual_out, self.encoder)
 
@@ -87,6 +88,8 @@ class RoomWriter:
         self.deps, self.session, self.job, self.pool = deps, session, job, pool
         self.staging, self.plan = staging, plan
         config = deps.config
+        # The room's Anchor width (`backend.anchor_width`) is the plan's.
+        self.spec = replace(config.codec, anchor_bits=plan.anchor_bits)
         self.residual_base = staging.offset + plan.anchor_bytes
         # Layer-streamed, the Residual goes out with its layer too: the forward of the later
         # layers leaves the time (and the link idle between Anchor layers), and the transport
@@ -120,7 +123,7 @@ class RoomWriter:
         r_at = self.residual_base + layer * plan.residual_layer_bytes
         written, r_written = deps.encode(
             job, self.pool, layer, buf[at: at + plan.anchor_layer_bytes],
-            buf[r_at: r_at + plan.residual_layer_bytes] if self.one_pass else None)
+            buf[r_at: r_at + plan.residual_layer_bytes] if self.one_pass else None, self.spec)
         if written != plan.anchor_layer_bytes:
             raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
                                 f"expected {plan.anchor_layer_bytes} B")
@@ -172,7 +175,7 @@ class RoomWriter:
                 t0 = time.time()
                 at = self.residual_base + stream_at
                 _, written = deps.encode(job, self.pool, layer, scratch,
-                                         buf[at: at + plan.residual_layer_bytes])
+                                         buf[at: at + plan.residual_layer_bytes], self.spec)
                 session.write_stream(room, Stream.RESIDUAL, region, at, written,
                                      stream_offset=stream_at)
                 stream_at += written
@@ -289,10 +292,10 @@ class WindowedWriter:
 
 
 def check_announcement(ann, plan: StreamPlan) -> None:
-    """The decode announced the stream sizes this prefill encodes for `plan`."""
+    """The decode announced the stream extents this prefill plans for `plan`."""
     for ws, stream in _STREAMS.items():
-        if ann.stream_nbytes(stream) != plan.stream_bytes(ws):
+        if ann.stream_nbytes(stream) != plan.stream_extent(ws):
             raise SettingsMismatchError(
                 f"decode announced {ann.stream_nbytes(stream)} B for the {ws.name} "
-                f"stream, this prefill encodes {plan.stream_bytes(ws)} B: the --lynx-* "
+                f"stream, this prefill plans {plan.stream_extent(ws)} B: the --lynx-* "
                 "flags or the model differ between prefill and decode")

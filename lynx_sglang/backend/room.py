@@ -40,6 +40,7 @@ import torch
 from lynx_transport import Session
 
 from .. import trace as tracing
+from ..errors import KVStreamError
 from .decode_policy import UNDECIDED, SpeculationDecision
 from .decode_progress import TransferProgress
 from .outcome import ResidualOutcome, ResidualState
@@ -105,6 +106,10 @@ class DecodeRoom:
     part: int = 0
     parts: int = 1
     heads: tuple[int, int] | None = None
+    # The plan of each Anchor width the prefill may pick (`backend.plan.room_plans`; one: the
+    # room's plan). `plan` is the configured width's until the first Anchor chunk names the
+    # width picked (`resolve_width`).
+    plans: dict[int, StreamPlan] = field(default_factory=dict)
     state: RoomState = RoomState.AWAITING_SESSION
     created: float = field(default_factory=time.monotonic)
     # Since when the room waits for what it needs next (a staging range, then the prefill's
@@ -120,6 +125,7 @@ class DecodeRoom:
     progress: TransferProgress = field(init=False)
 
     def __post_init__(self) -> None:
+        self.plans = self.plans or {self.plan.anchor_bits: self.plan}
         if self.staging is None:
             self.state = RoomState.AWAITING_STAGING
         self.waiting_since = self.created
@@ -129,6 +135,23 @@ class DecodeRoom:
         self.trace = tracing.Trace("decode", self.room)
         self.trace.mark_mono("registered", self.created)
         self.trace.facts.update(tokens=self.plan.num_tokens, anchor_bytes=self.plan.anchor_bytes)
+
+    @property
+    def width_known(self) -> bool:
+        """Whether `plan` is the Anchor width the prefill sends (one allowed, or resolved)."""
+        return len(self.plans) == 1
+
+    def resolve_width(self, anchor_bits: int) -> None:
+        """The first Anchor chunk says the prefill picked `anchor_bits` (the applier thread,
+        before any Anchor layer is parsed): that width's plan is the room's from now on.
+        KVStreamError for a width the decode did not allow."""
+        plan = self.plans.get(anchor_bits)
+        if plan is None:
+            raise KVStreamError(f"the Anchor's first chunk has {anchor_bits} Anchor bits; this "
+                                f"decode takes {sorted(self.plans)} (--lynx-anchor-bits, "
+                                "--lynx-anchor-width)")
+        self.plan, self.plans = plan, {anchor_bits: plan}
+        self.trace.facts.update(anchor_bits=anchor_bits, anchor_bytes=plan.anchor_bytes)
 
     # ---- transitions --------------------------------------------------------------------------
     def _move(self, allowed: frozenset[RoomState] | set[RoomState], to: RoomState,

@@ -17,7 +17,8 @@ measure nothing about the link), goes after its forward to measure the link ("pr
 whose forward was never timed is streamed. `min_share` 0 streams every room.
 
 Called by the scheduler thread (`decide`, `observe_forward`) and by the destination workers
-(`observe_anchor`, from the transport's delivery times); one lock.
+(`observe_anchor`, from the transport's delivery times; `link_s_per_byte` and `forward_s` for the
+Anchor's width, `backend.anchor_width`); one lock.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class StreamPolicy:
         with self._lock:
             link = self._links.get(decode)
             return None if link is None else link.s_per_byte
+
+    def forward_s(self, tokens: int) -> float | None:
+        """The predicted time of a forward of `tokens` prompt tokens (None: none timed yet)."""
+        with self._lock:
+            return None if self._s_per_token is None else self._s_per_token * tokens
 
     def decide(self, decode: str, anchor_bytes: int, tokens: int) -> Decision:
         """Stream this room's Anchor to `decode`, or send it after the forward?"""

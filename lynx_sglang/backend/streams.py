@@ -34,7 +34,8 @@ from .plan import StreamPlan
 from .pool import KINDS, LATENT_KINDS, KVPoolView
 
 # Header fields the reader needs (lynx_kernels.wire.HEADER's order).
-_F_MAGIC, _F_KIND, _F_LAYER, _F_START, _F_END, _F_PAYLOAD = 0, 3, 8, 16, 17, 18
+_F_MAGIC, _F_STREAM, _F_KIND, _F_BITS, _F_LAYER, _F_START, _F_END, _F_PAYLOAD = (
+    0, 2, 3, 6, 8, 16, 17, 18)
 # The header's kind field (lynx_kernels.wire).
 _KIND_CODE = {StreamKind.K: 0, StreamKind.V: 1}
 
@@ -97,6 +98,16 @@ def anchor_layer(view: memoryview, plan: StreamPlan, layer: int) -> LayerRuns:
         runs.append(view[at: at + size])
         at += size
     return LayerRuns(plan.kinds, tuple(runs))
+
+
+def anchor_bits_of(view: memoryview) -> int:
+    """The Anchor width the first chunk of a landed Anchor stream names (its header's first
+    `HEADER.size` bytes must be in `view`); KVStreamError if that is no Anchor chunk. The rest
+    of the header (and the chunk's CRC) is checked when the layer is applied."""
+    h = HEADER.unpack_from(view, 0)
+    if h[_F_MAGIC] != MAGIC or h[_F_STREAM] != 0:
+        raise KVStreamError("the Anchor stream does not start with a Lynx Anchor chunk")
+    return h[_F_BITS]
 
 
 def _each_kind(write, layer: int, what: str, kinds: tuple[StreamKind, ...],

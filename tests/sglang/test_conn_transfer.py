@@ -215,6 +215,8 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
 @pytest.mark.parametrize("field, prefill_value, decode_value, flag", [
     ("target", "exact", "int8", "--lynx-target"),  # different stream sizes
     ("rotate", True, False, "--lynx-rotate"),  # same sizes: only the settings tell
+    # The prefill would pick widths the decode's staging and checks do not take.
+    ("anchor_width", "adaptive", "fixed", "--lynx-anchor-width"),
 ])
 def test_codec_mismatch_fails_both_sides_at_connect(sgl, make_pd, field, prefill_value,
                                                     decode_value, flag):
