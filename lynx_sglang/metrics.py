@@ -41,6 +41,7 @@ class _Instruments:
     failures: Any
     staging_used: Any
     stream_bytes: Any
+    anchor_bits: Any
     anchor_wait: Any
     anchor_to_residual: Any
     spec_tokens: Any
@@ -79,6 +80,9 @@ def _get() -> _Instruments | None:
                            p, multiprocess_mode="livesum"),
         stream_bytes=Counter("lynx_stream_bytes_total",
                              "KV bytes received per Lynx stream (decode)", [*p, "stream"]),
+        anchor_bits=Counter("lynx_anchor_bits_requests_total",
+                            "Requests received by the width of their Anchor (decode; "
+                            "--lynx-anchor-width)", [*p, "bits"]),
         anchor_wait=Histogram("lynx_anchor_wait_seconds",
                               "Transfer announced -> Anchor applied to the KV pool (decode)",
                               p, buckets=_TIME_BUCKETS),
@@ -116,10 +120,12 @@ class Metrics:
         return metric.labels(self.model_name, self.role, str(self.tp_rank), *own)
 
     def record_transfer(self, anchor_bytes: int, residual_bytes: int,
-                        anchor_wait_s: float | None, anchor_to_residual_s: float | None) -> None:
+                        anchor_wait_s: float | None, anchor_to_residual_s: float | None,
+                        anchor_bits: int) -> None:
         m = _get()
         if m is None:
             return
+        self._labels(m.anchor_bits, str(anchor_bits)).inc()
         self._labels(m.stream_bytes, "anchor").inc(anchor_bytes)
         self._labels(m.stream_bytes, "residual").inc(residual_bytes)
         if anchor_wait_s is not None:

@@ -101,8 +101,10 @@ def variant_result(m: Measured, cfg: BenchConfig, kv_shape: KVShape) -> VariantR
         transfer = None
         if is_lynx:
             transfer = dict(records["decode"]["marks"])
-            transfer.update(anchor_bytes=records["decode"]["facts"]["anchor_bytes"],
-                            residual_bytes=records["decode"]["facts"]["residual_bytes"])
+            facts = records["decode"]["facts"]
+            transfer.update(anchor_bytes=facts["anchor_bytes"],
+                            residual_bytes=facts["residual_bytes"],
+                            anchor_bits=facts.get("anchor_bits"))
         client.append(client_timing(i, g, cfg.token_marks,
                                     records["timeline"]["marks"]["prefill_done"], transfer,
                                     breakdown(records, rid, g.t_first_token, rate),

@@ -45,6 +45,8 @@ class RequestTiming:
     network_ttft_s: float | None = None
     # lynx_client, Lynx variants: bytes per stream and Anchor/Residual landed/applied times.
     stream_bytes: dict[str, int] | None = None
+    # lynx_client, Lynx variants: the width of the request's Anchor (`--lynx-anchor-width`).
+    anchor_bits: int | None = None
     lynx_events_s: dict[str, float | None] = field(default_factory=dict)
     # lynx_client: where the network-exposed TTFT went (tools.trace_report).
     stages: Breakdown | None = None
@@ -106,6 +108,7 @@ def client_timing(index: int, got: StreamedGeneration, marks: tuple[int, ...],
         network_ttft_s=None if done is None else round(ttft - done, 6),
         stream_bytes=None if transfer is None else {"anchor": transfer["anchor_bytes"],
                                                     "residual": transfer["residual_bytes"]},
+        anchor_bits=None if transfer is None else transfer.get("anchor_bits"),
         lynx_events_s={} if transfer is None else {k: rel(transfer.get(k)) for k in LYNX_EVENTS},
         stages=stages, speculation=speculation, text=got.text)
 

@@ -167,7 +167,8 @@ class StatusReporter:
 
         logger.info("%s", record_line(TRANSFER_RECORD, {
             "room": room.room, "rid": room.trace.facts.get("rid"), "tokens": plan.num_tokens,
-            "anchor_bytes": plan.anchor_bytes, "residual_bytes": residual_bytes,
+            "anchor_bits": plan.anchor_bits, "anchor_bytes": plan.anchor_bytes,
+            "residual_bytes": residual_bytes,
             "announced": marks.get("announced"), "anchor_landed": marks.get("anchor_landed"),
             "anchor_applied": marks.get("anchor_applied"),
             "residual_landed": marks.get("residual_landed"),
@@ -187,4 +188,4 @@ class StatusReporter:
             plan.anchor_bytes, residual_bytes,
             None if anchor_applied is None else anchor_applied - marks["registered"],
             None if anchor_landed is None or not self.config.residual
-            else marks["residual_applied"] - anchor_landed)
+            else marks["residual_applied"] - anchor_landed, plan.anchor_bits)

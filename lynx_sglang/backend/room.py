@@ -134,7 +134,8 @@ class DecodeRoom:
                                          kinds=self.plan.kinds)
         self.trace = tracing.Trace("decode", self.room)
         self.trace.mark_mono("registered", self.created)
-        self.trace.facts.update(tokens=self.plan.num_tokens, anchor_bytes=self.plan.anchor_bytes)
+        self.trace.facts.update(tokens=self.plan.num_tokens, anchor_bits=self.plan.anchor_bits,
+                                anchor_bytes=self.plan.anchor_bytes)
 
     @property
     def width_known(self) -> bool:

@@ -16,6 +16,8 @@ import torch
 from conn_pair import (
     LAYERS,
     LONG_HOLD_S,
+    NUM_TOKENS,
+    failure_message,
     make_cfg,
     poll_until_done,
     start_request,
@@ -33,6 +35,7 @@ from lynx_sglang.backend.stream_policy import StreamPolicy
 from lynx_sglang.backend.streams import anchor_bits_of
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.errors import KVStreamError, LynxConfigError
+from lynx_transport import Stream
 
 
 def _anchor_of_width(pd, req, bits: int) -> bool:
@@ -77,6 +80,37 @@ def test_the_prefill_picks_the_width_and_the_decode_follows(sgl, make_pd, monkey
         for layer in range(LAYERS):
             assert torch.equal(getattr(pd.decode.pool, kind)[layer][req.decode_slots],
                                getattr(pd.prefill.pool, kind)[layer][req.prefill_slots])
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("width", ["fixed", "adaptive"])
+def test_an_anchor_stream_that_ends_short_fails_the_room(sgl, make_pd, monkeypatch, width):
+    """A prefill that ends its Anchor stream with a layer missing (here: its last layer's write
+    dropped, so the stream's end counts only what was sent) fails the room, naming the length:
+    before, the decode took the shorter stream as complete and waited for the missing layer's
+    Residual until the stall deadline."""
+    from lynx_transport.session import Session
+
+    write_stream = Session.write_stream
+    last_layer_at = {}
+
+    def drop_last_anchor_layer(self, request_id, stream, src, src_offset, length,
+                               stream_offset=0, **kw):
+        if Stream(stream) is Stream.ANCHOR and stream_offset == last_layer_at.get("offset"):
+            return None
+        return write_stream(self, request_id, stream, src, src_offset, length, stream_offset,
+                            **kw)
+
+    monkeypatch.setattr(Session, "write_stream", drop_last_anchor_layer)
+    pd = make_pd(make_cfg(target="exact", anchor_width=width))
+    config = pd.prefill.mgr.lynx
+    plan = room_plans(config, pd.prefill.mgr.pool.shape, NUM_TOKENS)[config.codec.anchor_bits]
+    last_layer_at["offset"] = plan.anchor_offset(LAYERS - 1)
+    req = start_request(sgl, pd, room=7017, seed=18)
+    assert poll_until_done(sgl, req.receiver) == sgl.KVPoll.Failed
+    assert f"the Anchor stream ended after {plan.anchor_bytes - plan.anchor_layer_bytes} B" \
+        in failure_message(sgl, req.receiver)
+    assert pd.decode.mgr.staging.free_bytes() == pd.decode.mgr.staging.nbytes
 
 
 # ---- the choice -----------------------------------------------------------------------------

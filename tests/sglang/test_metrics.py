@@ -12,7 +12,7 @@ RECORD_AND_EXPORT = """
 from lynx_sglang import metrics
 from lynx_sglang.failures import FailureKind
 m = metrics.Metrics("smollm2", "decode", 1)
-m.record_transfer(1000, 3000, 0.25, 1.5)
+m.record_transfer(1000, 3000, 0.25, 1.5, 3)
 m.record_failure(FailureKind.TIMEOUT)
 m.record_failure(FailureKind.SETTINGS_MISMATCH)
 m.record_staging_used(4096)
@@ -63,6 +63,7 @@ def test_metrics_reach_the_multiprocess_exporter(tmp_path):
     assert "ENABLED True" in text
     assert _value(text, "lynx_stream_bytes_total", stream="anchor") == 1000
     assert _value(text, "lynx_stream_bytes_total", stream="residual") == 3000
+    assert _value(text, "lynx_anchor_bits_requests_total", bits="3") == 1
     assert _value(text, "lynx_spec_tokens_total", fate="speculated") == 10
     assert _value(text, "lynx_spec_tokens_total", fate="accepted") == 7
     assert _value(text, "lynx_spec_tokens_total", fate="rolled_back") == 3
