@@ -35,6 +35,13 @@ CALIBRATION_REQUESTS = 2
 # Mooncake's TransferEngine fails a transfer that takes longer than this many seconds (default
 # 30): at a slow enough R × forward (a 1500-token SmolLM2 KV below ~9 Mbit/s) its KV never lands.
 MOONCAKE_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+# SGLang's decode fails every request of a prefill whose bootstrap server misses this many
+# heartbeats in a row (default 2: a GET /health every 5 s, read timeout 3 s). On the shaped link
+# the heartbeat queues behind the KV in up to ~1.7 s of tc buffer each way at 5 Mbit/s (R = 16
+# here), and a Lynx request failed that way on 2026-12-07 with its prefill alive; 6 misses still
+# find a dead prefill within 30 s.
+HEARTBEAT_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
+HEARTBEAT_FAILURES = 6
 REGIME_VARIANTS = "mooncake-nospin,lynx"
 REGIME_HELP = (
     "comma-separated wire-to-forward ratios R (e.g. 0.3,2,8): R = the BF16 KV's wire time ÷ the "
@@ -75,11 +82,13 @@ def check_regime_arguments(parser: argparse.ArgumentParser, args: argparse.Names
 
 
 def slow_link_variant(variant: Variant, timeout_s: float) -> Variant:
-    """`variant`, its Mooncake transfers allowed `timeout_s` (the request's own timeout) instead
-    of 30 s; other backends unchanged."""
-    if not variant.transfer_backend.startswith("mooncake"):
-        return variant
-    return replace(variant, env=(*variant.env, (MOONCAKE_TIMEOUT_ENV, str(math.ceil(timeout_s)))))
+    """`variant` for a slow shaped link: its Mooncake transfers allowed `timeout_s` (the request's
+    own timeout) instead of 30 s, and SGLang's heartbeat from decode to prefill allowed
+    `HEARTBEAT_FAILURES` misses in a row instead of 2, for every backend alike."""
+    env = (*variant.env, (HEARTBEAT_ENV, str(HEARTBEAT_FAILURES)))
+    if variant.transfer_backend.startswith("mooncake"):
+        env = (*env, (MOONCAKE_TIMEOUT_ENV, str(math.ceil(timeout_s))))
+    return replace(variant, env=env)
 
 
 @dataclass(frozen=True)
