@@ -63,7 +63,7 @@ from .prefill_worker import DestinationWorkers, WorkerDeps
 from .prefill_writer import WriterDeps
 from .rank_key import Claimant
 from .staging import StagingPool
-from .stream_policy import MAX_LINKS, StreamPolicy
+from .stream_policy import StreamPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,6 @@ class PrefillSender:
         self._streamed = StreamedJobs()
         self._sent = SentBytes()
         self.stream_policy = StreamPolicy(config.layer_stream_min_share)
-        self._streams_to: dict[str, bool] = {}  # the last decision per decode, to log changes
         self.stopping = threading.Event()
         # Shared by every destination worker: a layer's V is encoded while its K is.
         self.encoder = (ThreadPoolExecutor(1, thread_name_prefix="lynx-encode")
@@ -157,10 +156,7 @@ class PrefillSender:
                                 self.config.chunk_tokens)
         decision = self.stream_policy.decide(dst.session_address, plan.anchor_bytes,
                                              forward_tokens)
-        if self._streams_to.get(dst.session_address) != decision.stream:
-            if len(self._streams_to) >= MAX_LINKS:  # decodes come and go: bounded like the policy
-                self._streams_to.clear()
-            self._streams_to[dst.session_address] = decision.stream
+        if decision.changed:
             logger.info("lynx: layer streaming to %s: %s (%s)", dst.session_address,
                         "on" if decision.stream else "off, Anchors after the forward",
                         decision.why)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # How long a decode's link measurement is trusted while its rooms are streamed: then one room
 # goes after its forward again, so that a link that got faster is noticed.
@@ -42,9 +42,9 @@ EWMA_SLOWER = 0.7
 # check took ~30x a long prompt's time per token), and timed they made a 1500-token forward look
 # ten times longer than it was, so that no room was streamed at R = 1.
 MIN_TIMED_TOKENS = 128
-# Decodes whose links are remembered: their addresses come from SGLang's bootstrap, so a decode
-# restarted on new ports (or a peer naming many) must not grow the table without bound; the
-# least recently measured is forgotten (it is probed again if it comes back).
+# Decodes whose links (and last answers) are remembered: their addresses come from SGLang's
+# bootstrap, so a decode restarted on new ports (or a peer naming many) must not grow the tables
+# without bound; the least recently measured is forgotten (it is probed again if it comes back).
 MAX_LINKS = 1024
 
 
@@ -52,6 +52,8 @@ MAX_LINKS = 1024
 class Decision:
     stream: bool
     why: str
+    # The answer differs from the last one for this decode (or is the first): worth a log line.
+    changed: bool = False
 
 
 @dataclass
@@ -71,6 +73,7 @@ class StreamPolicy:
         self._lock = threading.Lock()
         self._s_per_token: float | None = None
         self._links: dict[str, _Link] = {}
+        self._last: dict[str, bool] = {}  # the last answer per decode, least recent first
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """An extend forward of `tokens` prompt tokens took `seconds` (short ones are left out:
@@ -113,7 +116,17 @@ class StreamPolicy:
             return None if self._s_per_token is None else self._s_per_token * tokens
 
     def decide(self, decode: str, anchor_bytes: int, tokens: int) -> Decision:
-        """Stream this room's Anchor to `decode`, or send it after the forward?"""
+        """Stream this room's Anchor to `decode`, or send it after the forward? `changed` says
+        whether that differs from the last answer for `decode`."""
+        d = self._decide(decode, anchor_bytes, tokens)
+        with self._lock:
+            changed = self._last.pop(decode, None) != d.stream
+            self._last[decode] = d.stream
+            while len(self._last) > MAX_LINKS:
+                del self._last[next(iter(self._last))]
+        return replace(d, changed=changed)
+
+    def _decide(self, decode: str, anchor_bytes: int, tokens: int) -> Decision:
         if self.min_share == 0:
             return Decision(True, "always (--lynx-layer-stream-min-share 0)")
         with self._lock:

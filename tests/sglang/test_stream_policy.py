@@ -124,6 +124,30 @@ def test_short_forwards_are_not_timed():
     assert d.stream and "of the forward's 4.50 s" in d.why
 
 
+def test_a_change_of_answer_is_flagged_once():
+    """The sender logs a decode's decision when it changes (`Decision.changed`), not per room."""
+    p, _ = policy()
+    assert p.decide("d:1", 10 * MB, 1500).changed  # the first answer: a probe, not streamed
+    assert not p.decide("d:1", 10 * MB, 1500).changed
+    p.observe_forward(1500, 4.5)
+    p.observe_anchor("d:1", 10 * MB, 1.6)
+    d = p.decide("d:1", 10 * MB, 1500)
+    assert d.stream and d.changed
+    assert not p.decide("d:1", 10 * MB, 1500).changed
+    assert p.decide("d:2", 10 * MB, 1500).changed  # per decode
+
+
+def test_the_estimates_the_anchor_width_reads():
+    """`backend.anchor_width` weighs a room's Anchor by the link's delivery time per byte and
+    the forward's predicted time: None until measured."""
+    p, _ = policy()
+    assert p.forward_s(1500) is None and p.link_s_per_byte("d:1") is None
+    p.observe_forward(1500, 4.5)
+    p.observe_anchor("d:1", 10 * MB, 1.6)
+    assert p.forward_s(1000) == pytest.approx(3.0)
+    assert p.link_s_per_byte("d:1") == pytest.approx(1.6 / (10 * MB))
+
+
 def test_nonsense_observations_are_ignored():
     p, _ = policy()
     p.observe_forward(0, 1.0)
