@@ -119,7 +119,8 @@ class LynxConfig:
              "forward would delay it by at least this share of its forward (from the measured "
              "link to that decode and the measured forward pace; the encode beside the forward "
              "slows it, which does not pay on a fast link). The first request to a decode, and "
-             "one every 5 minutes while streaming, goes after its forward to measure the link. "
+             "while streaming one every 5 minutes and 32 requests, goes after its forward to "
+             "measure the link. "
              "0 = stream every request (CUDA pools always do: their forward is not timed yet)")
     anchor_width: str = _opt(
         "fixed", "Anchor width per request: 'fixed' = --lynx-anchor-bits for every request; "

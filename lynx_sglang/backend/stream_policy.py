@@ -12,8 +12,9 @@ post-forward delivery (encode and wire, per byte, measured on this decode's earl
 after their forward) times this room's Anchor bytes, against this forward's predicted time
 (seconds per prompt token of the earlier forwards).
 
-The first room to a decode, and one every `PROBE_EVERY_S` while its rooms are streamed (which
-measure nothing about the link), goes after its forward to measure the link ("probe"); a room
+The first room to a decode, and while its rooms are streamed (which measure nothing about the
+link) one once `PROBE_EVERY_S` and `PROBE_EVERY_ROOMS` streamed rooms have passed, goes after its
+forward to measure the link ("probe"); a room
 whose forward was never timed is streamed. `min_share` 0 streams every room.
 
 Called by the scheduler thread (`decide`, `observe_forward`) and by the destination workers
@@ -30,6 +31,10 @@ from dataclasses import dataclass, replace
 # How long a decode's link measurement is trusted while its rooms are streamed: then one room
 # goes after its forward again, so that a link that got faster is noticed.
 PROBE_EVERY_S = 300.0
+# ... and at least this many of its rooms streamed since: a probe costs its room the Anchor's
+# whole wire time (at R = 16 here, 3 s of a 17.7 s TTFT), and at a few requests a minute a probe
+# every 5 minutes was 1 room in 2-5 of a benchmark's; now at most 1 in 32 pays.
+PROBE_EVERY_ROOMS = 32
 # Weight of a new measurement in the running estimates (a few rooms to follow a change, one
 # outlier does not flip the decision).
 EWMA = 0.3
@@ -60,6 +65,7 @@ class Decision:
 class _Link:
     s_per_byte: float  # an Anchor's post-forward delivery time per byte
     measured_at: float  # monotonic
+    streamed: int = 0  # rooms streamed since (they measure nothing of the link)
 
 
 class StreamPolicy:
@@ -131,20 +137,23 @@ class StreamPolicy:
             return Decision(True, "always (--lynx-layer-stream-min-share 0)")
         with self._lock:
             link = self._links.get(decode)
-            s_per_token = self._s_per_token
             if link is None:
                 return Decision(False, "probe: this decode's link not measured yet")
-            if self._clock() - link.measured_at > PROBE_EVERY_S:
+            if (self._clock() - link.measured_at > PROBE_EVERY_S
+                    and link.streamed >= PROBE_EVERY_ROOMS):
                 # Sent after the forward, the room measures the link again (observe_anchor).
-                link.measured_at = self._clock()
-                return Decision(False, f"probe: link last measured over {PROBE_EVERY_S:g} s ago")
-        if s_per_token is None:
-            return Decision(True, "no forward timed yet")
-        after = link.s_per_byte * anchor_bytes
-        forward = s_per_token * tokens
-        share = after / forward
-        if share >= self.min_share:
-            return Decision(True, f"the Anchor after the forward would take {after:.3f} s, "
-                                  f"{share:.2f} of the forward's {forward:.2f} s")
+                link.measured_at, link.streamed = self._clock(), 0
+                return Decision(False, f"probe: link last measured over {PROBE_EVERY_S:g} s and "
+                                       f"{PROBE_EVERY_ROOMS} streamed rooms ago")
+            if self._s_per_token is None:
+                link.streamed += 1
+                return Decision(True, "no forward timed yet")
+            after = link.s_per_byte * anchor_bytes
+            forward = self._s_per_token * tokens
+            share = after / forward
+            if share >= self.min_share:
+                link.streamed += 1
+                return Decision(True, f"the Anchor after the forward would take {after:.3f} s, "
+                                      f"{share:.2f} of the forward's {forward:.2f} s")
         return Decision(False, f"the Anchor after the forward takes {after:.3f} s, only "
                                f"{share:.2f} of the forward's {forward:.2f} s")

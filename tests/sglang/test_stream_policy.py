@@ -1,13 +1,19 @@
 """Which rooms a prefill layer-streams (`backend.stream_policy.StreamPolicy`): a decode's first
 room goes after its forward to measure the link; then a room is streamed only where its Anchor,
 sent after the forward, would take at least `min_share` of the forward; a link not measured for
-PROBE_EVERY_S while streaming is measured again; `min_share` 0 streams everything."""
+PROBE_EVERY_S and PROBE_EVERY_ROOMS streamed rooms while streaming is measured again; `min_share`
+0 streams everything."""
 
 from __future__ import annotations
 
 import pytest
 
-from lynx_sglang.backend.stream_policy import MAX_LINKS, PROBE_EVERY_S, StreamPolicy
+from lynx_sglang.backend.stream_policy import (
+    MAX_LINKS,
+    PROBE_EVERY_ROOMS,
+    PROBE_EVERY_S,
+    StreamPolicy,
+)
 from lynx_sglang.config import LynxConfig, LynxConfigError
 
 MB = 1 << 20
@@ -78,15 +84,20 @@ def test_no_forward_timed_yet_streams():
 
 
 def test_a_streaming_link_is_probed_again_after_a_while():
+    """Once both PROBE_EVERY_S and PROBE_EVERY_ROOMS streamed rooms have passed: a probe costs
+    its room the Anchor's wire time, so a decode with few requests is not probed every 5 min."""
     p, clock = policy()
     p.observe_forward(1000, 1.0)
     p.observe_anchor("d:1", MB, 1.0)  # slow: stream
     assert p.decide("d:1", MB, 1000).stream
     clock.t += PROBE_EVERY_S + 1
+    for _ in range(PROBE_EVERY_ROOMS - 1):
+        assert p.decide("d:1", MB, 1000).stream  # not enough rooms since
     probe = p.decide("d:1", MB, 1000)
     assert not probe.stream and "probe" in probe.why
-    # One probe, not every room until its measurement lands.
-    assert p.decide("d:1", MB, 1000).stream
+    # One probe, not every room until its measurement lands; rooms alone do not make one.
+    for _ in range(2 * PROBE_EVERY_ROOMS):
+        assert p.decide("d:1", MB, 1000).stream
     # The link got fast: the probe's measurement turns streaming off.
     for _ in range(12):
         p.observe_anchor("d:1", MB, 0.001)
