@@ -5,6 +5,10 @@ chunk and dequantizes that width's Anchor into the pool, and the Residual makes 
 either way. A first chunk naming a width the decode does not take fails the room, naming the
 flags. (A prefill and a decode that disagree on the setting fail at connect:
 test_conn_transfer's settings mismatch test.)
+
+The test marked `rdma_vm` runs over tcp on the host and over verbs inside the soft-RoCE guest
+(conn_pair's LYNX_RDMA_VM / LYNX_RDMA_DEVICE), where the Anchor's bytes are seen only once its
+stream is complete, so the width is read then.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def _anchor_of_width(pd, req, bits: int) -> bool:
 
 
 @pytest.mark.sglang
+@pytest.mark.rdma_vm
 @pytest.mark.parametrize("link, bits", [("slow", 3), ("not measured", 4)])
 def test_the_prefill_picks_the_width_and_the_decode_follows(sgl, make_pd, monkeypatch, link,
                                                             bits):
