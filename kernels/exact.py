@@ -3,8 +3,9 @@
 For target "exact" a Residual chunk carries the INT8 low bits (as for target "int8") plus a compact
 correction of the INT8 reconstruction. Called by `lynx_kernels.wire` (cutting and assembling
 chunks); `lynx_kernels.ops_cpu` implements the same format in C and is tested bit for bit against
-this module. Everything here is torch, so it also runs on CUDA tensors (there it is the exact
-Residual's implementation for now: no Triton bit-stream kernels yet).
+this module; `lynx_kernels.exact_triton` implements the section coder in Triton, which
+`section_coder` picks for CUDA tensors (everything here is torch, so it would run there too, as
+dozens of kernel launches and host syncs per run).
 
 Prediction r of each value (non-protected tokens only): the INT8 reconstruction, fp32
 `scale * code` then `+ zero` (two roundings, no FMA), unrotated (`lynx_kernels.rotation`), rounded
@@ -37,6 +38,7 @@ every encoder so their bytes are identical.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +229,19 @@ def _k_of(k_nibbles: torch.Tensor, blocks: _Blocks, cls: torch.Tensor,
     return k_nibbles[blocks.chunk_of, cls] + coding.k_base
 
 
+def choose_k(zz: torch.Tensor, cls: torch.Tensor, chunk_of: torch.Tensor, local: torch.Tensor,
+             nchunks: int, coding: DtypeCoding) -> torch.Tensor:
+    """Each chunk's k-table nibbles `[nchunks, 16]` (int64), from the histogram of bitlen(zz) per
+    class over the chunk's every HIST_STRIDE-th value (`chunk_of`, `local`: each value's chunk and
+    index in it). Shared by this reference and the Triton coder (`lynx_kernels.exact_triton`)."""
+    sample = local % HIST_STRIDE == 0
+    hist = torch.bincount(((chunk_of * NUM_CLASSES + cls) * _BITLEN_BINS + _bitlen(zz))[sample],
+                          minlength=nchunks * NUM_CLASSES * _BITLEN_BINS)
+    hist = hist.view(nchunks, NUM_CLASSES, _BITLEN_BINS)
+    cost = (hist.unsqueeze(-1) * _cost2_table(coding, zz.device)).sum(dim=2)
+    return cost.argmin(dim=-1)  # the first minimum: ties go to the smaller k
+
+
 def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
                     counts: list[int], coding: DtypeCoding) -> list[Section]:
     """The sections of consecutive chunks holding `counts` values each (int64 `zz`, `cls`,
@@ -234,12 +249,7 @@ def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
     device = zz.device
     blocks = _Blocks.of(counts, device)
     nchunks = len(counts)
-    sample = blocks.local % HIST_STRIDE == 0
-    hist = torch.bincount(((blocks.chunk_of * NUM_CLASSES + cls) * _BITLEN_BINS + _bitlen(zz))[sample],
-                          minlength=nchunks * NUM_CLASSES * _BITLEN_BINS)
-    hist = hist.view(nchunks, NUM_CLASSES, _BITLEN_BINS)
-    cost = (hist.unsqueeze(-1) * _cost2_table(coding, device)).sum(dim=2)
-    k_nib = cost.argmin(dim=-1)  # the first minimum: ties go to the smaller k
+    k_nib = choose_k(zz, cls, blocks.chunk_of, blocks.local, nchunks, coding)
     k = _k_of(k_nib, blocks, cls, coding)
     q = zz >> k
     esc = q >= ESCAPE_Q
@@ -273,6 +283,17 @@ def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
     return sections
 
 
+def section_coder(device: torch.device | str) -> tuple[Callable, Callable]:
+    """(encode_sections, decode_sections) for tensors on `device`: the Triton kernels
+    (`lynx_kernels.exact_triton`, imported on first use) on CUDA, this reference elsewhere (the
+    C codec, `ops_cpu`, codes CPU runs without these)."""
+    if torch.device(device).type == "cuda":
+        from . import exact_triton
+
+        return exact_triton.encode_sections, exact_triton.decode_sections
+    return encode_sections, decode_sections
+
+
 def section_layout(payload_len: int, low_bytes: int, num_values: int) -> tuple[int, int]:
     """(offset of rec_len, offset of the records) in a v2 payload; CodecError if it cannot hold
     the k table and record lengths of `num_values` values."""
@@ -284,7 +305,22 @@ def section_layout(payload_len: int, low_bytes: int, num_values: int) -> tuple[i
     return rec_len_at, records_at
 
 
-def _corrupt(what: str) -> CodecError:
+# What a decoder finds wrong with a section, in the order the reference checks (a section with
+# several faults is refused for the first); the Triton decoder reports the same by index.
+CORRUPTIONS = (
+    "a record is shorter than its low bits",
+    "a unary code runs past the records",
+    "a unary code runs past its record",
+    f"a unary code longer than {ESCAPE_Q}",
+    "an escaped value has non-zero low bits",
+    "a record length does not match its contents",
+    "non-zero padding bits",
+    "a correction leaves the value range",
+    "a NaN value",
+)
+
+
+def corrupt(what: str) -> CodecError:
     return CodecError(f"corrupt exact Residual section: {what}")
 
 
@@ -319,38 +355,38 @@ def decode_sections(sections: list[Section], cls: torch.Tensor, r_bits: torch.Te
     sum_l = blocks.sums(k)
     u_start = rec_start + sum_l
     if bool((u_start > rec_end).any()):
-        raise _corrupt("a record is shorter than its low bits")
+        raise corrupt(CORRUPTIONS[0])
     low = _read_bits(data, rec_start[blocks.blk] + blocks.exclusive(k), k)
     bits = torch.stack([(data[:-8] >> i) & 1 for i in range(8)], dim=-1).reshape(-1)
     zeros = torch.nonzero(bits == 0).flatten()
     index = torch.searchsorted(zeros, u_start)[blocks.blk] + blocks.rank
     if bool((index >= len(zeros)).any()):
-        raise _corrupt("a unary code runs past the records")
+        raise corrupt(CORRUPTIONS[1])
     z_pos = zeros[index]
     prev = torch.where(blocks.rank == 0, u_start[blocks.blk] - 1, z_pos.roll(1))
     q = z_pos - prev - 1
     if bool((z_pos >= rec_end[blocks.blk]).any()):
-        raise _corrupt("a unary code runs past its record")
+        raise corrupt(CORRUPTIONS[2])
     if bool((q > ESCAPE_Q).any()):
-        raise _corrupt(f"a unary code longer than {ESCAPE_Q}")
+        raise corrupt(CORRUPTIONS[3])
     esc = q == ESCAPE_Q
     if bool((low[esc] != 0).any()):
-        raise _corrupt("an escaped value has non-zero low bits")
+        raise corrupt(CORRUPTIONS[4])
     u_end = z_pos[blocks.last] + 1
     e_end = u_end + coding.width * blocks.sums(esc.to(torch.int64))
     if bool(((e_end > rec_end) | (e_end <= rec_end - 8)).any()):
-        raise _corrupt("a record length does not match its contents")
+        raise corrupt(CORRUPTIONS[5])
     for i in range(7):  # the padding up to the record's end must be zero bits
         pad = e_end + i
         pad = pad[pad < rec_end]
         if bool(bits[pad].any()):
-            raise _corrupt("non-zero padding bits")
+            raise corrupt(CORRUPTIONS[6])
     zz = (q << k) | low
     c = (zz >> 1) ^ -(zz & 1)
     o = ordinal(r_bits, coding) + c
     half = 1 << (coding.width - 1)
     if bool(((o < -half) | (o >= half))[~esc].any()):
-        raise _corrupt("a correction leaves the value range")
+        raise corrupt(CORRUPTIONS[7])
     x_bits = from_ordinal(o.clamp(-half, half - 1), coding)
     e_pos = u_end[blocks.blk] + coding.width * blocks.exclusive(esc.to(torch.int64))
     x_bits[esc] = _read_bits(data, e_pos[esc], coding.width)
@@ -361,4 +397,4 @@ def decode_sections(sections: list[Section], cls: torch.Tensor, r_bits: torch.Te
 def check_not_nan(bits: torch.Tensor, coding: DtypeCoding) -> None:
     """An exact Residual never carries NaN (encode refuses it): one is a corrupt chunk."""
     if bool(((bits & coding.magnitude_mask) > coding.nan_above).any()):
-        raise _corrupt("a NaN value")
+        raise corrupt(CORRUPTIONS[8])

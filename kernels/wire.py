@@ -247,7 +247,8 @@ def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV) -> torch.Tensor
         e_s = exact.scale_exponents(anchor.scale, n, h.num_heads, h.head_dim, h.spec.group_size,
                                     anchor.over_tokens, h.spec.rotate)[keep]
         sections = [exact.Section(*(t.to(device) for t in s.parts())) for s in sections]
-        bits[keep] = exact.decode_sections(
+        _, decode_sections = exact.section_coder(device)
+        bits[keep] = decode_sections(
             sections, exact.classes(r_bits, e_s, coding).reshape(-1), r_bits.reshape(-1), counts,
             coding).view(-1, h.num_heads, h.head_dim)
     values = exact.bits_to_values(bits, h.dtype)

@@ -98,7 +98,8 @@ def _exact_pieces(enc: EncodedKV, chunks) -> list[tuple[list[np.ndarray], bool]]
     hd = enc.num_heads * enc.head_dim
     counts = [(rows.stop - rows.start - (prot.stop - prot.start)) * hd
               for _, _, (rows, _, prot) in chunks]
-    sections = exact.encode_sections(
+    encode_sections, _ = exact.section_coder(enc.device)
+    sections = encode_sections(
         exact.zigzag(exact.ordinal(x_bits, coding) - exact.ordinal(r_bits, coding)),
         exact.classes(r_bits, e_s[keep].reshape(-1), coding), x_bits, counts, coding)
     low_rows, value_rows = _byte_rows(low.cpu()), _byte_rows(enc.residual.cpu())
