@@ -5,6 +5,7 @@ docs/benchmarks.md shows the same table, the options, and the report's text and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -256,3 +257,13 @@ def test_run_regimes_reshapes_the_live_links_per_r(monkeypatch, tmp_path, capsys
     assert doc["regimes"][0]["calibration"]["samples_s"] == [4.0, 3.0]
     assert (tmp_path / "bench_ttft_R2.png").is_file() and (tmp_path / "bench_ttft_R0.5.png").is_file()
     assert "mooncake-nospin ÷ lynx, TTFT from send: 2.00" in capsys.readouterr().out
+
+
+def test_regime_report_names_failed_requests():
+    g = _regime()
+    g.results[1] = dataclasses.replace(g.results[1], failed=(
+        {"prompt": 3, "rid": "r3", "error": "request aborted: Lost connection"},))
+    assert ("lynx: 1 request(s) failed, left out: prompt 3: request aborted: Lost connection"
+            in format_regime(g))
+    doc = regime_json(g, "link", {})
+    assert doc["bench"]["variants"]["lynx"]["failed"][0]["prompt"] == 3

@@ -136,6 +136,7 @@ def run_variant(variant: Variant, cfg: BenchConfig, *, prompts: list[list[int]],
             m.bench = run_bench_serving(cluster.url, variant.name, cfg, run_dir, progress)
         m.streamed, m.rids = stream_prompts(cluster.url, cluster.prefill_url, variant.name,
                                             prompts, cfg, progress)
+        m.prompts = list(range(len(m.streamed)))
         read_traces(m)
     progress.finish_variant()
     return variant_result(m, cfg, kv_shape)

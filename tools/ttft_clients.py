@@ -160,11 +160,12 @@ def run_bench_serving(url: str, name: str, cfg: BenchConfig, run_dir: Path,
     return parse_bench_serving(record, cfg.token_marks)
 
 
-def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], first: int,
-                 cfg: BenchConfig) -> tuple[list[StreamedGeneration], list[str]]:
+def stream_round_outcomes(url: str, flush_url: str, name: str, round_: list[list[int]],
+                          first: int, cfg: BenchConfig,
+                          ) -> tuple[list[StreamedGeneration | GenerateError], list[str]]:
     """One round: `flush_url`'s prefix cache emptied, then the prompts of `round_` (prompt
-    numbers from `first`) sent at once with lynx_tools.client; their streams and request
-    ids, in prompt order."""
+    numbers from `first`) sent at once with lynx_tools.client; each one's stream, or the
+    GenerateError it failed with, and the request ids, in prompt order."""
     flush_prefix_cache(flush_url)
     ids = [f"bench-{name}-{first + j}-{time.time_ns()}" for j in range(len(round_))]
     with ThreadPoolExecutor(len(round_)) as pool:
@@ -173,7 +174,25 @@ def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], f
                                timeout_s=cfg.request_timeout_s,
                                sampling={"ignore_eos": True}, rid=rid)
                    for p, rid in zip(round_, ids, strict=True)]
-        return [f.result() for f in futures], ids
+        return [_outcome(f) for f in futures], ids
+
+
+def _outcome(future) -> StreamedGeneration | GenerateError:
+    """A request's stream, or the GenerateError it failed with (anything else is raised)."""
+    try:
+        return future.result()
+    except GenerateError as exc:
+        return exc
+
+
+def stream_round(url: str, flush_url: str, name: str, round_: list[list[int]], first: int,
+                 cfg: BenchConfig) -> tuple[list[StreamedGeneration], list[str]]:
+    """`stream_round_outcomes` where every request must succeed: the first failure raised."""
+    outcomes, ids = stream_round_outcomes(url, flush_url, name, round_, first, cfg)
+    for o in outcomes:
+        if isinstance(o, GenerateError):
+            raise o
+    return outcomes, ids
 
 
 def stream_prompts(url: str, flush_url: str, name: str, prompts: list[list[int]],

@@ -18,13 +18,13 @@ from lynx_kernels import KVShape
 from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
 from lynx_sglang.trace import read_records
 
-from .client import StreamedGeneration
+from .client import GenerateError, StreamedGeneration
 from .cluster import Cluster
 from .cluster_spec import ClusterMode, ClusterSpec
 from .measure import kv_dtype_server_args, wait_for
 from .progress import Progress
 from .trace_report import breakdown, parse_rate, records_by_request
-from .ttft_clients import stream_round, warm_up
+from .ttft_clients import stream_round_outcomes, warm_up
 from .ttft_results import BenchConfig, BenchError, RequestTiming, VariantResult, client_timing
 from .variants import Variant
 
@@ -62,6 +62,10 @@ class Measured:
     rids: list[str] = field(default_factory=list)
     per_request: list[dict] = field(default_factory=list)
     server_config: dict | None = None
+    # The prompt number of each entry of `streamed`, and the requests that failed ({"prompt",
+    # "error"}): an interleaved run goes on past a failed request (`send_interleaved`).
+    prompts: list[int] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
 
 
 def read_traces(m: Measured) -> None:
@@ -97,7 +101,7 @@ def variant_result(m: Measured, cfg: BenchConfig, kv_shape: KVShape) -> VariantR
     is_lynx = m.variant.transfer_backend == "lynx"
     rate = parse_rate(cfg.link)
     client = []
-    for i, (g, rid, records) in enumerate(zip(m.streamed, m.rids, m.per_request, strict=True)):
+    for i, g, rid, records in zip(m.prompts, m.streamed, m.rids, m.per_request, strict=True):
         transfer = None
         if is_lynx:
             transfer = dict(records["decode"]["marks"])
@@ -109,13 +113,15 @@ def variant_result(m: Measured, cfg: BenchConfig, kv_shape: KVShape) -> VariantR
                                     records["timeline"]["marks"]["prefill_done"], transfer,
                                     breakdown(records, rid, g.t_first_token, rate),
                                     speculation_of(records)))
-    if is_lynx:
+    if is_lynx and client:
         stream_bytes = lynx_stream_bytes(m.variant.name, [r.stream_bytes for r in client])
+    elif is_lynx:
+        stream_bytes = {}  # every request failed
     else:
         stream_bytes = {"kv": kv_shape.bytes_for(cfg.prompt_tokens)}
     return VariantResult(m.variant, m.bench + client, stream_bytes, is_lynx,
                          same_text(m.bench, client), str(m.run_dir), m.warmup_attempts,
-                         m.server_config)
+                         m.server_config, failed=tuple(m.failed))
 
 
 def start_clusters(stack: contextlib.ExitStack, variants: list[Variant], cfg: BenchConfig,
@@ -139,7 +145,8 @@ def start_clusters(stack: contextlib.ExitStack, variants: list[Variant], cfg: Be
 def send_interleaved(up: dict[str, tuple[Measured, Cluster]], prompts: list[list[int]],
                      cfg: BenchConfig, progress: Progress) -> None:
     """Each round of prompts to one cluster after another (`interleaved_order`); the streams
-    and request ids go to each variant's `Measured`."""
+    and request ids go to each variant's `Measured`, and a request that fails (an HTTP error, an
+    abort, its timeout) to its `failed`, the run going on."""
     n = cfg.concurrency
     starts = range(0, len(prompts), n)
     for start, names in zip(starts, interleaved_order(list(up), len(starts)), strict=True):
@@ -148,9 +155,17 @@ def send_interleaved(up: dict[str, tuple[Measured, Cluster]], prompts: list[list
             m, cluster = up[name]
             progress.note(f"{name}: request {start + len(round_)}/{len(prompts)} "
                           "(lynx_tools.client)")
-            got, ids = stream_round(cluster.url, cluster.prefill_url, name, round_, start, cfg)
-            m.streamed.extend(got)
-            m.rids.extend(ids)
+            outcomes, ids = stream_round_outcomes(cluster.url, cluster.prefill_url, name, round_,
+                                                  start, cfg)
+            for j, (got, rid) in enumerate(zip(outcomes, ids, strict=True)):
+                if isinstance(got, GenerateError):
+                    # One failed request costs its own sample, not the run's other requests.
+                    progress.note(f"{name}: request {start + j + 1} failed: {got}")
+                    m.failed.append({"prompt": start + j, "rid": rid, "error": str(got)})
+                else:
+                    m.streamed.append(got)
+                    m.rids.append(rid)
+                    m.prompts.append(start + j)
 
 
 def run_dir_of(out: Path, variant: Variant) -> Path:

@@ -214,6 +214,10 @@ def format_regime(g: Regime) -> str:
     widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
               for row in (head, *rows)]
+    for r in g.results:
+        if r.failed:
+            lines.append(f"  {r.variant.name}: {len(r.failed)} request(s) failed, left out: "
+                         + "; ".join(f"prompt {f['prompt']}: {f['error'][:200]}" for f in r.failed))
     for pair, vals in g.ratio_table().items():
         if f"{LYNX_CLIENT}.ttft_s" in vals:
             lines.append(f"  {pair.replace('/', ' ÷ ')}, TTFT from send: "

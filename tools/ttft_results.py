@@ -155,18 +155,19 @@ def spreads(requests: list[RequestTiming], marks: tuple[int, ...]) -> dict[str, 
 
 
 def same_text_as_baseline(results: list[VariantResult], baseline: str) -> dict[str, bool | None]:
-    """Per variant: whether the lynx client got the baseline's text for every prompt (same
-    prompts, greedy; a bit-exact variant must). None where either side has no requests."""
-    def texts(r: VariantResult) -> list[str]:
-        return [q.text for q in sorted(r.requests, key=lambda q: q.index)
-                if q.client == LYNX_CLIENT]
+    """Per variant: whether the lynx client got the baseline's text for every prompt both have
+    (same prompts, greedy; a bit-exact variant must; a failed request has none). None where they
+    have no prompt in common."""
+    def texts(r: VariantResult) -> dict[int, str]:
+        return {q.index: q.text for q in r.requests if q.client == LYNX_CLIENT}
 
-    base = next((texts(r) for r in results if r.variant.name == baseline), [])
+    base = next((texts(r) for r in results if r.variant.name == baseline), {})
     out: dict[str, bool | None] = {}
     for r in results:
         if r.variant.name != baseline:
             mine = texts(r)
-            out[r.variant.name] = mine == base if mine and base else None
+            common = mine.keys() & base.keys()
+            out[r.variant.name] = all(mine[i] == base[i] for i in common) if common else None
     return out
 
 
@@ -202,6 +203,8 @@ class VariantResult:
     server_config: dict | None = None
     # What could not be measured and why (an external cluster's trace records are out of reach).
     unavailable: tuple[str, ...] = ()
+    # Requests that failed, left out of every figure: {"prompt", "rid", "error"}.
+    failed: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)

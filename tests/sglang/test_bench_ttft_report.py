@@ -272,3 +272,41 @@ def test_the_table_shows_each_requests_speculation():
                                        speculation=outcome))
     table = format_table([moon, lynx], _cfg(), "1gbit link", {})
     assert "speculated/accepted/rolled back tokens per request (lynx client): lynx 20/12/8" in table
+
+
+def test_a_failed_request_is_left_out_and_the_run_goes_on(monkeypatch):
+    """An interleaved run (bench-ttft --interleave / --regime) records a request that failed and
+    sends the rest: the variant keeps its other requests, with their prompt numbers, and the
+    outputs are compared on the prompts both variants have."""
+    from lynx_tools import ttft_clusters
+    from lynx_tools.client import GenerateError
+    from lynx_tools.progress import Progress
+
+    moon, lynx = select_variants("mooncake,lynx")
+    stream = StreamedGeneration([5], 300, 0.0, 1.0, 1.0, (1.0,), "t")
+
+    def outcomes(url, flush_url, name, round_, first, cfg):
+        ids = [f"{name}-{first + j}" for j in range(len(round_))]
+        if name == "lynx" and first == 1:
+            return [GenerateError("request aborted: Lost connection with prefill instance")], ids
+        return [stream] * len(round_), ids
+
+    monkeypatch.setattr(ttft_clusters, "stream_round_outcomes", outcomes)
+    cluster = type("Cluster", (), {"url": "http://router", "prefill_url": "http://prefill"})
+    up = {v.name: (ttft_clusters.Measured(v, "/tmp/x", 1), cluster) for v in (moon, lynx)}
+    ttft_clusters.send_interleaved(up, [[1], [2], [3]], _cfg(), Progress("t", 2))
+    m_moon, m_lynx = up["mooncake"][0], up["lynx"][0]
+    assert m_moon.prompts == [0, 1, 2] and not m_moon.failed
+    assert m_lynx.prompts == [0, 2] and m_lynx.rids == ["lynx-0", "lynx-2"]
+    assert m_lynx.failed == [{"prompt": 1, "rid": "lynx-1",
+                              "error": "request aborted: Lost connection with prefill instance"}]
+
+    def result(variant, texts):
+        return VariantResult(variant, [RequestTiming(LYNX_CLIENT, i, 300, 4, 1.0, {}, text=t)
+                                       for i, t in texts.items()], {}, False, None, "/tmp/x")
+
+    base = result(moon, {0: "a", 1: "b", 2: "c"})
+    assert same_text_as_baseline([base, result(lynx, {0: "a", 2: "c"})], "mooncake") == {
+        "lynx": True}
+    assert same_text_as_baseline([base, result(lynx, {0: "a", 2: "x"})], "mooncake") == {
+        "lynx": False}
