@@ -263,6 +263,11 @@ class LynxConfig:
         bits = self.codec.anchor_bits
         return (bits - 1, bits) if self.anchor_width == "adaptive" else (bits,)
 
+    def codec_for(self, anchor_bits: int) -> CodecSpec:
+        """The codec of a request whose Anchor is `anchor_bits` wide (one of `anchor_widths`):
+        the configured codec with that width."""
+        return dataclasses.replace(self.codec, anchor_bits=anchor_bits)
+
     def wire_settings(self) -> dict[str, Any]:
         """The settings prefill and decode must share for the streams to mean the same thing (the
         codec, the chunking, whether a Residual is sent, the data plane); the prefill sends them

@@ -33,7 +33,7 @@ from ..names import STAGING_QUEUED_LOG, WINDOWED_ROOM_LOG
 from ..recorder import Recorder
 from .decode_rooms import RoomTable
 from .decode_sessions import PrefillSessions
-from .plan import StreamPlan, room_plans
+from .plan import StreamPlan, room_plans, windowed_plan
 from .pool import KVPoolView
 from .room import DecodeRoom, RoomState, Source
 from .staging import ALIGN as STAGING_ALIGN
@@ -86,9 +86,7 @@ class StagingAdmission:
                         f"rank's part needs {plan.staging_bytes} B of staging, more than the "
                         f"whole pool ({self.staging.nbytes} B); such a room is not sent in "
                         "segments: raise --lynx-staging-mib")
-                # Segments carry the configured width (a window holds fixed layouts).
-                plan = StreamPlan.build(self.config.codec, shape, len(slots),
-                                        self.config.chunk_tokens)
+                plan = windowed_plan(self.config, shape, len(slots))
                 plans = {plan.anchor_bits: plan}
                 windows = choose_windows(plan, self.staging.nbytes, STAGING_ALIGN)
             planned.append((source, plans, windows))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -68,9 +68,8 @@ class StreamApplier:
 
     def __init__(self, deps: ApplyDeps, estimates: Estimates):
         self.deps = deps
-        codec = deps.config.codec
         # By Anchor width: the spec a room's chunks are checked and decoded with.
-        self._specs = {w: replace(codec, anchor_bits=w) for w in deps.config.anchor_widths()}
+        self._specs = {w: deps.config.codec_for(w) for w in deps.config.anchor_widths()}
         self.estimates = estimates
 
     def step(self, room: DecodeRoom) -> None:

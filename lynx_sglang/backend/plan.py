@@ -63,12 +63,11 @@ class StreamPlan:
                            max(self.residual_layer_extent, self.residual_layer_bytes))
 
     @classmethod
-    def for_widths(cls, spec: CodecSpec, widths: tuple[int, ...], shape: KVShape,
-                   num_tokens: int, chunk_tokens: int) -> dict[int, StreamPlan]:
-        """One plan per Anchor width in `widths` (`spec` with that `anchor_bits`), all with the
-        same extents: the largest of each stream's layer over the widths."""
-        plans = {w: cls.build(replace(spec, anchor_bits=w), shape, num_tokens, chunk_tokens)
-                 for w in widths}
+    def for_widths(cls, specs: list[CodecSpec], shape: KVShape, num_tokens: int,
+                   chunk_tokens: int) -> dict[int, StreamPlan]:
+        """One plan per spec of `specs` (codecs that differ in their Anchor width only), by that
+        width, all with the same extents: the largest of each stream's layer over the widths."""
+        plans = {s.anchor_bits: cls.build(s, shape, num_tokens, chunk_tokens) for s in specs}
         anchor = max(p.anchor_layer_bytes for p in plans.values())
         residual = max(p.residual_layer_bytes for p in plans.values())
         return {w: replace(p, anchor_layer_extent=anchor, residual_layer_extent=residual)
@@ -141,8 +140,15 @@ class StreamPlan:
 def room_plans(config: LynxConfig, shape: KVShape, num_tokens: int) -> dict[int, StreamPlan]:
     """A request's plans by Anchor width, one per width `config` allows (`LynxConfig.anchor_widths`),
     with shared extents (`StreamPlan.for_widths`)."""
-    return StreamPlan.for_widths(config.codec, config.anchor_widths(), shape, num_tokens,
-                                 config.chunk_tokens)
+    return StreamPlan.for_widths([config.codec_for(w) for w in config.anchor_widths()], shape,
+                                 num_tokens, config.chunk_tokens)
+
+
+def windowed_plan(config: LynxConfig, shape: KVShape, num_tokens: int) -> StreamPlan:
+    """The plan of a request sent in segments through staging windows (`backend.window`): the
+    configured Anchor width whatever `--lynx-anchor-width` (a window holds fixed layouts), so
+    both ends build it alike (decode admission, the prefill's destination worker)."""
+    return StreamPlan.build(config.codec, shape, num_tokens, config.chunk_tokens)
 
 
 def max_tokens_in_staging(config: LynxConfig, shape: KVShape, staging_bytes: int, align: int,

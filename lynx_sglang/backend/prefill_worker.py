@@ -28,7 +28,7 @@ from ..recorder import Recorder
 from .anchor_width import WidthChoice, choose_width
 from .layer_stream import LayerGateError
 from .pages import num_pages
-from .plan import StreamPlan, room_plans
+from .plan import StreamPlan, room_plans, windowed_plan
 from .pool import KVPoolView
 from .prefill_job import Job, StreamedJobs
 from .prefill_link import Destination, PrefillLink, SentBytes
@@ -200,8 +200,7 @@ class DestinationWorker:
         tr.mark("announcement")
         segments = Segments.parse(ann.meta, plan.num_layers)
         if segments is not None:
-            # Segments carry the configured width (the decode's windows hold fixed layouts).
-            plan = StreamPlan.build(config.codec, pool.shape, num_tokens, config.chunk_tokens)
+            plan = windowed_plan(config, pool.shape, num_tokens)
             self._note_plan(tr, plan)
             tr.facts.update(segments=segments.count)
             return WindowedWriter(deps.writer, session, job, pool, plan, segments,

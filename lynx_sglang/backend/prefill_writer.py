@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class RoomWriter:
         self.staging, self.plan = staging, plan
         config = deps.config
         # The room's Anchor width (`backend.anchor_width`) is the plan's.
-        self.spec = replace(config.codec, anchor_bits=plan.anchor_bits)
+        self.spec = config.codec_for(plan.anchor_bits)
         self.residual_base = staging.offset + plan.anchor_bytes
         # Layer-streamed, the Residual goes out with its layer too: the forward of the later
         # layers leaves the time (and the link idle between Anchor layers), and the transport
