@@ -161,8 +161,13 @@ class LynxConfig:
         True, "send the Residual stream; --no-lynx-residual sends only the Anchor and the decode "
               "keeps Anchor-precision KV (lossy, like plain low-bit KV quantization: a benchmark "
               "baseline, needs --no-lynx-speculate)")
-    spec_max_tokens: int = _opt(32, "cap on speculative tokens per request; a request that "
-                                    "reaches it waits for its Residual")
+    spec_max_tokens: int = _opt(128, "cap on speculative tokens per request; a request that "
+                                     "reaches it waits for its Residual (a sampled one: see "
+                                     "--lynx-spec-max-sampled-tokens)")
+    spec_max_sampled_tokens: int = _opt(
+        32, "cap on speculative tokens of a sampled (non-greedy) request, at most "
+            "--lynx-spec-max-tokens: it keeps each one's draft distribution until verification "
+            "(vocabulary x 4 B on the device per token)")
     spec_deadline_s: float = _opt(30.0, "stop speculating on a request whose Residual has not "
                                         "landed this long after its Anchor, and wait for it, in s")
     trace_dir: str | None = _opt(
@@ -235,9 +240,10 @@ class LynxConfig:
         if self.spec_policy not in SPEC_POLICIES:
             raise LynxConfigError(f"{flag_name('spec_policy')} must be one of {SPEC_POLICIES}, "
                                   f"got {self.spec_policy!r}")
-        if self.spec_max_tokens < 0:
-            raise LynxConfigError(
-                f"{flag_name('spec_max_tokens')} must be >= 0, got {self.spec_max_tokens}")
+        for name in ("spec_max_tokens", "spec_max_sampled_tokens"):
+            if getattr(self, name) < 0:
+                raise LynxConfigError(
+                    f"{flag_name(name)} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def build(cls, **settings: Any) -> LynxConfig:

@@ -86,10 +86,11 @@ def step_ms_after(t_tokens: list[float] | tuple[float, ...], after: int) -> floa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--positions", default="1,8,32",
+    parser.add_argument("--positions", default="1,32,128",
                         help="speculation depths to measure, comma-separated (each its own "
-                             "cluster; default 1,8,32: a verification of 32 speculative tokens "
-                             "feeds 33 positions)")
+                             "cluster; default 1,32,128: the sampled and greedy caps, "
+                             "--lynx-spec-max-sampled-tokens and --lynx-spec-max-tokens; a "
+                             "verification of n speculative tokens feeds n + 1 positions)")
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--requests", type=int, default=3, help="requests per depth (default 3)")
     parser.add_argument("--after", type=int, default=16,

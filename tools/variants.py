@@ -60,13 +60,9 @@ VARIANTS: tuple[Variant, ...] = (
             "Lynx speculative, exact, whose idle schedulers wake every 2 ms at the latest (as "
             "before 2026-12-02) instead of sleeping until input or transfer progress",
             env=((IDLE_MAX_WAIT_ENV, "0.002"),)),
-    Variant("lynx-spec128", "lynx", ("--lynx-target", "exact", "--lynx-spec-max-tokens", "128"),
-            "Lynx speculative, exact Residual, up to 128 speculative tokens per request (default "
-            "32): on a slow link the decode keeps speculating until the Residual lands"),
-    Variant("lynx-int8-spec128", "lynx", ("--lynx-target", "int8", "--lynx-spec-max-tokens",
-                                          "128"),
-            "Lynx speculative, INT8 Residual, up to 128 speculative tokens per request",
-            exact=False),
+    Variant("lynx-spec32", "lynx", ("--lynx-target", "exact", "--lynx-spec-max-tokens", "32"),
+            "Lynx speculative, exact Residual, at most 32 speculative tokens per request (the "
+            "default before 2026-12-07, now 128): on a slow link it stops speculating sooner"),
     Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
             "Lynx non-speculative, exact Residual: decoding waits for the Residual"),
     Variant("lynx-int8", "lynx", ("--lynx-target", "int8"),

@@ -91,6 +91,8 @@ class SpecController:
         self.transfers = transfers
         self.recorder = recorder  # the process's: `spec` records and the speculation metrics
         self.max_tokens = config.spec_max_tokens
+        # A sampled request keeps a vocabulary-wide row per speculative token: a tighter cap.
+        self.max_sampled_tokens = min(config.spec_max_sampled_tokens, config.spec_max_tokens)
         self.deadline_s = config.spec_deadline_s
         self.parked: list = []
         self.counters = SpecCounters()
@@ -117,9 +119,11 @@ class SpecController:
         if room is None or self.transfers.residual_outcome(room) is None:
             return  # not reported at Anchor time: its KV is already exact
         reason = not_speculable_reason(req)
-        if reason is None and self.max_tokens == 0:
-            reason = "--lynx-spec-max-tokens 0"
-        st = SpecState(room=room, no_spec_reason=reason, sampled=not is_greedy(req), overlap=overlap,
+        sampled = not is_greedy(req)
+        if reason is None and self._cap_of(sampled) == 0:
+            reason = ("--lynx-spec-max-sampled-tokens 0" if sampled and self.max_tokens
+                      else "--lynx-spec-max-tokens 0")
+        st = SpecState(room=room, no_spec_reason=reason, sampled=sampled, overlap=overlap,
                        logit_transforms=(has_logit_transforms(req.sampling_params)
                                          or req.grammar is not None),
                        reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
@@ -220,11 +224,17 @@ class SpecController:
             return ResidualState.FAILED, "Residual transfer cancelled"
         return out.state, out.reason
 
+    def _cap_of(self, sampled: bool) -> int:
+        """Speculative tokens a request may take before it waits for its Residual."""
+        return self.max_sampled_tokens if sampled else self.max_tokens
+
     def _park_reason(self, req, st: SpecState, now: float, in_flight: bool) -> str | None:
         if st.finish_pending:
             return "speculative finish (EOS, stop or length) held for verification"
         # Under the overlap schedule, a token of the step in flight is not in output_ids yet.
-        cap = self.max_tokens if req.grammar is None else min(self.max_tokens, rollback_cap())
+        cap = self._cap_of(st.sampled)
+        if req.grammar is not None:
+            cap = min(cap, rollback_cap())
         if len(req.output_ids) + in_flight - st.verified_len >= cap:
             return f"speculative token cap ({cap}) reached"
         if now - st.t_committed > self.deadline_s:
@@ -391,7 +401,7 @@ class SpecController:
             st = self.sampled_by_pool_idx.get(pool_idx)
             # A parked request takes no more speculative steps; one row per speculative token
             # at most, so a stale entry can never grow without bound.
-            if st is not None and len(st.draft_logits) <= self.max_tokens:
+            if st is not None and len(st.draft_logits) <= self.max_sampled_tokens:
                 drawn = (draft_row(sampling_info, logits, row) if st.logit_transforms
                          else logits[row])
                 st.draft_logits.append(drawn.detach().float().clone())

@@ -246,11 +246,11 @@ def test_draft_logits_of_an_aborted_sampled_request_are_forgotten():
     ctl.sampled_by_pool_idx[3] = st
     for _ in range(100):  # never more rows than speculative tokens
         ctl.record_draft_logits([3], torch.zeros(1, 8))
-    assert len(st.draft_logits) == ctl.max_tokens + 1
+    assert len(st.draft_logits) == ctl.max_sampled_tokens + 1
     ctl.on_release(req)  # SGLang aborted and released it while it was speculating
     assert 3 not in ctl.sampled_by_pool_idx
     ctl.record_draft_logits([3], torch.zeros(1, 8))  # the row's next request is untouched
-    assert len(st.draft_logits) == ctl.max_tokens + 1
+    assert len(st.draft_logits) == ctl.max_sampled_tokens + 1
 
 
 def test_unpack_aux_never_reads_past_the_blob():

@@ -58,12 +58,13 @@ class _Transfers:
         return ResidualOutcome(self.state)
 
 
-def _setup(state: ResidualState, n_output: int):
-    req = _Req("r", list(range(n_output)), SpecState(room=7))
+def _setup(state: ResidualState, n_output: int, sampled: bool = False, **settings):
+    req = _Req("r", list(range(n_output)), SpecState(room=7, sampled=sampled))
     sched = _Scheduler(_Batch([req]))
     # The decode step launched last iteration, whose result SGLang processes after this step.
     sched.result_queue.append((_Batch([req]), None))
-    ctl = SpecController(_Transfers(state), LynxConfig.build(spec_max_tokens=CAP),
+    ctl = SpecController(_Transfers(state),
+                         LynxConfig.build(**({"spec_max_tokens": CAP} | settings)),
                          Recorder.for_process())
     verified: list = []
     ctl._verify_and_resume = lambda scheduler, reqs: verified.extend(reqs)
@@ -93,6 +94,22 @@ def test_the_cap_counts_the_token_in_flight():
     sched.result_queue.clear()
     ctl.step(sched)
     assert ctl.parked == [] and sched.running_batch.reqs == [req]
+
+
+def test_a_sampled_request_parks_at_the_sampled_cap():
+    # It keeps a vocabulary-wide draft row per speculative token: a tighter cap than greedy's.
+    req, sched, ctl, _ = _setup(ResidualState.PENDING, 3, sampled=True, spec_max_sampled_tokens=2)
+    sched.result_queue.clear()
+    ctl.step(sched)
+    assert ctl.parked == [req]
+    assert req.lynx_spec.parked_reason == "speculative token cap (2) reached"
+    req, sched, ctl, _ = _setup(ResidualState.PENDING, 3, spec_max_sampled_tokens=2)
+    sched.result_queue.clear()
+    ctl.step(sched)
+    assert ctl.parked == [] and sched.running_batch.reqs == [req]  # greedy: CAP applies
+    # The sampled cap never exceeds the general one.
+    _, _, ctl, _ = _setup(ResidualState.PENDING, 1, spec_max_sampled_tokens=CAP + 10)
+    assert ctl.max_sampled_tokens == CAP
 
 
 def test_a_token_after_a_held_finish_is_dropped():
