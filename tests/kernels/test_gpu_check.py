@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ["install", "environment", "bit_identity", "throughput", "layer_streamed", "kernel_tests"]
+CHECKS = ["install", "environment", "bit_identity", "throughput", "exact_sections",
+          "layer_streamed", "kernel_tests"]
 
 
 @pytest.mark.slow
@@ -37,6 +38,9 @@ def test_cpu_rehearsal_passes_every_check(tmp_path):
     ratios = report["checks"]["throughput"]["ratio_to_copy"]
     assert set(ratios) == {f"{api}/triton/{target}/{kind}" for api in ("tensors", "fused")
                            for target in ("int8", "exact") for kind in "kv"}
+    sections = report["checks"]["exact_sections"]
+    assert sections["sections_equal_reference"] and sections["values_decoded_back"]
+    assert sections["chunks"] >= 2 and sections["encode_ratio_to_copy"] > 0
     streamed = report["checks"]["layer_streamed"]
     assert "HostEvent" in streamed["events"]
     for target in ("int8", "exact"):
