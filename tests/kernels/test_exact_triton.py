@@ -57,9 +57,10 @@ def same_sections(a: list[exact.Section], b: list[exact.Section]) -> bool:
         zip(sa.parts(), sb.parts(), strict=True))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("kind", "k_grouping", "rotate"),
-                         [("k", "channel", True), ("k", "token", False), ("v", "channel", True)])
+# Each dtype once and each layout once (the interpreter takes ~2 s a case).
+@pytest.mark.parametrize(("dtype", "kind", "k_grouping", "rotate"), [
+    (torch.bfloat16, "k", "channel", True), (torch.float16, "k", "token", False),
+    (torch.float32, "v", "channel", True)])
 def test_sections_and_values_match_the_reference(dtype, kind, k_grouping, rotate, monkeypatch):
     x = (torch.randn(150, 2, 64, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
     spec = CodecSpec(target="exact", k_grouping=k_grouping, rotate=rotate, group_size=32,
