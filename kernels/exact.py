@@ -4,8 +4,8 @@ For target "exact" a Residual chunk carries the INT8 low bits (as for target "in
 correction of the INT8 reconstruction. Called by `lynx_kernels.wire` (cutting and assembling
 chunks); `lynx_kernels.ops_cpu` implements the same format in C and is tested bit for bit against
 this module; `lynx_kernels.exact_triton` implements the section coder in Triton, which
-`section_coder` picks for CUDA tensors (everything here is torch, so it would run there too, as
-dozens of kernel launches and host syncs per run).
+`wire.section_coder` picks for CUDA tensors (everything here is torch, so it would run there too,
+as dozens of kernel launches and host syncs per run).
 
 Prediction r of each value (non-protected tokens only): the INT8 reconstruction, fp32
 `scale * code` then `+ zero` (two roundings, no FMA), unrotated (`lynx_kernels.rotation`), rounded
@@ -38,7 +38,6 @@ every encoder so their bytes are identical.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -281,17 +280,6 @@ def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
         sections.append(Section(k_bytes[c], rec_len[b0:b1].reshape(-1), records[byte0:byte1]))
         b0, byte0 = b1, byte1
     return sections
-
-
-def section_coder(device: torch.device | str) -> tuple[Callable, Callable]:
-    """(encode_sections, decode_sections) for tensors on `device`: the Triton kernels
-    (`lynx_kernels.exact_triton`, imported on first use) on CUDA, this reference elsewhere (the
-    C codec, `ops_cpu`, codes CPU runs without these)."""
-    if torch.device(device).type == "cuda":
-        from . import exact_triton
-
-        return exact_triton.encode_sections, exact_triton.decode_sections
-    return encode_sections, decode_sections
 
 
 def section_layout(payload_len: int, low_bytes: int, num_values: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 same contract and bytes as `exact.encode_sections` / `exact.decode_sections`, one program per
 block of 256 values.
 
-`exact.encode_sections` / `decode_sections` hand CUDA tensors here; the test suite runs these
+`wire.section_coder` hands CUDA tensors here; the test suite runs these
 kernels on CPU under `TRITON_INTERPRET=1` against the torch reference, byte for byte and error for
 error. Format v2 needs no sequential pass: a block's record starts at the prefix sum of the
 record lengths before it (`rec_len`), its L field of value i at the prefix sum of the k's before
@@ -22,7 +22,7 @@ fields, rebuilds the values and checks everything the reference checks; a block 
 the index of the first failed check in `exact.CORRUPTIONS`, and the smallest index over all blocks
 is raised, the reference's message. The caller writes nothing before the whole decode is checked.
 
-Triton is imported by the caller's first call (`exact` imports this module lazily).
+Triton is imported with this module, which `wire.section_coder` imports on its first CUDA call.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ another, in token order.
 
 impl: "cpu" the C kernels (`lynx_kernels.ops_cpu`: one C call per run, GIL released); "torch" the
 reference (`codec` + `wire`); "triton" the reference with the Triton per-value kernels (CUDA
-pools; the exact Residual's bit coding by `lynx_kernels.exact_triton`, see `exact.section_coder`);
+pools; the exact Residual's bit coding by `lynx_kernels.exact_triton`, see `wire.section_coder`);
 "auto" = triton for CUDA pools, cpu for CPU pools when the C extension is built, torch otherwise
 (with a one-time warning). Every impl writes the same bytes and the same pool values.
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from functools import lru_cache
@@ -247,13 +247,25 @@ def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV) -> torch.Tensor
         e_s = exact.scale_exponents(anchor.scale, n, h.num_heads, h.head_dim, h.spec.group_size,
                                     anchor.over_tokens, h.spec.rotate)[keep]
         sections = [exact.Section(*(t.to(device) for t in s.parts())) for s in sections]
-        _, decode_sections = exact.section_coder(device)
+        _, decode_sections = section_coder(device)
         bits[keep] = decode_sections(
             sections, exact.classes(r_bits, e_s, coding).reshape(-1), r_bits.reshape(-1), counts,
             coding).view(-1, h.num_heads, h.head_dim)
     values = exact.bits_to_values(bits, h.dtype)
     values[protected_rows(anchor)] = anchor.protected
     return values
+
+
+def section_coder(device: torch.device | str) -> tuple[Callable, Callable]:
+    """(encode_sections, decode_sections) of the exact Residual for tensors on `device`: the Triton
+    kernels (`lynx_kernels.exact_triton`, imported on first use: Triton only where CUDA is) on
+    CUDA, the torch reference (`lynx_kernels.exact`) elsewhere (CPU pools' serving path is the C
+    codec, `ops_cpu`, which codes without either)."""
+    if torch.device(device).type == "cuda":
+        from . import exact_triton
+
+        return exact_triton.encode_sections, exact_triton.decode_sections
+    return exact.encode_sections, exact.decode_sections
 
 
 def protected_rows(enc: EncodedKV) -> torch.Tensor:

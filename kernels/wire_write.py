@@ -18,7 +18,7 @@ import torch
 from . import exact
 from .codec import EncodedKV, exact_parts
 from .spec import CodecError, Target
-from .wire import HEADER, ChunkHeader, WireStream, protected_rows
+from .wire import HEADER, ChunkHeader, WireStream, protected_rows, section_coder
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
@@ -98,7 +98,7 @@ def _exact_pieces(enc: EncodedKV, chunks) -> list[tuple[list[np.ndarray], bool]]
     hd = enc.num_heads * enc.head_dim
     counts = [(rows.stop - rows.start - (prot.stop - prot.start)) * hd
               for _, _, (rows, _, prot) in chunks]
-    encode_sections, _ = exact.section_coder(enc.device)
+    encode_sections, _ = section_coder(enc.device)
     sections = encode_sections(
         exact.zigzag(exact.ordinal(x_bits, coding) - exact.ordinal(r_bits, coding)),
         exact.classes(r_bits, e_s[keep].reshape(-1), coding), x_bits, counts, coding)

@@ -301,22 +301,22 @@ def coder_inputs(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec, kind:
                  chunk_tokens: int) -> tuple:
     """(zz, cls, x_bits, counts, coding): what the wire layer hands the section coder for the
     Residual of `pool[slots]` (the encode's own call to it, observed)."""
+    from lynx_kernels import exact_triton
+
+    # The coder `wire.section_coder` picks for the pool's device, looked up at each call.
+    coder = exact_triton if pool.device.type == "cuda" else exact
     seen = []
-    real = exact.section_coder
+    real = coder.encode_sections
 
-    def observed(device):
-        encode_sections, decode_sections = real(device)
+    def spy(*args):
+        seen.append(args)
+        return real(*args)
 
-        def spy(*args):
-            seen.append(args)
-            return encode_sections(*args)
-        return spy, decode_sections
-
-    exact.section_coder = observed
+    coder.encode_sections = spy
     try:
         encoded(pool, slots, spec, kind, chunk_tokens, "triton")
     finally:
-        exact.section_coder = real
+        coder.encode_sections = real
     return seen[0]
 
 
