@@ -59,9 +59,15 @@ class Estimates:
             self.residual_rate = self._ema(self.residual_rate, nbytes / seconds)
 
     def residual_eta(self, remaining: int, anchor_rate: float) -> tuple[float, str]:
-        """Seconds until `remaining` Residual bytes are in, and what rate said so: that of recent
-        Residuals, else (the first request) this request's Anchor's."""
-        if self.residual_rate is not None:
+        """Seconds until `remaining` Residual bytes are in, and what rate said so: the slower of
+        recent Residuals' rate and this request's Anchor's. The Residual follows this Anchor on
+        the same link, so it comes no faster than the Anchor did, while recent Residuals may
+        have crossed another prefill's link, or this one before it slowed (seen at R = 16 after
+        a warm-up at 1 Gbit/s: the learned rate, an average that forgets slowly, put Residuals
+        23-41 s away at 0.1-0.6 s, and one request waited 23 s for its Residual instead of
+        speculating). The error costs are lopsided too: waiting wrongly loses the Residual's
+        wire time, speculating wrongly one verification."""
+        if self.residual_rate is not None and self.residual_rate <= anchor_rate:
             return remaining / self.residual_rate, "at recent Residuals' rate"
         return remaining / anchor_rate, "at this Anchor's rate"
 

@@ -1,7 +1,7 @@
 """When the decode expects a request's Residual (`backend.decode_policy.Estimates`): from the rate
-recent Residuals came in at, once one long enough has been seen, else from this request's Anchor
-rate; and the decision it feeds, whether speculating on the Anchor pays
-(`backend.decode_policy.decide_speculation`)."""
+recent Residuals came in at, once one long enough has been seen, unless this request's Anchor came
+slower (then from the Anchor's rate, as for the first request); and the decision it feeds,
+whether speculating on the Anchor pays (`backend.decode_policy.decide_speculation`)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ def test_a_residual_coded_slower_than_its_anchor_moves_the_estimate():
     eta, basis = est.residual_eta(14 * MIB, anchor_rate=120 * MIB)
     assert eta == pytest.approx(0.6)
     assert "recent Residuals" in basis
+
+
+def test_a_link_slower_than_recent_residuals_goes_by_this_anchor():
+    """Residuals learned on a fast link (a warm-up at 1 Gbit/s), then the link slowed: this
+    request's Anchor crawled in, and its Residual, behind it on the same link, will too."""
+    est = Estimates(0.05)
+    est.learn_residual_rate(8 * MIB, 0.05)  # 160 MiB/s
+    eta, basis = est.residual_eta(8 * MIB, anchor_rate=0.4 * MIB)
+    assert eta == pytest.approx(20.0)
+    assert "Anchor" in basis
+    on = LynxConfig.build(speculate=True)
+    decision = _decide(on, anchor=_anchor(2.5), estimates=est)  # 1 MiB in 2.5 s
+    assert decision.speculating and decision.residual_eta_s == pytest.approx(20.0)
 
 
 def test_short_residuals_teach_nothing():
