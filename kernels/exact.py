@@ -141,6 +141,10 @@ def zigzag(c: torch.Tensor) -> torch.Tensor:
     return torch.where(c >= 0, 2 * c, -2 * c - 1)
 
 
+def unzigzag(zz: torch.Tensor) -> torch.Tensor:
+    return (zz >> 1) ^ -(zz & 1)
+
+
 def _bitlen(v: torch.Tensor) -> torch.Tensor:
     return torch.frexp(v.to(torch.float64))[1].to(torch.int64)
 
@@ -271,15 +275,35 @@ def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
         words.index_add_(0, pos >> 5, shifted & 0xFFFFFFFF)
         words.index_add_(0, (pos >> 5) + 1, shifted >> 32)
     records = words.to(torch.int32).view(torch.uint8)[:total]
+    return pack_sections(k_nib, rec_bytes, records, blocks.per_chunk)
+
+
+def pack_sections(k_nib: torch.Tensor, rec_bytes: torch.Tensor, records: torch.Tensor,
+                  per_chunk: list[int]) -> list[Section]:
+    """Each chunk's section from the coded chunks' k-table nibbles `[chunks, 16]`, every block's
+    record length and all records back to back (`per_chunk`: blocks of each chunk). Shared by
+    this reference and the Triton coder."""
     k_bytes = (k_nib[:, 0::2] | (k_nib[:, 1::2] << 4)).to(torch.uint8)
     rec_len = rec_bytes.to(torch.int32).to(torch.int16).view(torch.uint8).view(-1, 2)
-    sections, b0, byte0 = [], 0, 0
-    for c in range(nchunks):
-        b1 = b0 + blocks.per_chunk[c]
-        byte1 = byte0 + int(rec_bytes[b0:b1].sum())
-        sections.append(Section(k_bytes[c], rec_len[b0:b1].reshape(-1), records[byte0:byte1]))
-        b0, byte0 = b1, byte1
+    ends = [0, *torch.cumsum(rec_bytes, 0).tolist()]  # one host sync for every chunk
+    sections, b0 = [], 0
+    for c, n in enumerate(per_chunk):
+        b1 = b0 + n
+        sections.append(Section(k_bytes[c], rec_len[b0:b1].reshape(-1), records[ends[b0]:ends[b1]]))
+        b0 = b1
     return sections
+
+
+def k_nibbles(sections: list[Section]) -> torch.Tensor:
+    """The sections' k-table nibbles, int64 `[chunks, 16]` (the inverse of `pack_sections`')."""
+    return torch.stack([torch.stack((s.k_table & 15, s.k_table >> 4), dim=-1).reshape(-1)
+                        for s in sections]).to(torch.int64)
+
+
+def record_lengths(sections: list[Section]) -> torch.Tensor:
+    """Every block's record length in bytes, int64, the sections' blocks in order."""
+    return torch.cat([s.rec_len.view(torch.int16).to(torch.int64) & 0xFFFF
+                      if s.rec_len.numel() else s.rec_len.to(torch.int64) for s in sections])
 
 
 def section_layout(payload_len: int, low_bytes: int, num_values: int) -> tuple[int, int]:
@@ -331,11 +355,8 @@ def decode_sections(sections: list[Section], cls: torch.Tensor, r_bits: torch.Te
     blocks = _Blocks.of(counts, device)
     if not len(cls):
         return torch.zeros(0, dtype=torch.int64, device=device)
-    k_nib = torch.stack([torch.stack((s.k_table & 15, s.k_table >> 4), dim=-1).reshape(-1)
-                         for s in sections]).to(torch.int64)
-    k = _k_of(k_nib, blocks, cls, coding)
-    rec_len = torch.cat([s.rec_len.view(torch.int16).to(torch.int64) & 0xFFFF
-                         if s.rec_len.numel() else s.rec_len.to(torch.int64) for s in sections])
+    k = _k_of(k_nibbles(sections), blocks, cls, coding)
+    rec_len = record_lengths(sections)
     data = torch.cat([*(s.records for s in sections),
                       torch.zeros(8, dtype=torch.uint8, device=device)])
     rec_end = 8 * torch.cumsum(rec_len, 0)
@@ -370,8 +391,7 @@ def decode_sections(sections: list[Section], cls: torch.Tensor, r_bits: torch.Te
         if bool(bits[pad].any()):
             raise corrupt(CORRUPTIONS[6])
     zz = (q << k) | low
-    c = (zz >> 1) ^ -(zz & 1)
-    o = ordinal(r_bits, coding) + c
+    o = ordinal(r_bits, coding) + unzigzag(zz)
     half = 1 << (coding.width - 1)
     if bool(((o < -half) | (o >= half))[~esc].any()):
         raise corrupt(CORRUPTIONS[7])

@@ -138,22 +138,14 @@ def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
     if nblk:
         _record_bits[(nblk,)](zz, cls, k, first, size, chunk, rec_bytes, **consts)
     ends = torch.cumsum(rec_bytes, 0)
-    ends_host = ends.cpu()
-    total = int(ends_host[-1]) if nblk else 0
+    total = int(ends[-1]) if nblk else 0
     words = torch.zeros(total // 4 + 2, dtype=torch.int32, device=device)
     if nblk:
         _write_records[(nblk,)](zz, cls, k, first, size, chunk, x_bits, ends - rec_bytes, words,
                                 **consts)
     records = words.view(torch.uint8)[:total]
-    k_bytes = (k_nib[:, 0::2] | (k_nib[:, 1::2] << 4)).to(torch.uint8)
-    rec_len = rec_bytes.to(torch.int32).to(torch.int16).view(torch.uint8).view(-1, 2)
-    sections, b0, byte0 = [], 0, 0
-    for c in range(nchunks):
-        b1 = b0 + exact.num_blocks(counts[c])
-        byte1 = int(ends_host[b1 - 1]) if b1 else 0
-        sections.append(Section(k_bytes[c], rec_len[b0:b1].reshape(-1), records[byte0:byte1]))
-        b0, byte0 = b1, byte1
-    return sections
+    return exact.pack_sections(k_nib, rec_bytes, records,
+                               [exact.num_blocks(c) for c in counts])
 
 
 @triton.jit
@@ -253,10 +245,8 @@ def decode_sections(sections: list[Section], cls: torch.Tensor, r_bits: torch.Te
     n = sum(counts)
     if not n:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    k_nib = torch.stack([torch.stack((s.k_table & 15, s.k_table >> 4), dim=-1).reshape(-1)
-                         for s in sections]).to(torch.int64)
-    rec_len = torch.cat([s.rec_len.view(torch.int16).to(torch.int64) & 0xFFFF
-                         if s.rec_len.numel() else s.rec_len.to(torch.int64) for s in sections])
+    k_nib = exact.k_nibbles(sections)
+    rec_len = exact.record_lengths(sections)
     data = torch.cat([s.records for s in sections]).contiguous()
     first, size, chunk = _blocks_of(counts, device)
     nblk = len(first)

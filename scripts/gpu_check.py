@@ -349,7 +349,7 @@ def check_exact_sections(s: Settings, device: str):
     tri = exact_triton.encode_sections(zz, cls, x_bits, counts, coding)
     same = all(torch.equal(a.cpu(), b) for st, sr in zip(tri, ref, strict=True)
                for a, b in zip(st.parts(), sr.parts(), strict=True))
-    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - ((zz >> 1) ^ -(zz & 1)), coding)
+    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - exact.unzigzag(zz), coding)
     back = exact_triton.decode_sections(tri, cls, r_bits, counts, coding)
     values_back = torch.equal(back, x_bits)
     raw = torch.empty(x_bits.numel() * coding.width // 8, dtype=torch.uint8, device=device)

@@ -63,7 +63,7 @@ class Measured:
     per_request: list[dict] = field(default_factory=list)
     server_config: dict | None = None
     # The prompt number of each entry of `streamed`, and the requests that failed ({"prompt",
-    # "error"}): an interleaved run goes on past a failed request (`send_interleaved`).
+    # "rid", "error"}): an interleaved run goes on past a failed request (`send_interleaved`).
     prompts: list[int] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)
 

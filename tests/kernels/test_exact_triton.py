@@ -70,7 +70,7 @@ def test_sections_and_values_match_the_reference(dtype, kind, k_grouping, rotate
     ref = exact.encode_sections(zz, cls, x_bits, counts, coding)
     tri = exact_triton.encode_sections(zz, cls, x_bits, counts, coding)
     assert same_sections(tri, ref)
-    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - ((zz >> 1) ^ -(zz & 1)), coding)
+    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - exact.unzigzag(zz), coding)
     assert torch.equal(exact_triton.decode_sections(tri, cls, r_bits, counts, coding), x_bits)
 
 
@@ -82,14 +82,13 @@ def test_escapes_and_special_values_match(dtype, monkeypatch):
     spec = CodecSpec(target="exact", group_size=32, sink_tokens=0, recent_tokens=0)
     zz, cls, x_bits, counts, coding = coder_inputs(x, spec, "k", 128, monkeypatch)
     ref = exact.encode_sections(zz, cls, x_bits, counts, coding)
-    k_nib = torch.stack([torch.stack((s.k_table & 15, s.k_table >> 4), -1).reshape(-1)
-                         for s in ref]).to(torch.int64)
+    k_nib = exact.k_nibbles(ref)
     chunk_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     k = k_nib[chunk_of.to(zz.device), cls] + coding.k_base
     assert bool(((zz >> k) >= exact.ESCAPE_Q).any()), "no escaped value: E is not exercised"
     tri = exact_triton.encode_sections(zz, cls, x_bits, counts, coding)
     assert same_sections(tri, ref)
-    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - ((zz >> 1) ^ -(zz & 1)), coding)
+    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - exact.unzigzag(zz), coding)
     assert torch.equal(exact_triton.decode_sections(tri, cls, r_bits, counts, coding), x_bits)
 
 
@@ -121,7 +120,7 @@ def test_tampered_sections_get_the_reference_verdict(monkeypatch):
     x = mixed_adversarial(torch.bfloat16, 40)
     spec = CodecSpec(target="exact", group_size=32, sink_tokens=0, recent_tokens=0)
     zz, cls, x_bits, counts, coding = coder_inputs(x, spec, "v", 20, monkeypatch)
-    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - ((zz >> 1) ^ -(zz & 1)), coding)
+    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - exact.unzigzag(zz), coding)
     good = exact.encode_sections(zz, cls, x_bits, counts, coding)
     rng = random.Random(7)
     verdicts = set()
@@ -155,9 +154,9 @@ def test_a_set_padding_bit_gets_the_reference_verdict(monkeypatch):
     x = mixed_adversarial(torch.bfloat16, 40)
     spec = CodecSpec(target="exact", group_size=32, sink_tokens=0, recent_tokens=0)
     zz, cls, x_bits, counts, coding = coder_inputs(x, spec, "v", 40, monkeypatch)
-    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - ((zz >> 1) ^ -(zz & 1)), coding)
+    r_bits = exact.from_ordinal(exact.ordinal(x_bits, coding) - exact.unzigzag(zz), coding)
     (good,) = exact.encode_sections(zz, cls, x_bits, counts, coding)
-    ends = torch.cumsum(good.rec_len.view(torch.int16).to(torch.int64), 0).tolist()
+    ends = torch.cumsum(exact.record_lengths([good]), 0).tolist()
     verdicts = []
     for end in ends[:6]:
         records = good.records.clone()
