@@ -1,7 +1,8 @@
 """The serving path's codec calls, one per (layer, kind) of a request: encode KV pool rows straight
 into the two streams' bytes, and apply landed bytes straight into pool rows.
 
-Called by the SGLang backend: the prefill calls `encode_run_into` for each layer's K and V, the
+Called by the SGLang backend: the prefill calls `encode_run_start` (`encode_run_into` when it does
+not overlap a device run's copy with the next encode) for each layer's K and V, the
 decode `apply_anchor_run` once the Anchor stream has landed and `apply_residual_run` once the
 Residual has. A run is the `total_tokens` tokens of one layer's K or V held in `pool_layer[slots]`
 (`pool_layer`: `[rows, kv_heads, head_dim]`), cut every `chunk_tokens` tokens into wire chunks
@@ -17,10 +18,11 @@ pools; the exact Residual's bit coding by `lynx_kernels.exact_triton`, see `wire
 Buffers: `encode_run_into` writes `anchor_out[:anchor_bytes]` and `residual_out[:residual_bytes]`
 (both must hold `run_nbytes`: the Anchor's exact size and the Residual's bound) and keeps no
 reference to them or to the pool: when it returns the caller may hand the bytes to the transport
-or reuse the buffers, and reuse the pool rows. `apply_*` read their byte buffers and `slots` only
-during the call and write only `pool_layer[slots]`; they validate every chunk (and for the exact
-Residual decode every correction) before writing anything, so a CodecError leaves the pool as it
-was.
+or reuse the buffers, and reuse the pool rows. `encode_run_start` is done with the pool when it
+returns, with the buffers when its `PendingRun.finish` has returned. `apply_*` read their byte
+buffers and `slots` only during the call and write only `pool_layer[slots]`; they validate every
+chunk (and for the exact Residual decode every correction) before writing anything, so a
+CodecError leaves the pool as it was.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from . import ops_cpu
+from .chunk_copy import COPY_TIMEOUT_S, PendingChunks, wait_for_stream
 from .codec import check_input, decode, encode, parse_kind
 from .spec import CodecError, CodecSpec, StreamKind
 from .wire import (
@@ -44,7 +47,7 @@ from .wire import (
     parse_chunk,
     spec_flags,
 )
-from .wire_write import write_chunks
+from .wire_write import start_chunks
 
 IMPLS = ("auto", "torch", "cpu", "triton")
 _U16, _U32, _U64 = 2**16, 2**32, 2**64
@@ -190,16 +193,32 @@ def _torch_impl(run: _Run) -> str:
     return "triton" if run.impl == "triton" else "torch"
 
 
-def encode_run_into(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecSpec,
-                    kind: StreamKind | str, layer: int, chunk_tokens: int, request_tag: int,
-                    anchor_out, residual_out, *, impl: str = "auto") -> tuple[int, int]:
-    """Encode the tokens held in `pool_layer[slots]` (token i in row slots[i]) into Anchor chunks
-    written back to back into `anchor_out` and Residual chunks into `residual_out`; returns
-    (anchor bytes, residual bytes) written. The pool is only read.
+@dataclass
+class PendingRun:
+    """An encoded run on its way into the caller's buffers (`encode_run_start`): a device run's
+    device-to-host copies may still be running; `finish` waits for them and writes the chunk
+    headers. A CPU run is complete when returned."""
 
-    `residual_out=None` writes the Anchor only (0 Residual bytes): the prefill sends every layer's
-    Anchor before it spends time on any Residual (an exact Residual costs ~10x its Anchor), and
-    encodes again with both buffers for the Residual; the Anchor bytes come out the same."""
+    anchor: PendingChunks | int
+    residual: PendingChunks | int
+
+    def finish(self, timeout_s: float = COPY_TIMEOUT_S) -> tuple[int, int]:
+        """(anchor bytes, residual bytes) written, once they have landed (TimeoutError if a
+        stream's copies take longer than `timeout_s`)."""
+        return _landed(self.anchor, timeout_s), _landed(self.residual, timeout_s)
+
+
+def _landed(stream: PendingChunks | int, timeout_s: float) -> int:
+    return stream if isinstance(stream, int) else sum(stream.finish(timeout_s))
+
+
+def encode_run_start(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecSpec,
+                     kind: StreamKind | str, layer: int, chunk_tokens: int, request_tag: int,
+                     anchor_out, residual_out, *, impl: str = "auto") -> PendingRun:
+    """`encode_run_into` without waiting for a device run's copies into `anchor_out` and
+    `residual_out` (`lynx_kernels.chunk_copy`): the buffers are being written until the returned
+    run's `finish` has returned, so that the caller can encode the next run meanwhile. The pool
+    rows may be reused once this returns (the copies read encoded bytes, not the pool)."""
     run = _run(pool_layer, slots, spec, kind, layer, request_tag, len(slots), impl)
     if chunk_tokens <= 0 or (spec.groups_over_tokens(run.kind) and chunk_tokens % spec.group_size):
         raise CodecError(f"chunk_tokens={chunk_tokens} must be positive"
@@ -210,16 +229,33 @@ def encode_run_into(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecSp
     residual = (None if residual_out is None
                 else _out(residual_out, sizes.residual_bound, "residual_out"))
     if run.impl == "cpu":
-        return ops_cpu.encode_run(run.pool, run.slots, spec, run.kind, layer, chunk_tokens,
-                                  request_tag, spec_flags(spec), anchor, residual)
-    enc = encode(run.pool.index_select(0, run.slots), spec, run.kind, layer=layer,
-                 impl=_torch_impl(run))
-    anchor_written = sum(write_chunks(enc, chunk_tokens, anchor, stream="anchor",
-                                      request_tag=request_tag))
-    if residual is None:
-        return anchor_written, 0
-    return anchor_written, sum(write_chunks(enc, chunk_tokens, residual, stream="residual",
-                                            request_tag=request_tag))
+        return PendingRun(*ops_cpu.encode_run(run.pool, run.slots, spec, run.kind, layer,
+                                              chunk_tokens, request_tag, spec_flags(spec),
+                                              anchor, residual))
+    rows = run.pool.index_select(0, run.slots)
+    if rows.device.type == "cuda":
+        # The caller may give the pool rows back once this returns (the prefill swaps a streamed
+        # room's slots for the prefix cache's copies between layers): the gather must have run.
+        wait_for_stream(rows.device)
+    enc = encode(rows, spec, run.kind, layer=layer, impl=_torch_impl(run))
+    return PendingRun(
+        start_chunks(enc, chunk_tokens, anchor, stream="anchor", request_tag=request_tag),
+        0 if residual is None else start_chunks(enc, chunk_tokens, residual, stream="residual",
+                                                request_tag=request_tag))
+
+
+def encode_run_into(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecSpec,
+                    kind: StreamKind | str, layer: int, chunk_tokens: int, request_tag: int,
+                    anchor_out, residual_out, *, impl: str = "auto") -> tuple[int, int]:
+    """Encode the tokens held in `pool_layer[slots]` (token i in row slots[i]) into Anchor chunks
+    written back to back into `anchor_out` and Residual chunks into `residual_out`; returns
+    (anchor bytes, residual bytes) written. The pool is only read.
+
+    `residual_out=None` writes the Anchor only (0 Residual bytes): the prefill sends every layer's
+    Anchor before it spends time on any Residual (an exact Residual costs ~10x its Anchor), and
+    encodes again with both buffers for the Residual; the Anchor bytes come out the same."""
+    return encode_run_start(pool_layer, slots, spec, kind, layer, chunk_tokens, request_tag,
+                            anchor_out, residual_out, impl=impl).finish()
 
 
 def _walk(data: np.ndarray, run: _Run, stream: WireStream,

@@ -411,20 +411,38 @@ class SyntheticForward:
 
 def encode_layers(pools, slots, spec: CodecSpec, events: queue.Queue, stream,
                   bufs) -> list[tuple[int, str, int, int]]:
-    """The serving call (`fused.encode_run_into`, both streams) on every layer's K and V, each
-    once its layer's event has fired, on `stream` (CUDA: the stream waits, not this thread, until
-    the host copies of the bytes). Returns (layer, kind, anchor bytes, residual bytes)."""
-    written = []
+    """The serving calls on every layer's K and V, each once its layer's event has fired, on
+    `stream`, as the prefill's room writer makes them: `fused.encode_run_start` (both streams),
+    and layer l's bytes finished (their device-to-host copies waited for, headers and CRCs
+    written) once layer l + 1 is encoded. Returns (layer, kind, anchor bytes, residual bytes)."""
+    written: list[tuple[int, str, int, int]] = []
+    staged: list[tuple[int, str, fused.PendingRun]] = []
+
+    def finish_staged() -> None:
+        written.extend((layer, kind, *run.finish()) for layer, kind, run in staged)
+        staged.clear()
+
     with torch.cuda.stream(stream):
         for layer, kv_pools in enumerate(pools):
             # A forward thread that died must fail the check (queue.Empty), not hang the call.
             events.get(timeout=120).wait(stream)
+            started = []
             for kind, pool in zip("kv", kv_pools, strict=True):
                 anchor, residual = bufs[layer][kind]
-                na, nr = fused.encode_run_into(pool, slots, spec, kind, layer, SERVING_CHUNK_TOKENS,
-                                               1, anchor, residual, impl="triton")
-                written.append((layer, kind, na, nr))
+                started.append((layer, kind, fused.encode_run_start(
+                    pool, slots, spec, kind, layer, SERVING_CHUNK_TOKENS, 1, anchor, residual,
+                    impl="triton")))
+            finish_staged()
+            staged.extend(started)
+        finish_staged()
     return written
+
+
+def host_buffer(nbytes: int, device: str) -> np.ndarray:
+    """Staging as the prefill's: page-locked for a CUDA pool (`backend.staging.StagingPool`)."""
+    if device != "cuda":
+        return np.zeros(nbytes, np.uint8)
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 def ready_events(fwd: SyntheticForward, n: int) -> queue.Queue:
@@ -484,6 +502,9 @@ def check_layer_streamed(s: Settings, device: str):
                      if device == "cuda" else "HostEvent stand-in: record marks done, wait blocks "
                      "the encoder thread; no streams, and the queue already orders each layer "
                      "before its encode, so here the byte check cannot catch a missing wait",
+                     "staging": "page-locked host buffers; each layer's device-to-host copies "
+                     "finished once the next layer is encoded (prefill_writer.RoomWriter)"
+                     if device == "cuda" else "pageable host buffers, copies synchronous",
                      "targets": {}}
     ok = True
     for target in ("int8", "exact"):
@@ -491,7 +512,8 @@ def check_layer_streamed(s: Settings, device: str):
         sizes = {kind: fused.run_nbytes(spec, kind, torch.bfloat16, SHAPE.num_kv_heads,
                                         SHAPE.head_dim, s.tokens, SERVING_CHUNK_TOKENS)
                  for kind in "kv"}
-        bufs = {run: [{kind: (np.zeros(size.anchor, np.uint8), np.zeros(size.residual_bound, np.uint8))
+        bufs = {run: [{kind: (host_buffer(size.anchor, device),
+                              host_buffer(size.residual_bound, device))
                        for kind, size in sizes.items()} for _ in range(s.layers)]
                 for run in ("both", "alone")}
         # Outside the timings: the forward's first run, and the kernels' compilation.

@@ -164,7 +164,8 @@ class StreamApplier:
             room.trace.mark_mono("residual_landed", landed_at)
             since_anchor = progress.residual_since_anchor
             if room.t_anchor_landed is not None and since_anchor is not None:
-                self.estimates.learn_residual_rate(since_anchor, landed_at - room.t_anchor_landed)
+                self.estimates.learn_residual_rate(room.prefill, since_anchor,
+                                                   landed_at - room.t_anchor_landed)
         if st.ok and progress.residual_done and progress.residual_parsed != landed:
             raise KVStreamError(f"the Residual stream has {landed - progress.residual_parsed} B "
                                 "after its last layer")
@@ -197,7 +198,7 @@ class StreamApplier:
                 self.deps.config, room.plan, st, residual,
                 final_layers=room.progress.final_layers,
                 anchor_written=room.progress.anchor_written, estimates=self.estimates,
-                tp_ranks=self.deps.tp_ranks)
+                link=room.prefill, tp_ranks=self.deps.tp_ranks)
         if decision.speculating:
             self._write_anchor_layers(room, pool)
             sync_pool(pool)

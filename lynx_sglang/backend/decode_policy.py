@@ -25,6 +25,12 @@ from .plan import StreamPlan
 INITIAL_VERIFY_ESTIMATE_S = 0.05
 # Residuals shorter than this say little about the rate of long ones (see `learn_residual_rate`).
 LEARN_RESIDUAL_RATE_MIN_BYTES = 1 << 20
+# Prefill ranks whose Residual rate is remembered; past it the one heard from longest ago is
+# forgotten (a deployment has a handful; the cap keeps a churning fleet from growing the map).
+MAX_RESIDUAL_LINKS = 256
+
+# A prefill rank's bootstrap (host, port): the link a room's streams cross (`DecodeRoom.prefill`).
+Link = tuple[str, int]
 
 
 class Estimates:
@@ -33,11 +39,12 @@ class Estimates:
     def __init__(self, verify_s: float):
         self.verify_s = verify_s
         self.anchor_layer_s: float | None = None
-        # Bytes/s at which earlier Residuals came in after their Anchor was complete. The Anchor's
-        # own rate underestimates the Residual's arrival when the prefill codes the Residual
-        # slower than it sends (the exact target: measured 610 ms to land where the Anchor's rate
-        # predicted 181 ms).
-        self.residual_rate: float | None = None
+        # Per prefill rank, bytes/s at which its earlier Residuals came in after their Anchor was
+        # complete. The Anchor's own rate underestimates the Residual's arrival when the prefill
+        # codes the Residual slower than it sends (the exact target: measured 610 ms to land
+        # where the Anchor's rate predicted 181 ms). Per rank, since prefills differ in link and
+        # load: one decode serves several. Insertion-ordered: the least recently heard first.
+        self._residual_rates: dict[Link, float] = {}
 
     @staticmethod
     def _ema(old: float | None, new: float) -> float:
@@ -51,24 +58,34 @@ class Estimates:
         """One verification took `seconds` (the speculation controller measured it)."""
         self.verify_s = self._ema(self.verify_s, seconds)
 
-    def learn_residual_rate(self, nbytes: int, seconds: float) -> None:
-        """A Residual's `nbytes` landed `seconds` after its Anchor was complete. Small ones are
-        not learned from: their time is the fixed cost of a request (a 5-token warm-up's
-        Residual would set the rate of the long prompt after it)."""
-        if nbytes >= LEARN_RESIDUAL_RATE_MIN_BYTES and seconds > 0:
-            self.residual_rate = self._ema(self.residual_rate, nbytes / seconds)
+    def residual_rate(self, link: Link) -> float | None:
+        """The rate `link`'s recent Residuals came in at (None: none long enough yet)."""
+        return self._residual_rates.get(link)
 
-    def residual_eta(self, remaining: int, anchor_rate: float) -> tuple[float, str]:
-        """Seconds until `remaining` Residual bytes are in, and what rate said so: the slower of
-        recent Residuals' rate and this request's Anchor's. The Residual follows this Anchor on
-        the same link, so it comes no faster than the Anchor did, while recent Residuals may
-        have crossed another prefill's link, or this one before it slowed (seen at R = 16 after
-        a warm-up at 1 Gbit/s: the learned rate, an average that forgets slowly, put Residuals
-        23-41 s away at 0.1-0.6 s, and one request waited 23 s for its Residual instead of
-        speculating). The error costs are lopsided too: waiting wrongly loses the Residual's
-        wire time, speculating wrongly one verification."""
-        if self.residual_rate is not None and self.residual_rate <= anchor_rate:
-            return remaining / self.residual_rate, "at recent Residuals' rate"
+    def learn_residual_rate(self, link: Link, nbytes: int, seconds: float) -> None:
+        """A Residual's `nbytes` from the prefill rank at `link` landed `seconds` after its
+        Anchor was complete. Small ones are not learned from: their time is the fixed cost of a
+        request (a 5-token warm-up's Residual would set the rate of the long prompt after it)."""
+        if nbytes < LEARN_RESIDUAL_RATE_MIN_BYTES or seconds <= 0:
+            return
+        rate = self._ema(self._residual_rates.pop(link, None), nbytes / seconds)
+        self._residual_rates[link] = rate
+        if len(self._residual_rates) > MAX_RESIDUAL_LINKS:
+            del self._residual_rates[next(iter(self._residual_rates))]
+
+    def residual_eta(self, link: Link, remaining: int, anchor_rate: float) -> tuple[float, str]:
+        """Seconds until `remaining` Residual bytes from `link` are in, and what rate said so:
+        the slower of that link's recent Residuals' rate and this request's Anchor's. The
+        Residual follows this Anchor on the same link, so it comes no faster than the Anchor
+        did, while the link's recent Residuals may have crossed it before it slowed (seen at
+        R = 16 after a warm-up at 1 Gbit/s: the learned rate, an average that forgets slowly,
+        put Residuals 23-41 s away at 0.1-0.6 s, and one request waited 23 s for its Residual
+        instead of speculating). Another prefill's Residuals say nothing of this link. The error
+        costs are lopsided too: waiting wrongly loses the Residual's wire time, speculating
+        wrongly one verification."""
+        rate = self._residual_rates.get(link)
+        if rate is not None and rate <= anchor_rate:
+            return remaining / rate, "at this prefill's recent Residuals' rate"
         return remaining / anchor_rate, "at this Anchor's rate"
 
 
@@ -123,12 +140,14 @@ def not_speculating(why: str, **estimate: float) -> SpeculationDecision:
 
 def decide_speculation(config: LynxConfig, plan: StreamPlan, anchor: StreamState,
                        residual: StreamState | None, *, final_layers: int, anchor_written: int,
-                       estimates: Estimates, tp_ranks: int = 1) -> SpeculationDecision:
+                       estimates: Estimates, link: Link, tp_ranks: int = 1
+                       ) -> SpeculationDecision:
     """Whether decoding on the complete Anchor now beats waiting for the Residual: the Residual's
-    expected arrival (its bytes still to come, at the rate recent Residuals came in, else at the
-    rate this Anchor came in) against what speculating costs first (the Anchor layers still to
-    write into the pool, one verification). `final_layers`/`anchor_written`: the room's layers
-    at full precision / with their Anchor in the pool so far.
+    expected arrival (its bytes still to come, at the rate the recent Residuals of the prefill
+    at `link` came in, else at the rate this Anchor came in) against what speculating costs
+    first (the Anchor layers still to write into the pool, one verification).
+    `final_layers`/`anchor_written`: the room's layers at full precision / with their Anchor in
+    the pool so far.
 
     With `tp_ranks` > 1 (the decode's attention TP size) every rank decides the same from the
     flags alone: each rank's streams land at their own times, and a request one rank speculates
@@ -146,7 +165,7 @@ def decide_speculation(config: LynxConfig, plan: StreamPlan, anchor: StreamState
         return speculating("no rate measured")
     seconds = max(anchor.t_done - anchor.t_first_byte, 1e-6)
     remaining = max(plan.residual_bytes_expected - residual.nbytes, 0)
-    eta, basis = estimates.residual_eta(remaining, plan.anchor_bytes / seconds)
+    eta, basis = estimates.residual_eta(link, remaining, plan.anchor_bytes / seconds)
     layers_left = plan.num_layers - max(anchor_written, final_layers)
     cost = layers_left * (estimates.anchor_layer_s or 0.0) + estimates.verify_s
     if eta <= cost:

@@ -46,8 +46,8 @@ writes again for these requests. On a CUDA pool the codec's Triton path (`lynx_k
 impl "auto") gathers and encodes the rows on the device, on the worker thread's current stream,
 the default one; SGLang 0.5.23's scheduler runs the forward on a stream of its own (non-blocking),
 so those reads do not queue behind the forward's later layers, and the event is what orders each
-read after its write. It then copies the encoded bytes to host staging (`lynx_kernels.wire_write`:
-a synchronous copy through pageable memory; pinned, overlapped staging of that copy is not done).
+read after its write. The encoded bytes reach host staging by asynchronous copies that overlap
+the next layer's encode (`lynx_kernels.chunk_copy`, `prefill_writer.RoomWriter`).
 """
 
 from __future__ import annotations

@@ -165,7 +165,10 @@ class LynxKVManager(MooncakeKVManager):
                                       getattr(self.kv_args, "gpu_id", 0) or 0)
 
     def register_buffer_to_engine(self):
-        self.staging = StagingPool(self.lynx.staging_mib << 20, self.lynx_runtime.recorder.metrics)
+        # Page-locked for a CUDA pool: the encoded chunks' device-to-host copies then overlap
+        # the next layer's encode (`lynx_kernels.chunk_copy`).
+        self.staging = StagingPool(self.lynx.staging_mib << 20, self.lynx_runtime.recorder.metrics,
+                                   pinned=getattr(self.server_args, "device", None) == "cuda")
         self.staging_region = self.endpoint.register(self.staging.buffer, name="lynx-staging")
 
     def deregister_buffer_to_engine(self):
@@ -181,8 +184,9 @@ class LynxKVManager(MooncakeKVManager):
         self.pool = KVPoolView.from_sglang_pool(pool)
         # GPUDirect (registering device memory with the NIC) is not implemented: say so, so an
         # operator comparing with Mooncake knows the encoded bytes leave from host memory.
-        logger.info("lynx: staging: host memory, %d MiB registered with the %s transport; KV pool "
-                    "on %s", self.lynx.staging_mib, self.lynx.transport, self.pool.device)
+        logger.info("lynx: staging: %s host memory, %d MiB registered with the %s transport; KV "
+                    "pool on %s", "page-locked" if self.staging.pinned else "pageable",
+                    self.lynx.staging_mib, self.lynx.transport, self.pool.device)
         self._check_staging_size()
         head_dim = self.pool.shape.head_dim
         if self.lynx.codec.rotate and head_dim & (head_dim - 1):

@@ -12,6 +12,7 @@ segments' ranges from that same worker's staging and hands each to it once writt
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -30,8 +31,10 @@ from .pool import KVPoolView
 from .prefill_job import HANDOVER_POLL_S, Job
 from .prefill_staging import InFlight, InFlightStaging, release_request
 from .staging import StagingPool, StagingRange
-from .streams import encode_layer_into
+from .streams import PendingLayer, encode_layer_start
 from .window import Segments
+
+logger = logging.getLogger(__name__)
 
 _STREAMS = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
 
@@ -53,15 +56,23 @@ class WriterDeps:
 
     def encode(self, job: Job, pool: KVPoolView, layer: int, anchor_out, residual_out,
                spec: CodecSpec | None = None) -> tuple[int, int]:
-        """Encode one layer of the job's slots (`encode_layer_into`) with `spec` (None: the
-        configured codec; else the room's, of the Anchor width picked for it)."""
+        """Encode one layer of the job's slots with `spec` (None: the configured codec; else the
+        room's, of the Anchor width picked for it): the bytes written to each buffer."""
+        return self.start(job, pool, layer, anchor_out, residual_out, spec).finish(
+            self.config.transfer_timeout_s)
+
+    def start(self, job: Job, pool: KVPoolView, layer: int, anchor_out, residual_out,
+              spec: CodecSpec | None = None) -> PendingLayer:
+        """`encode` without waiting for a device pool's copies into the buffers
+        (`encode_layer_start`): they hold the layer once its `finish` has returned."""
         # Under the job's lock: the slots may be swapped for the prefix cache's between layers
-        # (`PrefillSender._reconcile_streamed`), never during one.
+        # (`PrefillSender._reconcile_streamed`), never during one (the encode has read the pool
+        # rows when it returns, `fused.encode_run_start`).
         with job.lock:
             rows, index = job.rows_of(pool, layer)
-            return encode_layer_into(rows, layer, index, spec or self.config.codec,
-                                     self.config.chunk_tokens, job.room, anchor_out,
-                                     residual_out, self.encoder)
+            return encode_layer_start(rows, layer, index, spec or self.config.codec,
+                                      self.config.chunk_tokens, job.room, anchor_out,
+                                      residual_out, self.encoder)
 
     def await_handover(self, job: Job) -> None:
         """Layer-streamed: SGLang's hand-over of the room after its forward."""
@@ -101,6 +112,8 @@ class RoomWriter:
         job.trace.facts.update(one_pass=self.one_pass, residual_streamed=self.stream_residual)
         self.residual_at = 0  # stream offset of the next streamed Residual layer
         self.posted = 0  # bytes of both streams, once `finish_residual` has run
+        # The layer encoded and not yet written: (its pending encode, staging offsets, start).
+        self._staged: tuple[PendingLayer, int, int, float] | None = None
         job.trace.mark("encode_start")
 
     def run(self) -> int:
@@ -110,20 +123,42 @@ class RoomWriter:
         return self.finish_residual()
 
     def layer(self, layer: int) -> None:
-        deps, job, plan, room = self.deps, self.job, self.plan, self.job.room
-        buf, region = deps.staging.buffer, deps.staging_region
+        try:
+            self._layer(layer)
+        except BaseException:
+            self._drain()
+            raise
+
+    def _layer(self, layer: int) -> None:
+        deps, job, plan = self.deps, self.job, self.plan
+        buf = deps.staging.buffer
         if job.gate is not None:
+            if self._staged is not None and job.gate.opened <= layer:
+                self._write_staged()  # nothing held back while the forward computes the layer
             job.gate.wait(layer, deps.config.transfer_timeout_s)
             # An aborted request's slots are freed right after its forward, and may be written
             # by the next one: stop reading them.
-            if not deps.is_live(room):
+            if not deps.is_live(job.room):
                 raise RoomDroppedError("SGLang dropped the room during its forward")
         t0 = time.time()
         at = self.staging.offset + plan.anchor_offset(layer)
         r_at = self.residual_base + layer * plan.residual_layer_bytes
-        written, r_written = deps.encode(
+        pending = deps.start(
             job, self.pool, layer, buf[at: at + plan.anchor_layer_bytes],
             buf[r_at: r_at + plan.residual_layer_bytes] if self.one_pass else None, self.spec)
+        self._write_staged()  # the previous layer's copies ran during this encode
+        self._staged = (pending, at, r_at, t0)
+        if not pending.copying:
+            self._write_staged()
+
+    def _write_staged(self) -> None:
+        """Write the staged layer to the transport once its bytes are in staging."""
+        if self._staged is None:
+            return
+        (pending, at, r_at, t0), self._staged = self._staged, None
+        deps, job, plan, room = self.deps, self.job, self.plan, self.job.room
+        region, layer = deps.staging_region, pending.layer
+        written, r_written = pending.finish(deps.config.transfer_timeout_s)
         if written != plan.anchor_layer_bytes:
             raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
                                 f"expected {plan.anchor_layer_bytes} B")
@@ -139,10 +174,27 @@ class RoomWriter:
         if layer + 1 == plan.num_layers // 2:
             deps.faults.hold(Point.ANCHOR_MID, room, (layer + 1, plan.num_layers))
 
+    def _drain(self) -> None:
+        """On a failure: wait for the staged layer's copies, so that no byte lands in the room's
+        staging range once the worker has given it back."""
+        if self._staged is None:
+            return
+        (pending, *_), self._staged = self._staged, None
+        try:
+            pending.finish(self.deps.config.transfer_timeout_s)
+        except Exception as exc:  # the room fails with the first error; this one is a symptom
+            logger.warning("lynx: room %s: layer %d's copies after a failure: %s",
+                           self.job.room, pending.layer, exc)
+
     def finish_anchor(self) -> None:
         """After every layer: the Anchor's end, with the aux (layer-streamed: once SGLang has
         handed the room over after the forward)."""
         deps, job = self.deps, self.job
+        try:
+            self._write_staged()
+        except BaseException:
+            self._drain()
+            raise
         if job.gate is not None:
             job.trace.mark("anchor_layers_posted")
             deps.await_handover(job)

@@ -7,6 +7,11 @@ request has been released. Decode: a request's range is announced to the prefill
 destination of both streams; it is freed after the Residual has been applied to the KV pool (or
 the request failed) and the request has been released, so no late byte can land in a reused range.
 
+With a CUDA KV pool the buffer is page-locked (`pinned`), so that the codec's device-to-host
+copies of encoded chunks (`lynx_kernels.chunk_copy`) run as DMA beside the next layer's encode;
+where page-locking fails the pool falls back to pageable memory and says so (the copies are then
+synchronous, the bytes the same).
+
 Created by `backend.manager.LynxKVManager`, used by its `PrefillSender` or `DecodeApplier`;
 thread-safe. Allocation is first-fit with coalescing. `try_allocate` never waits: it returns None
 when no free range is large enough, and raises `StagingFullError` for a request larger than the
@@ -17,13 +22,17 @@ queues (the decode, `DecodeApplier`).
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..errors import StagingFullError
 from ..metrics import Metrics
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64
 
@@ -39,11 +48,24 @@ class StagingRange:
 
 
 class StagingPool:
-    def __init__(self, nbytes: int, metrics: Metrics):
+    def __init__(self, nbytes: int, metrics: Metrics, pinned: bool = False):
+        """`pinned`: page-lock the buffer (for a CUDA KV pool), if this process can."""
         if nbytes <= 0:
             raise ValueError(f"staging size must be positive, got {nbytes}")
         self._metrics = metrics  # the process's: the staging memory in use
-        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.pinned = False
+        if pinned:
+            try:
+                # The tensor owns the page-locked memory; the numpy view shares it.
+                self._locked = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.buffer = self._locked.numpy()
+                self.pinned = True
+            except RuntimeError as exc:
+                logger.warning("lynx: staging: could not page-lock %d MiB (%s); using pageable "
+                               "memory: the device-to-host copies of encoded chunks are then "
+                               "synchronous", nbytes >> 20, exc)
+        if not self.pinned:
+            self.buffer = np.empty(nbytes, dtype=np.uint8)
         self.nbytes = nbytes
         # Sorted, non-overlapping, coalesced free ranges as (offset, length).
         self._free: list[tuple[int, int]] = [(0, nbytes)]

@@ -21,12 +21,13 @@ room's staging range is freed, which the applier does only after the room is con
 
 from __future__ import annotations
 
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 import torch
 
 from lynx_kernels import CodecError, CodecSpec, StreamKind, fused
+from lynx_kernels.chunk_copy import COPY_TIMEOUT_S
 from lynx_kernels.wire import HEADER, MAGIC
 
 from ..errors import KVStreamError
@@ -52,42 +53,88 @@ class LayerRuns:
         return self.runs[self.kinds.index(kind)]
 
 
-def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
-                      chunk_tokens: int, request_tag: int, anchor_out, residual_out=None,
-                      executor: Executor | None = None) -> tuple[int, int]:
+class PendingLayer:
+    """One layer's encode (`encode_layer_start`) whose device-to-host copies may still be running;
+    `finish` waits for them. Every wait is bounded (`fused.PendingRun.finish`)."""
+
+    def __init__(self, layer: int, runs: list[fused.PendingRun | Future], residual_out,
+                 k_res_at: int, copying: bool):
+        self.layer = layer
+        # Whether device-to-host copies may still be running when `encode_layer_start` returns
+        # (a CUDA pool); False: `finish` waits for nothing but a V run on the executor thread.
+        self.copying = copying
+        self._runs = runs  # K's (or the latent's), then V's: a future where V ran on the executor
+        self._residual_out, self._k_res_at = residual_out, k_res_at
+        self._written: tuple[int, int] | None = None
+
+    def finish(self, timeout_s: float) -> tuple[int, int]:
+        """(Anchor bytes, Residual bytes) of the layer once written; idempotent."""
+        if self._written is not None:
+            return self._written
+        try:
+            done = [(r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s)
+                    for r in self._runs]
+        except (CodecError, TimeoutError) as exc:
+            raise KVStreamError(f"encoding layer {self.layer}: {exc}") from exc
+        (ka, kr), *rest = done
+        if not rest:
+            self._written = ka, kr
+            return self._written
+        (va, vr), = rest
+        out = self._residual_out
+        if out is not None and kr != self._k_res_at:
+            out[kr: kr + vr] = out[self._k_res_at: self._k_res_at + vr].copy()
+        self._written = ka + va, kr + vr
+        return self._written
+
+
+def encode_layer_start(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
+                       chunk_tokens: int, request_tag: int, anchor_out, residual_out=None,
+                       executor: Executor | None = None) -> PendingLayer:
     """Encode one layer (K then V, or the MLA latent) of the tokens held in `slots`: its Anchor
     chunks back to back into `anchor_out`, and, if `residual_out` is given, its Residual chunks
-    into that (None: the Anchor only, see `lynx_kernels.fused.encode_run_into`). Returns the
-    bytes written to each.
+    into that (None: the Anchor only, see `lynx_kernels.fused.encode_run_into`). The buffers are
+    written once the returned layer's `finish` has returned (a CPU pool's at once; a CUDA pool's
+    device-to-host copies run meanwhile, `lynx_kernels.chunk_copy`).
 
     With `executor` and two kinds, K and V are encoded at once (the C codec releases the GIL):
-    V's Residual is written after K's bound and moved down next to K's real end afterwards (an
+    V's Residual is written after K's bound and moved down next to K's real end by `finish` (an
     exact Residual's length is known only once it is coded)."""
     k_size = fused.run_nbytes(spec, StreamKind.K, pool.layer(layer, StreamKind.K).dtype,
                               *pool.layer(layer, StreamKind.K).shape[1:], len(slots),
                               chunk_tokens)
     k_res_at = 0 if residual_out is None else k_size.residual_bound
 
-    def run(kind: StreamKind, a_at: int, r_at: int) -> tuple[int, int]:
-        return fused.encode_run_into(
+    def run(kind: StreamKind, a_at: int, r_at: int) -> fused.PendingRun:
+        return fused.encode_run_start(
             pool.layer(layer, kind), slots, spec, kind, layer, chunk_tokens, request_tag,
             anchor_out[a_at:], None if residual_out is None else residual_out[r_at:])
 
     try:
         if pool.kinds == LATENT_KINDS:
-            return run(StreamKind.K, 0, 0)
-        if executor is None:
-            ka, kr = run(StreamKind.K, 0, 0)
-            va, vr = run(StreamKind.V, ka, kr)
-            return ka + va, kr + vr
-        v = executor.submit(run, StreamKind.V, k_size.anchor, k_res_at)
-        ka, kr = run(StreamKind.K, 0, 0)
-        va, vr = v.result()
+            runs = [run(StreamKind.K, 0, 0)]
+        elif executor is None:
+            # V's place follows K's bytes: K's must have landed to be counted.
+            k = run(StreamKind.K, 0, 0)
+            ka, kr = k.finish()
+            runs = [k, run(StreamKind.V, ka, kr)]
+            k_res_at = kr
+        else:
+            v = executor.submit(run, StreamKind.V, k_size.anchor, k_res_at)
+            runs = [run(StreamKind.K, 0, 0), v]
     except CodecError as exc:
         raise KVStreamError(f"encoding layer {layer}: {exc}") from exc
-    if residual_out is not None and kr != k_res_at:
-        residual_out[kr: kr + vr] = residual_out[k_res_at: k_res_at + vr].copy()
-    return ka + va, kr + vr
+    copying = pool.layer(layer, StreamKind.K).device.type != "cpu"
+    return PendingLayer(layer, runs, residual_out, k_res_at, copying)
+
+
+def encode_layer_into(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,
+                      chunk_tokens: int, request_tag: int, anchor_out, residual_out=None,
+                      executor: Executor | None = None,
+                      timeout_s: float = COPY_TIMEOUT_S) -> tuple[int, int]:
+    """`encode_layer_start` and its `finish`: the bytes written to each buffer."""
+    return encode_layer_start(pool, layer, slots, spec, chunk_tokens, request_tag, anchor_out,
+                              residual_out, executor).finish(timeout_s)
 
 
 def anchor_layer(view: memoryview, plan: StreamPlan, layer: int) -> LayerRuns:

@@ -1,7 +1,8 @@
 """When the decode expects a request's Residual (`backend.decode_policy.Estimates`): from the rate
-recent Residuals came in at, once one long enough has been seen, unless this request's Anchor came
-slower (then from the Anchor's rate, as for the first request); and the decision it feeds,
-whether speculating on the Anchor pays (`backend.decode_policy.decide_speculation`)."""
+the same prefill's recent Residuals came in at, once one long enough has been seen, unless this
+request's Anchor came slower (then from the Anchor's rate, as for the first request); and the
+decision it feeds, whether speculating on the Anchor pays
+(`backend.decode_policy.decide_speculation`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from lynx_sglang.backend.decode_policy import (
     LEARN_RESIDUAL_RATE_MIN_BYTES,
+    MAX_RESIDUAL_LINKS,
     Estimates,
     Speculation,
     decide_speculation,
@@ -19,10 +21,12 @@ from lynx_sglang.config import LynxConfig
 from lynx_transport import Status, Stream, StreamState
 
 MIB = 1 << 20
+# Two prefill ranks' bootstrap addresses (`DecodeRoom.prefill`).
+NEAR, FAR = ("10.0.0.1", 8998), ("10.0.9.1", 8998)
 
 
 def test_the_first_request_goes_by_its_anchor_rate():
-    eta, basis = Estimates(0.05).residual_eta(10 * MIB, anchor_rate=100 * MIB)
+    eta, basis = Estimates(0.05).residual_eta(NEAR, 10 * MIB, anchor_rate=100 * MIB)
     assert eta == pytest.approx(0.1)
     assert "Anchor" in basis
 
@@ -31,18 +35,18 @@ def test_a_residual_coded_slower_than_its_anchor_moves_the_estimate():
     """The demo's case: the Anchor came at ~120 MB/s, the exact Residual (coded on the prefill
     while the Anchor is already out) at ~24 MB/s; the estimate must follow the Residual."""
     est = Estimates(0.05)
-    est.learn_residual_rate(14 * MIB, 0.6)
-    eta, basis = est.residual_eta(14 * MIB, anchor_rate=120 * MIB)
+    est.learn_residual_rate(NEAR, 14 * MIB, 0.6)
+    eta, basis = est.residual_eta(NEAR, 14 * MIB, anchor_rate=120 * MIB)
     assert eta == pytest.approx(0.6)
-    assert "recent Residuals" in basis
+    assert "this prefill's recent Residuals" in basis
 
 
 def test_a_link_slower_than_recent_residuals_goes_by_this_anchor():
     """Residuals learned on a fast link (a warm-up at 1 Gbit/s), then the link slowed: this
     request's Anchor crawled in, and its Residual, behind it on the same link, will too."""
     est = Estimates(0.05)
-    est.learn_residual_rate(8 * MIB, 0.05)  # 160 MiB/s
-    eta, basis = est.residual_eta(8 * MIB, anchor_rate=0.4 * MIB)
+    est.learn_residual_rate(NEAR, 8 * MIB, 0.05)  # 160 MiB/s
+    eta, basis = est.residual_eta(NEAR, 8 * MIB, anchor_rate=0.4 * MIB)
     assert eta == pytest.approx(20.0)
     assert "Anchor" in basis
     on = LynxConfig.build(speculate=True)
@@ -52,16 +56,50 @@ def test_a_link_slower_than_recent_residuals_goes_by_this_anchor():
 
 def test_short_residuals_teach_nothing():
     est = Estimates(0.05)
-    est.learn_residual_rate(LEARN_RESIDUAL_RATE_MIN_BYTES - 1, 0.2)  # a warm-up request
-    est.learn_residual_rate(5 * MIB, 0.0)  # no interval measured
-    assert est.residual_rate is None
+    est.learn_residual_rate(NEAR, LEARN_RESIDUAL_RATE_MIN_BYTES - 1, 0.2)  # a warm-up request
+    est.learn_residual_rate(NEAR, 5 * MIB, 0.0)  # no interval measured
+    assert est.residual_rate(NEAR) is None
 
 
 def test_the_rate_is_a_moving_average():
     est = Estimates(0.05)
-    est.learn_residual_rate(10 * MIB, 1.0)
-    est.learn_residual_rate(20 * MIB, 1.0)
-    assert 10 * MIB < est.residual_rate < 20 * MIB
+    est.learn_residual_rate(NEAR, 10 * MIB, 1.0)
+    est.learn_residual_rate(NEAR, 20 * MIB, 1.0)
+    assert 10 * MIB < est.residual_rate(NEAR) < 20 * MIB
+
+
+def test_each_prefill_has_its_own_rate():
+    """One decode, two prefills: the near one's Residuals come in at 100 MiB/s, the far one's
+    (a slower link, or a prefill whose exact Residual encode is slower) at 2 MiB/s. A room from
+    the far prefill whose Anchor came fast must not be expected at the near one's rate: it would
+    wait 4 s for a Residual the decode expected in 80 ms instead of speculating."""
+    est = Estimates(0.05)
+    for _ in range(3):
+        est.learn_residual_rate(NEAR, 10 * MIB, 0.1)
+        est.learn_residual_rate(FAR, 8 * MIB, 4.0)
+    assert est.residual_rate(NEAR) == pytest.approx(100 * MIB)
+    assert est.residual_rate(FAR) == pytest.approx(2 * MIB)
+    on = LynxConfig.build(speculate=True)
+    # 1 MiB of Anchor in 10 ms from each: 8 MiB of Residual to come.
+    near = _decide(on, estimates=est, link=NEAR)
+    far = _decide(on, estimates=est, link=FAR)
+    assert near.residual_eta_s == pytest.approx(0.08) and "this prefill's" in near.why
+    assert far.residual_eta_s == pytest.approx(4.0) and far.speculating
+    unseen = _decide(on, estimates=est, link=("10.0.5.5", 8998))  # no Residual from it yet
+    assert unseen.residual_eta_s == pytest.approx(0.08) and "this Anchor's rate" in unseen.why
+
+
+def test_the_links_remembered_are_capped():
+    est = Estimates(0.05)
+    for port in range(MAX_RESIDUAL_LINKS + 10):
+        est.learn_residual_rate(("10.0.0.1", port), 2 * MIB, 1.0)
+    assert est.residual_rate(("10.0.0.1", 0)) is None  # forgotten: heard from longest ago
+    assert est.residual_rate(("10.0.0.1", MAX_RESIDUAL_LINKS + 9)) == 2 * MIB
+    est.learn_residual_rate(("10.0.0.1", 10), 2 * MIB, 1.0)  # heard again: kept the longest
+    for port in range(1000, 1000 + MAX_RESIDUAL_LINKS - 1):
+        est.learn_residual_rate(("10.0.0.1", port), 2 * MIB, 1.0)
+    assert est.residual_rate(("10.0.0.1", 10)) is not None
+    assert est.residual_rate(("10.0.0.1", 11)) is None
 
 
 # ---- the decision -------------------------------------------------------------------------------
@@ -82,10 +120,10 @@ def _residual(nbytes: int = 0, status: Status = Status.PENDING) -> StreamState:
 
 def _decide(config: LynxConfig, anchor: StreamState | None = None,
             residual: StreamState | None = None, final_layers: int = 0,
-            estimates: Estimates | None = None):
+            estimates: Estimates | None = None, link=NEAR):
     return decide_speculation(config, PLAN, anchor or _anchor(), residual or _residual(),
                               final_layers=final_layers, anchor_written=4,
-                              estimates=estimates or Estimates(0.05))
+                              estimates=estimates or Estimates(0.05), link=link)
 
 
 def test_no_speculation_without_the_flag_or_once_the_residual_is_in():
@@ -103,11 +141,12 @@ def test_under_tensor_parallelism_every_rank_decides_from_the_flags_alone():
     on = LynxConfig.build(speculate=True)
     for residual, final in ((_residual(8 * MIB, Status.COMPLETE), 4), (_residual(), 0)):
         decision = decide_speculation(on, PLAN, _anchor(), residual, final_layers=final,
-                                      anchor_written=4, estimates=Estimates(0.05), tp_ranks=2)
+                                      anchor_written=4, estimates=Estimates(0.05), link=NEAR,
+                                      tp_ranks=2)
         assert decision.speculating and "TP 2" in decision.why
     off = decide_speculation(LynxConfig.build(speculate=False), PLAN, _anchor(), _residual(),
                              final_layers=0, anchor_written=4, estimates=Estimates(0.05),
-                             tp_ranks=2)
+                             link=NEAR, tp_ranks=2)
     assert off.mode is Speculation.NOT_SPECULATING
 
 

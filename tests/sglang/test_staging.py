@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lynx_sglang.backend.staging import ALIGN, StagingPool
 from lynx_sglang.errors import StagingFullError
@@ -52,3 +53,18 @@ def test_a_range_cannot_be_freed_twice():
     with pytest.raises(ValueError, match="not allocated"):
         pool.free(type(a)(ALIGN, ALIGN))
     assert pool.free_bytes() == 4 * ALIGN and pool.used_bytes() == 0
+
+
+def test_pinned_staging_is_page_locked_or_says_why_not(caplog):
+    """A CUDA pool's staging is page-locked (the encoded chunks' device-to-host copies are DMA
+    then); where this process cannot page-lock (this CPU-only torch), the pool falls back to
+    pageable memory and logs why instead of failing the server."""
+    pool = StagingPool(4 * ALIGN, Metrics(), pinned=True)
+    if torch.cuda.is_available():
+        assert pool.pinned and torch.from_numpy(pool.buffer).is_pinned()
+    else:
+        assert not pool.pinned
+        assert "could not page-lock" in caplog.text and "pageable" in caplog.text
+    pool.buffer[:] = 7  # usable either way
+    assert pool.view(pool.try_allocate(ALIGN)).tobytes() == b"\x07" * ALIGN
+    assert not StagingPool(ALIGN, Metrics()).pinned

@@ -1,0 +1,194 @@
+"""The last leg of the sending side: a run's wire chunks, encoded on the pool's device, into the
+caller's host buffer (`PendingChunks`), their headers and checksums written once the payloads have
+landed. Used by `wire_write.start_chunks` (and so by `fused.encode_run_start` and the prefill's
+room writer, `lynx_sglang.backend.prefill_writer`).
+
+A CPU run's payload pieces are copied into the buffer at once (`HostCopier`). A CUDA run's are
+queued as asynchronous device-to-host copies on a side stream of the calling thread
+(`CudaCopier`), which waits for the work queued so far on the thread's current stream (the
+encode), so the call returns while the copies run and the caller can encode the next layer
+meanwhile; into page-locked memory (a pinned staging buffer) the copies are true DMA, into
+pageable memory the driver stages them and they complete before the call returns. One CRC pass
+per chunk then runs on the host, by the C codec where it is built (~28 GB/s here against zlib's
+~2.2 GB/s).
+
+Buffers: until `PendingChunks.finish` returns, the bytes of the caller's buffer that the chunks
+cover are being written (by the copy engine) and must be neither read nor reused; the pending
+object holds the device tensors it copies from until then. After it the buffer holds exactly
+`wire_write.write_chunks`' bytes and nothing here refers to it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from . import ops_cpu
+from .spec import CodecError
+from .wire import HEADER, ChunkHeader
+
+# Polling of a copy's event: from the first delay, doubled up to the last (a run's copy takes
+# milliseconds; a late poll delays its post by at most the last delay).
+_POLL_FIRST_S = 20e-6
+_POLL_LAST_S = 1e-3
+# How long `finish` waits for the copies by default: a run's are milliseconds; a device that has
+# not completed them in this long is broken, and the caller gets an error instead of a hang.
+COPY_TIMEOUT_S = 60.0
+
+
+class CopyEvent(Protocol):
+    """What a pending copy needs of a device event (`torch.cuda.Event`'s interface)."""
+
+    def query(self) -> bool:
+        """Whether the copies queued before it have completed."""
+
+
+class Copier(Protocol):
+    """Moves payload pieces into a host buffer: `copy` for each piece, then `done` once."""
+
+    def copy(self, piece: torch.Tensor, dst: np.ndarray) -> None:
+        """Copy the 1-D uint8 `piece` into `dst` (a host view of the same length), now or
+        queued."""
+
+    def done(self) -> CopyEvent | None:
+        """After the last `copy`: an event completed once every copy has landed, or None if they
+        all have already."""
+
+
+class HostCopier:
+    """Pieces already in host memory (a CPU run): copied at once."""
+
+    def copy(self, piece: torch.Tensor, dst: np.ndarray) -> None:
+        dst[:] = piece.numpy()
+
+    def done(self) -> None:
+        return None
+
+
+_copy_streams = threading.local()
+
+
+class CudaCopier:
+    """Pieces on a CUDA device: copied on the calling thread's side stream (one per thread and
+    device, made on first use), after the work queued so far on its current stream."""
+
+    def __init__(self, device: torch.device):
+        streams = _copy_streams.__dict__.setdefault("by_device", {})
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        self.stream = streams[device]
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.sources: list[torch.Tensor] = []
+
+    def copy(self, piece: torch.Tensor, dst: np.ndarray) -> None:
+        with torch.cuda.stream(self.stream):
+            torch.from_numpy(dst).copy_(piece, non_blocking=True)
+        # Until the copy has run: the caching allocator must not hand the piece's memory out.
+        self.sources.append(piece)
+
+    def done(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+def copier_for(device: torch.device) -> Copier:
+    if device.type == "cpu":
+        return HostCopier()
+    if device.type == "cuda":
+        return CudaCopier(device)
+    raise CodecError(f"no copy from a {device.type} device to host staging")
+
+
+def checksum(data: np.ndarray) -> int:
+    """zlib's CRC-32 of `data`, by the C codec where it is built (13x zlib's speed here)."""
+    return ops_cpu.crc32(data) if ops_cpu.available() else zlib.crc32(data)
+
+
+@dataclass(frozen=True)
+class ChunkPieces:
+    """One chunk to write: its header (payload_len set) and its payload's pieces in order, 1-D
+    uint8 tensors on the run's device."""
+
+    header: ChunkHeader
+    pieces: Sequence[torch.Tensor]
+
+
+class PendingChunks:
+    """Chunks whose payloads are on their way into a host buffer; `finish` writes their headers
+    and checksums once they have landed."""
+
+    def __init__(self, chunks: Sequence[ChunkPieces], out, copier: Copier):
+        buf = np.frombuffer(out, dtype=np.uint8)
+        end = 0
+        for c in chunks:  # every chunk checked before a byte is copied
+            end += HEADER.size + c.header.payload_len
+            if end > len(buf):
+                raise CodecError(f"output buffer of {len(buf)} B is too small: chunk of tokens "
+                                 f"[{c.header.token_start}, {c.header.token_end}) ends at byte "
+                                 f"{end}")
+        if not buf.flags.writeable:
+            raise CodecError("output buffer is read-only")
+        pos = 0
+        for c in chunks:
+            at = pos + HEADER.size
+            for piece in c.pieces:
+                copier.copy(piece, buf[at: at + piece.numel()])
+                at += piece.numel()
+            if at != pos + HEADER.size + c.header.payload_len:
+                raise CodecError(f"chunk of tokens [{c.header.token_start}, "
+                                 f"{c.header.token_end}): pieces of {at - pos - HEADER.size} B "
+                                 f"for a payload of {c.header.payload_len} B")
+            pos = at
+        self._event = copier.done()
+        self._copier = copier  # holds the device pieces until the copies have run
+        self._headers = [c.header for c in chunks]
+        self._buf = buf
+        self._lengths: list[int] | None = None
+
+    def finish(self, timeout_s: float = COPY_TIMEOUT_S) -> list[int]:
+        """Once the payloads have landed (within `timeout_s`, else TimeoutError), write every
+        chunk's header with its checksum; returns the chunks' lengths. Idempotent."""
+        if self._lengths is not None:
+            return self._lengths
+        if self._event is not None:
+            _await(self._event, timeout_s, "the device-to-host copy of encoded chunks")
+            self._event = None
+        self._copier = None
+        buf, pos, lengths = self._buf, 0, []
+        for header in self._headers:
+            end = pos + HEADER.size + header.payload_len
+            buf[pos: pos + HEADER.size] = np.frombuffer(header.pack(0), dtype=np.uint8)
+            # crc32(header with 0 + payload) == wire._checksum(header, payload): one pass.
+            crc = checksum(buf[pos: end])
+            buf[pos: pos + HEADER.size] = np.frombuffer(header.pack(crc), dtype=np.uint8)
+            lengths.append(end - pos)
+            pos = end
+        self._lengths = lengths
+        return lengths
+
+
+def wait_for_stream(device: torch.device, timeout_s: float = COPY_TIMEOUT_S) -> None:
+    """Until the work queued so far on the calling thread's current stream of the CUDA `device`
+    has run (TimeoutError after `timeout_s`: `synchronize` has no deadline)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    _await(event, timeout_s, "the device's queued work")
+
+
+def _await(event: CopyEvent, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = _POLL_FIRST_S
+    while not event.query():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what} did not complete within {timeout_s:g} s")
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, _POLL_LAST_S)
