@@ -42,6 +42,7 @@ from .wire import (
     HEADER,
     Chunk,
     ChunkHeader,
+    DeviceCopy,
     WireStream,
     assemble,
     parse_chunk,
@@ -285,6 +286,11 @@ def _walk(data: np.ndarray, run: _Run, stream: WireStream,
     return chunks
 
 
+def _device_copy(run: _Run, *buffers: np.ndarray) -> DeviceCopy | None:
+    """A device pool's landed bytes, one copy per stream (`wire.DeviceCopy`); None on CPU."""
+    return None if run.pool.device.type == "cpu" else DeviceCopy(buffers, run.pool.device)
+
+
 def apply_anchor_run(anchor_bytes, pool_layer: torch.Tensor, slots: torch.Tensor,
                      spec: CodecSpec, kind: StreamKind | str, layer: int, request_tag: int,
                      total_tokens: int, *, impl: str = "auto") -> None:
@@ -296,7 +302,8 @@ def apply_anchor_run(anchor_bytes, pool_layer: torch.Tensor, slots: torch.Tensor
         ops_cpu.apply_run(data, None, run.pool, run.slots, spec, run.kind, layer, request_tag,
                           spec_flags(spec))
         return
-    enc = assemble(_walk(data, run, WireStream.ANCHOR), device=run.pool.device)
+    enc = assemble(_walk(data, run, WireStream.ANCHOR), device=run.pool.device,
+                   copy=_device_copy(run, data))
     run.pool.index_copy_(0, run.slots, decode(enc, "anchor", impl=_torch_impl(run)))
 
 
@@ -316,5 +323,6 @@ def apply_residual_run(anchor_bytes, residual_bytes, pool_layer: torch.Tensor,
     anchors = _walk(anchor, run, WireStream.ANCHOR)
     ranges = [(c.header.token_start, c.header.token_end) for c in anchors]
     residuals = _walk(residual, run, WireStream.RESIDUAL, ranges)
-    enc = assemble([*anchors, *residuals], device=run.pool.device)
+    enc = assemble([*anchors, *residuals], device=run.pool.device,
+                   copy=_device_copy(run, anchor, residual))
     run.pool.index_copy_(0, run.slots, decode(enc, "full", impl=_torch_impl(run)))

@@ -157,13 +157,18 @@ class Chunk:
             raise CodecError("to_encoded needs an Anchor chunk; attach Residuals with assemble()")
         return _anchor_run([self], device)
 
-    def exact_section(self) -> exact.Section:
-        """The correction section of a coded exact Residual chunk (views of its payload)."""
+    def exact_section(self, copy: DeviceCopy | None = None) -> exact.Section:
+        """The correction section of a coded exact Residual chunk (a copy of its payload's
+        bytes; views of `copy`'s device bytes where they hold the payload)."""
         h = self.header
         rec_len_at, records_at = exact.section_layout(len(self.payload), h.low_bits_nbytes,
                                                       h.coded_values)
         at = h.low_bits_nbytes
-        data = torch.from_numpy(np.frombuffer(self.payload[at:], dtype=np.uint8).copy())
+        data = None if copy is None else copy.piece(self.payload[at:])
+        if data is not None:
+            data = data.clone()  # at offset 0: the record lengths are read as int16
+        else:
+            data = torch.from_numpy(np.frombuffer(self.payload[at:], dtype=np.uint8).copy())
         return exact.Section(data[: rec_len_at - at], data[rec_len_at - at: records_at - at],
                              data[records_at - at:])
 
@@ -186,19 +191,58 @@ def _split(payload: memoryview, sizes: dict[str, int]) -> dict[str, memoryview]:
     return out
 
 
-def _tensor(views: Sequence[memoryview], dtype: torch.dtype, shape, device) -> torch.Tensor:
-    """The bytes of `views`, joined, as a new tensor (one copy; the views may be read-only)."""
+class DeviceCopy:
+    """Byte buffers copied onto a device once each: `assemble` then slices the pieces it joins out
+    of those copies, where copying each piece over on its own took dozens of small synchronous
+    copies per run. Made by `fused.apply_*` for a device pool from the run's landed Anchor and
+    Residual bytes. The copies are synchronous, so the host buffers are free again when this is
+    made (a non-blocking copy could still be reading staging the decode frees after the apply)."""
+
+    def __init__(self, buffers: Sequence[np.ndarray], device: torch.device | str):
+        self.device = torch.device(device)
+        # (host address, length, the bytes on the device) of each buffer
+        self._spans: list[tuple[int, int, torch.Tensor]] = []
+        for buf in buffers:
+            host = buf if buf.flags.writeable else buf.copy()  # torch wants writable memory
+            self._spans.append((buf.ctypes.data, buf.size,
+                                torch.from_numpy(host).to(self.device, copy=True)))
+
+    def piece(self, view: memoryview) -> torch.Tensor | None:
+        """The device bytes of `view` if it lies inside one of the buffers, else None."""
+        arr = np.frombuffer(view, dtype=np.uint8)
+        at = arr.ctypes.data
+        for base, size, dev in self._spans:
+            if base <= at and at + arr.size <= base + size:
+                return dev[at - base: at - base + arr.size]
+        return None
+
+    def join(self, views: Sequence[memoryview]) -> torch.Tensor | None:
+        """The bytes of `views`, joined, as a new device tensor; None if one lies outside."""
+        pieces = [self.piece(v) for v in views if len(v)]
+        if any(p is None for p in pieces):
+            return None
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8,
+                                                            device=self.device)
+
+
+def _tensor(views: Sequence[memoryview], dtype: torch.dtype, shape, device,
+            copy: DeviceCopy | None = None) -> torch.Tensor:
+    """The bytes of `views`, joined, as a new tensor on `device` (the views may be read-only):
+    sliced out of `copy` where it holds them, else joined on the host and copied over."""
+    raw = None if copy is None else copy.join(views)
+    if raw is not None:
+        return raw.view(dtype).reshape(shape)
     parts = [np.frombuffer(v, dtype=np.uint8) for v in views if len(v)]
     raw = torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape).to(device)
 
 
-def _anchor_run(anchors: Sequence[Chunk], device) -> EncodedKV:
+def _anchor_run(anchors: Sequence[Chunk], device, copy: DeviceCopy | None = None) -> EncodedKV:
     """Anchor chunks that tile a run, in token order, as one EncodedKV (no residual)."""
     h, last = anchors[0].header, anchors[-1].header
     sections = [_split(c.payload, c.header.section_sizes()) for c in anchors]
     joined = lambda name, dtype, shape: _tensor([s[name] for s in sections], dtype, shape,  # noqa: E731
-                                                device)
+                                                device, copy)
     hd = h.num_heads * h.head_dim
     group_cols = hd if h.spec.groups_over_tokens(h.kind) else hd // h.spec.group_size
     num_tokens = last.token_end - h.token_start
@@ -214,15 +258,18 @@ def _anchor_run(anchors: Sequence[Chunk], device) -> EncodedKV:
     )
 
 
-def _residual_rows(residuals: Sequence[Chunk], anchor: EncodedKV, device) -> torch.Tensor:
+def _residual_rows(residuals: Sequence[Chunk], anchor: EncodedKV, device,
+                   copy: DeviceCopy | None = None) -> torch.Tensor:
     """Residual chunks that tile the run of `anchor`, in token order, as `EncodedKV.residual`."""
     h = residuals[0].header
     if h.spec.target is Target.INT8:
-        return _tensor([c.payload for c in residuals], torch.uint8, (anchor.num_tokens, -1), device)
-    return _exact_values(residuals, anchor)
+        return _tensor([c.payload for c in residuals], torch.uint8, (anchor.num_tokens, -1), device,
+                       copy)
+    return _exact_values(residuals, anchor, copy)
 
 
-def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV) -> torch.Tensor:
+def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV,
+                  copy: DeviceCopy | None = None) -> torch.Tensor:
     """The original values `[n, heads, head_dim]` of an exact run: raw chunks' payloads, coded
     chunks' corrections applied to the INT8 reconstruction (anchor + low bits)."""
     h = residuals[0].header
@@ -237,14 +284,14 @@ def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV) -> torch.Tensor
     for c in residuals:
         rows = slice(c.header.token_start - anchor.token_start, c.header.token_end - anchor.token_start)
         if c.header.raw:
-            raw = exact.value_bits(_tensor([c.payload], h.dtype, (-1, *shape[1:]), device))
+            raw = exact.value_bits(_tensor([c.payload], h.dtype, (-1, *shape[1:]), device, copy))
             exact.check_not_nan(raw, coding)
             bits[rows] = raw
             continue
         low[rows] = _tensor([c.payload[: c.header.low_bits_nbytes]], torch.uint8, (-1, low.shape[1]),
-                            device)
+                            device, copy)
         coded[rows] = True
-        sections.append(c.exact_section())
+        sections.append(c.exact_section(copy))
         counts.append(c.header.coded_values)
     if sections:
         keep = coded.clone()
@@ -377,8 +424,9 @@ def _contiguous(chunks: Sequence[Chunk], what: str) -> list[Chunk]:
 
 
 def assemble(chunks: Iterable[bytes | bytearray | memoryview | Chunk],
-             device: torch.device | str = "cpu") -> EncodedKV:
-    """Join the chunks of one run (one layer's K or V), given in any order, into one EncodedKV.
+             device: torch.device | str = "cpu", *, copy: DeviceCopy | None = None) -> EncodedKV:
+    """Join the chunks of one run (one layer's K or V), given in any order, into one EncodedKV
+    on `device` (with `copy`: the payloads it holds sliced out of its device bytes).
 
     Anchor chunks must tile a contiguous token range; Residual chunks, if any, must tile the same
     range (then the result carries the residual and can be fully decoded).
@@ -397,7 +445,7 @@ def assemble(chunks: Iterable[bytes | bytearray | memoryview | Chunk],
                 f"{first.kind.value.upper()} (tag {first.request_tag})"
             )
     anchors = _contiguous(anchors, "Anchor")
-    enc = _anchor_run(anchors, device)
+    enc = _anchor_run(anchors, device, copy)
     start, end = enc.token_start, enc.token_end
     if residuals:
         residuals = _contiguous(residuals, "Residual")
@@ -406,6 +454,6 @@ def assemble(chunks: Iterable[bytes | bytearray | memoryview | Chunk],
                 f"Residual chunks cover [{residuals[0].header.token_start}, "
                 f"{residuals[-1].header.token_end}), Anchor chunks [{start}, {end})"
             )
-        enc = replace(enc, residual=_residual_rows(residuals, enc, device))
+        enc = replace(enc, residual=_residual_rows(residuals, enc, device, copy))
     return enc
 

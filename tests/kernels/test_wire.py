@@ -22,7 +22,7 @@ from lynx_kernels import (
     wire_nbytes,
     write_chunks,
 )
-from lynx_kernels.wire import FORMAT_VERSION, HEADER
+from lynx_kernels.wire import FORMAT_VERSION, HEADER, DeviceCopy
 
 
 @st.composite
@@ -58,6 +58,34 @@ def test_chunks_in_any_order_decode_identically(run):
     assert back.nbytes("residual") == enc.nbytes("residual")
     anchors_only = [c for c in chunks if parse_chunk(c).header.stream is WireStream.ANCHOR]
     assert torch.equal(decode(assemble(anchors_only), "anchor"), decode(enc, "anchor"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(encoded_runs())
+def test_a_device_copy_of_the_landed_bytes_assembles_the_same_run(run):
+    """`fused.apply_*` on a device pool copy each stream's landed bytes over once
+    (`DeviceCopy`) and slice the pieces out of that copy; here the "device" is the CPU. The host
+    bytes are wiped after the copy, so a piece that was not sliced out of it would show."""
+    enc, chunk_tokens, _ = run
+    streams = {}
+    for stream in ("anchor", "residual"):
+        buf = np.zeros(enc.nbytes(stream) * 2 + 4096, dtype=np.uint8)
+        lengths = write_chunks(enc, chunk_tokens, buf, stream=stream, request_tag=5)
+        streams[stream] = (buf, lengths)
+    chunks = []
+    for buf, lengths in streams.values():
+        at = 0
+        for n in lengths:
+            chunks.append(parse_chunk(memoryview(buf)[at: at + n]))
+            at += n
+    copy = DeviceCopy([buf for buf, _ in streams.values()], "cpu")
+    for buf, _ in streams.values():
+        buf[:] = 0  # the landed bytes are the copy's alone now
+    back = assemble(chunks, copy=copy)
+    for stage in ("anchor", "full"):
+        assert torch.equal(decode(back, stage), decode(enc, stage))
+    assert copy.piece(memoryview(bytes(8))) is None  # bytes outside the buffers: not the copy's
+    assert copy.join([memoryview(bytes(8))]) is None
 
 
 @settings(max_examples=60, deadline=None)
