@@ -12,7 +12,6 @@ segments' ranges from that same worker's staging and hands each to it once writt
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -33,8 +32,6 @@ from .prefill_staging import InFlight, InFlightStaging, release_request
 from .staging import StagingPool, StagingRange
 from .streams import PendingLayer, encode_layer_start
 from .window import Segments
-
-logger = logging.getLogger(__name__)
 
 _STREAMS = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
 
@@ -180,11 +177,7 @@ class RoomWriter:
         if self._staged is None:
             return
         (pending, *_), self._staged = self._staged, None
-        try:
-            pending.finish(self.deps.config.transfer_timeout_s)
-        except Exception as exc:  # the room fails with the first error; this one is a symptom
-            logger.warning("lynx: room %s: layer %d's copies after a failure: %s",
-                           self.job.room, pending.layer, exc)
+        pending.settle(self.deps.config.transfer_timeout_s)
 
     def finish_anchor(self) -> None:
         """After every layer: the Anchor's end, with the aux (layer-streamed: once SGLang has

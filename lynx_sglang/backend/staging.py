@@ -53,20 +53,9 @@ class StagingPool:
         if nbytes <= 0:
             raise ValueError(f"staging size must be positive, got {nbytes}")
         self._metrics = metrics  # the process's: the staging memory in use
-        self.pinned = False
-        if pinned:
-            try:
-                # The tensor owns the page-locked memory; the numpy view shares it.
-                self._locked = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                self.buffer = self._locked.numpy()
-                self.pinned = True
-            except RuntimeError as exc:
-                logger.warning("lynx: staging: could not page-lock %d MiB (%s); using pageable "
-                               "memory: the device-to-host copies of encoded chunks are then "
-                               "synchronous", nbytes >> 20, exc)
-        if not self.pinned:
-            self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.buffer = np.empty(nbytes, dtype=np.uint8)
         self.nbytes = nbytes
+        self.pinned = pinned and self._page_lock()
         # Sorted, non-overlapping, coalesced free ranges as (offset, length).
         self._free: list[tuple[int, int]] = [(0, nbytes)]
         # Ranges handed out and not yet freed, by offset: a second free of one (a bug that would
@@ -75,6 +64,22 @@ class StagingPool:
         self._cond = threading.Condition()
         # Published from the start, so a leak check reads 0 on a server that has sent nothing yet.
         self._metrics.record_staging_used(0)
+
+    def _page_lock(self) -> bool:
+        """Page-lock the buffer for CUDA's copies (cudaHostRegister: exactly these bytes, where
+        torch's pinned allocator rounds a block up to a power of two); False, logged, where this
+        process cannot (no CUDA, or the driver refuses: the copies then are synchronous)."""
+        try:
+            err = int(torch.cuda.cudart().cudaHostRegister(self.buffer.ctypes.data,
+                                                            self.nbytes, 1))  # portable
+            why = None if err == 0 else f"cudaHostRegister returned cudaError {err}"
+        except (AssertionError, RuntimeError) as exc:  # a torch without CUDA, no device
+            why = str(exc)
+        if why is not None:
+            logger.warning("lynx: staging: could not page-lock %d MiB (%s); using pageable memory: "
+                           "the device-to-host copies of encoded chunks are then synchronous",
+                           self.nbytes >> 20, why)
+        return why is None
 
     def view(self, r: StagingRange) -> memoryview:
         return memoryview(self.buffer)[r.offset: r.end]

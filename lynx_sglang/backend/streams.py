@@ -21,6 +21,7 @@ room's staging range is freed, which the applier does only after the room is con
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from lynx_kernels.wire import HEADER, MAGIC
 from ..errors import KVStreamError
 from .plan import StreamPlan
 from .pool import KINDS, LATENT_KINDS, KVPoolView
+
+logger = logging.getLogger(__name__)
 
 # Header fields the reader needs (lynx_kernels.wire.HEADER's order).
 _F_MAGIC, _F_STREAM, _F_KIND, _F_BITS, _F_LAYER, _F_START, _F_END, _F_PAYLOAD = (
@@ -66,6 +69,15 @@ class PendingLayer:
         self._runs = runs  # K's (or the latent's), then V's: a future where V ran on the executor
         self._residual_out, self._k_res_at = residual_out, k_res_at
         self._written: tuple[int, int] | None = None
+
+    def settle(self, timeout_s: float = COPY_TIMEOUT_S) -> None:
+        """After a failure: wait for whatever of the layer is still being written, ignoring its
+        errors (the failure that called this is the one reported)."""
+        for r in self._runs:
+            try:
+                (r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s)
+            except Exception as exc:  # a symptom of the failure being reported
+                logger.warning("lynx: layer %d's encode after a failure: %s", self.layer, exc)
 
     def finish(self, timeout_s: float) -> tuple[int, int]:
         """(Anchor bytes, Residual bytes) of the layer once written; idempotent."""
@@ -110,20 +122,27 @@ def encode_layer_start(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: 
             pool.layer(layer, kind), slots, spec, kind, layer, chunk_tokens, request_tag,
             anchor_out[a_at:], None if residual_out is None else residual_out[r_at:])
 
+    started: list[fused.PendingRun | Future] = []
     try:
         if pool.kinds == LATENT_KINDS:
-            runs = [run(StreamKind.K, 0, 0)]
+            started.append(run(StreamKind.K, 0, 0))
         elif executor is None:
             # V's place follows K's bytes: K's must have landed to be counted.
-            k = run(StreamKind.K, 0, 0)
-            ka, kr = k.finish()
-            runs = [k, run(StreamKind.V, ka, kr)]
+            started.append(run(StreamKind.K, 0, 0))
+            ka, kr = started[0].finish()
+            started.append(run(StreamKind.V, ka, kr))
             k_res_at = kr
         else:
-            v = executor.submit(run, StreamKind.V, k_size.anchor, k_res_at)
-            runs = [run(StreamKind.K, 0, 0), v]
-    except CodecError as exc:
-        raise KVStreamError(f"encoding layer {layer}: {exc}") from exc
+            started.append(executor.submit(run, StreamKind.V, k_size.anchor, k_res_at))
+            started.insert(0, run(StreamKind.K, 0, 0))
+    except BaseException as exc:
+        # A run already started may still be copying into the buffers: let it land before the
+        # caller can give them back.
+        PendingLayer(layer, started, None, k_res_at, True).settle()
+        if isinstance(exc, CodecError):
+            raise KVStreamError(f"encoding layer {layer}: {exc}") from exc
+        raise
+    runs = started
     copying = pool.layer(layer, StreamKind.K).device.type != "cpu"
     return PendingLayer(layer, runs, residual_out, k_res_at, copying)
 

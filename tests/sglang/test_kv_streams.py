@@ -3,13 +3,14 @@ plan, pool, aux)."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from lynx_kernels import CodecSpec, decode, encode, to_chunks
+from lynx_kernels import CodecSpec, decode, encode, fused, to_chunks
 from lynx_sglang.backend.aux import pack_aux, unpack_aux
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KINDS, KVPoolView
@@ -246,6 +247,38 @@ def test_a_bad_run_on_two_threads_fails_after_both_kinds_ended(bad):
         # Read at once: the other kind's values are already all in.
         written = (dst.v if good == "v" else dst.k)[0][slots]
         assert torch.equal(written, (src.v if good == "v" else src.k)[0][slots])
+
+
+def test_an_encode_that_fails_on_k_ends_after_v_has_written():
+    """With the encode helper, K failing (a NaN in its pool) while V is still being encoded on
+    the helper thread raises only once V's call has ended: the writer may then give the room's
+    staging back, and no byte of V lands in it afterwards."""
+    spec = CodecSpec(target="exact")
+    src = _pool(0)
+    slots = torch.arange(300)
+    src.k[0][slots[7], 0, 3] = float("nan")
+    sizes = fused.run_nbytes(spec, "k", src.k[0].dtype, *src.k[0].shape[1:], len(slots), CHUNK)
+    anchor = np.zeros(2 * sizes.anchor, np.uint8)
+    residual = np.zeros(2 * sizes.residual_bound, np.uint8)
+    v_calls = []
+
+    class SlowHelper(ThreadPoolExecutor):
+        """V's call starts 0.3 s late, long after K has failed."""
+
+        def submit(self, fn, *args):
+            def late():
+                time.sleep(0.3)
+                try:
+                    return fn(*args)
+                finally:
+                    v_calls.append(time.monotonic())
+            return super().submit(late)
+
+    with SlowHelper(1) as helper:
+        with pytest.raises(KVStreamError, match=r"encoding layer 0: .*NaN"):
+            encode_layer_into(src, 0, slots, spec, CHUNK, 9, anchor, residual, helper)
+        raised = time.monotonic()
+    assert len(v_calls) == 1 and v_calls[0] <= raised, "raised while V was still encoding"
 
 
 def test_pool_view_refuses_other_pools():

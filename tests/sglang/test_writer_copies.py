@@ -40,6 +40,9 @@ class HeldLayer:
         if not copying:
             self.landed.set()
 
+    def settle(self, timeout_s: float) -> None:
+        self.finish(timeout_s)
+
     def finish(self, timeout_s: float) -> tuple[int, int]:
         if not self.landed.wait(timeout_s):
             raise TimeoutError("held")
