@@ -25,8 +25,10 @@ still leaves the ones that finished):
                   condition). The rehearsal runs the kernels interpreted on its small shapes
   layer_streamed  a synthetic Llama-3.1-8B-shaped forward writes each layer's K and V into a
                   pool on one stream and records an event per layer; on a side stream that waits
-                  on each layer's event, the serving call (`fused.encode_run_into`, both
-                  streams) encodes that layer's K and V. Reports the fraction of the encode
+                  on each layer's event, the serving calls (`fused.encode_run_start`, both
+                  streams) encode that layer's K and V into page-locked host buffers, each
+                  layer's copies finished once the next layer is encoded (as the prefill's room
+                  writer does, `lynx_kernels.chunk_copy`). Reports the fraction of the encode
                   hidden under the forward, (forward + encode - both) / encode, and fails if the
                   overlapped encode's bytes differ from encoding the finished pool (zeroed
                   first: a layer encoded before its KV landed would differ)
