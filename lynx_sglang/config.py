@@ -154,8 +154,9 @@ class LynxConfig:
               "custom-logit-processor and hidden-state requests wait for the Residual instead")
     spec_policy: str = _opt(
         "auto", "decode, with --lynx-speculate: 'auto' speculates on a request only when it "
-                "pays (the Residual's expected arrival, from the measured link rate, is later "
-                "than writing the rest of the Anchor plus one verification); 'always' speculates "
+                "pays (the Residual's expected arrival, from the rate the same prefill's recent "
+                "Residuals came in at, no faster than this request's Anchor came, is later than "
+                "writing the rest of the Anchor plus one verification); 'always' speculates "
                 "whenever the Residual is not in yet", choices=SPEC_POLICIES)
     residual: bool = _opt(
         True, "send the Residual stream; --no-lynx-residual sends only the Anchor and the decode "
