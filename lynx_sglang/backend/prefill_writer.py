@@ -143,7 +143,11 @@ class RoomWriter:
         pending = deps.start(
             job, self.pool, layer, buf[at: at + plan.anchor_layer_bytes],
             buf[r_at: r_at + plan.residual_layer_bytes] if self.one_pass else None, self.spec)
-        self._write_staged()  # the previous layer's copies ran during this encode
+        try:
+            self._write_staged()  # the previous layer's copies ran during this encode
+        except BaseException:
+            pending.settle(deps.config.transfer_timeout_s)  # not staged yet: `_drain` misses it
+            raise
         self._staged = (pending, at, r_at, t0)
         if not pending.copying:
             self._write_staged()

@@ -51,11 +51,17 @@ class HeldLayer:
         return self.plan.anchor_layer_bytes, 100
 
 
+class Refusing(Exception):
+    """The transport refused a write."""
+
+
 class Recorder:
     """Deps and session of one writer: the encodes it starts and what it writes, in order."""
 
-    def __init__(self, plan: StreamPlan, copying: bool, fail_at: int | None = None):
+    def __init__(self, plan: StreamPlan, copying: bool, fail_at: int | None = None,
+                 refuse_write: int | None = None):
         self.plan, self.copying, self.fail_at = plan, copying, fail_at
+        self.refuse_write = refuse_write
         self.log: list[tuple] = []
         self.layers: list[HeldLayer] = []
         self.config = LynxConfig()
@@ -82,18 +88,21 @@ class Recorder:
     # Session
     def write_stream(self, room, stream, region, at, n, stream_offset) -> None:
         if stream is Stream.ANCHOR:
-            self.log.append(("write", self._layer_at[stream_offset]))
+            layer = self._layer_at[stream_offset]
+            if layer == self.refuse_write:
+                raise Refusing(f"write of layer {layer} refused")
+            self.log.append(("write", layer))
 
     def finish(self, room, stream, aux=b"") -> None:
         self.log.append(("finish", stream.name))
 
 
-def writer(copying: bool, gate: LayerGate | None = None, fail_at: int | None = None
-           ) -> tuple[RoomWriter, Recorder]:
+def writer(copying: bool, gate: LayerGate | None = None, fail_at: int | None = None,
+           refuse_write: int | None = None) -> tuple[RoomWriter, Recorder]:
     spec = CodecSpec(anchor_bits=4, group_size=64, target="exact", sink_tokens=4,
                      recent_tokens=16, rotate=True)
     plan = StreamPlan.build(spec, KVShape(LAYERS, 2, 64, torch.bfloat16), 300, 256)
-    rec = Recorder(plan, copying, fail_at)
+    rec = Recorder(plan, copying, fail_at, refuse_write)
     job = SimpleNamespace(room=7, gate=gate, trace=Trace("prefill", 7), aux_index=0)
     return RoomWriter(rec, rec, job, None, StagingRange(0, plan.staging_bytes), plan), rec
 
@@ -151,3 +160,15 @@ def test_a_failure_waits_for_the_copies_in_flight():
         w.layer(2)
     assert rec.layers[1].finished, "the room failed with layer 1's copies still running"
     assert writes(rec.log) == [0], "a layer written after the room failed"
+
+
+def test_a_refused_write_waits_for_the_layer_started_meanwhile():
+    """Layer 1 is encoded (its copies in flight) when the transport refuses layer 0's write:
+    the room fails only once layer 1's copies have landed."""
+    w, rec = writer(copying=True, refuse_write=0)
+    w.layer(0)
+    rec.layers[0].landed.set()
+    threading.Timer(0.2, lambda: rec.layers[1].landed.set()).start()
+    with pytest.raises(Refusing):
+        w.layer(1)
+    assert rec.layers[1].finished, "the room failed with layer 1's copies still running"
