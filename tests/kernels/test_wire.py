@@ -233,3 +233,14 @@ def test_wire_nbytes_is_what_the_wire_carries():
             assert residual == enc.nbytes("residual") + headers
         else:
             assert residual < 0.7 * enc.nbytes("residual")
+
+
+def test_a_device_copy_takes_read_only_bytes():
+    """Landed bytes handed as `bytes` (read-only): copied once all the same, pieces found by
+    where they lie in the caller's buffer."""
+    data = bytes(range(256)) * 4
+    copy = DeviceCopy([np.frombuffer(data, dtype=np.uint8)], "cpu")
+    view = memoryview(data)[100:164]
+    assert bytes(copy.piece(view).numpy()) == data[100:164]
+    joined = copy.join([memoryview(data)[0:3], memoryview(data)[1020:1024]])
+    assert bytes(joined.numpy()) == data[0:3] + data[1020:1024]
