@@ -202,8 +202,7 @@ class RoomWriter:
         """After `finish_anchor`: the rest of the Residual and its end. Returns the bytes
         posted, both streams."""
         deps, session, job, plan = self.deps, self.session, self.job, self.plan
-        room, tr, config = job.room, job.trace, deps.config
-        buf, region = deps.staging.buffer, deps.staging_region
+        room, tr, config, region = job.room, job.trace, deps.config, deps.staging_region
         deps.faults.hold(Point.RESIDUAL, room)
         if not config.residual:
             tr.mark("encode_end")
@@ -216,24 +215,54 @@ class RoomWriter:
                                  plan.residual_bytes, stream_offset=0)
             stream_at = plan.residual_bytes
         else:
-            # The second pass encodes the Anchor again (the corrections are relative to it) into
-            # scratch; the layers go back to back, each as long as its values need.
-            scratch = np.empty(plan.anchor_layer_bytes, dtype=np.uint8)
-            stream_at = 0
-            for layer in range(plan.num_layers):
-                t0 = time.time()
-                at = self.residual_base + stream_at
-                _, written = deps.encode(job, self.pool, layer, scratch,
-                                         buf[at: at + plan.residual_layer_bytes], self.spec)
-                session.write_stream(room, Stream.RESIDUAL, region, at, written,
-                                     stream_offset=stream_at)
-                stream_at += written
-                tr.span("encode_residual", layer, t0, time.time())
+            stream_at = self._second_pass()
         session.finish(room, Stream.RESIDUAL)
         tr.mark("residual_posted")
         tr.mark("encode_end")
         self.posted = plan.anchor_bytes + stream_at
         return self.posted
+
+
+    def _second_pass(self) -> int:
+        """The exact Residual after the whole Anchor is out: the Anchor encoded again (the
+        corrections are relative to it) into scratch, each layer's Residual into its own
+        bound-sized place in staging and written as soon as it is in, the layers back to back on
+        the stream, each as long as its values need. On a CUDA pool layer l is written once
+        layer l + 1 is encoded (`RoomWriter`'s overlap). Returns the stream's bytes."""
+        deps, job, plan = self.deps, self.job, self.plan
+        buf, room, timeout = deps.staging.buffer, job.room, deps.config.transfer_timeout_s
+        scratch = np.empty(plan.anchor_layer_bytes, dtype=np.uint8)
+        stream_at = 0
+        staged: tuple[PendingLayer, int, float] | None = None
+
+        def write(pending: PendingLayer, r_at: int, t0: float) -> None:
+            nonlocal stream_at
+            _, written = pending.finish(timeout)
+            self.session.write_stream(room, Stream.RESIDUAL, deps.staging_region, r_at, written,
+                                      stream_offset=stream_at)
+            stream_at += written
+            job.trace.span("encode_residual", pending.layer, t0, time.time())
+
+        try:
+            for layer in range(plan.num_layers):
+                t0 = time.time()
+                r_at = self.residual_base + layer * plan.residual_layer_bytes
+                pending = deps.start(job, self.pool, layer, scratch,
+                                     buf[r_at: r_at + plan.residual_layer_bytes], self.spec)
+                previous, staged = staged, (pending, r_at, t0)
+                if previous is not None:
+                    write(*previous)
+                if not pending.copying:
+                    staged = None
+                    write(pending, r_at, t0)
+            if staged is not None:
+                previous, staged = staged, None
+                write(*previous)
+        except BaseException:
+            if staged is not None:  # its copies may still be landing in the room's staging
+                staged[0].settle(timeout)
+            raise
+        return stream_at
 
 
 class WindowedWriter:

@@ -92,6 +92,10 @@ class Recorder:
             if layer == self.refuse_write:
                 raise Refusing(f"write of layer {layer} refused")
             self.log.append(("write", layer))
+        else:  # each Residual layer from its own bound-sized place
+            place = at - self.plan.anchor_bytes
+            assert place % self.plan.residual_layer_bytes == 0
+            self.log.append(("rwrite", place // self.plan.residual_layer_bytes, stream_offset))
 
     def finish(self, room, stream, aux=b"") -> None:
         self.log.append(("finish", stream.name))
@@ -108,7 +112,8 @@ def writer(copying: bool, gate: LayerGate | None = None, fail_at: int | None = N
 
 
 def writes(log: list) -> list[int]:
-    return [layer for what, layer in log if what == "write"]
+    """The Anchor layers written, in order."""
+    return [entry[1] for entry in log if entry[0] == "write"]
 
 
 def test_with_copies_in_flight_a_layer_is_written_once_the_next_is_encoded():
@@ -172,3 +177,44 @@ def test_a_refused_write_waits_for_the_layer_started_meanwhile():
     with pytest.raises(Refusing):
         w.layer(1)
     assert rec.layers[1].finished, "the room failed with layer 1's copies still running"
+
+
+@pytest.mark.parametrize("copying", [True, False])
+def test_the_exact_residual_after_the_forward_overlaps_the_same_way(copying):
+    """The second pass (an exact Residual sent after the whole Anchor): on a CUDA pool layer l's
+    Residual is written once l + 1 is encoded and after it landed, on a CPU pool at once; the
+    layers back to back on the stream either way."""
+    w, rec = writer(copying=copying)
+    for layer in range(LAYERS):
+        w.layer(layer)
+        rec.layers[-1].landed.set()
+    w.finish_anchor()
+    rec.log.clear()
+    for held in rec.layers:
+        held.finished = False
+    rec.layers.clear()
+    done = threading.Event()
+
+    def land_all() -> None:  # the copy engine: each layer's copies land a little after its start
+        while not done.is_set():
+            for held in list(rec.layers):
+                held.landed.set()
+            done.wait(0.01)
+
+    threading.Thread(target=land_all, daemon=True).start()
+    try:
+        posted = w.finish_residual()
+    finally:
+        done.set()
+    writes_r = [(layer, at) for what, layer, *at in rec.log if what == "rwrite"]
+    assert [layer for layer, _ in writes_r] == list(range(LAYERS))
+    assert [at[0] for _, at in writes_r] == [100 * i for i in range(LAYERS)]
+    assert posted == w.plan.anchor_bytes + 100 * LAYERS
+    for layer in range(LAYERS):
+        assert rec.log.index(("landed", layer)) < rec.log.index(("rwrite", layer, 100 * layer))
+        if copying and layer + 1 < LAYERS:
+            assert rec.log.index(("start", layer + 1)) < rec.log.index(("rwrite", layer,
+                                                                          100 * layer))
+        if not copying and layer + 1 < LAYERS:
+            assert rec.log.index(("rwrite", layer, 100 * layer)) < rec.log.index(
+                ("start", layer + 1))
