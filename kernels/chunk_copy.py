@@ -31,8 +31,8 @@ import torch
 from .spec import CodecError
 from .wire import HEADER, ChunkHeader, crc32
 
-# Polling of a copy's event: from the first delay, doubled up to the last (a run's copy takes
-# milliseconds; a late poll delays its post by at most the last delay).
+# Polling of a device event: from the first delay, doubled up to the last (a run's copy or a
+# layer's write takes milliseconds; a late poll delays what waits by at most the last delay).
 _POLL_FIRST_S = 20e-6
 _POLL_LAST_S = 1e-3
 # How long `finish` waits for the copies by default: a run's are milliseconds; a device that has
@@ -147,7 +147,9 @@ class PendingChunks:
         if self._lengths is not None:
             return self._lengths
         if self._event is not None:
-            _await(self._event, timeout_s, "the device-to-host copy of encoded chunks")
+            await_event(self._event, time.monotonic() + timeout_s,
+                        f"the device-to-host copy of encoded chunks did not complete within "
+                        f"{timeout_s:g} s")
             self._event = None
         self._copier = None
         buf, pos, lengths = self._buf, 0, []
@@ -168,15 +170,19 @@ def wait_for_stream(device: torch.device, timeout_s: float = COPY_TIMEOUT_S) -> 
     has run (TimeoutError after `timeout_s`: `synchronize` has no deadline)."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
-    _await(event, timeout_s, "the device's queued work")
+    await_event(event, time.monotonic() + timeout_s,
+                f"the device's queued work did not complete within {timeout_s:g} s")
 
 
-def _await(event: CopyEvent, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
+def await_event(event: CopyEvent, deadline: float, timeout_message: str) -> None:
+    """Poll `event.query()` until the device work before it has completed, from a short delay
+    doubled up to 1 ms (a device event has no wait with a deadline: `synchronize` blocks for
+    ever); TimeoutError(`timeout_message`) past `deadline` (`time.monotonic()`). Also the prefill's
+    layer gate's wait for a layer's KV write (`lynx_sglang.backend.layer_stream`)."""
     delay = _POLL_FIRST_S
     while not event.query():
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"{what} did not complete within {timeout_s:g} s")
+            raise TimeoutError(timeout_message)
         time.sleep(min(delay, left))
         delay = min(2 * delay, _POLL_LAST_S)

@@ -62,12 +62,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from lynx_kernels.chunk_copy import await_event
 
-# Polling of a layer's event: from the first delay, doubled up to the last (a layer of a prefill
-# forward takes milliseconds; a late poll delays that layer's encode by at most the last delay).
-_POLL_FIRST_S = 50e-6
-_POLL_LAST_S = 1e-3
+logger = logging.getLogger(__name__)
 
 
 class LayerEvent(Protocol):
@@ -149,19 +146,8 @@ class LayerGate:
             # Outside the lock: the scheduler thread opens later layers meanwhile. A forward that
             # failed after queueing this layer's write still completes it, so a failure does not
             # end this wait; a broken device does (`query` raises).
-            _await_event(event, layer, deadline, timeout_s)
-
-
-def _await_event(event: LayerEvent, layer: int, deadline: float, timeout_s: float) -> None:
-    """Poll `event` until it has completed; TimeoutError past `deadline`."""
-    delay = _POLL_FIRST_S
-    while not event.query():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"layer {layer} of the prefill forward queued but not written on "
-                               f"the device within {timeout_s:g} s")
-        time.sleep(min(delay, left))
-        delay = min(2 * delay, _POLL_LAST_S)
+            await_event(event, deadline, f"layer {layer} of the prefill forward queued but not "
+                        f"written on the device within {timeout_s:g} s")
 
 
 def _prompt_slots(scheduler, req) -> np.ndarray | None:
