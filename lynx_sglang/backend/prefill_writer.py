@@ -12,6 +12,7 @@ segments' ranges from that same worker's staging and hands each to it once writt
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -76,6 +77,44 @@ class WriterDeps:
         job.await_handover(self.is_live, self.config.transfer_timeout_s)
 
 
+class StagedLayer:
+    """At most one encoded layer not yet written to the transport, and how to write it: on a CUDA
+    pool a layer's device-to-host copies run while the next layer is encoded, so a writer stages
+    each layer (`put`) and writes it once the next one is started (`RoomWriter`'s overlap; a CPU
+    pool's layer is written at once). The writer owns the staging bytes; the room's staging
+    range may be given back only once `flush` or `drain` has returned."""
+
+    def __init__(self, timeout_s: float):
+        self._timeout_s = timeout_s
+        self._held: tuple[PendingLayer, Callable[[], None]] | None = None
+
+    def put(self, pending: PendingLayer, write: Callable[[], None]) -> None:
+        """Stage a layer just started (`write` posts it once `pending` has finished): the layer
+        staged before it is written first, and a layer already in staging at once."""
+        try:
+            self.flush()
+        except BaseException:
+            pending.settle(self._timeout_s)  # not staged yet: `drain` would miss it
+            raise
+        self._held = (pending, write)
+        if not pending.copying:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the staged layer, if any (its `finish` waits for its copies; a failure there
+        waits for all of them, `PendingLayer.finish`)."""
+        if self._held is not None:
+            (_, write), self._held = self._held, None
+            write()
+
+    def drain(self) -> None:
+        """On a failure: wait for the staged layer's copies without writing it, so that no byte
+        lands in the room's staging range once the worker has given it back."""
+        if self._held is not None:
+            (pending, _), self._held = self._held, None
+            pending.settle(self._timeout_s)
+
+
 class RoomWriter:
     """Writes one room's two streams to one decode from its staging range, layer by layer
     (`layer`, in order), then ends the Anchor (`finish_anchor`) and the Residual
@@ -109,8 +148,7 @@ class RoomWriter:
         job.trace.facts.update(one_pass=self.one_pass, residual_streamed=self.stream_residual)
         self.residual_at = 0  # stream offset of the next streamed Residual layer
         self.posted = 0  # bytes of both streams, once `finish_residual` has run
-        # The layer encoded and not yet written: (its pending encode, staging offsets, start).
-        self._staged: tuple[PendingLayer, int, int, float] | None = None
+        self._staged = StagedLayer(config.transfer_timeout_s)
         job.trace.mark("encode_start")
 
     def run(self) -> int:
@@ -123,15 +161,15 @@ class RoomWriter:
         try:
             self._layer(layer)
         except BaseException:
-            self._drain()
+            self._staged.drain()
             raise
 
     def _layer(self, layer: int) -> None:
         deps, job, plan = self.deps, self.job, self.plan
         buf = deps.staging.buffer
         if job.gate is not None:
-            if self._staged is not None and job.gate.opened <= layer:
-                self._write_staged()  # nothing held back while the forward computes the layer
+            if job.gate.opened <= layer:
+                self._staged.flush()  # nothing held back while the forward computes the layer
             job.gate.wait(layer, deps.config.transfer_timeout_s)
             # An aborted request's slots are freed right after its forward, and may be written
             # by the next one: stop reading them.
@@ -143,20 +181,11 @@ class RoomWriter:
         pending = deps.start(
             job, self.pool, layer, buf[at: at + plan.anchor_layer_bytes],
             buf[r_at: r_at + plan.residual_layer_bytes] if self.one_pass else None, self.spec)
-        try:
-            self._write_staged()  # the previous layer's copies ran during this encode
-        except BaseException:
-            pending.settle(deps.config.transfer_timeout_s)  # not staged yet: `_drain` misses it
-            raise
-        self._staged = (pending, at, r_at, t0)
-        if not pending.copying:
-            self._write_staged()
+        # the previous layer's copies ran during this encode
+        self._staged.put(pending, functools.partial(self._post, pending, at, r_at, t0))
 
-    def _write_staged(self) -> None:
-        """Write the staged layer to the transport once its bytes are in staging."""
-        if self._staged is None:
-            return
-        (pending, at, r_at, t0), self._staged = self._staged, None
+    def _post(self, pending: PendingLayer, at: int, r_at: int, t0: float) -> None:
+        """Write a layer to the transport once its bytes are in staging."""
         deps, job, plan, room = self.deps, self.job, self.plan, self.job.room
         region, layer = deps.staging_region, pending.layer
         written, r_written = pending.finish(deps.config.transfer_timeout_s)
@@ -175,23 +204,11 @@ class RoomWriter:
         if layer + 1 == plan.num_layers // 2:
             deps.faults.hold(Point.ANCHOR_MID, room, (layer + 1, plan.num_layers))
 
-    def _drain(self) -> None:
-        """On a failure: wait for the staged layer's copies, so that no byte lands in the room's
-        staging range once the worker has given it back."""
-        if self._staged is None:
-            return
-        (pending, *_), self._staged = self._staged, None
-        pending.settle(self.deps.config.transfer_timeout_s)
-
     def finish_anchor(self) -> None:
         """After every layer: the Anchor's end, with the aux (layer-streamed: once SGLang has
         handed the room over after the forward)."""
         deps, job = self.deps, self.job
-        try:
-            self._write_staged()
-        except BaseException:
-            self._drain()
-            raise
+        self._staged.flush()
         if job.gate is not None:
             job.trace.mark("anchor_layers_posted")
             deps.await_handover(job)
@@ -222,7 +239,6 @@ class RoomWriter:
         self.posted = plan.anchor_bytes + stream_at
         return self.posted
 
-
     def _second_pass(self) -> int:
         """The exact Residual after the whole Anchor is out: the Anchor encoded again (the
         corrections are relative to it) into scratch, each layer's Residual into its own
@@ -233,7 +249,7 @@ class RoomWriter:
         buf, room, timeout = deps.staging.buffer, job.room, deps.config.transfer_timeout_s
         scratch = np.empty(plan.anchor_layer_bytes, dtype=np.uint8)
         stream_at = 0
-        staged: tuple[PendingLayer, int, float] | None = None
+        staged = StagedLayer(timeout)
 
         def write(pending: PendingLayer, r_at: int, t0: float) -> None:
             nonlocal stream_at
@@ -249,18 +265,10 @@ class RoomWriter:
                 r_at = self.residual_base + layer * plan.residual_layer_bytes
                 pending = deps.start(job, self.pool, layer, scratch,
                                      buf[r_at: r_at + plan.residual_layer_bytes], self.spec)
-                previous, staged = staged, (pending, r_at, t0)
-                if previous is not None:
-                    write(*previous)
-                if not pending.copying:
-                    staged = None
-                    write(pending, r_at, t0)
-            if staged is not None:
-                previous, staged = staged, None
-                write(*previous)
+                staged.put(pending, functools.partial(write, pending, r_at, t0))
+            staged.flush()
         except BaseException:
-            if staged is not None:  # its copies may still be landing in the room's staging
-                staged[0].settle(timeout)
+            staged.drain()
             raise
         return stream_at
 

@@ -73,21 +73,23 @@ class PendingLayer:
     def settle(self, timeout_s: float = COPY_TIMEOUT_S) -> None:
         """After a failure: wait for whatever of the layer is still being written, ignoring its
         errors (the failure that called this is the one reported)."""
-        for r in self._runs:
-            try:
-                (r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s)
-            except Exception as exc:  # a symptom of the failure being reported
-                logger.warning("lynx: layer %d's encode after a failure: %s", self.layer, exc)
+        _settle(self.layer, self._runs, timeout_s)
 
     def finish(self, timeout_s: float) -> tuple[int, int]:
         """(Anchor bytes, Residual bytes) of the layer once written; idempotent."""
         if self._written is not None:
             return self._written
+        done: list[tuple[int, int]] = []
         try:
-            done = [(r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s)
-                    for r in self._runs]
-        except (CodecError, TimeoutError) as exc:
-            raise KVStreamError(f"encoding layer {self.layer}: {exc}") from exc
+            for r in self._runs:
+                done.append((r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s))
+        except BaseException as exc:
+            # K failed while V may still be written (on the executor, or by its copies): the
+            # caller may give the buffers back once this returns.
+            _settle(self.layer, self._runs[len(done) + 1:], timeout_s)
+            if isinstance(exc, (CodecError, TimeoutError)):
+                raise KVStreamError(f"encoding layer {self.layer}: {exc}") from exc
+            raise
         (ka, kr), *rest = done
         if not rest:
             self._written = ka, kr
@@ -98,6 +100,16 @@ class PendingLayer:
             out[kr: kr + vr] = out[self._k_res_at: self._k_res_at + vr].copy()
         self._written = ka + va, kr + vr
         return self._written
+
+
+def _settle(layer: int, runs: list[fused.PendingRun | Future], timeout_s: float) -> None:
+    """Wait for `runs` to end, ignoring their errors (after a failure, which is the one
+    reported)."""
+    for r in runs:
+        try:
+            (r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s)
+        except Exception as exc:  # a symptom of the failure being reported
+            logger.warning("lynx: layer %d's encode after a failure: %s", layer, exc)
 
 
 def encode_layer_start(pool: KVPoolView, layer: int, slots: torch.Tensor, spec: CodecSpec,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from lynx_sglang.backend.aux import pack_aux, unpack_aux
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KINDS, KVPoolView
 from lynx_sglang.backend.streams import (
+    PendingLayer,
     ResidualReader,
     anchor_layer,
     apply_anchor_layer,
@@ -279,6 +281,30 @@ def test_an_encode_that_fails_on_k_ends_after_v_has_written():
             encode_layer_into(src, 0, slots, spec, CHUNK, 9, anchor, residual, helper)
         raised = time.monotonic()
     assert len(v_calls) == 1 and v_calls[0] <= raised, "raised while V was still encoding"
+
+
+def test_a_layer_whose_k_copies_fail_finishes_after_v_has_written():
+    """A CUDA layer's K copies that never land (`finish` times out) while V is still being
+    written on the helper thread: the layer's `finish` raises only once V's call has ended, so
+    the writer that gives the room's staging back on that error leaves no V byte landing in it.
+    Stand-ins for the runs: no GPU here."""
+    class NeverLanded:
+        def finish(self, timeout_s=None):
+            raise TimeoutError("the device-to-host copy of encoded chunks did not complete")
+
+    v_ended = []
+
+    def v_run():
+        time.sleep(0.3)
+        v_ended.append(time.monotonic())
+        return SimpleNamespace(finish=lambda timeout_s=None: (10, 20))
+
+    with ThreadPoolExecutor(1) as helper:
+        layer = PendingLayer(3, [NeverLanded(), helper.submit(v_run)], None, 0, True)
+        with pytest.raises(KVStreamError, match="encoding layer 3: the device-to-host copy"):
+            layer.finish(5.0)
+        raised = time.monotonic()
+    assert len(v_ended) == 1 and v_ended[0] <= raised, "raised while V was still being written"
 
 
 def test_pool_view_refuses_other_pools():
