@@ -237,10 +237,13 @@ def choose_k(zz: torch.Tensor, cls: torch.Tensor, chunk_of: torch.Tensor, local:
     """Each chunk's k-table nibbles `[nchunks, 16]` (int64), from the histogram of bitlen(zz) per
     class over the chunk's every HIST_STRIDE-th value (`chunk_of`, `local`: each value's chunk and
     index in it). Shared by this reference and the Triton coder (`lynx_kernels.exact_triton`)."""
-    sample = local % HIST_STRIDE == 0
-    hist = torch.bincount(((chunk_of * NUM_CLASSES + cls) * _BITLEN_BINS + _bitlen(zz))[sample],
-                          minlength=nchunks * NUM_CLASSES * _BITLEN_BINS)
-    hist = hist.view(nchunks, NUM_CLASSES, _BITLEN_BINS)
+    bins = nchunks * NUM_CLASSES * _BITLEN_BINS
+    at = (chunk_of * NUM_CLASSES + cls) * _BITLEN_BINS + _bitlen(zz)
+    # The values not sampled go to one spare bin: a boolean mask, or `bincount` (it sizes its
+    # output from the data), would make the host wait for a device here.
+    at = torch.where(local % HIST_STRIDE == 0, at, bins)
+    hist = torch.zeros(bins + 1, dtype=torch.int64, device=zz.device).scatter_add_(
+        0, at, torch.ones_like(at))[:bins].view(nchunks, NUM_CLASSES, _BITLEN_BINS)
     cost = (hist.unsqueeze(-1) * _cost2_table(coding, zz.device)).sum(dim=2)
     return cost.argmin(dim=-1)  # the first minimum: ties go to the smaller k
 
@@ -279,13 +282,17 @@ def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
 
 
 def pack_sections(k_nib: torch.Tensor, rec_bytes: torch.Tensor, records: torch.Tensor,
-                  per_chunk: list[int]) -> list[Section]:
+                  per_chunk: list[int], ends: list[int] | None = None) -> list[Section]:
     """Each chunk's section from the coded chunks' k-table nibbles `[chunks, 16]`, every block's
-    record length and all records back to back (`per_chunk`: blocks of each chunk). Shared by
-    this reference and the Triton coder."""
+    record length and all records back to back (`per_chunk`: blocks of each chunk). `ends`: the
+    records' end offsets on the host where the caller has them already (the cumulative sum of
+    `rec_bytes`), else computed here (a host sync on a device). Shared by this reference and the
+    Triton coder."""
     k_bytes = (k_nib[:, 0::2] | (k_nib[:, 1::2] << 4)).to(torch.uint8)
     rec_len = rec_bytes.to(torch.int32).to(torch.int16).view(torch.uint8).view(-1, 2)
-    ends = [0, *torch.cumsum(rec_bytes, 0).tolist()]  # one host sync for every chunk
+    if ends is None:
+        ends = torch.cumsum(rec_bytes, 0).tolist()  # one host sync for every chunk
+    ends = [0, *ends]
     sections, b0 = [], 0
     for c, n in enumerate(per_chunk):
         b1 = b0 + n

@@ -138,14 +138,17 @@ def encode_sections(zz: torch.Tensor, cls: torch.Tensor, x_bits: torch.Tensor,
     if nblk:
         _record_bits[(nblk,)](zz, cls, k, first, size, chunk, rec_bytes, **consts)
     ends = torch.cumsum(rec_bytes, 0)
-    total = int(ends[-1]) if nblk else 0
+    # The run's one host sync: the records' offsets size their buffer here and cut it into the
+    # chunks' sections in `pack_sections` (which would otherwise sync again for them).
+    ends_host = ends.tolist()
+    total = ends_host[-1] if nblk else 0
     words = torch.zeros(total // 4 + 2, dtype=torch.int32, device=device)
     if nblk:
         _write_records[(nblk,)](zz, cls, k, first, size, chunk, x_bits, ends - rec_bytes, words,
                                 **consts)
     records = words.view(torch.uint8)[:total]
     return exact.pack_sections(k_nib, rec_bytes, records,
-                               [exact.num_blocks(c) for c in counts])
+                               [exact.num_blocks(c) for c in counts], ends_host)
 
 
 @triton.jit

@@ -279,7 +279,9 @@ def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV,
     device = anchor.device
     bits = torch.zeros(shape, dtype=torch.int64, device=device)
     low = torch.zeros((n, hd * h.spec.residual_bits // 8), dtype=torch.uint8, device=device)
-    coded = torch.zeros(n, dtype=torch.bool, device=device)
+    # Which rows are coded, on the host (the headers say): a boolean mask on a device tensor would
+    # make the host wait for the device (its result's size depends on the data).
+    coded = torch.zeros(n, dtype=torch.bool)
     sections, counts = [], []
     for c in residuals:
         rows = slice(c.header.token_start - anchor.token_start, c.header.token_end - anchor.token_start)
@@ -294,16 +296,16 @@ def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV,
         sections.append(c.exact_section(copy))
         counts.append(c.header.coded_values)
     if sections:
-        keep = coded.clone()
-        keep[protected_rows(anchor)] = False
-        r_bits = exact.value_bits(reconstruct(anchor, low))[keep]
+        coded[protected_rows(anchor, "cpu")] = False
+        kept = coded.nonzero().squeeze(1).to(device)
+        r_bits = exact.value_bits(reconstruct(anchor, low)).index_select(0, kept)
         e_s = exact.scale_exponents(anchor.scale, n, h.num_heads, h.head_dim, h.spec.group_size,
-                                    anchor.over_tokens, h.spec.rotate)[keep]
+                                    anchor.over_tokens, h.spec.rotate).index_select(0, kept)
         sections = [exact.Section(*(t.to(device) for t in s.parts())) for s in sections]
         _, decode_sections = section_coder(device)
-        bits[keep] = decode_sections(
+        bits.index_copy_(0, kept, decode_sections(
             sections, exact.classes(r_bits, e_s, coding).reshape(-1), r_bits.reshape(-1), counts,
-            coding).view(-1, h.num_heads, h.head_dim)
+            coding).view(-1, h.num_heads, h.head_dim))
     values = exact.bits_to_values(bits, h.dtype)
     values[protected_rows(anchor)] = anchor.protected
     return values
@@ -321,10 +323,12 @@ def section_coder(device: torch.device | str) -> tuple[Callable, Callable]:
     return exact.encode_sections, exact.decode_sections
 
 
-def protected_rows(enc: EncodedKV) -> torch.Tensor:
+def protected_rows(enc: EncodedKV, device: torch.device | str | None = None) -> torch.Tensor:
+    """The rows of `enc` that are protected tokens (sent as they are), on `device` (default: the
+    run's)."""
     positions = protected_positions(enc.total_tokens, enc.spec.sink_tokens,
                                     enc.spec.recent_tokens, enc.token_start, enc.token_end)
-    return (positions - enc.token_start).to(enc.device)
+    return (positions - enc.token_start).to(enc.device if device is None else device)
 
 
 def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:

@@ -83,10 +83,13 @@ def _exact_pieces(enc: EncodedKV, chunks) -> list[tuple[list[torch.Tensor], bool
     """Each chunk's exact Residual payload pieces and whether it is raw (see lynx_kernels.exact)."""
     coding = exact.CODINGS[enc.dtype]
     low, prediction = exact_parts(enc)
-    keep = torch.ones(enc.num_tokens, dtype=torch.bool, device=enc.device)
-    keep[protected_rows(enc)] = False
-    x_bits = exact.value_bits(enc.residual)[keep].reshape(-1)
-    r_bits = exact.value_bits(prediction)[keep].reshape(-1)
+    # The coded rows by index, computed on the host: a boolean mask on a device tensor would
+    # make the host wait for the device (its result's size depends on the data).
+    keep = torch.ones(enc.num_tokens, dtype=torch.bool)
+    keep[protected_rows(enc, "cpu")] = False
+    kept = keep.nonzero().squeeze(1).to(enc.device)
+    x_bits = exact.value_bits(enc.residual).index_select(0, kept).reshape(-1)
+    r_bits = exact.value_bits(prediction).index_select(0, kept).reshape(-1)
     e_s = exact.scale_exponents(enc.scale, enc.num_tokens, enc.num_heads, enc.head_dim,
                                 enc.spec.group_size, enc.over_tokens, enc.spec.rotate)
     hd = enc.num_heads * enc.head_dim
@@ -95,7 +98,8 @@ def _exact_pieces(enc: EncodedKV, chunks) -> list[tuple[list[torch.Tensor], bool
     encode_sections, _ = section_coder(enc.device)
     sections = encode_sections(
         exact.zigzag(exact.ordinal(x_bits, coding) - exact.ordinal(r_bits, coding)),
-        exact.classes(r_bits, e_s[keep].reshape(-1), coding), x_bits, counts, coding)
+        exact.classes(r_bits, e_s.index_select(0, kept).reshape(-1), coding), x_bits, counts,
+        coding)
     low_rows, value_rows = _byte_rows(low), _byte_rows(enc.residual)
     pieces = []
     for (_, _, (rows, _, _)), section in zip(chunks, sections, strict=True):

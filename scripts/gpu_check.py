@@ -22,7 +22,10 @@ still leaves the ones that finished):
                   byte for byte against the torch reference on the CPU, the values decoded back,
                   and the encode's and the decode's rates as ratios to a device copy of the
                   values' bytes (the issue's goal for exact: >= 0.5; reported, not a pass
-                  condition). The rehearsal runs the kernels interpreted on its small shapes
+                  condition), and how often one serving exact run (encode into page-locked
+                  buffers, apply) makes the host wait for the device (`serving_host_syncs`,
+                  torch's sync debug mode; reported). The rehearsal runs the kernels
+                  interpreted on its small shapes
   layer_streamed  a synthetic Llama-3.1-8B-shaped forward writes each layer's K and V into a
                   pool on one stream and records an event per layer; on a side stream that waits
                   on each layer's event, the serving calls (`fused.encode_run_start`, both
@@ -67,7 +70,15 @@ import bench_codec  # scripts/bench_codec.py: this script's folder is on sys.pat
 import numpy as np
 import torch
 import triton
-from gpu_check_common import SERVING_CHUNK_TOKENS, SETTINGS, SHAPE, Settings, sync
+from gpu_check_common import (
+    SERVING_CHUNK_TOKENS,
+    SETTINGS,
+    SHAPE,
+    Settings,
+    host_buffer,
+    host_syncs,
+    sync,
+)
 from gpu_check_streamed import check_layer_streamed
 
 import lynx_kernels
@@ -310,12 +321,35 @@ def check_exact_sections(s: Settings, device: str):
     decode_s = timed(lambda: exact_triton.decode_sections(tri, cls, r_bits, counts, coding),
                      s.repeats, device)
     section_bytes = sum(st.nbytes for st in tri)
+    syncs = serving_host_syncs(pool, slots, spec, chunk_tokens) if device == "cuda" else (
+        "needs CUDA (the CPU rehearsal has no device to wait for)")
     return same and values_back, {
+        "serving_host_syncs": syncs,
         "model": SHAPE.name, "tokens": tokens, "kv_heads_x_head_dim": heads, "values": len(zz),
         "chunks": len(counts), "sections_equal_reference": same, "values_decoded_back": values_back,
         "section_bytes_per_value": section_bytes / len(zz),
         "copy_s": copy_s, "encode_s": encode_s, "decode_s": decode_s,
         "encode_ratio_to_copy": copy_s / encode_s, "decode_ratio_to_copy": copy_s / decode_s}
+
+
+def serving_host_syncs(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec,
+                       chunk_tokens: int) -> dict:
+    """The host's waits for the device in one exact K run of the serving calls (reported, not a
+    pass condition): the encode into page-locked buffers as the prefill's writer makes it
+    (`encode_run_start`, then `finish`), and the apply of both streams."""
+    _, heads, head_dim = pool.shape
+    sizes = fused.run_nbytes(spec, "k", pool.dtype, heads, head_dim, len(slots), chunk_tokens)
+    anchor = host_buffer(sizes.anchor, "cuda")
+    residual = host_buffer(sizes.residual_bound, "cuda")
+    run = (pool, slots, spec, "k", 0, chunk_tokens, 1, anchor, residual)
+    fused.encode_run_into(*run, impl="triton")  # compiled outside the count
+    lengths: list[tuple[int, int]] = []
+    encode = host_syncs(lambda: lengths.append(fused.encode_run_start(*run, impl="triton").finish()))
+    na, nr = lengths[0]
+    out = torch.zeros_like(pool)
+    apply = host_syncs(lambda: fused.apply_residual_run(anchor[:na], residual[:nr], out, slots, spec,
+                                                        "k", 0, 1, len(slots), impl="triton"))
+    return {"encode": encode, "apply_residual": apply}
 
 
 def check_kernel_tests(s: Settings, out: Path):

@@ -1,11 +1,15 @@
 """What scripts/gpu_check.py's checks share: the model shape they run, the sizes per device
-(`Settings`: the CUDA machine's, and the CPU rehearsal's small ones) and a device sync. Imported by
+(`Settings`: the CUDA machine's, and the CPU rehearsal's small ones), host buffers as the prefill's
+staging, a device sync and a count of the host's waits for the device. Imported by
 gpu_check.py and gpu_check_streamed.py (this folder is on sys.path when either runs)."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lynx_kernels import preset
@@ -52,3 +56,25 @@ SETTINGS = {
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def host_buffer(nbytes: int, device: str) -> np.ndarray:
+    """Staging as the prefill's: page-locked for a CUDA pool (`backend.staging.StagingPool`)."""
+    if device != "cuda":
+        return np.zeros(nbytes, np.uint8)
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def host_syncs(fn: Callable[[], object]) -> dict:
+    """How often `fn()` made the host wait for the device (torch's sync debug mode: `.item()`,
+    `.tolist()`, a boolean mask, a synchronous copy), with the first few warnings: each such
+    wait stalls the thread that queues the next layer's work."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    return {"count": len(waits), "first": waits[:5]}

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import torch
-from gpu_check_common import SERVING_CHUNK_TOKENS, SHAPE, Settings, sync
+from gpu_check_common import SERVING_CHUNK_TOKENS, SHAPE, Settings, host_buffer, sync
 
 from lynx_kernels import CodecSpec, fused
 
@@ -103,13 +103,6 @@ def encode_layers(pools, slots, spec: CodecSpec, events: queue.Queue, stream,
             staged.extend(started)
         finish_staged()
     return written
-
-
-def host_buffer(nbytes: int, device: str) -> np.ndarray:
-    """Staging as the prefill's: page-locked for a CUDA pool (`backend.staging.StagingPool`)."""
-    if device != "cuda":
-        return np.zeros(nbytes, np.uint8)
-    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 def ready_events(fwd: SyntheticForward, n: int) -> queue.Queue:
