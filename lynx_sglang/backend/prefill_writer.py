@@ -52,17 +52,12 @@ class WriterDeps:
     read_aux: Callable[[int], bytes]
     faults: FaultPlan
 
-    def encode(self, job: Job, pool: KVPoolView, layer: int, anchor_out, residual_out,
-               spec: CodecSpec | None = None) -> tuple[int, int]:
-        """Encode one layer of the job's slots with `spec` (None: the configured codec; else the
-        room's, of the Anchor width picked for it): the bytes written to each buffer."""
-        return self.start(job, pool, layer, anchor_out, residual_out, spec).finish(
-            self.config.transfer_timeout_s)
-
     def start(self, job: Job, pool: KVPoolView, layer: int, anchor_out, residual_out,
               spec: CodecSpec | None = None) -> PendingLayer:
-        """`encode` without waiting for a device pool's copies into the buffers
-        (`encode_layer_start`): they hold the layer once its `finish` has returned."""
+        """Start encoding one layer of the job's slots with `spec` (None: the configured codec;
+        else the room's, of the Anchor width picked for it) into the buffers
+        (`encode_layer_start`): they hold the layer once its `finish` has returned (a device
+        pool's copies run meanwhile)."""
         # Under the job's lock: the slots may be swapped for the prefix cache's between layers
         # (`PrefillSender._reconcile_streamed`), never during one (the encode has read the pool
         # rows when it returns, `fused.encode_run_start`).
@@ -345,32 +340,49 @@ class WindowedWriter:
 
     def _segment(self, request_id: int, plan: StreamPlan, layers: range, staging: StagingRange,
                  last: bool) -> int:
-        """Encode and write one segment from `staging`; returns its bytes, both streams."""
+        """Encode and write one segment from `staging`; returns its bytes, both streams. Each
+        layer's Residual goes into its own bound-sized place, so that on a CUDA pool a layer's
+        copies run while the next one is encoded (`StagedLayer`, as `RoomWriter`); the layers
+        go back to back on the Residual stream, after the segment's Anchor."""
         deps, session, job = self.deps, self.session, self.job
         buf, region, residual = deps.staging.buffer, deps.staging_region, deps.config.residual
         residual_at = staging.offset + plan.anchor_bytes
-        r_len = 0
-        for i, layer in enumerate(layers):
-            t0 = time.time()
-            at = staging.offset + plan.anchor_offset(i)
-            r_at = residual_at + r_len
-            written, r_written = deps.encode(
-                job, self.pool, layer, buf[at: at + plan.anchor_layer_bytes],
-                buf[r_at: r_at + plan.residual_layer_bytes] if residual else None)
+        placed: list[tuple[int, int]] = []  # each layer's Residual: (staging offset, bytes)
+
+        def landed(pending: PendingLayer, r_at: int, t0: float) -> None:
+            written, r_written = pending.finish(deps.config.transfer_timeout_s)
             if written != plan.anchor_layer_bytes:
-                raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
+                raise KVStreamError(f"layer {pending.layer}: encoded {written} B of Anchor, "
                                     f"expected {plan.anchor_layer_bytes} B")
-            r_len += r_written
-            job.trace.span("encode_anchor", layer, t0, time.time())
+            placed.append((r_at, r_written))
+            job.trace.span("encode_anchor", pending.layer, t0, time.time())
+
+        staged = StagedLayer(deps.config.transfer_timeout_s)
+        try:
+            for i, layer in enumerate(layers):
+                t0 = time.time()
+                at = staging.offset + plan.anchor_offset(i)
+                r_at = residual_at + i * plan.residual_layer_bytes
+                pending = deps.start(
+                    job, self.pool, layer, buf[at: at + plan.anchor_layer_bytes],
+                    buf[r_at: r_at + plan.residual_layer_bytes] if residual else None)
+                staged.put(pending, functools.partial(landed, pending, r_at, t0))
+            staged.flush()
+        except BaseException:
+            staged.drain()
+            raise
         session.write_stream(request_id, Stream.ANCHOR, region, staging.offset, plan.anchor_bytes,
                              stream_offset=0)
         session.finish(request_id, Stream.ANCHOR,
                        aux=deps.read_aux(job.aux_index) if last else b"")
         if last:
             job.trace.mark("anchor_posted")
+        r_len = 0
         if residual:
-            session.write_stream(request_id, Stream.RESIDUAL, region, residual_at, r_len,
-                                 stream_offset=0)
+            for r_at, n in placed:
+                session.write_stream(request_id, Stream.RESIDUAL, region, r_at, n,
+                                     stream_offset=r_len)
+                r_len += n
             session.finish(request_id, Stream.RESIDUAL)
             if last:
                 job.trace.mark("residual_posted")

@@ -5,7 +5,8 @@ has run), and the session records what is written to the transport. What it prot
 goes to the transport only after its bytes landed; with copies in flight a layer is written once
 the next is encoded, but never held back while the writer waits for the forward; a CPU pool's
 layers are written at once, as before; a failure waits for the copies in flight before the
-room's staging can be given back."""
+room's staging can be given back. A windowed room's segments (`WindowedWriter`) overlap the same
+way."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from lynx_kernels import CodecSpec, KVShape
 from lynx_sglang.backend.faults import FaultPlan
 from lynx_sglang.backend.layer_stream import LayerGate
 from lynx_sglang.backend.plan import StreamPlan
-from lynx_sglang.backend.prefill_writer import RoomWriter
+from lynx_sglang.backend.prefill_writer import RoomWriter, WindowedWriter
 from lynx_sglang.backend.staging import StagingRange
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.trace import Trace
@@ -218,3 +219,58 @@ def test_the_exact_residual_after_the_forward_overlaps_the_same_way(copying):
         if not copying and layer + 1 < LAYERS:
             assert rec.log.index(("rwrite", layer, 100 * layer)) < rec.log.index(
                 ("start", layer + 1))
+
+
+def landing(rec: Recorder) -> threading.Event:
+    """The copy engine: each started layer's copies land a little after its start, until the
+    returned event is set."""
+    done = threading.Event()
+
+    def land_all() -> None:
+        while not done.is_set():
+            for held in list(rec.layers):
+                held.landed.set()
+            done.wait(0.01)
+
+    threading.Thread(target=land_all, daemon=True).start()
+    return done
+
+
+def segment_writer(copying: bool, fail_at: int | None = None) -> tuple[WindowedWriter, Recorder]:
+    w, rec = writer(copying, fail_at=fail_at)
+    return WindowedWriter(rec, rec, w.job, None, w.plan, None, None), rec
+
+
+@pytest.mark.parametrize("copying", [True, False])
+def test_a_windowed_segment_overlaps_the_same_way(copying):
+    """A segment of a windowed room: on a CUDA pool layer l's copies are waited for once l + 1 is
+    encoded, on a CPU pool at once; the Anchor goes out once every layer is in, then each
+    layer's Residual from its bound-sized place, back to back on the stream."""
+    w, rec = segment_writer(copying)
+    done = landing(rec)
+    try:
+        posted = w._segment(7, w.plan, range(LAYERS), StagingRange(0, w.plan.staging_bytes),
+                            last=True)
+    finally:
+        done.set()
+    assert posted == w.plan.anchor_bytes + 100 * LAYERS
+    written = [entry for entry in rec.log if entry[0] in ("write", "rwrite", "finish")]
+    assert written == [("write", 0), ("finish", "ANCHOR"),
+                       *[("rwrite", layer, 100 * layer) for layer in range(LAYERS)],
+                       ("finish", "RESIDUAL")]
+    for layer in range(LAYERS - 1):
+        if copying:
+            assert rec.log.index(("start", layer + 1)) < rec.log.index(("landed", layer))
+        else:
+            assert rec.log.index(("landed", layer)) < rec.log.index(("start", layer + 1))
+    assert rec.log.index(("landed", LAYERS - 1)) < rec.log.index(("write", 0))
+
+
+def test_a_failed_windowed_segment_waits_for_the_copies_in_flight():
+    w, rec = segment_writer(copying=True, fail_at=2)
+    threading.Timer(0.2, lambda: [held.landed.set() for held in rec.layers]).start()
+    with pytest.raises(RuntimeError, match="encode of layer 2 failed"):
+        w._segment(7, w.plan, range(LAYERS), StagingRange(0, w.plan.staging_bytes), last=True)
+    assert rec.layers[1].finished, "the segment failed with layer 1's copies still running"
+    assert not [entry for entry in rec.log if entry[0] in ("write", "rwrite")]
+
