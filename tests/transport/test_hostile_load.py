@@ -315,6 +315,9 @@ def test_half_open_peer_gives_its_fds_back(role):
         victim.close()
 
 
+OWN_ADDRESS = "127.0.0.77"  # loopback (127.0.0.0/8), used by no other test
+
+
 def test_out_of_fds_the_data_listener_backs_off_instead_of_spinning():
     """While `accept` fails with EMFILE the listening socket stays readable (the connection waits
     in the kernel's queue): the listener used to retry at once, a core at 100 % until fds freed.
@@ -322,14 +325,16 @@ def test_out_of_fds_the_data_listener_backs_off_instead_of_spinning():
     are free. Real sockets; the fd table is filled under a lowered RLIMIT_NOFILE."""
     from lynx_transport.tcp_accept import ACCEPT_BACKOFF_S, DataListener
 
-    listener = DataListener("127.0.0.1", {"io_timeout_s": 0.2, "preamble_timeout_s": 0.5,
+    # An address of its own: a connection another test left retrying towards 127.0.0.1 may reach
+    # a reused port, and was once counted here as a fourth expired preamble.
+    listener = DataListener(OWN_ADDRESS, {"io_timeout_s": 0.2, "preamble_timeout_s": 0.5,
                                           "max_pending_preambles": 64,
                                           "max_pending_preambles_per_peer": 16},
                             None, lambda sock, preamble: False)
     # The connecting side lives in another process: its fds must not count against ours.
     client = subprocess.Popen(
         [sys.executable, "-c", "import socket, sys, time; sys.stdin.readline(); "
-         f"s = [socket.create_connection(('127.0.0.1', {listener.port})) for _ in range(3)]; "
+         f"s = [socket.create_connection(({OWN_ADDRESS!r}, {listener.port})) for _ in range(3)]; "
          "print('connected', flush=True); time.sleep(30)"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
