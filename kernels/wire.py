@@ -279,9 +279,7 @@ def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV,
     device = anchor.device
     bits = torch.zeros(shape, dtype=torch.int64, device=device)
     low = torch.zeros((n, hd * h.spec.residual_bits // 8), dtype=torch.uint8, device=device)
-    # Which rows are coded, on the host (the headers say): a boolean mask on a device tensor would
-    # make the host wait for the device (its result's size depends on the data).
-    coded = torch.zeros(n, dtype=torch.bool)
+    coded = torch.zeros(n, dtype=torch.bool)  # on the host: the headers say (`coded_rows`)
     sections, counts = [], []
     for c in residuals:
         rows = slice(c.header.token_start - anchor.token_start, c.header.token_end - anchor.token_start)
@@ -296,8 +294,7 @@ def _exact_values(residuals: Sequence[Chunk], anchor: EncodedKV,
         sections.append(c.exact_section(copy))
         counts.append(c.header.coded_values)
     if sections:
-        coded[protected_rows(anchor, "cpu")] = False
-        kept = coded.nonzero().squeeze(1).to(device)
+        kept = coded_rows(anchor, coded)
         r_bits = exact.value_bits(reconstruct(anchor, low)).index_select(0, kept)
         e_s = exact.scale_exponents(anchor.scale, n, h.num_heads, h.head_dim, h.spec.group_size,
                                     anchor.over_tokens, h.spec.rotate).index_select(0, kept)
@@ -329,6 +326,16 @@ def protected_rows(enc: EncodedKV, device: torch.device | str | None = None) -> 
     positions = protected_positions(enc.total_tokens, enc.spec.sink_tokens,
                                     enc.spec.recent_tokens, enc.token_start, enc.token_end)
     return (positions - enc.token_start).to(enc.device if device is None else device)
+
+
+def coded_rows(enc: EncodedKV, among: torch.Tensor | None = None) -> torch.Tensor:
+    """The indices, on the run's device, of `enc`'s rows that are not protected tokens, of those
+    the CPU bool mask `among` marks (None: every row). Computed on the host: a boolean mask on a
+    device tensor would make the host wait for the device (its result's size depends on the
+    data)."""
+    keep = torch.ones(enc.num_tokens, dtype=torch.bool) if among is None else among.clone()
+    keep[protected_rows(enc, "cpu")] = False
+    return keep.nonzero().squeeze(1).to(enc.device)
 
 
 def parse_chunk(buf: bytes | bytearray | memoryview) -> Chunk:

@@ -18,7 +18,7 @@ from . import exact
 from .chunk_copy import COPY_TIMEOUT_S, ChunkPieces, Copier, PendingChunks, copier_for
 from .codec import EncodedKV, exact_parts
 from .spec import CodecError, Target
-from .wire import HEADER, ChunkHeader, WireStream, protected_rows, section_coder
+from .wire import HEADER, ChunkHeader, WireStream, coded_rows, section_coder
 
 
 def _byte_rows(t: torch.Tensor) -> torch.Tensor:
@@ -83,11 +83,7 @@ def _exact_pieces(enc: EncodedKV, chunks) -> list[tuple[list[torch.Tensor], bool
     """Each chunk's exact Residual payload pieces and whether it is raw (see lynx_kernels.exact)."""
     coding = exact.CODINGS[enc.dtype]
     low, prediction = exact_parts(enc)
-    # The coded rows by index, computed on the host: a boolean mask on a device tensor would
-    # make the host wait for the device (its result's size depends on the data).
-    keep = torch.ones(enc.num_tokens, dtype=torch.bool)
-    keep[protected_rows(enc, "cpu")] = False
-    kept = keep.nonzero().squeeze(1).to(enc.device)
+    kept = coded_rows(enc)
     x_bits = exact.value_bits(enc.residual).index_select(0, kept).reshape(-1)
     r_bits = exact.value_bits(prediction).index_select(0, kept).reshape(-1)
     e_s = exact.scale_exponents(enc.scale, enc.num_tokens, enc.num_heads, enc.head_dim,
