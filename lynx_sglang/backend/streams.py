@@ -82,7 +82,7 @@ class PendingLayer:
         done: list[tuple[int, int]] = []
         try:
             for r in self._runs:
-                done.append((r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s))
+                done.append(_finish_run(r, timeout_s))
         except BaseException as exc:
             # K failed while V may still be written (on the executor, or by its copies): the
             # caller may give the buffers back once this returns.
@@ -102,12 +102,17 @@ class PendingLayer:
         return self._written
 
 
+def _finish_run(run: fused.PendingRun | Future, timeout_s: float) -> tuple[int, int]:
+    """A run's (Anchor, Residual) bytes once written (a V run on the executor: once it ran)."""
+    return (run.result(timeout_s) if isinstance(run, Future) else run).finish(timeout_s)
+
+
 def _settle(layer: int, runs: list[fused.PendingRun | Future], timeout_s: float) -> None:
     """Wait for `runs` to end, ignoring their errors (after a failure, which is the one
     reported)."""
     for r in runs:
         try:
-            (r.result(timeout_s) if isinstance(r, Future) else r).finish(timeout_s)
+            _finish_run(r, timeout_s)
         except Exception as exc:  # a symptom of the failure being reported
             logger.warning("lynx: layer %d's encode after a failure: %s", layer, exc)
 
