@@ -110,6 +110,16 @@ class StagedLayer:
             pending.settle(self._timeout_s)
 
 
+def layer_written(pending: PendingLayer, plan: StreamPlan, timeout_s: float) -> int:
+    """Once an encoded layer's bytes are in staging: its Residual bytes, after checking that its
+    Anchor has the plan's exact size."""
+    written, r_written = pending.finish(timeout_s)
+    if written != plan.anchor_layer_bytes:
+        raise KVStreamError(f"layer {pending.layer}: encoded {written} B of Anchor, "
+                            f"expected {plan.anchor_layer_bytes} B")
+    return r_written
+
+
 class RoomWriter:
     """Writes one room's two streams to one decode from its staging range, layer by layer
     (`layer`, in order), then ends the Anchor (`finish_anchor`) and the Residual
@@ -141,7 +151,7 @@ class RoomWriter:
         self.one_pass = config.residual and (config.codec.target is Target.INT8
                                              or self.stream_residual)
         job.trace.facts.update(one_pass=self.one_pass, residual_streamed=self.stream_residual)
-        self.residual_at = 0  # stream offset of the next streamed Residual layer
+        self.residual_at = 0  # stream offset of the next Residual layer (streamed or second pass)
         self.posted = 0  # bytes of both streams, once `finish_residual` has run
         self._staged = StagedLayer(config.transfer_timeout_s)
         job.trace.mark("encode_start")
@@ -182,22 +192,23 @@ class RoomWriter:
     def _post(self, pending: PendingLayer, at: int, r_at: int, t0: float) -> None:
         """Write a layer to the transport once its bytes are in staging."""
         deps, job, plan, room = self.deps, self.job, self.plan, self.job.room
-        region, layer = deps.staging_region, pending.layer
-        written, r_written = pending.finish(deps.config.transfer_timeout_s)
-        if written != plan.anchor_layer_bytes:
-            raise KVStreamError(f"layer {layer}: encoded {written} B of Anchor, "
-                                f"expected {plan.anchor_layer_bytes} B")
-        self.session.write_stream(room, Stream.ANCHOR, region, at, plan.anchor_layer_bytes,
-                                  stream_offset=plan.anchor_offset(layer))
+        layer = pending.layer
+        r_written = layer_written(pending, plan, deps.config.transfer_timeout_s)
+        self.session.write_stream(room, Stream.ANCHOR, deps.staging_region, at,
+                                  plan.anchor_layer_bytes, stream_offset=plan.anchor_offset(layer))
         if self.stream_residual:
-            # An exact layer is as long as its values need: the layers go back to back on the
-            # stream, each from its own (bound-sized) place in staging.
-            self.session.write_stream(room, Stream.RESIDUAL, region, r_at, r_written,
-                                      stream_offset=self.residual_at)
-            self.residual_at += r_written
+            self._post_residual(r_at, r_written)
         job.trace.span("encode_anchor", layer, t0, time.time())
         if layer + 1 == plan.num_layers // 2:
             deps.faults.hold(Point.ANCHOR_MID, room, (layer + 1, plan.num_layers))
+
+    def _post_residual(self, r_at: int, n: int) -> None:
+        """Write one layer's Residual (`n` bytes at staging offset `r_at`) next on the stream: an
+        exact layer is as long as its values need, so the layers go back to back on the stream,
+        each from its own (bound-sized) place in staging."""
+        self.session.write_stream(self.job.room, Stream.RESIDUAL, self.deps.staging_region, r_at,
+                                  n, stream_offset=self.residual_at)
+        self.residual_at += n
 
     def finish_anchor(self) -> None:
         """After every layer: the Anchor's end, with the aux (layer-streamed: once SGLang has
@@ -241,17 +252,13 @@ class RoomWriter:
         the stream, each as long as its values need. On a CUDA pool layer l is written once
         layer l + 1 is encoded (`RoomWriter`'s overlap). Returns the stream's bytes."""
         deps, job, plan = self.deps, self.job, self.plan
-        buf, room, timeout = deps.staging.buffer, job.room, deps.config.transfer_timeout_s
+        buf, timeout = deps.staging.buffer, deps.config.transfer_timeout_s
         scratch = np.empty(plan.anchor_layer_bytes, dtype=np.uint8)
-        stream_at = 0
         staged = StagedLayer(timeout)
 
         def write(pending: PendingLayer, r_at: int, t0: float) -> None:
-            nonlocal stream_at
             _, written = pending.finish(timeout)
-            self.session.write_stream(room, Stream.RESIDUAL, deps.staging_region, r_at, written,
-                                      stream_offset=stream_at)
-            stream_at += written
+            self._post_residual(r_at, written)
             job.trace.span("encode_residual", pending.layer, t0, time.time())
 
         try:
@@ -265,7 +272,7 @@ class RoomWriter:
         except BaseException:
             staged.drain()
             raise
-        return stream_at
+        return self.residual_at
 
 
 class WindowedWriter:
@@ -350,11 +357,7 @@ class WindowedWriter:
         placed: list[tuple[int, int]] = []  # each layer's Residual: (staging offset, bytes)
 
         def landed(pending: PendingLayer, r_at: int, t0: float) -> None:
-            written, r_written = pending.finish(deps.config.transfer_timeout_s)
-            if written != plan.anchor_layer_bytes:
-                raise KVStreamError(f"layer {pending.layer}: encoded {written} B of Anchor, "
-                                    f"expected {plan.anchor_layer_bytes} B")
-            placed.append((r_at, r_written))
+            placed.append((r_at, layer_written(pending, plan, deps.config.transfer_timeout_s)))
             job.trace.span("encode_anchor", pending.layer, t0, time.time())
 
         staged = StagedLayer(deps.config.transfer_timeout_s)
