@@ -343,11 +343,9 @@ def serving_host_syncs(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec,
     residual = host_buffer(sizes.residual_bound, "cuda")
     run = (pool, slots, spec, "k", 0, chunk_tokens, 1, anchor, residual)
     fused.encode_run_into(*run, impl="triton")  # compiled outside the count
-    lengths: list[tuple[int, int]] = []
-    encode = host_syncs(lambda: lengths.append(fused.encode_run_start(*run, impl="triton").finish()))
-    na, nr = lengths[0]
+    (na, nr), encode = host_syncs(lambda: fused.encode_run_start(*run, impl="triton").finish())
     out = torch.zeros_like(pool)
-    apply = host_syncs(lambda: fused.apply_residual_run(anchor[:na], residual[:nr], out, slots, spec,
+    _, apply = host_syncs(lambda: fused.apply_residual_run(anchor[:na], residual[:nr], out, slots, spec,
                                                         "k", 0, 1, len(slots), impl="triton"))
     return {"encode": encode, "apply_residual": apply}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from lynx_kernels import preset
 
 SHAPE = preset("Llama-3.1-8B")
 SERVING_CHUNK_TOKENS = 256  # the servers' default --lynx-chunk-tokens
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,16 +67,16 @@ def host_buffer(nbytes: int, device: str) -> np.ndarray:
     return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
-def host_syncs(fn: Callable[[], object]) -> dict:
-    """How often `fn()` made the host wait for the device (torch's sync debug mode: `.item()`,
-    `.tolist()`, a boolean mask, a synchronous copy), with the first few warnings: each such
-    wait stalls the thread that queues the next layer's work."""
+def host_syncs(fn: Callable[[], T]) -> tuple[T, dict]:
+    """`fn()`'s result, and how often it made the host wait for the device (torch's sync debug
+    mode: `.item()`, `.tolist()`, a boolean mask, a synchronous copy) with the first few
+    warnings: each such wait stalls the thread that queues the next layer's work."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            fn()
+            result = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     waits = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
-    return {"count": len(waits), "first": waits[:5]}
+    return result, {"count": len(waits), "first": waits[:5]}
