@@ -3,12 +3,13 @@
 Owns the cryptography of the protocol described in the package docstring ("Security"): deriving a
 session's keys from the endpoints' shared secret and the two handshake nonces (`SessionKeys`), the
 MAC and sequence number on every authenticated control message (`Channel`), the proof a tcp data
-connection opens with (`data_proof`), the key of the control connections' zmq CURVE layer
+connection opens with (`data_proof`), a session's binding for the layers above
+(`channel_binding`), the key of the control connections' zmq CURVE layer
 (`control_key`) and the rule that an endpoint reachable from other hosts needs a secret
 (`check_exposure`). Pure functions and small value types: the control plane
 (`lynx_transport.control`) decides when each check runs, `lynx_transport.wire` owns the message
 formats. Called by the Endpoint (`check_secret`, `check_exposure`), the control plane
-(`SessionKeys`, `Channel`, `control_key`) and the tcp backend (`data_proof`).
+(`SessionKeys`, `Channel`, `control_key`) and the tcp backend (`data_proof`) and `Session.channel_binding`.
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def data_proof(key: bytes, sid: bytes, stream: int) -> bytes:
     """What a tcp data connection of session `sid` for `stream` opens with: proves the dialer holds
     the session's data key (only the two ends of the handshake do)."""
     return _hmac(key, b"lynx-transport/2 tcp data\0", sid, bytes([stream]))
+
+
+def channel_binding(data_key: bytes) -> bytes:
+    """A value only the two ends of one session know (with a secret; without one, still unique
+    to the session: both handshake nonces are in its keys), for a layer above to bind what it
+    signs to this session: a signed claim replayed on another session does not verify there."""
+    return _hmac(data_key, b"lynx-transport/2 channel binding\0")
 
 
 def control_key(secret: bytes) -> bytes:

@@ -178,6 +178,7 @@ class Acceptor:
             return True
         s = self._new_session(env.sid, False, pending.hello.address)
         s.peer_endpoint_id = pending.hello.endpoint
+        s.data_key = pending.keys.data
         s.remote_info = auth.info
         s.remote_prepare = auth.prepare
         s.local_prepare = prepare

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from .auth import channel_binding
 from .backend import Backend
 from .handshake import Handshake
 from .limits import Limits
@@ -84,6 +85,15 @@ class SessionBase(ABC):
         self.close_detail = ""
         self.last_heard = now()
         self.handshake_error: str | None = None
+
+    @property
+    def channel_binding(self) -> bytes:
+        """32 bytes unique to this session and known to its two ends only (`auth.channel_binding`):
+        what a layer above signs to bind a claim to this session. Known once the handshake has
+        derived the keys (before `connect` / `accept` return it)."""
+        if not self.data_key:
+            raise SessionClosedError(f"session {self.id.hex()[:8]} has no keys yet")
+        return channel_binding(self.data_key)
 
     @property
     def ready(self) -> bool:

@@ -122,7 +122,7 @@ class PrefillSessions:
             s.close()
             return True
         key = who.rank
-        verdict = self._bound(who, arrived)
+        verdict = self._bound(s, who, arrived)
         if verdict is PENDING:
             if time.monotonic() < deadline:
                 return False
@@ -164,11 +164,12 @@ class PrefillSessions:
         self._wake()
         return True
 
-    def _bound(self, who: Identity, arrived: float) -> Verdict:
-        """Whether `who` proves the rank key the bootstrap server lists for its rank."""
-        if not proven(who, self.endpoint.address):
-            return Verdict(refused="it is not signed with the rank key it names, or names none (a "
-                                   "prefill of an older Lynx sends none)")
+    def _bound(self, s: Session, who: Identity, arrived: float) -> Verdict:
+        """Whether `who`, announced on `s`, proves the rank key the bootstrap server lists for
+        its rank."""
+        if not proven(who, self.endpoint.address, s.channel_binding):
+            return Verdict(refused="it is not signed with the rank key it names for this session "
+                                   "(a replayed claim, or a prefill of an older Lynx)")
         return self.bindings.check(who.rank, who.key, arrived)
 
     def _refuse(self, s: Session, why: str) -> None:

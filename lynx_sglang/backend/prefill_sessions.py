@@ -56,7 +56,8 @@ class DecodeSessions:
         s = None
         try:
             s = self.endpoint.connect(address, timeout=self.config.connect_timeout_s)
-            why = introduce(s, self.claimant.claim(address), self.config.connect_timeout_s)
+            why = introduce(s, self.claimant.claim(address, s.channel_binding),
+                            self.config.connect_timeout_s)
         except TransportError as exc:
             if "TLS" in str(exc):
                 # the transport's TLS refusals (mismatch, certificates, alerts) in the

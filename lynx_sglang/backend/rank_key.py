@@ -4,10 +4,14 @@ Every prefill process makes a fresh Ed25519 key pair (`RankKey`) before it regis
 bootstrap server, and registers the public half beside its rank ip:port (`BOOTSTRAP_FIELD`;
 `backend.manager.LynxKVManager._register_topology_row`, stored and served by
 `backend.conn.LynxKVBootstrapServer`). Each session it opens to a decode claims its rank with that
-key and a signature (`Claimant.claim`) over the rank and the decode address it dialed, so a proof
-made for one decode is worth nothing at another (a peer that got a prefill to dial it cannot pass
-the prefill's proof on). The decode checks the signature (`proven`, `backend.decode_sessions`) and
-then that the key is the one the bootstrap server lists for that rank (`backend.decode_bindings`).
+key and a signature (`Claimant.claim`) over the rank, the decode address it dialed and the
+session's channel binding (`lynx_transport.Session.channel_binding`, from both ends' handshake
+nonces): a proof made for one decode is worth nothing at another (a peer that got a prefill to dial
+it cannot pass the prefill's proof on), and a proof seen once is worth nothing on any other session
+(a secret holder who recorded a real claim cannot replay it after the real rank's session ends).
+The decode checks the signature against its own side of the session (`proven`,
+`backend.decode_sessions`) and then that the key is the one the bootstrap server lists for that
+rank (`backend.decode_bindings`).
 
 The shared transport secret cannot tell one holder from another; the private key never leaves the
 prefill process, so a peer that holds the secret still cannot claim a rank it is not.
@@ -33,11 +37,12 @@ BOOTSTRAP_FIELD = "lynx_rank_key"
 KEY_HEX_CHARS = 64  # an Ed25519 public key: 32 bytes
 PROOF_HEX_CHARS = 128  # an Ed25519 signature: 64 bytes
 # Signed before the claim itself, so the signature can never stand for any other message.
-_CLAIM_LABEL = b"lynx-sglang prefill rank claim v1\0"
+# v2: the claim covers the session's channel binding (v1 did not, and could be replayed).
+_CLAIM_LABEL = b"lynx-sglang prefill rank claim v2\0"
 
 
-def _claim_message(rank: tuple[str, int], decode_address: str) -> bytes:
-    return _CLAIM_LABEL + json.dumps([rank[0], rank[1], decode_address]).encode()
+def _claim_message(rank: tuple[str, int], decode_address: str, binding: bytes) -> bytes:
+    return _CLAIM_LABEL + json.dumps([rank[0], rank[1], decode_address, binding.hex()]).encode()
 
 
 class RankKey:
@@ -48,8 +53,8 @@ class RankKey:
         self.public = self._private.public_key().public_bytes(Encoding.Raw,
                                                               PublicFormat.Raw).hex()
 
-    def sign(self, rank: tuple[str, int], decode_address: str) -> str:
-        return self._private.sign(_claim_message(rank, decode_address)).hex()
+    def sign(self, rank: tuple[str, int], decode_address: str, binding: bytes) -> str:
+        return self._private.sign(_claim_message(rank, decode_address, binding)).hex()
 
 
 @dataclass(frozen=True)
@@ -59,21 +64,24 @@ class Claimant:
     identity: Identity
     key: RankKey
 
-    def claim(self, decode_address: str) -> Identity:
-        """The identity to announce on a session to the decode at `decode_address`."""
+    def claim(self, decode_address: str, binding: bytes) -> Identity:
+        """The identity to announce on the session with channel binding `binding` to the decode
+        at `decode_address`."""
         return replace(self.identity, key=self.key.public,
-                       proof=self.key.sign(self.identity.rank, decode_address))
+                       proof=self.key.sign(self.identity.rank, decode_address, binding))
 
 
-def proven(who: Identity, decode_address: str) -> bool:
+def proven(who: Identity, decode_address: str, binding: bytes) -> bool:
     """Whether `who.proof` is its `who.key`'s signature of its claim to the decode at
-    `decode_address` (untrusted peer input: anything malformed is False; the key must be as the
-    prefill registers it, since the decode compares it with the registered one as a string)."""
+    `decode_address` on the session with channel binding `binding` (untrusted peer input:
+    anything malformed is False; the key must be as the prefill registers it, since the decode
+    compares it with the registered one as a string)."""
     if valid_key(who.key) is None or len(who.proof) != PROOF_HEX_CHARS:
         return False
     try:
         public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(who.key))
-        public.verify(bytes.fromhex(who.proof), _claim_message(who.rank, decode_address))
+        public.verify(bytes.fromhex(who.proof),
+                      _claim_message(who.rank, decode_address, binding))
     except (ValueError, InvalidSignature):
         return False
     return True

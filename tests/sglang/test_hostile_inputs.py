@@ -49,17 +49,23 @@ DECODE_ADDRESS = "tcp://5.6.7.8:9"
 RANK_KEY = RankKey()
 
 
+# The channel binding of the stand-in sessions (`_Session`), unless a test gives another.
+BINDING = bytes(range(32))
+
+
 def _who(port: int = 4000, config: LynxConfig | None = None, key: RankKey = RANK_KEY,
-         ip: str = "1.2.3.4", settings: bool = True) -> bytes:
+         ip: str = "1.2.3.4", settings: bool = True, binding: bytes = BINDING) -> bytes:
     """A prefill rank's identity announcement, with its wire settings (unless not `settings`),
-    signed for this decode with `key`."""
+    signed with `key` for this decode and the session with channel binding `binding`."""
     who = Identity(ip, port, (config or LynxConfig()).wire_settings() if settings else None)
-    return Claimant(who, key).claim(DECODE_ADDRESS).encode()
+    return Claimant(who, key).claim(DECODE_ADDRESS, binding).encode()
 
 
 class _Session:
-    def __init__(self, meta: bytes | None, peer: str = "tcp://1.2.3.4:1"):
+    def __init__(self, meta: bytes | None, peer: str = "tcp://1.2.3.4:1",
+                 binding: bytes = BINDING):
         self.meta, self.peer_address, self.closed = meta, peer, False
+        self.channel_binding = binding
 
     def announcement(self, request_id):
         assert request_id == IDENTITY_REQUEST
@@ -195,7 +201,7 @@ def test_an_impostor_that_claims_a_rank_first_neither_takes_it_nor_gets_it_refus
         "own key": _who(key=RankKey()),
         "unsigned": real_identity.encode(),
         "made for another decode": Claimant(real_identity, RANK_KEY).claim(
-            "tcp://6.6.6.6:1").encode(),
+            "tcp://6.6.6.6:1", BINDING).encode(),
         "other settings": _who(key=RankKey(), config=LynxConfig.build(target="int8")),
     }
     for what, meta in claims.items():
@@ -209,6 +215,25 @@ def test_an_impostor_that_claims_a_rank_first_neither_takes_it_nor_gets_it_refus
     real = _Session(_who())
     assert sessions._identify(real, time.monotonic()) and real.answer == {"accepted": True}
     assert sessions.get(rank) is real
+
+
+def test_a_real_claim_replayed_on_another_session_is_refused_and_announces_nothing(caplog):
+    """A secret holder who saw the real prefill's claim (on its session, binding A) replays it on a
+    session of its own (binding B) after the real rank's session has ended: the claim, signed for
+    A, does not verify on B. It is refused, takes no rank, and so is announced no room. (The v1
+    claim covered the rank and the decode address only, and was accepted here.)"""
+    sessions = _applier(_Endpoint([])).sessions
+    rank = ("1.2.3.4", 4000)
+    seen = _who(binding=b"A" * 32)
+    real = _Session(seen, binding=b"A" * 32)
+    assert sessions._identify(real, time.monotonic()) and real.answer == {"accepted": True}
+    real.closed = True  # the real rank's session ends
+    replay = _Session(seen, "tcp://6.6.6.6:1", binding=b"B" * 32)
+    with caplog.at_level("ERROR"):
+        assert sessions._identify(replay, time.monotonic())
+    assert "a replayed claim" in replay.answer["refused"]
+    assert sessions.get(rank) is not replay
+    assert "claims prefill rank 1.2.3.4:4000, refused" in caplog.text
 
 
 def test_a_claim_being_looked_up_again_holds_up_no_other_peer(monkeypatch):

@@ -27,17 +27,22 @@ SLOT = BootstrapSlot("10.0.0.1:8998", 0, 0, 0, 0)
 DECODE = "tcp://10.0.0.2:7000"
 
 
-def test_a_claim_is_proven_only_for_its_rank_its_key_and_the_decode_it_was_made_for():
+BINDING = b"\x07" * 32  # a session's channel binding
+
+
+def test_a_claim_is_proven_only_for_its_rank_key_decode_and_session():
     key = RankKey()
-    claim = Claimant(Identity(*RANK), key).claim(DECODE)
+    claim = Claimant(Identity(*RANK), key).claim(DECODE, BINDING)
     assert claim.key == key.public and valid_key(key.public) == key.public
-    assert proven(claim, DECODE)
-    assert not proven(claim, "tcp://10.0.0.3:7000")  # passed on to another decode
-    assert not proven(Identity("10.0.0.9", 5000, key=claim.key, proof=claim.proof), DECODE)
-    assert not proven(Identity(*RANK, key=RankKey().public, proof=claim.proof), DECODE)
+    assert proven(claim, DECODE, BINDING)
+    assert not proven(claim, "tcp://10.0.0.3:7000", BINDING)  # passed on to another decode
+    assert not proven(claim, DECODE, b"\x08" * 32)  # replayed on another session
+    assert not proven(Identity("10.0.0.9", 5000, key=claim.key, proof=claim.proof), DECODE,
+                      BINDING)
+    assert not proven(Identity(*RANK, key=RankKey().public, proof=claim.proof), DECODE, BINDING)
     for key_hex, proof_hex in (("", ""), ("zz" * 32, claim.proof), (claim.key, "00" * 64),
                                (claim.key.upper(), claim.proof), (claim.key[:-2], claim.proof)):
-        assert not proven(Identity(*RANK, key=key_hex, proof=proof_hex), DECODE)
+        assert not proven(Identity(*RANK, key=key_hex, proof=proof_hex), DECODE, BINDING)
     assert valid_key(key.public.upper()) is None and valid_key(" " + key.public[1:]) is None
 
 

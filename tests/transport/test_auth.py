@@ -108,3 +108,24 @@ def test_limits_are_validated():
                 {"max_message_bytes": 1024}):
         with pytest.raises(ValueError):
             Limits(**bad)
+
+
+def test_both_ends_of_a_session_share_its_channel_binding_and_no_other_session_does():
+    """What a rank claim is signed over (`Session.channel_binding`): equal at the two ends of one
+    session (the acceptor's used to have no keys on its Session), different for the next session
+    between the same endpoints."""
+    rx, tx = Endpoint(name="rx", secret=SECRET), Endpoint(name="tx", secret=SECRET)
+    try:
+        seen = []
+        for _ in range(2):
+            s_tx = tx.connect(rx.address, timeout=5)
+            s_rx = rx.accept(timeout=5)
+            assert s_rx is not None
+            assert s_tx.channel_binding == s_rx.channel_binding
+            assert len(s_tx.channel_binding) == 32
+            seen.append(s_tx.channel_binding)
+            s_tx.close()
+        assert seen[0] != seen[1]
+    finally:
+        tx.close()
+        rx.close()
