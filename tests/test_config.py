@@ -202,3 +202,60 @@ def test_other_text_is_the_secret_byte_for_byte(tmp_path, data):
 def test_a_short_or_odd_secret_is_refused(tmp_path, data, message):
     with pytest.raises(LynxConfigError, match=message):
         _load_secret(_secret_file(tmp_path, data))
+
+
+# ---- the secret file is checked before it is read (issue 56, hole 5)
+@pytest.mark.timeout(10)  # a FIFO used to hang the start-up here, waiting for a writer
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "directory"])
+def test_a_secret_file_that_is_no_regular_file_is_refused_before_a_byte_is_read(tmp_path, kind):
+    """/dev/zero used to be read to the end of memory and a FIFO to block the server's start-up;
+    both are refused, also with --lynx-insecure."""
+    if kind == "fifo":
+        path = tmp_path / "lynx.key"
+        os.mkfifo(path, 0o600)
+        what = "a FIFO"
+    elif kind == "directory":
+        path = tmp_path / "keys"
+        path.mkdir(mode=0o700)
+        what = "a directory"
+    else:
+        path = Path(kind)
+        what = "a character device"
+    for flags in ((), ("--lynx-insecure",)):
+        with pytest.raises(LynxConfigError, match=rf"{path} is {what}, not a regular file"):
+            _load_secret(path, *flags)
+
+
+def test_an_oversized_secret_file_is_refused_without_reading_it(tmp_path):
+    from lynx_sglang.config import MAX_SECRET_FILE_BYTES
+
+    path = _secret_file(tmp_path, os.urandom(MAX_SECRET_FILE_BYTES + 1))
+    with pytest.raises(LynxConfigError, match=rf"is {MAX_SECRET_FILE_BYTES + 1} B, more than a"):
+        _load_secret(path)
+    path.write_bytes(os.urandom(MAX_SECRET_FILE_BYTES))
+    assert len(_load_secret(path)) == MAX_SECRET_FILE_BYTES
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another owner needs root")
+def test_a_secret_file_of_another_owner_is_refused(tmp_path):
+    path = _secret_file(tmp_path, os.urandom(32))
+    os.chown(path, 65534, 65534)  # nobody
+    with pytest.raises(LynxConfigError, match=r"owned by uid 65534, not by this user.*"
+                                              r"--lynx-insecure"):
+        _load_secret(path)
+
+
+def test_a_secret_file_behind_a_symlinked_or_open_directory_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    secret = os.urandom(32)
+    _secret_file(real, secret)
+    (tmp_path / "via").symlink_to(real)
+    with pytest.raises(LynxConfigError, match=r"directory .*via is reached through a symbolic "
+                                              r"link.*--lynx-insecure"):
+        _load_secret(tmp_path / "via" / "lynx.key")
+    real.chmod(0o777)  # anyone may swap the file
+    with pytest.raises(LynxConfigError, match=r"has mode 0777: others may replace the file"):
+        _load_secret(real / "lynx.key")
+    real.chmod(0o1777)  # sticky, as /tmp: only the file's owner may replace it
+    assert _load_secret(real / "lynx.key") == secret
