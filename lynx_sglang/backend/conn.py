@@ -22,11 +22,13 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 
+from ..config import LynxConfig
 from ..errors import SettingsMismatchError
 from ..failures import FailureKind, failure_kind_of
 from .decode_bindings import BootstrapSlot, Registration
 from .heads import check_tp_sizes
 from .rank_key import BOOTSTRAP_FIELD, valid_key
+from .registration import LEASE_PATH, RegistrationBook, RegistrationRefused
 
 logger = logging.getLogger(__name__)
 
@@ -147,39 +149,58 @@ class LynxKVReceiver(CommonKVReceiver):
 
 
 class LynxKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's HTTP bootstrap registry, which also keeps the rank key each prefill rank registers
-    and adds it to the answer of that rank's lookup. Its handlers all run on the server's one
-    event loop thread."""
+    """SGLang's HTTP bootstrap registry, admitting only registrations authenticated with the
+    deployment's secret and signed with the rank key they register, never another key for a live
+    rank's slot (`backend.registration.RegistrationBook`); it adds the rank key to the answer of
+    that rank's lookup and takes the holders' lease renewals (`PUT registration.LEASE_PATH`). Its
+    handlers all run on the server's one event loop thread."""
 
     def __init__(self, host: str, port: int):
-        # Before SGLang's constructor, which starts serving.
-        self._rank_keys: dict[tuple[str, int], str] = {}
+        # Before SGLang's constructor, which starts serving. The secret comes with the Lynx
+        # config SGLang's launcher process exported (`plugin`).
+        config = LynxConfig.from_env() or LynxConfig()
+        secret = config.load_secret()
+        if secret is None:
+            logger.warning("lynx: bootstrap registrations are not authenticated (no "
+                           "--lynx-secret-file): only their rank-key signatures and leases are "
+                           "checked")
+        self._book = RegistrationBook(secret)
         super().__init__(host, port)
 
+    def _setup_routes(self):
+        super()._setup_routes()
+        self.app.router.add_route("PUT", LEASE_PATH, self._handle_lease)
+
     async def _handle_route_put(self, request: web.Request):
-        response = await super()._handle_route_put(request)
-        if response.status != 200:
-            return response
-        data = await request.json()  # aiohttp read the body once and keeps it
-        rank = (str(data["rank_ip"]), int(data["rank_port"]))
-        key = valid_key(data.get(BOOTSTRAP_FIELD))
-        if key is None:
-            self._rank_keys.pop(rank, None)
-        else:
-            self._rank_keys[rank] = key
-        # A restarted prefill rank replaced its entry: keep the keys of listed ranks only.
-        listed = {(info.rank_ip, info.rank_port) for dp in self.prefill_port_table.values()
-                  for cp in dp.values() for tp in cp.values() for info in tp.values()}
-        for gone in set(self._rank_keys) - listed:
-            del self._rank_keys[gone]
+        try:
+            row = await request.json()
+            slot, holder = self._book.check(row)
+        except RegistrationRefused as refused:
+            logger.warning("lynx: bootstrap registration from %s refused: %s", request.remote,
+                           refused)
+            return web.Response(text=str(refused), status=refused.status)
+        except ValueError:
+            return web.Response(text="the registration is no JSON", status=400)
+        response = await super()._handle_route_put(request)  # aiohttp keeps the body read
+        if response.status == 200:
+            self._book.record(slot, holder)
         return response
+
+    async def _handle_lease(self, request: web.Request):
+        try:
+            self._book.renew(await request.json())
+        except RegistrationRefused as refused:
+            return web.Response(text=str(refused), status=refused.status)
+        except ValueError:
+            return web.Response(text="the renewal is no JSON", status=400)
+        return web.Response(text="OK", status=200)
 
     async def _handle_route_get(self, request: web.Request):
         response = await super()._handle_route_get(request)
         if response.status != 200:
             return response
         info = json.loads(response.text)
-        key = self._rank_keys.get((info.get("rank_ip"), info.get("rank_port")))
+        key = self._book.key_of((info.get("rank_ip"), info.get("rank_port")))
         if key is None:  # the server's own parameters, or a rank that registered no key
             return response
         return web.json_response({**info, BOOTSTRAP_FIELD: key}, status=200)

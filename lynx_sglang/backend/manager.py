@@ -31,6 +31,7 @@ Every status this backend decides reaches SGLang through one method, `report_sta
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -73,7 +74,8 @@ from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
 from .prefill import PrefillSender
 from .prefill_link import Destination, PrefillLink, destination_of
-from .rank_key import BOOTSTRAP_FIELD, Claimant, RankKey
+from .rank_key import Claimant, RankKey
+from .registration import Registrar
 from .room import Source
 from .staging import StagingPool
 from .transport_setup import open_endpoint
@@ -113,7 +115,10 @@ class LynxKVManager(MooncakeKVManager):
         # Before SGLang's constructor: the status threads it starts notify the idle wait, and its
         # `register_buffer_to_engine` builds the staging pool, which records its use.
         self.lynx_runtime = LynxRuntime(idle=IdleWaiter(recorder.metrics), recorder=recorder)
-        self.rank_key = RankKey()  # before SGLang's constructor: `_register_topology_row`
+        # Before SGLang's constructor: `_register_topology_row`.
+        self.rank_key = RankKey()
+        self.registrar = Registrar(self.lynx.load_secret(), self.rank_key)
+        self._registered: list[tuple[str, dict]] = []  # this rank's rows: their leases
         self.peer_sockets = PeerSockets()  # before SGLang's constructor: `_connect`
         # Before SGLang's constructor too: its bootstrap thread handles aborts from then on.
         self.early_aborts = EarlyAborts(
@@ -121,6 +126,9 @@ class LynxKVManager(MooncakeKVManager):
             EARLY_ABORTS_CAP)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL:
+            if self._registered:
+                self._start_thread(functools.partial(self.registrar.keep_leases,
+                                                     self._registered), "lynx-lease")
             me = Identity(self.local_ip, self.rank_port, self.lynx.wire_settings())
             self.sender = PrefillSender(
                 self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
@@ -227,9 +235,11 @@ class LynxKVManager(MooncakeKVManager):
 
     # ---- SGLang's control-plane sockets ------------------------------------------------------
     def _register_topology_row(self, url: str, payload: dict) -> None:
-        """SGLang's bootstrap registration of a row, plus this process's rank key on its own."""
+        """SGLang's bootstrap registration of a row; this process's own rows with its rank key,
+        authenticated and signed (`backend.registration`), their leases renewed from then on."""
         if (payload.get("rank_ip"), payload.get("rank_port")) == (self.local_ip, self.rank_port):
-            payload = {**payload, BOOTSTRAP_FIELD: self.rank_key.public}
+            payload = self.registrar.sign(payload)
+            self._registered.append((url, payload))
         super()._register_topology_row(url, payload)
 
     def _connect(self, endpoint: str, is_ipv6: bool = False):

@@ -54,7 +54,12 @@ class RankKey:
                                                               PublicFormat.Raw).hex()
 
     def sign(self, rank: tuple[str, int], decode_address: str, binding: bytes) -> str:
-        return self._private.sign(_claim_message(rank, decode_address, binding)).hex()
+        return self.sign_bytes(_claim_message(rank, decode_address, binding))
+
+    def sign_bytes(self, message: bytes) -> str:
+        """The signature of `message` (hex); callers put a label of their own first
+        (`backend.registration`), so that no signature stands for two kinds of message."""
+        return self._private.sign(message).hex()
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,17 @@ def proven(who: Identity, decode_address: str, binding: bytes) -> bool:
     `decode_address` on the session with channel binding `binding` (untrusted peer input:
     anything malformed is False; the key must be as the prefill registers it, since the decode
     compares it with the registered one as a string)."""
-    if valid_key(who.key) is None or len(who.proof) != PROOF_HEX_CHARS:
+    return signed_by(who.key, _claim_message(who.rank, decode_address, binding), who.proof)
+
+
+def signed_by(key: object, message: bytes, proof: object) -> bool:
+    """Whether `proof` (hex) is rank key `key`'s signature of `message` (untrusted input:
+    anything malformed is False)."""
+    if valid_key(key) is None or not isinstance(proof, str) or len(proof) != PROOF_HEX_CHARS:
         return False
     try:
-        public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(who.key))
-        public.verify(bytes.fromhex(who.proof),
-                      _claim_message(who.rank, decode_address, binding))
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(key)).verify(bytes.fromhex(proof),
+                                                                      message)
     except (ValueError, InvalidSignature):
         return False
     return True

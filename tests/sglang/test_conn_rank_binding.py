@@ -4,6 +4,11 @@ machinery and bootstrap server in one process (conn_pair.py), the secret set: th
 is refused (it is not signed with the rank key the rank registered with SGLang's bootstrap
 server), it never sees a room, and the real prefill's requests go through; a real prefill whose
 recorded key is stale (restarted at the same ip:port) is looked up again and accepted.
+
+Issue 56, hole 4, over HTTP against the real `LynxKVBootstrapServer`: a `PUT /route` that
+re-registers the real rank with another key, without the secret, changes nothing; a secret
+holder's own registration for the live rank's slot is refused; an honest restart (a new key,
+once the old lease has lapsed) is accepted; a lease renewal is taken from the holder only.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import os
 
 import pytest
+import requests
 from conn_pair import (
     LOOPBACK,
     NUM_TOKENS,
@@ -25,10 +31,11 @@ from conn_pair import (
     wait_for,
 )
 
-from lynx_sglang.backend import decode_bindings
+from lynx_sglang.backend import decode_bindings, registration
 from lynx_sglang.backend.decode_bindings import BootstrapSlot, Registration
 from lynx_sglang.backend.identity import IDENTITY_REQUEST
-from lynx_sglang.backend.rank_key import RankKey
+from lynx_sglang.backend.rank_key import BOOTSTRAP_FIELD, RankKey
+from lynx_sglang.backend.registration import LEASE_PATH, Registrar
 from lynx_sglang.names import SECRET_ENV
 from lynx_transport import Endpoint
 
@@ -54,7 +61,8 @@ def _claim(thief: Endpoint, pd, settings: dict | None = None, key: RankKey | Non
     who = {"rank_ip": rank[0], "rank_port": rank[1],
            "config": settings if settings is not None else decode.lynx.wire_settings()}
     if key is not None:
-        who.update(key=key.public, proof=key.sign(rank, decode.endpoint.address))
+        who.update(key=key.public, proof=key.sign(rank, decode.endpoint.address,
+                                                  session.channel_binding))
     session.announce(IDENTITY_REQUEST, {}, meta=json.dumps(who).encode())
     return session, json.loads(bytes(session.wait_announcement(IDENTITY_REQUEST, timeout=5).meta))
 
@@ -118,3 +126,47 @@ def test_a_prefill_whose_recorded_key_is_stale_is_looked_up_again(sgl, secret_pd
     req.sender.init(NUM_TOKENS, req.prefill_aux)
     forward_and_send(pd, req, g)
     _expect_delivered(sgl, pd, req)
+
+
+def _put(pd, row: dict, path: str = "/route") -> requests.Response:
+    return requests.put(f"http://{pd.bootstrap_addr}{path}", json=row, timeout=5)
+
+
+def _listed_key(pd) -> str | None:
+    # imported here: importing SGLang before the `sgl` fixture's CPU set-up fails collection
+    from lynx_sglang.backend.conn import lookup_prefill_rank
+
+    return lookup_prefill_rank(BootstrapSlot(pd.bootstrap_addr, 0, 0, 0, 0), 5).key
+
+
+def test_bootstrap_registrations_need_the_secret_and_a_live_slot_keeps_its_key(
+        sgl, secret_pd, monkeypatch):
+    """Before the fix the first PUT below made the real rank's rooms fail within 0.2 s (the decode
+    saw another key listed for it), and the second put the thief's key on the rank."""
+    pd = secret_pd(make_cfg(target="exact"))
+    (_, real_row), = pd.prefill.mgr._registered
+    real_key = real_row[BOOTSTRAP_FIELD]
+    assert _listed_key(pd) == real_key
+    # no secret: the real row with another key (the real proof kept), and a fresh unsigned row
+    forged = {**real_row, BOOTSTRAP_FIELD: RankKey().public}
+    unsigned = {k: v for k, v in real_row.items() if k != registration.FIELD}
+    for row in (forged, unsigned):
+        r = _put(pd, row)
+        assert r.status_code == 403, r.text
+    # with the secret: the thief's own key for the live slot, at the rank's ip:port or its own
+    thief = Registrar(SECRET, RankKey())
+    for ip_port in ({}, {"rank_ip": "127.0.0.66", "rank_port": 4066}):
+        r = _put(pd, thief.sign({**unsigned, **ip_port}))
+        assert r.status_code == 409 and "held by live prefill rank" in r.text, r.text
+    assert _listed_key(pd) == real_key
+    req = start_request(sgl, pd, room=4210, seed=10)
+    _expect_delivered(sgl, pd, req)
+    # the holder renews its lease; nobody else can
+    assert _put(pd, pd.prefill.mgr.registrar.lease(real_row), LEASE_PATH).status_code == 200
+    assert _put(pd, thief.lease(real_row), LEASE_PATH).status_code == 409
+    # an honest restart: a new process, a new key, once the old lease has lapsed (here: at once)
+    monkeypatch.setattr(registration, "LEASE_S", 0.0)
+    restarted = Registrar(SECRET, RankKey())
+    r = _put(pd, restarted.sign(unsigned))
+    assert r.status_code == 200, r.text
+    assert _listed_key(pd) == restarted.lease(real_row)["key"]
