@@ -32,8 +32,9 @@ every backend's transfer statuses pass, calls its `notify` (`hooks.status_update
 
 About once a second (`REPORT_EVERY_S`), before SGLang's idle path may put the loop to sleep, the
 waiter also calls every function given to `IdleWaiter.report_tracked` (the backend's and
-speculation's map sizes -> `lynx_tracked_requests`), so a leak checker reading /metrics of an idle
-server sees current values.
+speculation's map sizes -> `lynx_tracked_requests`) and `IdleWaiter.report_listener` (the tcp
+data listener's counters -> `lynx_tcp_listener_events`), so a leak checker or an operator reading
+/metrics of an idle server sees current values.
 
 Called by SGLang's scheduler thread (`IdleWaiter.on_idle`) and by the backends' threads
 (`IdleWaiter.notify`).
@@ -140,6 +141,7 @@ class IdleWaiter:
         self.max_wait_s = max_wait_s()
         self._wakeup = _Wakeup()
         self._reporters: list[Callable[[], dict[str, int]]] = []
+        self._listener_counters: list[Callable[[], dict[str, int]]] = []
         self._last_report = 0.0
         self._poll: _IdlePoll | None = None
 
@@ -150,6 +152,10 @@ class IdleWaiter:
     def report_tracked(self, sizes: Callable[[], dict[str, int]]) -> None:
         """Publish `sizes()` (map name -> entries) from the scheduler loop about once a second."""
         self._reporters.append(sizes)
+
+    def report_listener(self, counters: Callable[[], dict[str, int]]) -> None:
+        """Publish `counters()` (a tcp data listener's event counts) about once a second."""
+        self._listener_counters.append(counters)
 
     def on_idle(self, original, scheduler, *args, **kwargs):
         """SGLang's `on_idle`, then a wait for input or a transfer's progress, `max_wait_s` at
@@ -165,8 +171,11 @@ class IdleWaiter:
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
-        if not self._reporters or now - self._last_report < REPORT_EVERY_S:
+        if not (self._reporters or self._listener_counters) or (
+                now - self._last_report < REPORT_EVERY_S):
             return
         self._last_report = now
         for sizes in self._reporters:
             self._metrics.record_tracked(sizes())
+        for counters in self._listener_counters:
+            self._metrics.record_listener(counters())

@@ -49,6 +49,7 @@ class _Instruments:
     verify_seconds: Any
     stage_seconds: Any
     tracked: Any
+    listener: Any
 
 
 # The label names every series starts with, in the order `Metrics._labels` gives their values.
@@ -102,6 +103,11 @@ def _get() -> _Instruments | None:
         tracked=Gauge("lynx_tracked_requests",
                       "Entries of Lynx's per-request maps (0 on an idle server; see lynx_sglang.idle)",
                       [*p, "map"], multiprocess_mode="livesum"),
+        listener=Gauge("lynx_tcp_listener_events",
+                       "The tcp data listener's events since start-up: listener_restarts (its "
+                       "accept loop failed and was restarted), connection_errors, "
+                       "preambles_evicted / _expired / _refused, accept_failed, "
+                       "tls_handshakes_failed", [*p, "event"], multiprocess_mode="livesum"),
     )
 
 
@@ -166,6 +172,13 @@ class Metrics:
         if m is not None:
             for name, size in sizes.items():
                 self._labels(m.tracked, name).set(size)
+
+    def record_listener(self, counters: dict[str, int]) -> None:
+        """The tcp data listener's event counts (`lynx_transport.tcp_accept.DataListener`)."""
+        m = _get()
+        if m is not None:
+            for event, n in counters.items():
+                self._labels(m.listener, event).set(n)
 
     def record_staging_used(self, used_bytes: int) -> None:
         m = _get()

@@ -341,6 +341,10 @@ class TcpBackend(Backend):
         for sid in list(self._sessions):
             self.session_close(sid)
 
+    def listener_counters(self) -> dict[str, int]:
+        """The data listener's event counts (`tcp_accept.DataListener.counters`), a copy."""
+        return dict(self._listener.counters)
+
     def stats(self) -> dict:
         out: dict = {"sessions": len(self._sessions), **self._listener.counters}
         for sid, ts in list(self._sessions.items()):

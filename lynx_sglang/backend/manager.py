@@ -146,6 +146,10 @@ class LynxKVManager(MooncakeKVManager):
             self._start_thread(self.applier.accept_loop, "lynx-accept")
             self._start_thread(self.applier.run, "lynx-apply")
         self.lynx_runtime.idle.report_tracked(self.tracked)
+        # The tcp backend's data listener (the verbs backend has none): its events on /metrics.
+        listener = getattr(self.endpoint.backend, "listener_counters", None)
+        if listener is not None:
+            self.lynx_runtime.idle.report_listener(listener)
         logger.info("lynx KV manager (%s) on %s: %s", disaggregation_mode.value,
                     self.endpoint.address, self.lynx)
         started = Trace("server", 0)

@@ -21,6 +21,7 @@ m.record_verification(0, 0, "not_speculable")
 m.record_verify_time(0.2)
 m.record_stage("encode", 0.5)
 m.record_tracked({"decode_rooms": 2})
+m.record_listener({"listener_restarts": 1, "preambles_evicted": 40})
 print("ENABLED", metrics.enabled())
 import os
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -76,6 +77,8 @@ def test_metrics_reach_the_multiprocess_exporter(tmp_path):
     assert _value(text, "lynx_staging_used_bytes") == 4096
     assert _value(text, "lynx_stage_seconds_sum", stage="encode") == 0.5
     assert _value(text, "lynx_tracked_requests", map="decode_rooms") == 2
+    assert _value(text, "lynx_tcp_listener_events", event="listener_restarts") == 1
+    assert _value(text, "lynx_tcp_listener_events", event="preambles_evicted") == 40
 
 
 def test_metrics_are_a_no_op_without_enable_metrics():
