@@ -23,6 +23,9 @@ the index of the first failed check in `exact.CORRUPTIONS`, and the smallest ind
 is raised, the reference's message. The caller writes nothing before the whole decode is checked.
 
 Triton is imported with this module, which `wire.section_coder` imports on its first CUDA call.
+`data_len` is not specialized (`do_not_specialize`): its divisibility by 16 varies with the data
+and would cost a compile per variant on a serving process. scripts/gpu_check_compile.py compiles
+every launch of these kernels for sm_80 and sm_90 (results/gpu_compile.json).
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def _first_error(err, failed, code: tl.constexpr):
     return tl.where(failed & (err > code), code, err)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["data_len"])
 def _decode_records(data_ptr, data_len, rec_end_ptr, rec_len_ptr, cls_ptr, r_ptr, k_ptr,
                     first_ptr, size_ptr, chunk_ptr, zpos_ptr, out_ptr, err_ptr,
                     WIDTH: tl.constexpr, MAG_MASK: tl.constexpr, NAN_ABOVE: tl.constexpr,

@@ -6,6 +6,11 @@
 `(x - zero) * inv + 0.5` step by step), so an FMA would change the bits. Each program handles
 BLOCK words of 8 values; a word of 8 `bits`-bit values is `bits` bytes, so packing needs no
 cross-program communication. Triton is imported lazily by the caller.
+
+`n_words` is not specialized (`do_not_specialize`): it only bounds a mask, and its divisibility
+by 16, which Triton would otherwise compile a variant for, changes with the run's length (a
+compile on a serving process's first request of each kind). scripts/gpu_check_compile.py
+compiles every launch of these kernels for sm_80 and sm_90 (results/gpu_compile.json).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def _group_index(idx, HD: tl.constexpr, G: tl.constexpr, OVER_TOKENS: tl.constex
         return idx // G
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_words"])
 def _encode_kernel(x_ptr, zero_ptr, inv_ptr, anchor_ptr, resid_ptr, n_words,
                    HD: tl.constexpr, G: tl.constexpr, OVER_TOKENS: tl.constexpr,
                    A_BITS: tl.constexpr, R_BITS: tl.constexpr, WITH_RESIDUAL: tl.constexpr,
@@ -61,7 +66,7 @@ def _unpack(ptr, w, m, j, BITS: tl.constexpr):
     return (word[:, None] >> (j64 * BITS)) & ((1 << BITS) - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_words"])
 def _dequant_kernel(anchor_ptr, resid_ptr, zero_ptr, scale_ptr, out_ptr, n_words,
                     HD: tl.constexpr, G: tl.constexpr, OVER_TOKENS: tl.constexpr,
                     A_BITS: tl.constexpr, R_BITS: tl.constexpr, FULL: tl.constexpr,
