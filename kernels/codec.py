@@ -29,15 +29,20 @@ format cuts chunks with it).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import ops_torch
 from .rotation import is_power_of_two, rotate, unrotate
 from .spec import QUANT_BITS, CodecError, CodecSpec, Stage, StreamKind, Target
+
+if TYPE_CHECKING:
+    from .deferred_checks import DeferredChecks
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP16_MAX = 65504.0
@@ -187,37 +192,66 @@ def _name_first(x: torch.Tensor, mask: torch.Tensor, kind: StreamKind, layer: in
     )
 
 
-def quantization_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int):
-    """The fp32 `[tokens, heads * head_dim]` values the quantizer sees: `x` (target exact: with
-    its unrepresentable values zeroed), rotated if `spec.rotate`. Raises CodecError for NaN, and
-    for unrepresentable values under target int8. May return a view of `x`; never writes it."""
-    tokens, heads, head_dim = x.shape
-    x32 = x.to(torch.float32)
+def quantization_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int,
+                       checks: DeferredChecks | None = None):
+    """The fp32 `[tokens, heads * head_dim]` values the quantizer sees (`quantization_values`).
+    Raises CodecError for NaN, and for unrepresentable values under target int8. May return a
+    view of `x`; never writes it.
+
+    With `checks` (the serving encode, `fused.encode_run_start`) nothing is read back here: each
+    refusal becomes a flag on x's device that `checks` reads when the run finishes, raising the
+    same CodecError then, so that the host does not wait for the device; without, each check
+    reads its result back here."""
     exact = spec.target is Target.EXACT
     if exact:
-        limit = unrepresentable_limit(spec.rotate, head_dim)
-        low, high = (float(v) for v in torch.aminmax(x32))  # NaN propagates: one check for all
-        if not (-low < limit and high < limit):
-            nan = torch.isnan(x32)
-            if bool(nan.any()):
-                raise _name_first(x, nan, kind, layer, "NaN value")
-            x32 = torch.where(x32.abs() >= limit, 0.0, x32)
+        nan = functools.partial(_nan_error, x, kind, layer)
+        if checks is not None:
+            checks.add(torch.isnan(x).any(), nan)
+        elif bool(torch.isnan(x).any()):
+            raise nan()
+    x32 = quantization_values(x, spec)
+    if not exact:
+        low, high = torch.aminmax(x32)
+        if checks is not None:
+            checks.add(~((-low < FP16_MAX) & (high < FP16_MAX)),
+                       functools.partial(_fp16_range_error, x, low, high, kind, layer))
+        elif not (-float(low) < FP16_MAX and float(high) < FP16_MAX):
+            raise _fp16_range_error(x, low, high, kind, layer)
+    return x32
+
+
+def quantization_values(x: torch.Tensor, spec: CodecSpec) -> torch.Tensor:
+    """`x` as fp32 `[tokens, heads * head_dim]` (target exact: its unrepresentable values zeroed,
+    and NaN, which `quantization_input` refuses), rotated if `spec.rotate`; without the checks
+    (`exact_parts`: an exact run's values, which its encode checked)."""
+    tokens, heads, head_dim = x.shape
+    x32 = x.to(torch.float32)
+    if spec.target is Target.EXACT:
+        # NaN fails the comparison too: a refused run's statistics stay finite until its checks
+        # are read.
+        x32 = torch.where(x32.abs() < unrepresentable_limit(spec.rotate, head_dim), x32, 0.0)
     if spec.rotate:
         x32 = rotate(x32, spec.rotation_seed)
-    if not exact:
-        low, high = (float(v) for v in torch.aminmax(x32))
-        # A non-finite input makes the extremes non-finite (the rotation has no zero entry), so
-        # the costly per-value finiteness check only runs to name the culprit.
-        if not (-low < FP16_MAX and high < FP16_MAX):
-            finite = torch.isfinite(x)
-            if not bool(finite.all()):
-                raise _name_first(x, ~finite, kind, layer, "non-finite value")
-            raise CodecError(
-                f"layer {layer} {kind.value.upper()}: |value| up to {max(-low, high):g} is beyond "
-                f"what fp16 scale/zero can represent ({FP16_MAX:g}); target 'exact' carries such "
-                "values"
-            )
     return x32.reshape(tokens, heads * head_dim)
+
+
+def _nan_error(x: torch.Tensor, kind: StreamKind, layer: int) -> CodecError:
+    return _name_first(x, torch.isnan(x), kind, layer, "NaN value")
+
+
+def _fp16_range_error(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, kind: StreamKind,
+                      layer: int) -> CodecError:
+    """Why target int8 refuses `x`, whose rotated extremes are `low`, `high`: a non-finite value
+    makes them non-finite (the rotation has no zero entry), so the costly per-value finiteness
+    check only runs to name the culprit."""
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        return _name_first(x, ~finite, kind, layer, "non-finite value")
+    return CodecError(
+        f"layer {layer} {kind.value.upper()}: |value| up to {max(-float(low), float(high)):g} is "
+        f"beyond what fp16 scale/zero can represent ({FP16_MAX:g}); target 'exact' carries such "
+        "values"
+    )
 
 
 def _group_stats(x32: torch.Tensor, spec: CodecSpec, over_tokens: bool):
@@ -273,15 +307,17 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
-           impl: str = "auto") -> EncodedKV:
+           impl: str = "auto", checks: DeferredChecks | None = None) -> EncodedKV:
     """Encode `[tokens, kv_heads, head_dim]` (bf16/fp16/fp32, CPU or CUDA) into Anchor + Residual.
 
-    `x` is only read; the result owns fresh tensors on x's device.
+    `x` is only read; the result owns fresh tensors on x's device. `checks`: refuse NaN and
+    unrepresentable values when `checks` is read instead of now (`quantization_input`); `x` must
+    then stay unchanged until it has been.
     """
     kind = parse_kind(kind)
     check_input(x, spec, kind, layer)
     tokens, heads, head_dim = x.shape
-    x32 = quantization_input(x, spec, kind, layer)
+    x32 = quantization_input(x, spec, kind, layer, checks)
     over_tokens = spec.groups_over_tokens(kind)
     protected = protected_positions(tokens, spec.sink_tokens, spec.recent_tokens, 0, tokens)
     zero, scale = _group_stats(x32, spec, over_tokens)
@@ -320,9 +356,10 @@ def reconstruct(enc: EncodedKV, low_bits: torch.Tensor | None, impl: str = "auto
 
 def exact_parts(enc: EncodedKV, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(packed low bits, INT8 reconstruction) of a target-exact run whose `residual` holds the
-    original values: what the exact Residual sends and what its correction is relative to."""
+    original values: what the exact Residual sends and what its correction is relative to. The
+    values are not checked again: `encode` did."""
     spec = enc.spec
-    x32 = quantization_input(enc.residual, spec, enc.kind, enc.layer)
+    x32 = quantization_values(enc.residual, spec)
     _, low = _ops(enc.device, impl).encode_packed(
         x32, enc.zero.float(), inverse_scale(enc.scale), spec.group_size, enc.over_tokens,
         spec.anchor_bits, True,

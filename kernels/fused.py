@@ -37,6 +37,7 @@ import torch
 from . import ops_cpu
 from .chunk_copy import COPY_TIMEOUT_S, PendingChunks, wait_for_stream
 from .codec import check_input, decode, encode, parse_kind
+from .deferred_checks import DeferredChecks, PendingChecks
 from .spec import CodecError, CodecSpec, StreamKind
 from .wire import (
     HEADER,
@@ -146,7 +147,12 @@ def _resolve(impl: str, pool: torch.Tensor) -> str:
 
 
 def _run(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec, kind: StreamKind | str,
-         layer: int, request_tag: int, total_tokens: int, impl: str) -> _Run:
+         layer: int, request_tag: int, total_tokens: int, impl: str,
+         checks: DeferredChecks | None = None) -> _Run:
+    """The call's arguments checked. With `checks` (an encode), unless the C codec runs it, the
+    slots' range is checked when `checks` is read, not here (a host wait for a device's
+    slots), and the run's `slots` are clamped to the pool meanwhile: the gather of a row outside
+    it would be a device fault, not an error."""
     if not isinstance(spec, CodecSpec):
         raise CodecError(f"spec must be a CodecSpec, got {type(spec).__name__}")
     kind = parse_kind(kind)
@@ -163,10 +169,19 @@ def _run(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec, kind: StreamK
         raise CodecError(f"slots are on {slots.device}, the pool on {pool.device}")
     if not 0 < total_tokens < _U32 or len(slots) != total_tokens:
         raise CodecError(f"a run of {total_tokens} tokens needs as many slots, got {len(slots)}")
-    low, high = (int(v) for v in torch.aminmax(slots))
-    if low < 0 or high >= pool.shape[0]:
-        raise CodecError(f"slots span [{low}, {high}], outside the pool's {pool.shape[0]} rows")
-    return _Run(spec, kind, layer, request_tag, pool, slots.contiguous(), _resolve(impl, pool))
+    impl = _resolve(impl, pool)
+    rows = pool.shape[0]
+    low, high = torch.aminmax(slots)
+    if checks is not None and impl != "cpu":
+        checks.add((low < 0) | (high >= rows), functools.partial(_slots_error, low, high, rows))
+        slots = slots.clamp(0, rows - 1)
+    elif int(low) < 0 or int(high) >= rows:
+        raise _slots_error(low, high, rows)
+    return _Run(spec, kind, layer, request_tag, pool, slots.contiguous(), impl)
+
+
+def _slots_error(low: torch.Tensor, high: torch.Tensor, rows: int) -> CodecError:
+    return CodecError(f"slots span [{int(low)}, {int(high)}], outside the pool's {rows} rows")
 
 
 def _bytes(buf, what: str) -> np.ndarray:
@@ -198,15 +213,22 @@ def _torch_impl(run: _Run) -> str:
 class PendingRun:
     """An encoded run on its way into the caller's buffers (`encode_run_start`): a device run's
     device-to-host copies may still be running; `finish` waits for them and writes the chunk
-    headers. A CPU run is complete when returned."""
+    headers. A C codec run is complete when returned. `checks`: the run's input checks, read by
+    `finish` (`lynx_kernels.deferred_checks`)."""
 
     anchor: PendingChunks | int
     residual: PendingChunks | int
+    checks: PendingChecks | None = None
 
     def finish(self, timeout_s: float = COPY_TIMEOUT_S) -> tuple[int, int]:
         """(anchor bytes, residual bytes) written, once they have landed (TimeoutError if a
-        stream's copies take longer than `timeout_s`)."""
-        return _landed(self.anchor, timeout_s), _landed(self.residual, timeout_s)
+        stream's copies take longer than `timeout_s`); CodecError if the run's input is refused
+        (the pool's slots, NaN, values fp16 cannot represent): the buffers then hold no valid
+        run."""
+        written = _landed(self.anchor, timeout_s), _landed(self.residual, timeout_s)
+        if self.checks is not None:
+            self.checks.finish(timeout_s)
+        return written
 
 
 def _landed(stream: PendingChunks | int, timeout_s: float) -> int:
@@ -219,8 +241,12 @@ def encode_run_start(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecS
     """`encode_run_into` without waiting for a device run's copies into `anchor_out` and
     `residual_out` (`lynx_kernels.chunk_copy`): the buffers are being written until the returned
     run's `finish` has returned, so that the caller can encode the next run meanwhile. The pool
-    rows may be reused once this returns (the copies read encoded bytes, not the pool)."""
-    run = _run(pool_layer, slots, spec, kind, layer, request_tag, len(slots), impl)
+    rows may be reused once this returns (the copies read encoded bytes, not the pool). Slots
+    outside the pool and refused values (NaN; target int8: values fp16 scale/zero cannot cover)
+    raise their CodecError from `finish` (`lynx_kernels.deferred_checks`: read here, each check
+    would make the host wait for a device run), except in the C codec's runs, which raise here."""
+    checks = DeferredChecks()
+    run = _run(pool_layer, slots, spec, kind, layer, request_tag, len(slots), impl, checks)
     if chunk_tokens <= 0 or (spec.groups_over_tokens(run.kind) and chunk_tokens % spec.group_size):
         raise CodecError(f"chunk_tokens={chunk_tokens} must be positive"
                          + (f" and a multiple of group_size={spec.group_size} when K is grouped "
@@ -238,11 +264,13 @@ def encode_run_start(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecS
         # The caller may give the pool rows back once this returns (the prefill swaps a streamed
         # room's slots for the prefix cache's copies between layers): the gather must have run.
         wait_for_stream(rows.device)
-    enc = encode(rows, spec, run.kind, layer=layer, impl=_torch_impl(run))
+    # `rows` is this run's own copy: the deferred checks may read it when they fail.
+    enc = encode(rows, spec, run.kind, layer=layer, impl=_torch_impl(run), checks=checks)
     return PendingRun(
         start_chunks(enc, chunk_tokens, anchor, stream="anchor", request_tag=request_tag),
         0 if residual is None else start_chunks(enc, chunk_tokens, residual, stream="residual",
-                                                request_tag=request_tag))
+                                                request_tag=request_tag),
+        checks.start())
 
 
 def encode_run_into(pool_layer: torch.Tensor, slots: torch.Tensor, spec: CodecSpec,
