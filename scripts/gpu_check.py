@@ -24,7 +24,7 @@ still leaves the ones that finished):
                   values' bytes (the issue's goal for exact: >= 0.5; reported, not a pass
                   condition), and how often one serving exact run (encode into page-locked
                   buffers, apply) makes the host wait for the device (`serving_host_syncs`,
-                  torch's sync debug mode; reported). The rehearsal runs the kernels
+                  torch's sync debug mode, targets int8 and exact; reported). The rehearsal runs the kernels
                   interpreted on its small shapes
   layer_streamed  a synthetic Llama-3.1-8B-shaped forward writes each layer's K and V into a
                   pool on one stream and records an event per layer; on a side stream that waits
@@ -37,6 +37,9 @@ still leaves the ones that finished):
                   encode - both) / encode, and fails if the overlapped encode's bytes (or the
                   pageable one's) differ from encoding the finished pool (zeroed first: a layer
                   encoded before its KV landed would differ)
+  compiled_kernels  each kernel's registers, spills and shared memory as compiled without a GPU
+                  (results/gpu_compile.json, scripts/gpu_check_compile.py) beside those of the
+                  same kernels loaded here (the checks above launched them); gpu_check_compiled.py
   kernel_tests    pytest tests/kernels (Triton compiled, not interpreted); the rehearsal runs
                   three of test_triton.py's
 
@@ -63,7 +66,8 @@ import sys
 import time
 import traceback
 import xml.etree.ElementTree as ET
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import bench_codec  # scripts/bench_codec.py: this script's folder is on sys.path
@@ -79,6 +83,7 @@ from gpu_check_common import (
     host_syncs,
     sync,
 )
+from gpu_check_compiled import check_compiled_kernels
 from gpu_check_streamed import check_layer_streamed
 
 import lynx_kernels
@@ -334,20 +339,26 @@ def check_exact_sections(s: Settings, device: str):
 
 def serving_host_syncs(pool: torch.Tensor, slots: torch.Tensor, spec: CodecSpec,
                        chunk_tokens: int) -> dict:
-    """The host's waits for the device in one exact K run of the serving calls (reported, not a
-    pass condition): the encode into page-locked buffers as the prefill's writer makes it
-    (`encode_run_start`, then `finish`), and the apply of both streams."""
+    """The host's waits for the device in one K run of the serving calls per target (reported,
+    not a pass condition): the encode into page-locked buffers as the prefill's writer makes it
+    (`encode_run_start`, which queues the run, then `finish`; its input checks are read there,
+    `lynx_kernels.deferred_checks`), and the apply of both streams."""
     _, heads, head_dim = pool.shape
-    sizes = fused.run_nbytes(spec, "k", pool.dtype, heads, head_dim, len(slots), chunk_tokens)
-    anchor = host_buffer(sizes.anchor, "cuda")
-    residual = host_buffer(sizes.residual_bound, "cuda")
-    run = (pool, slots, spec, "k", 0, chunk_tokens, 1, anchor, residual)
-    fused.encode_run_into(*run, impl="triton")  # compiled outside the count
-    (na, nr), encode = host_syncs(lambda: fused.encode_run_start(*run, impl="triton").finish())
-    out = torch.zeros_like(pool)
-    _, apply = host_syncs(lambda: fused.apply_residual_run(anchor[:na], residual[:nr], out, slots, spec,
-                                                        "k", 0, 1, len(slots), impl="triton"))
-    return {"encode": encode, "apply_residual": apply}
+    counts = {}
+    for target in ("int8", "exact"):
+        spec = replace(spec, target=target)
+        sizes = fused.run_nbytes(spec, "k", pool.dtype, heads, head_dim, len(slots), chunk_tokens)
+        anchor = host_buffer(sizes.anchor, "cuda")
+        residual = host_buffer(sizes.residual_bound, "cuda")
+        run = (pool, slots, spec, "k", 0, chunk_tokens, 1, anchor, residual)
+        fused.encode_run_into(*run, impl="triton")  # compiled outside the count
+        pending, start = host_syncs(partial(fused.encode_run_start, *run, impl="triton"))
+        (na, nr), finish = host_syncs(pending.finish)
+        _, apply = host_syncs(partial(fused.apply_residual_run, anchor[:na], residual[:nr],
+                                      torch.zeros_like(pool), slots, spec, "k", 0, 1, len(slots),
+                                      impl="triton"))
+        counts[target] = {"encode_start": start, "encode_finish": finish, "apply_residual": apply}
+    return counts
 
 
 def check_kernel_tests(s: Settings, out: Path):
@@ -392,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     report.check("throughput", check_throughput, s, device, args.out)
     report.check("exact_sections", check_exact_sections, s, device)
     report.check("layer_streamed", check_layer_streamed, s, device)
+    report.check("compiled_kernels", check_compiled_kernels, device)
     report.check("kernel_tests", check_kernel_tests, s, args.out)
     report.data["complete"] = True
     report.write()

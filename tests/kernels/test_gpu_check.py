@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["install", "environment", "bit_identity", "throughput", "exact_sections",
-          "layer_streamed", "kernel_tests"]
+          "layer_streamed", "compiled_kernels", "kernel_tests"]
 
 
 @pytest.mark.slow
@@ -46,6 +46,8 @@ def test_cpu_rehearsal_passes_every_check(tmp_path):
     for target in ("int8", "exact"):
         assert streamed["targets"][target]["bytes_equal"]
         assert 0 <= streamed["targets"][target]["hidden_fraction"] <= 1
+    compiled = report["checks"]["compiled_kernels"]
+    assert compiled["kernels"] and compiled["launched_here"] == 0  # interpreted: no cubins
     assert report["checks"]["kernel_tests"]["tests"] > 0
     for name in ("bench_codec_cpu_tensors.json", "bench_codec_cpu_fused.json",
                  "kernels-junit.xml", "kernels-tests.log"):
