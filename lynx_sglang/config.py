@@ -89,6 +89,11 @@ class LynxConfig:
                "can reach the port could write into KV memory; only on an isolated, trusted "
                "network. Also accepts, with a warning, a --lynx-secret-file that others than its "
                "owner may access, or a symbolic link")
+    allow_unknown_sglang: bool = _opt(
+        False, "run on an SGLang release Lynx has no fingerprints for (`lynx-sglang doctor` "
+               "lists what differs from the nearest supported one), after the start-up check "
+               "that every hook is in place; refused by default, and always when a function "
+               "Lynx hooks or subclasses is missing")
     tls_cert: str | None = _opt(
         None, "tcp transport: PEM certificate (chain) of this server; with --lynx-tls-key and "
               "--lynx-tls-ca every data connection runs TLS 1.3 with certificates checked both "

@@ -33,7 +33,8 @@ from . import cpu_compat, idle, reference_kv, request_trace, timeline
 from .config import LynxConfig, add_lynx_arguments
 from .errors import LynxConfigError
 from .names import BACKEND_SELECTED, SECRET_ENV
-from .sglang_support import check_server_options, check_sglang_version
+from .sglang_support import check_server_options
+from .upstream import hook_check, hook_table
 
 logger = logging.getLogger(__name__)
 
@@ -44,50 +45,17 @@ BACKEND_MEMBER = "LYNX"
 # anywhere else would import them (tens of seconds) into processes that never use them.
 _SCHEDULER_MODULES = ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode")
 
-ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
-FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
-GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
-PREFILL_INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
-DECODE_INIT_KV_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
-SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-UPDATE_STATUS = "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status"
-PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
-# Where a forward writes a layer's KV into the pool: MHA, and MLA's two write paths (the
-# attention backend picks one); each opens that layer for layer streaming.
-SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
-SET_KV_BUFFER_TARGETS = (
-    SET_KV_BUFFER,
-    "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_kv_buffer",
-    "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_mla_kv_buffer",
-)
-CREATE_RECEIVER = ("sglang.srt.disaggregation.decode.DecodePreallocQueue."
-                   "_create_receiver_and_enqueue")
-
-
-def hook_targets() -> tuple[str, ...]:
-    """Every HookRegistry target (patches/README.md documents each; a test resolves each one)."""
-    from .speculation.hooks import HOOKS
-
-    return (ADD_CLI_ARGS, FROM_CLI_ARGS, GET_KV_CLASS, PREFILL_INIT_KV_MANAGER,
-            DECODE_INIT_KV_MANAGER, PROCESS_BATCH_RESULT, VALIDATE_REQUEST, SCHEDULER_ON_IDLE,
-            UPDATE_STATUS, RUN_BATCH, *SET_KV_BUFFER_TARGETS, CREATE_RECEIVER,
-            *(t for t, _, _ in (*HOOKS, *request_trace.HOOKS)))
-
-
 def register() -> None:
     from sglang.srt.arg_groups.choices import (
         DISAGG_TRANSFER_BACKEND_CHOICES,
         add_disagg_transfer_backend_choices,
     )
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     cpu_compat.activate()
     if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
-    HookRegistry.register(ADD_CLI_ARGS, _add_cli_args_after, HookType.AFTER)
-    HookRegistry.register(FROM_CLI_ARGS, _from_cli_args_around, HookType.AROUND)
+    hook_check.register(hook_table.CLI_FLAGS, _add_cli_args_after)
+    hook_check.register(hook_table.CLI_SELECT, _from_cli_args_around)
     config = LynxConfig.from_env()
     in_scheduler = all(name in sys.modules for name in _SCHEDULER_MODULES)
     if config is not None:
@@ -95,26 +63,23 @@ def register() -> None:
         if in_scheduler:
             from . import hooks
 
-            HookRegistry.register(PREFILL_INIT_KV_MANAGER, _init_kv_manager_after,
-                                  HookType.AFTER)
-            HookRegistry.register(DECODE_INIT_KV_MANAGER, _init_kv_manager_after, HookType.AFTER)
+            hook_check.register(hook_table.PREFILL_POOL, _init_kv_manager_after)
+            hook_check.register(hook_table.DECODE_POOL, _init_kv_manager_after)
             # A malformed value fails the server's start, not its loop.
             idle.max_wait_s()
-            HookRegistry.register(SCHEDULER_ON_IDLE, hooks.on_idle_around, HookType.AROUND)
+            hook_check.register(hook_table.IDLE_WAIT, hooks.on_idle_around)
             if "sglang.srt.managers.scheduler" in sys.modules:
-                HookRegistry.register(PROCESS_BATCH_RESULT, hooks.process_batch_result_around,
-                                      HookType.AROUND)
+                hook_check.register(hook_table.SEND_BATCHED, hooks.process_batch_result_around)
             _register(request_trace.HOOKS)
-            HookRegistry.register(CREATE_RECEIVER, _receiver_made_after, HookType.AFTER)
+            hook_check.register(hook_table.RECEIVER_TOKENS, _receiver_made_after)
             if config.layer_stream:
-                HookRegistry.register(RUN_BATCH, hooks.run_batch_around, HookType.AROUND)
-                for target in SET_KV_BUFFER_TARGETS:
-                    HookRegistry.register(target, hooks.set_kv_buffer_after, HookType.AFTER)
+                hook_check.register(hook_table.LAYER_STREAM_BATCH, hooks.run_batch_around)
+                for hook in hook_table.LAYER_WRITTEN:
+                    hook_check.register(hook, hooks.set_kv_buffer_after)
             if config.speculate:
                 _register_speculation_hooks()
         if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
-            HookRegistry.register(PROCESS_BATCH_RESULT,
-                                  reference_kv.quantize_prompt_kv_before, HookType.BEFORE)
+            hook_check.register(hook_table.REFERENCE_KV, reference_kv.quantize_prompt_kv_before)
     elif (idle.wait_for_all_backends() and in_scheduler
           and "sglang.srt.managers.scheduler" in sys.modules):
         # Another backend's scheduler (a benchmark baseline): only the idle wait, Lynx's own
@@ -124,13 +89,12 @@ def register() -> None:
         from . import hooks
 
         idle.max_wait_s()
-        HookRegistry.register(PREFILL_INIT_KV_MANAGER, _attach_idle_wait_after, HookType.AFTER)
-        HookRegistry.register(DECODE_INIT_KV_MANAGER, _attach_idle_wait_after, HookType.AFTER)
-        HookRegistry.register(SCHEDULER_ON_IDLE, hooks.on_idle_around, HookType.AROUND)
-        HookRegistry.register(UPDATE_STATUS, hooks.status_updated_after, HookType.AFTER)
+        hook_check.register(hook_table.PREFILL_POOL, _attach_idle_wait_after)
+        hook_check.register(hook_table.DECODE_POOL, _attach_idle_wait_after)
+        hook_check.register(hook_table.IDLE_WAIT, hooks.on_idle_around)
+        hook_check.register(hook_table.IDLE_STATUS, hooks.status_updated_after)
     if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
-        HookRegistry.register(PROCESS_BATCH_RESULT, timeline.PrefillTimeline().prefill_done_before,
-                              HookType.BEFORE)
+        hook_check.register(hook_table.TIMELINE, timeline.PrefillTimeline().prefill_done_before)
 
 
 def _register_speculation_hooks() -> None:
@@ -143,11 +107,9 @@ def _register_speculation_hooks() -> None:
 
 
 def _register(hooks) -> None:
-    """(target, adapter, kind name) rows into SGLang's HookRegistry."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for target, adapter, kind in hooks:
-        HookRegistry.register(target, adapter, HookType[kind])
+    """(hook, adapter) rows into SGLang's HookRegistry."""
+    for hook, adapter in hooks:
+        hook_check.register(hook, adapter)
 
 
 def _add_cli_args_after(result, parser):
@@ -157,16 +119,16 @@ def _add_cli_args_after(result, parser):
 
 def _from_cli_args_around(original, cls, args):
     if getattr(args, "disaggregation_transfer_backend", None) == BACKEND_NAME:
-        check_sglang_version()
         config = LynxConfig.from_namespace(args)
         check_server_options(args)
         _check_secret(config)
         config.export_to_env()
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
         # Applied with the backend's hooks just below (install_backend -> apply_hooks).
-        HookRegistry.register(VALIDATE_REQUEST, _reject_empty_prompt_before, HookType.BEFORE)
+        hook_check.register(hook_table.EMPTY_PROMPT, _reject_empty_prompt_before)
         install_backend()
+        # The launcher's hooks (flags, the backend's classes, request validation) are in place,
+        # or the launch stops here; each scheduler checks its own at start-up (the KV manager).
+        hook_check.verify_applied()
         logger.info("%s%s", BACKEND_SELECTED, config)
     return original(cls, args)
 
@@ -240,15 +202,14 @@ def install_backend() -> None:
     and defers to SGLang for every other backend.
     """
     from sglang.srt.disaggregation.utils import TransferBackend
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if BACKEND_NAME in TransferBackend._value2member_map_:
         return
     _extend_enum(TransferBackend, BACKEND_MEMBER, BACKEND_NAME)
-    HookRegistry.register(GET_KV_CLASS, _get_kv_class_around, HookType.AROUND)
+    hook_check.register(hook_table.KV_CLASSES, _get_kv_class_around)
     # Plugins registered during load_plugins() are applied by SGLang right after; this call
     # covers the launcher process, where the backend is chosen later (at argument parsing).
-    HookRegistry.apply_hooks()
+    hook_check.apply()
 
 
 def _get_kv_class_around(original, transfer_backend, class_type):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from . import runtime
 from .trace import Trace
+from .upstream import hook_table
 
 # The attribute of SGLang's Req holding its `request` record between the two marks.
 ATTR = "lynx_request_trace"
@@ -51,12 +52,9 @@ def process_batch_result_prebuilt_after(result, processor, batch):
     return result
 
 
+# (hook, adapter): `upstream.hook_table` has each hook's SGLang target and kind.
 HOOKS = (
-    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue",
-     create_receiver_after, "AFTER"),
-    ("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
-     commit_transfer_after, "AFTER"),
-    ("sglang.srt.managers.scheduler_components.batch_result_processor."
-     "SchedulerBatchResultProcessor.process_batch_result_prebuilt",
-     process_batch_result_prebuilt_after, "AFTER"),
+    (hook_table.TRACE_RECEIVER, create_receiver_after),
+    (hook_table.TRACE_COMMIT, commit_transfer_after),
+    (hook_table.TRACE_RESULT, process_batch_result_prebuilt_after),
 )

@@ -1,53 +1,20 @@
-"""Which SGLang Lynx runs on, and which SGLang options it refuses (with the reason).
+"""Which SGLang options Lynx refuses (with the reason); which SGLang release it runs on is
+`upstream.fingerprints`'s.
 
 Called by the plugin when a server is started with `--disaggregation-transfer-backend lynx`
 (`check_server_options`, on the parsed command line, before SGLang resolves it) and by the Lynx KV
-manager at start-up (`check_sglang_version`, `check_anchor_safety`; the KV pool itself is
-checked by `backend.pool.KVPoolView.from_sglang_pool`), so a server that cannot run Lynx correctly
-stops at once with a message that names the option instead of failing mid-request.
+manager at start-up (`check_anchor_safety`; the KV pool itself is checked by
+`backend.pool.KVPoolView.from_sglang_pool`), so a server that cannot run Lynx correctly stops at
+once with a message that names the option instead of failing mid-request.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 from dataclasses import dataclass
 
 from .errors import UnsupportedSGLangError
-
-SUPPORTED_SGLANG_VERSION = "0.5.23"
-
-
-def installed_sglang_version() -> str:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def supported_sglang(version: str) -> bool:
-    """0.5.23 and its post/local releases (0.5.23.post1, 0.5.23+cu126): the same internals. Pre-
-    and dev releases and any other release are not."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        v = Version(version)
-    except InvalidVersion:
-        return False
-    return v.release[:3] == Version(SUPPORTED_SGLANG_VERSION).release and not (
-        v.is_prerelease or v.is_devrelease)
-
-
-def check_sglang_version(found: str | None = None) -> None:
-    found = installed_sglang_version() if found is None else found
-    if not supported_sglang(found):
-        raise UnsupportedSGLangError(
-            f"lynx-sglang was written against SGLang {SUPPORTED_SGLANG_VERSION} (its hooks target "
-            f"that version's internals, see patches/README.md); found SGLang {found}. Install "
-            f"sglang=={SUPPORTED_SGLANG_VERSION}.* (`pip install 'lynx-sglang[sglang]'`) or use "
-            "another transfer backend."
-        )
 
 
 @dataclass(frozen=True)

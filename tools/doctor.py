@@ -2,7 +2,8 @@
 
 Each check is one line: OK, WARN (works, but not as it should for serving) or FAIL (Lynx cannot run
 this way), with what was found and what to do. Checks: the installed SGLang against the supported
-release, the plugin's entry point (how SGLang finds Lynx), the C codec, pyverbs and the RDMA devices
+releases (by name; with `--hooks` by the fingerprints the servers compare, and each hook's target
+and signature), the plugin's entry point (how SGLang finds Lynx), the C codec, pyverbs and the RDMA devices
 it sees, whether GPUDirect RDMA is possible on the verbs device (`--ib-device`, else the first one;
 Lynx stages in host memory either way), the transport secret (its file's mode too, as the servers
 check it), the TLS files (`--tls-cert/--tls-key/--tls-ca`: they load, chain to the CA, and how long
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -37,17 +39,49 @@ class Check:
 
 
 def check_sglang() -> Check:
-    from lynx_sglang.sglang_support import (
-        SUPPORTED_SGLANG_VERSION,
-        installed_sglang_version,
-        supported_sglang,
-    )
+    """Cheap (no SGLang import): the installed version against the supported releases' names.
+    The servers decide by fingerprints (`--hooks` checks them here)."""
+    from lynx_sglang.upstream.fingerprints import installed_version, known_releases
 
-    found = installed_sglang_version()
-    if supported_sglang(found):
-        return Check("sglang", Verdict.OK, f"{found}")
-    return Check("sglang", Verdict.FAIL, f"found {found}; Lynx hooks SGLang "
-                 f"{SUPPORTED_SGLANG_VERSION}.*: pip install 'sglang=={SUPPORTED_SGLANG_VERSION}.*'")
+    found, supported = installed_version(), list(known_releases())
+    if found == "not installed":
+        return Check("sglang", Verdict.FAIL, "not installed: pip install 'lynx-sglang[sglang]'")
+    if found in supported:
+        return Check("sglang", Verdict.OK, found)
+    return Check("sglang", Verdict.WARN, (
+        f"{found}, not one of the supported releases ({', '.join(supported)}) by name; the "
+        "servers compare its fingerprints at start-up and refuse it if they differ "
+        "(`lynx-sglang doctor --hooks` checks now)"))
+
+
+def check_hooks() -> list[Check]:
+    """Imports SGLang (tens of seconds): the release its fingerprints match, and each hook Lynx
+    registers: does its target resolve, with the signature of a supported release."""
+    from lynx_sglang import cpu_compat
+    from lynx_sglang.upstream import fingerprints, hook_check
+
+    if not cpu_compat.cuda_device_present():
+        # as the servers run on a CPU box (SGLang's CPU engine, its CUDA-only imports stubbed)
+        os.environ.setdefault(cpu_compat.CPU_ENGINE_ENV, "1")
+        cpu_compat.activate()
+    found = fingerprints.installed()
+    identity = fingerprints.identify(found)
+    if identity.known:
+        release = Check("release", Verdict.OK, f"SGLang {identity.installed} has the fingerprints "
+                                               f"of supported release {identity.release}")
+    else:
+        missing = any(found[n].signature == fingerprints.MISSING for n in identity.changed)
+        release = Check("release", Verdict.FAIL if missing else Verdict.WARN, (
+            f"SGLang {identity.installed} is no supported release: {len(identity.changed)} "
+            f"differ from {identity.nearest}'s fingerprints (the servers refuse it"
+            + (" even with --lynx-allow-unknown-sglang: a function is missing)"
+               if missing else " unless --lynx-allow-unknown-sglang)") + ":\n"
+            + fingerprints.describe_changes(identity, found, limit=len(identity.changed))))
+    hooks = [Check(f"hook {s.hook.name}", Verdict.OK if s.ok else Verdict.FAIL,
+                   f"{s.hook.kind} {s.hook.target}" + ("" if s.ok else (
+                       ": missing" if not s.resolves else f": signature {s.signature}")))
+             for s in hook_check.statuses()]
+    return [release, *hooks]
 
 
 def check_plugin() -> Check:
@@ -227,6 +261,12 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
               check_tls(args.tls_cert, args.tls_key, args.tls_ca)]
     if args.model:
         checks.append(check_staging(args.model, args.context_tokens, args.staging_mib))
+    if args.hooks:
+        checks += check_hooks()
+        if args.record_release:
+            from lynx_sglang.upstream.fingerprints import record
+
+            checks.append(Check("recorded", Verdict.OK, str(record())))
     return checks
 
 
@@ -250,6 +290,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for what in ("cert", "key", "ca"):
         parser.add_argument(f"--tls-{what}", default=None,
                             help=f"the --lynx-tls-{what} you intend")
+    parser.add_argument("--hooks", action="store_true",
+                        help="also import SGLang (tens of seconds) and check it: the supported "
+                             "release its fingerprints match (or what differs), and each hook "
+                             "Lynx registers (does it resolve, with a known signature)")
+    parser.add_argument("--record-release", action="store_true",
+                        help="with --hooks: write the installed SGLang's fingerprints as a "
+                             "supported release (lynx_sglang/upstream/releases/VERSION.json), "
+                             "once Lynx has been ported to it and its tests pass "
+                             "(docs/operators.md, \"Adding an SGLang release\")")
 
 
 def run(args: argparse.Namespace) -> int:

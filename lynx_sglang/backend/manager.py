@@ -56,10 +56,12 @@ from ..metrics import Metrics
 from ..names import FAULT_VERIFY_DELAY_ENV
 from ..recorder import Recorder
 from ..runtime import LynxRuntime
-from ..sglang_support import check_anchor_safety, check_sglang_version
+from ..sglang_support import check_anchor_safety
 from ..speculation.controller import SpecController
 from ..speculation.stream import scheduler_publisher
 from ..trace import Trace
+from ..upstream.fingerprints import check_release
+from ..upstream.hook_check import verify_applied
 from .aux import check_aux_items, pack_aux
 from .conn import lookup_prefill_rank
 from .decode import DecodeApplier, DecodeLink
@@ -100,10 +102,13 @@ class LynxKVManager(MooncakeKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: bool | None = False):
-        check_sglang_version()
+        self.lynx = LynxConfig.from_env() or LynxConfig()
+        # Where SGLang's modules are imported (a scheduler): which release this is, and whether
+        # every hook Lynx registered in this process is in place, before anything serves.
+        check_release(self.lynx.allow_unknown_sglang)
+        verify_applied()
         # Again here, not only at CLI parsing: a programmatic launch never passes through it.
         check_anchor_safety(server_args)
-        self.lynx = LynxConfig.from_env() or LynxConfig()
         recorder = Recorder.for_process(self.lynx.trace_dir, Metrics(
             server_args.served_model_name or server_args.model_path, disaggregation_mode.value,
             getattr(args, "engine_rank", 0) or 0))

@@ -11,6 +11,7 @@ pool, and in a prefill scheduler, there is none and every adapter is a no-op.
 from __future__ import annotations
 
 from .. import runtime
+from ..upstream import hook_table
 from . import penalties
 from .controller import SpecController
 from .verify import extend_attention_as_decode
@@ -126,25 +127,17 @@ def extend_attention_around(original, backend, *args, **kwargs):
     return extend_attention_as_decode(original, backend, *args, **kwargs)
 
 
-# (SGLang target, adapter, HookRegistry kind)
+# (hook, adapter): `upstream.hook_table` has each hook's SGLang target and kind.
 HOOKS = (
-    ("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
-     process_decode_queue_before, "BEFORE"),
-    ("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
-     commit_transfer_after, "AFTER"),
-    ("sglang.srt.managers.scheduler_components.batch_result_processor."
-     "SchedulerBatchResultProcessor.process_batch_result_prebuilt",
-     process_batch_result_prebuilt_after, "AFTER"),
-    ("sglang.srt.managers.schedule_batch.Req.update_finish_state",
-     update_finish_state_around, "AROUND"),
-    ("sglang.srt.managers.schedule_batch.ScheduleBatch.cumulate_penalty_output_tokens",
-     cumulate_penalty_output_tokens_around, "AROUND"),
-    ("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
-     accept_around, "AROUND"),
-    ("sglang.srt.mem_cache.common.release_kv_cache", release_kv_cache_before, "BEFORE"),
-    ("sglang.srt.managers.scheduler.Scheduler.is_fully_idle", is_fully_idle_around, "AROUND"),
-    ("sglang.srt.model_executor.model_runner.ModelRunner.sample", sample_before, "BEFORE"),
-    ("sglang.srt.managers.scheduler.Scheduler.abort_request", abort_request_after, "AFTER"),
-    ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
-     "_run_sdpa_forward_extend", extend_attention_around, "AROUND"),
+    (hook_table.SPEC_DECODE_QUEUE, process_decode_queue_before),
+    (hook_table.SPEC_COMMIT, commit_transfer_after),
+    (hook_table.SPEC_RESULT, process_batch_result_prebuilt_after),
+    (hook_table.SPEC_FINISH, update_finish_state_around),
+    (hook_table.SPEC_PENALTY, cumulate_penalty_output_tokens_around),
+    (hook_table.SPEC_STREAM, accept_around),
+    (hook_table.SPEC_RELEASE, release_kv_cache_before),
+    (hook_table.SPEC_IDLE, is_fully_idle_around),
+    (hook_table.SPEC_SAMPLE, sample_before),
+    (hook_table.SPEC_ABORT, abort_request_after),
+    (hook_table.SPEC_EXTEND_ATTENTION, extend_attention_around),
 )

@@ -19,15 +19,15 @@ out: dict = {}
 
 from sglang.srt.plugins import load_plugins  # noqa: E402
 
-from lynx_sglang import plugin  # noqa: E402
+from lynx_sglang.upstream import fingerprints, hook_check, hook_table  # noqa: E402
 
 load_plugins()
 missing = []
-for target in plugin.hook_targets():
+for hook in hook_table.HOOKS:
     try:
-        pkgutil.resolve_name(target)
+        pkgutil.resolve_name(hook.target)
     except (ImportError, AttributeError) as exc:
-        missing.append(f"{target}: {exc}")
+        missing.append(f"{hook.target}: {exc}")
 out["missing_targets"] = missing
 
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
@@ -83,4 +83,42 @@ with tempfile.NamedTemporaryFile("wb", suffix=".key") as key:
                                             "--lynx-secret-file", key.name]) is None
 out["refused_bits"] = error_of([*base, "--disaggregation-transfer-backend", "lynx",
                                 "--lynx-anchor-bits", "9"])
+
+# The one room: which release the installed SGLang is by its fingerprints, every hook's status,
+# and the subclasses' overrides against the table.
+identity = fingerprints.identify()
+out["release"], out["changed"] = identity.release, list(identity.changed)
+out["hooks_not_ok"] = [s.line() for s in hook_check.statuses() if not s.ok]
+from lynx_sglang.backend.conn import (  # noqa: E402
+    LynxKVBootstrapServer,
+    LynxKVReceiver,
+    LynxKVSender,
+)
+from lynx_sglang.backend.manager import LynxKVManager  # noqa: E402
+
+out["overrides"] = {
+    f"{cls.__mro__[1].__module__}.{cls.__mro__[1].__qualname__}": sorted(
+        n for n, v in vars(cls).items() if callable(v) and hasattr(cls.__mro__[1], n))
+    for cls in (LynxKVManager, LynxKVSender, LynxKVReceiver, LynxKVBootstrapServer)}
+out["verified"] = None
+try:
+    hook_check.verify_applied()
+except Exception as exc:
+    out["verified"] = f"{type(exc).__name__}: {exc}"
+
+
+# Last (it leaves the registry half-hooked): a Lynx hook registered on a target SGLang has
+# patched already is skipped by `apply_hooks`, with nothing but a log line of SGLang's own.
+def late_adapter(result, *args, **kwargs):
+    return result
+
+
+late_adapter.__module__ = "lynx_sglang.probe"
+hook_check.register(hook_table.CLI_FLAGS, late_adapter)
+hook_check.apply()
+try:
+    hook_check.verify_applied()
+    out["half_hooked"] = None
+except Exception as exc:
+    out["half_hooked"] = f"{type(exc).__name__}: {exc}"
 print("PROBE " + json.dumps(out))

@@ -66,3 +66,39 @@ def test_a_reachable_listener_needs_a_secret(probe):
     assert "LynxConfigError" in probe["refused_no_secret"]
     assert "--lynx-secret-file" in probe["refused_no_secret"]
     assert probe["accepted_secret_file"]
+
+
+def test_the_installed_sglang_has_the_fingerprints_of_a_supported_release(probe):
+    """Which SGLang functions Lynx hooks, subclasses or copies changed, if any (the release file
+    is `lynx-sglang doctor --hooks --record-release`'s: docs/operators.md, adding a release)."""
+    assert probe["changed"] == [] and probe["release"] == "0.5.23", probe["changed"]
+    assert probe["hooks_not_ok"] == []
+
+
+def test_the_table_lists_every_method_the_lynx_classes_override(probe):
+    from lynx_sglang.upstream.hook_table import SUBCLASSED
+
+    assert probe["overrides"] == {base: sorted(methods) for base, methods in SUBCLASSED.items()}
+
+
+def test_every_hook_is_in_place_and_a_hook_sglang_skipped_stops_the_start(probe):
+    """SGLang's registry only logs a hook it does not apply (here: registered on a target it had
+    patched already); Lynx's start-up check names it and refuses to serve half-hooked."""
+    assert probe["verified"] is None
+    half = probe["half_hooked"]
+    assert half is not None and "UnsupportedSGLangError" in half and "refusing to serve" in half
+    assert "sglang.srt.server_args.ServerArgs.add_cli_args (AFTER late_adapter): registered " \
+           "but not applied" in half
+
+
+def test_doctor_hooks_prints_the_release_and_each_hook():
+    proc = subprocess.run([sys.executable, "-m", "lynx_tools.cli", "doctor", "--hooks"],
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.splitlines()
+    assert any(ln.startswith("OK") and "release" in ln and "supported release 0.5.23" in ln
+               for ln in lines), proc.stdout[-2000:]
+    from lynx_sglang.upstream.hook_table import HOOKS
+
+    for hook in HOOKS:
+        assert any(ln.startswith("OK") and f"hook {hook.name} " in ln and hook.target in ln
+                   for ln in lines), (hook.name, proc.stdout[-3000:])

@@ -1,0 +1,16 @@
+"""Lynx's one room for SGLang's internals: what Lynx reaches into, by logical name, and what the
+installed SGLang release has of it.
+
+- `hook_table`: every SGLang function Lynx hooks (a logical name, the dotted target, the hook
+  kind) and every SGLang method Lynx's subclasses override or whose logic Lynx copies: the whole
+  face Lynx depends on.
+- `hook_check`: registers Lynx's hooks in SGLang's `HookRegistry` and checks, before a server
+  serves, that every one resolved and was applied (SGLang's registry only logs a failure: a
+  half-hooked server would serve wrong tokens); the per-hook status `lynx-sglang doctor` prints.
+- `fingerprints`: the signature and a hash of the source of everything in the table, per
+  supported release (`releases/*.json`): the installed SGLang is identified by them, an unknown
+  one refused with what changed unless `--lynx-allow-unknown-sglang`.
+
+Who calls it: `lynx_sglang.plugin` (registration, the launcher's checks), the Lynx KV manager at
+scheduler start-up (`check_release`, `hook_check.verify_applied`), `lynx-sglang doctor`.
+"""

@@ -1,0 +1,120 @@
+"""Every SGLang function Lynx hooks, by logical name, and every SGLang method Lynx's subclasses
+override or whose logic Lynx copies (`FOLLOWED`).
+
+A `Hook` is one use of a target: its logical name (what Lynx does there), the dotted SGLang path
+and the `HookRegistry` kind. Adapters refer to hooks by these constants, never by an SGLang
+path; patches/README.md says why each exists. `lynx_sglang.upstream.fingerprints` fingerprints
+every target and every `FOLLOWED` name per supported SGLang release. Pure data: imports nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str  # logical: what Lynx does there
+    target: str  # SGLang's dotted path
+    kind: str  # HookRegistry's HookType name: BEFORE, AFTER or AROUND
+
+
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_DECODE = "sglang.srt.disaggregation.decode"
+_POOL = "sglang.srt.mem_cache.memory_pool"
+_BATCH_RESULT = ("sglang.srt.managers.scheduler_components.batch_result_processor."
+                 "SchedulerBatchResultProcessor.process_batch_result_prebuilt")
+
+# ---- the launcher process: flags, the backend's classes, request validation
+CLI_FLAGS = Hook("cli.flags", "sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER")
+CLI_SELECT = Hook("cli.select_backend", "sglang.srt.server_args.ServerArgs.from_cli_args",
+                  "AROUND")
+KV_CLASSES = Hook("backend.kv_classes", "sglang.srt.disaggregation.utils.get_kv_class", "AROUND")
+EMPTY_PROMPT = Hook("request.reject_empty_prompt",
+                    "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+                    "BEFORE")
+# ---- the scheduler process: the transfer path
+PREFILL_POOL = Hook("backend.prefill_pool",
+                    "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+                    "AFTER")
+DECODE_POOL = Hook("backend.decode_pool", f"{_DECODE}.DecodePreallocQueue._init_kv_manager",
+                   "AFTER")
+IDLE_WAIT = Hook("idle.wait", f"{_SCHED}.on_idle", "AROUND")
+IDLE_STATUS = Hook("idle.status_changed",
+                   "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status", "AFTER")
+SEND_BATCHED = Hook("prefill.send_batched", f"{_SCHED}.process_batch_result", "AROUND")
+LAYER_STREAM_BATCH = Hook("prefill.layer_stream_batch", f"{_SCHED}.run_batch", "AROUND")
+LAYER_WRITTEN = (
+    Hook("prefill.layer_written.mha", f"{_POOL}.MHATokenToKVPool.set_kv_buffer", "AFTER"),
+    Hook("prefill.layer_written.mla", f"{_POOL}.MLATokenToKVPool.set_kv_buffer", "AFTER"),
+    Hook("prefill.layer_written.mla_split", f"{_POOL}.MLATokenToKVPool.set_mla_kv_buffer",
+         "AFTER"),
+)
+RECEIVER_TOKENS = Hook("decode.receiver_tokens",
+                       f"{_DECODE}.DecodePreallocQueue._create_receiver_and_enqueue", "AFTER")
+# ---- tools riding on a scheduler: the codec reference mode, the demo's timeline
+REFERENCE_KV = Hook("reference_kv.quantize_prompt", f"{_SCHED}.process_batch_result", "BEFORE")
+TIMELINE = Hook("timeline.prefill_done", f"{_SCHED}.process_batch_result", "BEFORE")
+# ---- request traces (request_trace)
+TRACE_RECEIVER = Hook("trace.receiver_made",
+                      f"{_DECODE}.DecodePreallocQueue._create_receiver_and_enqueue", "AFTER")
+TRACE_COMMIT = Hook("trace.transfer_committed",
+                    f"{_DECODE}.DecodeTransferQueue._commit_transfer_to_req", "AFTER")
+TRACE_RESULT = Hook("trace.batch_result", _BATCH_RESULT, "AFTER")
+# ---- speculation (speculation.hooks)
+SPEC_DECODE_QUEUE = Hook("spec.decode_queue",
+                         f"{_DECODE}.SchedulerDisaggregationDecodeMixin.process_decode_queue",
+                         "BEFORE")
+SPEC_COMMIT = Hook("spec.transfer_committed",
+                   f"{_DECODE}.DecodeTransferQueue._commit_transfer_to_req", "AFTER")
+SPEC_RESULT = Hook("spec.batch_result", _BATCH_RESULT, "AFTER")
+SPEC_FINISH = Hook("spec.finish_state", "sglang.srt.managers.schedule_batch.Req.update_finish_state",
+                   "AROUND")
+SPEC_PENALTY = Hook("spec.penalty_tokens",
+                    "sglang.srt.managers.schedule_batch.ScheduleBatch."
+                    "cumulate_penalty_output_tokens", "AROUND")
+SPEC_STREAM = Hook("spec.stream_accept",
+                   "sglang.srt.managers.scheduler_components.output_streamer."
+                   "_GenerationStreamAccumulator.accept", "AROUND")
+SPEC_RELEASE = Hook("spec.release_kv", "sglang.srt.mem_cache.common.release_kv_cache", "BEFORE")
+SPEC_IDLE = Hook("spec.fully_idle", f"{_SCHED}.is_fully_idle", "AROUND")
+SPEC_SAMPLE = Hook("spec.sample", "sglang.srt.model_executor.model_runner.ModelRunner.sample",
+                   "BEFORE")
+SPEC_ABORT = Hook("spec.abort", f"{_SCHED}.abort_request", "AFTER")
+SPEC_EXTEND_ATTENTION = Hook("spec.extend_attention",
+                             "sglang.srt.layers.attention.torch_native_backend."
+                             "TorchNativeAttnBackend._run_sdpa_forward_extend", "AROUND")
+
+HOOKS: tuple[Hook, ...] = (
+    CLI_FLAGS, CLI_SELECT, KV_CLASSES, EMPTY_PROMPT, PREFILL_POOL, DECODE_POOL, IDLE_WAIT,
+    IDLE_STATUS, SEND_BATCHED, LAYER_STREAM_BATCH, *LAYER_WRITTEN, RECEIVER_TOKENS,
+    REFERENCE_KV, TIMELINE, TRACE_RECEIVER, TRACE_COMMIT, TRACE_RESULT, SPEC_DECODE_QUEUE,
+    SPEC_COMMIT, SPEC_RESULT, SPEC_FINISH, SPEC_PENALTY, SPEC_STREAM, SPEC_RELEASE, SPEC_IDLE,
+    SPEC_SAMPLE, SPEC_ABORT, SPEC_EXTEND_ATTENTION,
+)
+
+# SGLang classes Lynx's transfer backend subclasses, with the methods it overrides
+# (`backend.manager.LynxKVManager`, `backend.conn.Lynx*`; tests/test_upstream.py checks this
+# list against the classes), and SGLang logic Lynx copies and must track: the torch sampler's
+# top-k/top-p/min-p filter (`speculation.filtering`).
+SUBCLASSED: dict[str, tuple[str, ...]] = {
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager": (
+        "__init__", "init_engine", "register_buffer_to_engine", "deregister_buffer_to_engine",
+        "get_session_id", "_register_topology_row", "_connect", "add_transfer_request",
+        "record_failure", "update_status", "_handle_abort_notification"),
+    "sglang.srt.disaggregation.common.conn.CommonKVSender": ("get_transfer_metric",),
+    "sglang.srt.disaggregation.common.conn.CommonKVReceiver": (
+        "init", "_get_bootstrap_info_from_server", "send_metadata", "poll", "clear", "abort",
+        "failure_exception"),
+    "sglang.srt.disaggregation.common.conn.CommonKVBootstrapServer": (
+        "__init__", "_setup_routes", "_handle_route_put", "_handle_route_get"),
+}
+COPIED = ("sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch",)
+
+
+def followed() -> tuple[str, ...]:
+    """Every dotted SGLang name Lynx depends on, once each, sorted: the hook targets, the
+    overridden methods and the copied logic (what `fingerprints` fingerprints)."""
+    names = {h.target for h in HOOKS} | set(COPIED)
+    names |= {f"{cls}.{m}" for cls, methods in SUBCLASSED.items() for m in methods}
+    return tuple(sorted(names))
