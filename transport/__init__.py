@@ -97,8 +97,13 @@ reaches), and denial of service by exhausting the network or file descriptors (a
 has not authenticated holds one fd until its deadline: ``Limits.auth_timeout_s`` on the control
 port, ``preamble_timeout_s`` on the tcp data listener). The caps on what unauthenticated peers
 hold never refuse a newcomer: it evicts an older pending handshake or data connection (its own
-address's oldest at that address's cap, else the oldest of the address holding the most), so
-peers that never authenticate, from any number of addresses, cannot lock an honest one out.
+address's oldest at that address's cap, else the oldest of the address holding the most; on the
+data listener a candidate whose preamble has arrived is attached instead of evicted, and addresses
+that never completed a preamble go first), so peers that never authenticate, from any number of
+addresses, cannot lock an honest one out. The data listener closes only the connection whose
+handling failed and restarts its loop should it fail as a whole (``listener_restarts``). Each
+session has a channel binding both ends know (``Session.channel_binding``): what the layer above
+signs so that a claim made on one session is worth nothing on another.
 
 Protocol (version 2; an endpoint refuses any other version at connect, naming both):
 
