@@ -63,8 +63,9 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
         "demo",
         "lynx_tools.demo",
-        "PD demo: mooncake vs Lynx (non-speculative, speculative, INT4 Anchor only) on one link; "
-        "TTFT table + timeline",
+        "PD demo: SGLang's mooncake_tcp vs Lynx exact and int8, interleaved, on a link shaped "
+        "for R = 4 (root; --link for a fixed rate); TTFT from the send, 16th/64th token, "
+        "fairness, timeline",
     ),
     Subcommand(
         "doctor",

@@ -83,12 +83,12 @@ def shape_links(up: dict[str, tuple[Measured, Cluster]], rate: str) -> None:
         cluster.link.set_rate(rate, cluster.spec.link_qdisc)
 
 
-def _measure_regime(r: float, up: dict[str, tuple[Measured, Cluster]], cfg: BenchConfig, *,
-                    prompts: list[list[int]], warmup_ids: list[int], kv_bytes: int,
-                    kv_shape: KVShape, progress: Progress) -> Regime:
+def measure_regime(r: float, up: dict[str, tuple[Measured, Cluster]], cfg: BenchConfig, *,
+                   prompts: list[list[int]], warmup_ids: list[int], kv_bytes: int,
+                   kv_shape: KVShape, progress: Progress) -> Regime:
     """One R: the forward measured at CALIBRATION_LINK, every link re-shaped to R's rate, one
     unmeasured request to each Lynx variant (`settle`), the prompts sent to the variants in
-    turn."""
+    turn. Also `lynx-sglang demo`'s (`tools.demo`) measurement of each R."""
     shape_links(up, CALIBRATION_LINK)
     base, base_cluster = up[cfg.baseline]
     calibration = calibrate(base, base_cluster, warmup_ids, cfg)
@@ -138,8 +138,8 @@ def run_regimes(rs: tuple[float, ...], variants: list[Variant], cfg: BenchConfig
             up = start_clusters(stack, variants, replace(cfg, link=CALIBRATION_LINK), warmup_ids,
                                 out, progress)
             for r in rs:
-                g = _measure_regime(r, up, cfg, prompts=prompts, warmup_ids=warmup_ids,
-                                    kv_bytes=kv_bytes, kv_shape=kv_shape, progress=progress)
+                g = measure_regime(r, up, cfg, prompts=prompts, warmup_ids=warmup_ids,
+                                   kv_bytes=kv_bytes, kv_shape=kv_shape, progress=progress)
                 done.append(g)
                 write(complete=False)
                 print("\n" + format_regime(g) + "\n", flush=True)
