@@ -72,6 +72,10 @@ DEFAULT_VARIANTS = ("mooncake-nospin", "lynx", "lynx-int8")
 DEFAULT_REGIMES = (4.0,)
 # Two requests per variant keep the demo within minutes; bench-ttft takes more for a result.
 DEFAULT_REQUESTS = 2
+# Host memory one cluster of the embedded model holds (two SGLang servers, their schedulers and
+# detokenizers, a router; docs/benchmarks.md: ~5 GiB each). A fresh-clone run on 2026-12-07 lost
+# its third cluster's decode to SGLang's "Not enough host memory" beside other work on the box.
+CLUSTER_GIB = 5.0
 
 
 class DemoError(LynxError):
@@ -125,6 +129,22 @@ def _variants(args: argparse.Namespace) -> list[Variant]:
         variants = [without_overlap(v, rename=False) for v in variants]
     # Mooncake may take a slow link's whole transfer time; heartbeats queue behind the KV.
     return [slow_link_variant(v, args.request_timeout_s) for v in variants]
+
+
+def memory_warning(clusters: int, meminfo: Path = Path("/proc/meminfo")) -> str | None:
+    """A warning when the host has less memory available than `clusters` clusters hold at
+    once (they all stay up); None when enough, or when /proc/meminfo cannot say."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        available_gib = int(fields["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return None
+    needed = clusters * CLUSTER_GIB
+    if available_gib >= needed:
+        return None
+    return (f"[demo] warning: {available_gib:.1f} GiB of memory available, {clusters} clusters "
+            f"up at once need about {needed:.0f} GiB: one may fail to start (SGLang: \"Not "
+            "enough host memory\"); free memory or name fewer --variants")
 
 
 def _link_desc(link: str | None, kv_dtype: str) -> str:
@@ -181,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
           f"{cfg.baseline}), {cfg.requests} request(s) each, interleaved with all clusters up; "
           f"{scheduler_note(variants)}", flush=True)
 
+    warning = memory_warning(len(variants))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     t0, load_start = time.monotonic(), os.getloadavg()
     progress = Progress("demo", len(variants))
     runs: list[DemoRun] = []

@@ -229,3 +229,12 @@ def test_prompt_has_exact_length():
     assert len(ids) == 700
     assert "".join(map(chr, ids)).endswith("Answer:")
     assert passkey_prompt(Chars(), 700) == ids
+
+
+def test_a_box_short_of_memory_is_warned_before_the_clusters_start(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    8388608 kB\n")
+    warning = demo.memory_warning(3, meminfo)
+    assert "8.0 GiB of memory available, 3 clusters up at once need about 15 GiB" in warning
+    assert demo.memory_warning(1, meminfo) is None
+    assert demo.memory_warning(3, tmp_path / "missing") is None
