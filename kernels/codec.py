@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -41,8 +42,14 @@ from . import ops_torch
 from .rotation import is_power_of_two, rotate, unrotate
 from .spec import QUANT_BITS, CodecError, CodecSpec, Stage, StreamKind, Target
 
-if TYPE_CHECKING:
-    from .deferred_checks import DeferredChecks
+
+class CheckSink(Protocol):
+    """Where a check that must not make the host wait goes instead of being read at once
+    (`deferred_checks.DeferredChecks`, the serving encode's): a device flag and the error it
+    means. Named here, not imported: the deferral's copy machinery (chunk_copy) depends on the
+    wire format, which depends on this module."""
+
+    def add(self, failed: torch.Tensor, error: Callable[[], CodecError]) -> None: ...
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP16_MAX = 65504.0
@@ -193,7 +200,7 @@ def _name_first(x: torch.Tensor, mask: torch.Tensor, kind: StreamKind, layer: in
 
 
 def quantization_input(x: torch.Tensor, spec: CodecSpec, kind: StreamKind, layer: int,
-                       checks: DeferredChecks | None = None):
+                       checks: CheckSink | None = None):
     """The fp32 `[tokens, heads * head_dim]` values the quantizer sees (`quantization_values`).
     Raises CodecError for NaN, and for unrepresentable values under target int8. May return a
     view of `x`; never writes it.
@@ -307,7 +314,7 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, spec: CodecSpec, kind: str = "k", *, layer: int = 0,
-           impl: str = "auto", checks: DeferredChecks | None = None) -> EncodedKV:
+           impl: str = "auto", checks: CheckSink | None = None) -> EncodedKV:
     """Encode `[tokens, kv_heads, head_dim]` (bf16/fp16/fp32, CPU or CUDA) into Anchor + Residual.
 
     `x` is only read; the result owns fresh tensors on x's device. `checks`: refuse NaN and
