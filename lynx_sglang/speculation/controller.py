@@ -42,11 +42,12 @@ from ..backend.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
 from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
 from ..recorder import Recorder
+from ..upstream import adapter as upstream_adapter
 from .grammar import resync, rollback_cap
 from .logprobs import replace_speculative_logprobs, truncate_logprobs
 from .penalties import draft_row, has_logit_transforms, resume_batches
 from .record import log_verification
-from .state import REASONING_STATE, SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
+from .state import SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
 from .stream import SpecStreamPublisher
 from .verify import (
     apply_acceptance,
@@ -126,7 +127,8 @@ class SpecController:
         st = SpecState(room=room, no_spec_reason=reason, sampled=sampled, overlap=overlap,
                        logit_transforms=(has_logit_transforms(req.sampling_params)
                                          or req.grammar is not None),
-                       reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
+                       reasoning=tuple(getattr(req, a)
+                                       for a in upstream_adapter.scheduler().reasoning_state))
         req.lynx_spec = st
         if st.sampled and reason is None:
             self.sampled_by_pool_idx[req.kv.req_pool_idx] = st
@@ -210,8 +212,8 @@ class SpecController:
         if getattr(scheduler, "tp_size", 1) <= 1:
             return failed, applied, parked
         import torch.distributed as dist
-        from sglang.srt.disaggregation.utils import all_reduce_flags
 
+        all_reduce_flags = upstream_adapter.scheduler().all_reduce_flags
         group = scheduler.tp_cpu_group
         return (all_reduce_flags(failed, group, dist.ReduceOp.MAX),
                 all_reduce_flags(applied, group, dist.ReduceOp.MIN),

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import torch
 
+from ..upstream import adapter as upstream_adapter
+
 # SGLang's per-request output logprob lists (ReqLogprob), one entry per output token each where
-# the request asked for that kind.
+# the request asked for that kind; the requested token ids' lists lack the prefill's token in
+# some releases (`upstream.adapter.SchedulerLayout.token_ids_logprob_rows`).
 _OUTPUT_LISTS = ("output_token_logprobs_val", "output_token_logprobs_idx",
-                 "output_top_logprobs_val", "output_top_logprobs_idx",
-                 "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx")
+                 "output_top_logprobs_val", "output_top_logprobs_idx")
+_TOKEN_IDS_LISTS = ("output_token_ids_logprobs_val", "output_token_ids_logprobs_idx")
 
 
 def sampler_logprobs(rows: torch.Tensor, sampling_params, greedy: bool) -> torch.Tensor:
@@ -47,10 +50,13 @@ def sampler_logprobs(rows: torch.Tensor, sampling_params, greedy: bool) -> torch
 def truncate_logprobs(req, keep: int) -> None:
     """Drop the output logprob entries past the first `keep` output tokens."""
     lp = req.logprob
-    for name in _OUTPUT_LISTS:
+    rows = {**dict.fromkeys(_OUTPUT_LISTS, keep),
+            **dict.fromkeys(_TOKEN_IDS_LISTS,
+                            upstream_adapter.scheduler().token_ids_logprob_rows(keep))}
+    for name, n in rows.items():
         values = getattr(lp, name, None)
         if values is not None:
-            del values[keep:]
+            del values[n:]
 
 
 def replace_speculative_logprobs(req, verified_len: int, rows: torch.Tensor,

@@ -44,8 +44,9 @@ class SpecState:
     # Grammar-constrained requests (`speculation.grammar`): how many tokens the grammar had
     # accepted when speculation began (set by `SpecController.on_prebuilt`), None without one.
     grammar_base: int | None = None
-    # SGLang's reasoning-token counters of the request at commit (`REASONING_STATE`): speculative
-    # tokens advance them, so verification recounts them over the verified tokens.
+    # SGLang's reasoning-token counters of the request at commit (the release adapter's
+    # `reasoning_state`, `upstream.adapter`): speculative tokens advance them, so verification
+    # recounts them over the verified tokens.
     reasoning: tuple = ()
 
 
@@ -72,12 +73,6 @@ class VerifyResult:
     corrected_token: int | None
     # The exact token after all `speculated` kept drafts, from the verification's extra row.
     bonus_token: int | None = None
-
-
-# Req attributes SGLang's reasoning-token accounting advances token by token (Req.
-# update_reasoning_tokens); reasoning_tokens also decides how much `--strip-thinking-cache` strips.
-REASONING_STATE = ("reasoning_tokens", "_is_reasoning_over", "_think_end_match_len",
-                   "_think_start_match_len")
 
 
 def is_greedy(req) -> bool:

@@ -16,11 +16,12 @@ import logging
 import torch
 
 from ..backend.pages import page_ceil
+from ..upstream import adapter as upstream_adapter
 from .acceptance import Acceptance, accept_greedy, accept_sampled
 from .filtering import filter_probs
 from .grammar import rewind
 from .penalties import exact_rows, has_logit_transforms
-from .state import REASONING_STATE, SpecState, VerifyResult
+from .state import SpecState, VerifyResult
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ def free_kv_past_output(scheduler, req) -> None:
 def recount_reasoning(scheduler, req, st: SpecState) -> None:
     """SGLang counted reasoning tokens over the speculative tokens as they were generated,
     rejected ones included: restore the counters of commit time and count the verified tokens."""
-    for name, value in zip(REASONING_STATE, st.reasoning, strict=True):
+    for name, value in zip(upstream_adapter.scheduler().reasoning_state, st.reasoning, strict=True):
         setattr(req, name, value)
     if len(req.output_ids) > st.verified_len:
         scheduler.batch_result_processor._maybe_update_reasoning_tokens(

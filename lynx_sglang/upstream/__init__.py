@@ -10,7 +10,11 @@ installed SGLang release has of it.
 - `fingerprints`: the signature and a hash of the source of everything in the table, per
   supported release (`releases/*.json`): the installed SGLang is identified by them, an unknown
   one refused with what changed unless `--lynx-allow-unknown-sglang`.
+- `adapter`: what Lynx does differently per supported release where SGLang's internals moved or
+  changed shape (the backend classes' bases, helpers one release lacks, request layouts), each
+  picked by feature detection, never by the version string.
 
 Who calls it: `lynx_sglang.plugin` (registration, the launcher's checks), the Lynx KV manager at
-scheduler start-up (`check_release`, `hook_check.verify_applied`), `lynx-sglang doctor`.
+scheduler start-up (`check_release`, `hook_check.verify_applied`), `lynx-sglang doctor`; the
+backend's classes and the speculation controller (`adapter`).
 """

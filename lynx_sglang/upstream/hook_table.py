@@ -94,18 +94,24 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 # SGLang classes Lynx's transfer backend subclasses, with the methods it overrides
-# (`backend.manager.LynxKVManager`, `backend.conn.Lynx*`; tests/test_upstream.py checks this
-# list against the classes), and SGLang logic Lynx copies and must track: the torch sampler's
-# top-k/top-p/min-p filter (`speculation.filtering`).
+# (`backend.manager.LynxKVManager`, `backend.conn.Lynx*`; tests/sglang/test_plugin.py checks
+# this list against the classes), and SGLang logic Lynx copies and must track: the torch
+# sampler's top-k/top-p/min-p filter (`speculation.filtering`). The sender's and receiver's base
+# depends on the release's layout (`upstream.adapter`): the Common classes where they carry
+# send/poll/send_metadata (0.5.23), Mooncake's own where those are Mooncake's (0.5.22); both are
+# followed, so a release's fingerprints cover whichever one it uses.
+_SENDER_OVERRIDES = ("get_transfer_metric",)
+_RECEIVER_OVERRIDES = ("init", "_get_bootstrap_info_from_server", "send_metadata", "poll",
+                       "clear", "abort", "failure_exception")
 SUBCLASSED: dict[str, tuple[str, ...]] = {
     "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager": (
         "__init__", "init_engine", "register_buffer_to_engine", "deregister_buffer_to_engine",
         "get_session_id", "_register_topology_row", "_connect", "add_transfer_request",
         "record_failure", "update_status", "_handle_abort_notification"),
-    "sglang.srt.disaggregation.common.conn.CommonKVSender": ("get_transfer_metric",),
-    "sglang.srt.disaggregation.common.conn.CommonKVReceiver": (
-        "init", "_get_bootstrap_info_from_server", "send_metadata", "poll", "clear", "abort",
-        "failure_exception"),
+    "sglang.srt.disaggregation.common.conn.CommonKVSender": _SENDER_OVERRIDES,
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender": _SENDER_OVERRIDES,
+    "sglang.srt.disaggregation.common.conn.CommonKVReceiver": _RECEIVER_OVERRIDES,
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver": _RECEIVER_OVERRIDES,
     "sglang.srt.disaggregation.common.conn.CommonKVBootstrapServer": (
         "__init__", "_setup_routes", "_handle_route_put", "_handle_route_get"),
 }

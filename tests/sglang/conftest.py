@@ -4,7 +4,7 @@
 at the end of the module. Tests using them are marked `sglang` and `slow`; they skip, with the
 reason, where SGLang or the embedded model's wheel is not installed. `sgl` and `make_pd` run Lynx's
 KV managers with SGLang's machinery in this process instead (conn_pair.py, for the test_conn_*.py
-modules).
+modules); `standin_release` is the release adapter for tests without SGLang.
 """
 
 from __future__ import annotations
@@ -51,6 +51,22 @@ def _skip_reason() -> str | None:
         if importlib.util.find_spec(module) is None:
             return why
     return None
+
+
+@pytest.fixture
+def standin_release(monkeypatch):
+    """The scheduler side of the release adapter in SGLang 0.5.23's layout, without importing
+    SGLang, for the tests that drive the speculation controller with stand-ins
+    (`lynx_sglang.upstream.adapter`)."""
+    from lynx_sglang.upstream import adapter
+
+    layout = adapter.SchedulerLayout(
+        all_reduce_flags=lambda flags, group, op: flags,
+        reasoning_state=("reasoning_tokens", "_is_reasoning_over", "_think_end_match_len",
+                         "_think_start_match_len"),
+        first_token_has_ids_logprob_row=True)
+    monkeypatch.setattr(adapter, "scheduler", lambda: layout)
+    return layout
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,8 @@ class SGLang:
     MetadataBuffers: type
     MHATokenToKVPool: type
     get_kv_transfer_buf_infos: Callable
-    get_pd_kv_layout: Callable
+    # None where the release has no PD KV layouts (0.5.22: KVArgs has no kv_layout).
+    get_pd_kv_layout: Callable | None
     build_kv_layer_ids: Callable
     setup_state_kv_args: Callable
     get_free_port: Callable
@@ -109,6 +110,7 @@ def sglang_names() -> Iterator[SGLang]:
 
         # Before importing get_kv_class: the hook patches module attributes, not this frame's.
         plugin.install_backend()
+        from sglang.srt.disaggregation import utils as disagg_utils
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.common.conn import KVTransferError
         from sglang.srt.disaggregation.utils import (
@@ -119,7 +121,6 @@ def sglang_names() -> Iterator[SGLang]:
             build_kv_layer_ids,
             get_kv_class,
             get_kv_transfer_buf_infos,
-            get_pd_kv_layout,
             setup_state_kv_args,
         )
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -145,7 +146,8 @@ def sglang_names() -> Iterator[SGLang]:
             BootstrapServer=get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER),
             MetadataBuffers=MetadataBuffers, MHATokenToKVPool=MHATokenToKVPool,
             get_kv_transfer_buf_infos=get_kv_transfer_buf_infos,
-            get_pd_kv_layout=get_pd_kv_layout, build_kv_layer_ids=build_kv_layer_ids,
+            get_pd_kv_layout=getattr(disagg_utils, "get_pd_kv_layout", None),
+            build_kv_layer_ids=build_kv_layer_ids,
             setup_state_kv_args=setup_state_kv_args, get_free_port=get_free_port,
             context=get_context(), server_args=server_args,
         )
@@ -187,7 +189,8 @@ def _build_side(sgl: SGLang, mode, make_pool: Callable[[SGLang], object] = mha_p
     kv_args.system_dp_rank = 0
     kv_args.rust_http_port = None
     kv_args.kv_cache_dtype_str = "auto"
-    kv_args.kv_layout = sgl.get_pd_kv_layout(pool)
+    if sgl.get_pd_kv_layout is not None:
+        kv_args.kv_layout = sgl.get_pd_kv_layout(pool)
     kv_args.prefill_start_layer = pool.start_layer
     kv_args.prefill_end_layer = pool.end_layer
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (

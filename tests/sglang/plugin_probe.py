@@ -100,6 +100,10 @@ out["overrides"] = {
     f"{cls.__mro__[1].__module__}.{cls.__mro__[1].__qualname__}": sorted(
         n for n, v in vars(cls).items() if callable(v) and hasattr(cls.__mro__[1], n))
     for cls in (LynxKVManager, LynxKVSender, LynxKVReceiver, LynxKVBootstrapServer)}
+from lynx_sglang.upstream import adapter  # noqa: E402
+
+out["adapter_bases"] = [f"{c.__module__}.{c.__qualname__}" for c in (
+    adapter.transfer().kv_sender_base, adapter.transfer().kv_receiver_base)]
 out["verified"] = None
 try:
     hook_check.verify_applied()

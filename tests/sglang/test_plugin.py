@@ -1,4 +1,5 @@
-"""The SGLang plugin against the installed (pinned) SGLang: every hook target exists, the
+"""The SGLang plugin against the installed SGLang, whichever supported release it is (another
+release's wheel runs it through PYTHONPATH: docs/operators.md): every hook target exists, the
 `--lynx-*` flags parse and reach the environment, `lynx` maps to the Lynx classes (and other
 backends still map to SGLang's), unsupported options and bad values are refused.
 
@@ -71,14 +72,20 @@ def test_a_reachable_listener_needs_a_secret(probe):
 def test_the_installed_sglang_has_the_fingerprints_of_a_supported_release(probe):
     """Which SGLang functions Lynx hooks, subclasses or copies changed, if any (the release file
     is `lynx-sglang doctor --hooks --record-release`'s: docs/operators.md, adding a release)."""
-    assert probe["changed"] == [] and probe["release"] == "0.5.23", probe["changed"]
+    from lynx_sglang.upstream.fingerprints import known_releases
+
+    assert probe["changed"] == [] and probe["release"] in known_releases(), probe["changed"]
     assert probe["hooks_not_ok"] == []
 
 
 def test_the_table_lists_every_method_the_lynx_classes_override(probe):
+    """Each Lynx class derives from a class of the table (the sender and receiver from the one
+    the release adapter picked) and overrides exactly the methods listed for it."""
     from lynx_sglang.upstream.hook_table import SUBCLASSED
 
-    assert probe["overrides"] == {base: sorted(methods) for base, methods in SUBCLASSED.items()}
+    assert probe["overrides"] == {base: sorted(SUBCLASSED.get(base, ())) for base in probe["overrides"]}
+    assert len(probe["overrides"]) == 4
+    assert set(probe["adapter_bases"]) <= set(probe["overrides"]), probe["adapter_bases"]
 
 
 def test_every_hook_is_in_place_and_a_hook_sglang_skipped_stops_the_start(probe):
@@ -95,7 +102,7 @@ def test_doctor_hooks_prints_the_release_and_each_hook():
     proc = subprocess.run([sys.executable, "-m", "lynx_tools.cli", "doctor", "--hooks"],
                           capture_output=True, text=True, timeout=600)
     lines = proc.stdout.splitlines()
-    assert any(ln.startswith("OK") and "release" in ln and "supported release 0.5.23" in ln
+    assert any(ln.startswith("OK") and "release" in ln and "supported release" in ln
                for ln in lines), proc.stdout[-2000:]
     from lynx_sglang.upstream.hook_table import HOOKS
 

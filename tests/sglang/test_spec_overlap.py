@@ -18,7 +18,7 @@ from lynx_sglang.speculation.controller import (
     SpecController,
 )
 from lynx_sglang.speculation.hooks import update_finish_state_around
-from lynx_sglang.speculation.state import REASONING_STATE, SpecState
+from lynx_sglang.speculation.state import SpecState
 
 CAP = 4
 
@@ -129,24 +129,24 @@ def test_a_request_sglang_is_aborting_stays_in_the_batch():
     assert verified == [] and ctl.parked == [] and sched.running_batch.reqs == [req]
 
 
-def _penalized_request(presence_penalty: float):
+def _penalized_request(presence_penalty: float, reasoning_state: tuple[str, ...]):
     sp = SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, frequency_penalty=0.0,
                          presence_penalty=presence_penalty, repetition_penalty=1.0,
                          logit_bias=None, min_new_tokens=0, custom_params=None)
     return SimpleNamespace(bootstrap_room=7, sampling_params=sp, return_logprob=False,
                            grammar=None, return_hidden_states=False,
                            custom_logit_processor=None,
-                           **{name: None for name in REASONING_STATE})
+                           **dict.fromkeys(reasoning_state))
 
 
-def test_a_penalized_request_speculates_under_either_scheduler_and_says_which():
+def test_a_penalized_request_speculates_under_either_scheduler_and_says_which(standin_release):
     """Under overlap SGLang feeds each output token to the penalizers one step late; the request
     speculates and its state says so, for verification to rebuild that order
     (test_spec_penalties.py checks the rows and the resumed state)."""
     ctl = SpecController(_Transfers(ResidualState.PENDING), LynxConfig.build(),
                          Recorder.for_process())
     for overlap, penalty in ((True, 0.5), (False, 0.5), (True, 0.0)):
-        req = _penalized_request(penalty)
+        req = _penalized_request(penalty, standin_release.reasoning_state)
         ctl.on_commit(req, overlap=overlap)
         st = req.lynx_spec
         assert (st.no_spec_reason, st.overlap, st.logit_transforms) == (

@@ -149,14 +149,14 @@ class _Processor:
             req._is_reasoning_over = tok == THINK_END
 
 
-def test_rolled_back_tokens_leave_the_reasoning_count():
-    from lynx_sglang.speculation.state import REASONING_STATE
+def test_rolled_back_tokens_leave_the_reasoning_count(standin_release):
     from lynx_sglang.speculation.verify import recount_reasoning
 
     proc = _Processor()
     req = _ReasoningReq([1])
     proc._maybe_update_reasoning_tokens(req, [1])  # the first token, counted at commit
-    st = SpecState(room=1, reasoning=tuple(getattr(req, a) for a in REASONING_STATE))
+    st = SpecState(room=1,
+                   reasoning=tuple(getattr(req, a) for a in standin_release.reasoning_state))
     for tok in (5, THINK_END, 8):  # speculative decode steps: reasoning ends at the 2nd
         req.output_ids.append(tok)
         proc._maybe_update_reasoning_tokens(req, tok)
