@@ -323,6 +323,19 @@ _LANDINGS = {"anchor_landed": ("Anchor landed", "v", "tab:orange", 0.3),
              "residual_landed": ("Residual landed", "v", "tab:green", 0.5)}
 
 
+def marks_by_time(token_s: dict[int, float | None],
+                   within_s: float = 0.3) -> list[tuple[float, list[int]]]:
+    """The token marks that arrived, those within `within_s` of the previous one under one label
+    (one verification can release the 16th and the 64th token together)."""
+    groups: list[tuple[float, list[int]]] = []
+    for k, t in sorted((k, t) for k, t in token_s.items() if t is not None):
+        if groups and t - groups[-1][0] < within_s:
+            groups[-1][1].append(k)
+        else:
+            groups.append((t, [k]))
+    return groups
+
+
 def plot_timeline(runs: list[DemoRun], path: Path) -> None:
     """One panel per link, one row per request: send -> forward done -> first token -> last
     mark, with the Anchor's and the Residual's landing on each Lynx row."""
@@ -361,11 +374,10 @@ def plot_timeline(runs: list[DemoRun], path: Path) -> None:
                     if t is not None:
                         ax.plot(t, y - height, marker=marker, color=color, markersize=8,
                                 linestyle="", label=once(name))
-                for k, t in q.token_s.items():
-                    if t is not None:
-                        ax.plot(t, y, marker="|", color="black", markersize=14, linestyle="",
-                                label=once("token 16 / 64"))
-                        ax.annotate(str(k), (t, y + 0.35), fontsize=7, ha="center")
+                for t, ks in marks_by_time(q.token_s):
+                    ax.plot(t, y, marker="|", color="black", markersize=14, linestyle="",
+                            label=once("token 16 / 64"))
+                    ax.annotate("/".join(map(str, ks)), (t, y + 0.35), fontsize=7, ha="center")
                 ax.annotate(f"TTFT {q.ttft_s:.2f} s", (q.ttft_s, y + 0.35), fontsize=7,
                             ha="right")
         ax.set_yticks(range(len(names)), names, fontsize=8)

@@ -22,6 +22,7 @@ from lynx_tools.demo_report import (
     fairness,
     format_report,
     label,
+    marks_by_time,
     plot_timeline,
 )
 from lynx_tools.measure import kv_dtype_server_args, model_kv_shape
@@ -156,6 +157,12 @@ def test_demo_json_has_the_headline_fairness_and_bench_ttfts_record(tmp_path):
     assert run["detail"]["r_target"] == 4.0  # bench-ttft --regime's own record
     assert "lynx" in run["detail"]["bench"]["variants"]
     assert doc["fast_link_note"] and doc["wall_s"] == 1.0
+
+
+def test_token_marks_released_together_share_one_label():
+    assert marks_by_time({16: 13.27, 64: 13.3}) == [(13.27, [16, 64])]
+    assert marks_by_time({16: 10.1, 64: 13.4}) == [(10.1, [16]), (13.4, [64])]
+    assert marks_by_time({16: 5.0, 64: None}) == [(5.0, [16])]
 
 
 def test_timeline_png_marks_the_anchor_and_the_residual(tmp_path):
