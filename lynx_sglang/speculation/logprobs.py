@@ -24,9 +24,9 @@ from ..upstream import adapter as upstream_adapter
 # SGLang's per-request output logprob lists (ReqLogprob), one entry per output token each where
 # the request asked for that kind; the requested token ids' lists lack the prefill's token in
 # some releases (`upstream.adapter.SchedulerLayout.token_ids_logprob_rows`).
-_OUTPUT_LISTS = ("output_token_logprobs_val", "output_token_logprobs_idx",
-                 "output_top_logprobs_val", "output_top_logprobs_idx")
 _TOKEN_IDS_LISTS = ("output_token_ids_logprobs_val", "output_token_ids_logprobs_idx")
+_OUTPUT_LISTS = ("output_token_logprobs_val", "output_token_logprobs_idx",
+                 "output_top_logprobs_val", "output_top_logprobs_idx", *_TOKEN_IDS_LISTS)
 
 
 def sampler_logprobs(rows: torch.Tensor, sampling_params, greedy: bool) -> torch.Tensor:
@@ -50,13 +50,11 @@ def sampler_logprobs(rows: torch.Tensor, sampling_params, greedy: bool) -> torch
 def truncate_logprobs(req, keep: int) -> None:
     """Drop the output logprob entries past the first `keep` output tokens."""
     lp = req.logprob
-    rows = {**dict.fromkeys(_OUTPUT_LISTS, keep),
-            **dict.fromkeys(_TOKEN_IDS_LISTS,
-                            upstream_adapter.scheduler().token_ids_logprob_rows(keep))}
-    for name, n in rows.items():
+    keep_ids = upstream_adapter.scheduler().token_ids_logprob_rows(keep)
+    for name in _OUTPUT_LISTS:
         values = getattr(lp, name, None)
         if values is not None:
-            del values[n:]
+            del values[keep_ids if name in _TOKEN_IDS_LISTS else keep:]
 
 
 def replace_speculative_logprobs(req, verified_len: int, rows: torch.Tensor,
