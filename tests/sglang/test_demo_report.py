@@ -121,7 +121,7 @@ def test_a_fast_link_reads_even_in_the_readmes_words():
                           r.stream_bytes, r.bytes_measured, None, r.run_dir) for r in results]
     run = DemoRun("1gbit", 1e9, KV_BYTES, _cfg("1gbit"), fast)
     text = format_report([run])
-    assert "R = 0.081" in text and "a fixed rate (--link)" in text
+    assert "R = 0.081" in text and "link 1.00 Gbit/s, a fixed rate (--link)" in text
     assert "lynx 3.70 s (even (1.00×))" in text
     assert f"a fast link: {FAST_LINK_WORDS}" in text
     assert "On a fast link" not in text  # measured here: no quote from the README
