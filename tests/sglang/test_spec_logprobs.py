@@ -14,6 +14,7 @@ import torch
 from lynx_sglang.speculation import logprobs, state
 from lynx_sglang.speculation.state import SpecState
 from lynx_sglang.speculation.verify import apply_acceptance, decide, sampler_rows
+from lynx_sglang.upstream import adapter as upstream_adapter
 
 VOCAB = 40
 TOP = 4
@@ -138,8 +139,12 @@ def test_verification_replaces_every_speculative_entry(sgl):
     lp.output_token_logprobs_idx += [5, 9, 13, 14]
     lp.output_top_logprobs_val += [[-0.1]] + [[-9.0]] * 3
     lp.output_top_logprobs_idx += [[5]] + [[0]] * 3
-    lp.output_token_ids_logprobs_val += [[]] + [[-9.0] * 3] * 3
-    lp.output_token_ids_logprobs_idx += [[]] + [IDS] * 3
+    # The requested ids' lists: the commit's empty row for the first token where the release
+    # reserves one (0.5.23, `upstream.adapter`), then three Anchor-precision ones.
+    layout = upstream_adapter.scheduler()
+    first = [[]] if layout.first_token_has_ids_logprob_row else []
+    lp.output_token_ids_logprobs_val += first + [[-9.0] * 3] * 3
+    lp.output_token_ids_logprobs_idx += first + [IDS] * 3
     st = SpecState(room=1)
     rows = sampler_rows(req, st, exact)
     result = apply_acceptance(req, st, decide(req, st, rows))
@@ -152,9 +157,10 @@ def test_verification_replaces_every_speculative_entry(sgl):
     torch.testing.assert_close(lp.output_token_logprobs_val[1:],
                                [float(expected[0, 9]), float(expected[1, 12])])
     for name in logprobs._OUTPUT_LISTS:
-        assert len(getattr(lp, name)) == 3, name
+        rows = layout.token_ids_logprob_rows(3) if name in logprobs._TOKEN_IDS_LISTS else 3
+        assert len(getattr(lp, name)) == rows, name
     assert lp.output_top_logprobs_idx[1][0] == 9 and lp.output_top_logprobs_idx[2][0] == 12
-    torch.testing.assert_close(lp.output_token_ids_logprobs_val[2],
+    torch.testing.assert_close(lp.output_token_ids_logprobs_val[-1],
                                expected[1, IDS].tolist())
 
 
