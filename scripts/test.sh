@@ -33,6 +33,11 @@ stage "ruff"
 stage "pytest (host)"
 "$PY" -m pytest tests --durations=25 "$@"
 
+stage "an older SGLang release (sampled)"
+# One supported release besides the venv's, drawn by the seed: its wheel in front (PYTHONPATH), the
+# in-process suites (~1 min). `scripts/sglang_matrix.sh` runs every release's full suites.
+scripts/sglang_matrix.sh --sample "$LYNX_TEST_SEED"
+
 stage "soft-RoCE guest (verbs backend)"
 # QEMU guest with rdma_rxe (scripts/rdma_vm.sh); runs the `rdma_vm` tests against a real RDMA device:
 # the transport's verbs backend, Lynx's prefill/decode KV managers over verbs (SGLang's own KVArgs
