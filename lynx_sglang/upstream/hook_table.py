@@ -116,11 +116,28 @@ SUBCLASSED: dict[str, tuple[str, ...]] = {
         "__init__", "_setup_routes", "_handle_route_put", "_handle_route_get"),
 }
 COPIED = ("sglang.srt.layers.sampler.top_k_top_p_min_p_sampling_from_probs_torch",)
+# SGLang internals the speculation controller calls without hooking them (patches/README.md,
+# "SGLang internals the speculation controller calls"), and `Req.__init__`, where the request
+# attributes it saves and restores are made (0.5.22's lacked one: only an end-to-end test saw it).
+_SB = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
+CALLED = (
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.init_new",
+    "sglang.srt.managers.schedule_batch.Req.__init__",
+    "sglang.srt.managers.schedule_batch.Req.update_reasoning_tokens",
+    "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+    "sglang.srt.layers.logits_processor.LogitsProcessor._get_logits",
+    "sglang.srt.layers.logprob_processor.OutputLogprobProcessor.compute_logprobs",
+    "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.free_kv_row",
+    "sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch",
+    f"{_SB}.from_schedule_batch", f"{_SB}.copy_for_forward", f"{_SB}.apply_logits_bias",
+    f"{_SB}.update_regex_vocab_mask",
+)
 
 
 def followed() -> tuple[str, ...]:
     """Every dotted SGLang name Lynx depends on, once each, sorted: the hook targets, the
-    overridden methods and the copied logic (what `fingerprints` fingerprints)."""
-    names = {h.target for h in HOOKS} | set(COPIED)
+    overridden methods, the copied logic and the internals it calls (what `fingerprints`
+    fingerprints)."""
+    names = {h.target for h in HOOKS} | set(COPIED) | set(CALLED)
     names |= {f"{cls}.{m}" for cls, methods in SUBCLASSED.items() for m in methods}
     return tuple(sorted(names))
