@@ -166,3 +166,27 @@ def test_no_test_imports_from_a_conftest():
             if "conftest" in names:
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"import from conftest: {offenders}"
+
+
+# Runtime modules outside `lynx_sglang.upstream` that still import SGLang themselves (issue 57:
+# the room should be the only one). A ratchet: the list may only shrink; a module that starts
+# importing SGLang fails here, and one moved behind the room must leave the list.
+SGLANG_IMPORTERS_LEFT = frozenset({
+    "lynx_sglang.backend.conn", "lynx_sglang.backend.manager", "lynx_sglang.backend.pool",
+    "lynx_sglang.backend.transport_setup", "lynx_sglang.plugin", "lynx_sglang.serve",
+    "lynx_sglang.speculation.controller", "lynx_sglang.speculation.grammar",
+    "lynx_sglang.speculation.logprobs", "lynx_sglang.speculation.penalties",
+    "lynx_sglang.speculation.state", "lynx_sglang.speculation.verify", "lynx_sglang.timeline",
+})
+
+
+def test_only_the_upstream_room_and_the_shrinking_list_import_sglang():
+    importers = {n for n in MODULES if n.startswith("lynx_sglang")
+                 and any(m.split(".")[0] == "sglang" for m in GRAPH[n])}
+    outside = importers - SGLANG_IMPORTERS_LEFT
+    assert all(n.startswith("lynx_sglang.upstream") for n in outside), (
+        f"{sorted(n for n in outside if not n.startswith('lynx_sglang.upstream'))} import SGLang: "
+        "reach it through lynx_sglang.upstream")
+    assert importers >= SGLANG_IMPORTERS_LEFT, (
+        f"{sorted(SGLANG_IMPORTERS_LEFT - importers)} no longer import SGLang: take them off "
+        "SGLANG_IMPORTERS_LEFT")
