@@ -18,6 +18,7 @@ from . import runtime
 from .names import TIMELINE_ENV, TIMELINE_RECORD, record_line
 from .recorder import Recorder
 from .trace import Trace
+from .upstream.sglang_names import is_prefill_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,7 @@ class PrefillTimeline:
 
     def prefill_done_before(self, scheduler, batch, result):
         """BEFORE hook on Scheduler.process_batch_result: log finished prefill forwards."""
-        from sglang.srt.disaggregation.utils import DisaggregationMode
-
-        if scheduler.disaggregation_mode != DisaggregationMode.PREFILL:
+        if not is_prefill_scheduler(scheduler):
             return None
         if not batch.forward_mode.is_extend():
             return None

@@ -23,6 +23,7 @@ import torch
 from lynx_kernels import KVShape, StreamKind
 
 from ..errors import KVStreamError
+from ..upstream.sglang_names import is_plain_mla_pool
 from .pages import SUPPORTED_PAGE_SIZES
 
 logger = logging.getLogger(__name__)
@@ -144,9 +145,7 @@ def _latent_views(pool) -> list[torch.Tensor]:
     if not hasattr(pool, "kv_buffer"):
         raise KVStreamError(f"Lynx supports SGLang's MHA and MLA KV pools only; got "
                             f"{type(pool).__name__}")
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-
-    if type(pool) is not MLATokenToKVPool or getattr(pool, "use_dsa", False):
+    if not is_plain_mla_pool(pool) or getattr(pool, "use_dsa", False):
         raise KVStreamError(
             f"Lynx supports SGLang's MHA and MLA KV pools only; got {type(pool).__name__}"
             + (" with DSA (an indexer cache beside the latent)" if getattr(pool, "use_dsa", False)

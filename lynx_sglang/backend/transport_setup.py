@@ -14,6 +14,7 @@ from lynx_transport import Endpoint, gpu_direct
 
 from ..config import LynxConfig
 from ..errors import LynxConfigError
+from ..upstream.sglang_names import ib_devices_for_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +28,8 @@ def rdma_device(lynx_device: str | None, sglang_devices: str | None, gpu_id: int
         return lynx_device
     if not sglang_devices:
         return None
-    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        get_ib_devices_for_gpu,
-    )
-
     try:
-        resolved = get_ib_devices_for_gpu(sglang_devices, gpu_id) or ""
+        resolved = ib_devices_for_gpu(sglang_devices, gpu_id)
     except ValueError as exc:
         raise LynxConfigError(f"--disaggregation-ib-device: {exc}") from None
     devices = [d.strip() for d in resolved.split(",") if d.strip()]

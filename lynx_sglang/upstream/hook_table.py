@@ -131,6 +131,8 @@ CALLED = (
     "sglang.srt.managers.scheduler.Scheduler._build_hisparse_decode_batch",
     f"{_SB}.from_schedule_batch", f"{_SB}.copy_for_forward", f"{_SB}.apply_logits_bias",
     f"{_SB}.update_regex_vocab_mask",
+    # `--disaggregation-ib-device` resolved as SGLang's Mooncake engine does (sglang_names)
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.get_ib_devices_for_gpu",
 )
 
 
