@@ -2,8 +2,8 @@
 installed SGLang release has of it.
 
 - `hook_table`: every SGLang function Lynx hooks (a logical name, the dotted target, the hook
-  kind) and every SGLang method Lynx's subclasses override or whose logic Lynx copies: the whole
-  face Lynx depends on.
+  kind), every SGLang method Lynx's subclasses override, whose logic Lynx copies or that it calls
+  without hooking: the whole face Lynx depends on.
 - `hook_check`: registers Lynx's hooks in SGLang's `HookRegistry` and checks, before a server
   serves, that every one resolved and was applied (SGLang's registry only logs a failure: a
   half-hooked server would serve wrong tokens); the per-hook status `lynx-sglang doctor` prints.
@@ -13,6 +13,12 @@ installed SGLang release has of it.
 - `adapter`: what Lynx does differently per supported release where SGLang's internals moved or
   changed shape (the backend classes' bases, helpers one release lacks, request layouts), each
   picked by feature detection, never by the version string.
+- `sglang_names`: SGLang's names the runtime uses as values (an enum member, a pool class, a
+  device resolver), one function each.
+
+Other runtime modules still import SGLang themselves (tests/test_layout.py lists them and lets
+the list only shrink): the KV manager and transfer classes, the plugin, `serve` and the
+speculation modules.
 
 Who calls it: `lynx_sglang.plugin` (registration, the launcher's checks), the Lynx KV manager at
 scheduler start-up (`check_release`, `hook_check.verify_applied`), `lynx-sglang doctor`; the
