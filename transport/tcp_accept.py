@@ -176,7 +176,8 @@ class DataListener:
                 self.counters["connection_errors"] += 1
                 log.exception("tcp data listener: admitting a connection from %s failed; closed",
                               addr[0])
-                self._drop(sel, pending, _Pending(sock, addr[0], 0.0))
+                with contextlib.suppress(OSError):
+                    sock.close()
 
     def _admit(self, sel: selectors.BaseSelector, pending: dict, sock: socket.socket,
                peer: str) -> None:

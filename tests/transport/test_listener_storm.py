@@ -26,10 +26,19 @@ from listener_storm import HONEST_DEADLINE_S, run_storm
 from session_pair import wait_until
 
 from lynx_transport import Endpoint
+from lynx_transport.tcp_accept import DataListener
 from lynx_transport.tcp_wire import PREAMBLE
 
 pytestmark = pytest.mark.timeout(120)
 ATTACKERS = [f"127.0.2.{i}" for i in range(1, 101)]  # loopback, used by no other test
+
+
+def _listener(attach, preamble_timeout_s: float = 2.0, pending: int = 8,
+              per_peer: int = 4) -> DataListener:
+    """A data listener of its own on loopback, with `attach` in place of a tcp backend's."""
+    return DataListener("127.0.0.1", {"io_timeout_s": 0.1, "preamble_timeout_s": preamble_timeout_s,
+                                      "max_pending_preambles": pending,
+                                      "max_pending_preambles_per_peer": per_peer}, None, attach)
 
 
 def _listener_thread_alive(ep: Endpoint) -> bool:
@@ -53,8 +62,6 @@ def test_a_randomized_storm_leaves_the_listener_alive_and_honest_sessions_connec
 def test_a_failing_connection_is_closed_and_the_listener_goes_on():
     """A connection whose handling raises (here: the session lookup behind `attach`) is closed and
     counted; the next one is served."""
-    from lynx_transport.tcp_accept import DataListener
-
     calls = []
 
     def attach(sock: socket.socket, preamble: bytes) -> bool:
@@ -63,9 +70,7 @@ def test_a_failing_connection_is_closed_and_the_listener_goes_on():
             raise ValueError("a bug in the session lookup")
         return True
 
-    listener = DataListener("127.0.0.1", {"io_timeout_s": 0.1, "preamble_timeout_s": 2.0,
-                                          "max_pending_preambles": 8,
-                                          "max_pending_preambles_per_peer": 4}, None, attach)
+    listener = _listener(attach)
     socks = []
     try:
         for _ in range(2):
@@ -85,13 +90,8 @@ def test_a_failing_connection_is_closed_and_the_listener_goes_on():
 def test_a_failing_loop_is_restarted_counted_and_logged(caplog):
     """Should the accept loop fail as a whole, it runs again: counted, logged at ERROR, and new
     connections are served after it."""
-    from lynx_transport import tcp_accept
-
     attached = []
-    listener = tcp_accept.DataListener(
-        "127.0.0.1", {"io_timeout_s": 0.1, "preamble_timeout_s": 2.0,
-                      "max_pending_preambles": 8, "max_pending_preambles_per_peer": 4},
-        None, lambda sock, preamble: attached.append(preamble) or True)
+    listener = _listener(lambda sock, preamble: attached.append(preamble) or True)
     real = listener._accept_new
     failed = threading.Event()
 
@@ -204,8 +204,6 @@ def test_an_honest_burst_from_one_address_loses_nothing_to_eviction():
     the listener is busy for a moment (here: the first `attach` takes 0.5 s). Main before the fix
     accepted them in one batch and evicted 16 whose preambles had arrived; now each candidate is
     read before it would be evicted, and all 32 are attached."""
-    from lynx_transport.tcp_accept import DataListener
-
     attached: list[bytes] = []
     busy = threading.Event()
 
@@ -216,9 +214,7 @@ def test_an_honest_burst_from_one_address_loses_nothing_to_eviction():
             time.sleep(0.5)  # the burst queues up meanwhile
         return True
 
-    listener = DataListener("127.0.0.1", {"io_timeout_s": 0.1, "preamble_timeout_s": 5.0,
-                                          "max_pending_preambles": 64,
-                                          "max_pending_preambles_per_peer": 16}, None, attach)
+    listener = _listener(attach, preamble_timeout_s=5.0, pending=64, per_peer=16)
     socks = []
     try:
         first = socket.create_connection(("127.0.0.1", listener.port))
