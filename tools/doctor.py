@@ -80,7 +80,7 @@ def check_hooks() -> list[Check]:
     hooks = [Check(f"hook {s.hook.name}", Verdict.OK if s.ok else Verdict.FAIL,
                    f"{s.hook.kind} {s.hook.target}" + ("" if s.ok else (
                        ": missing" if not s.resolves else f": signature {s.signature}")))
-             for s in hook_check.statuses()]
+             for s in hook_check.statuses(found)]
     return [release, *hooks]
 
 

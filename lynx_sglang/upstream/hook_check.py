@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UnsupportedSGLangError
-from .fingerprints import MISSING, fingerprint, known_releases
+from .fingerprints import MISSING, Fingerprint, known_releases
 from .hook_table import HOOKS, Hook
 
 # Where Lynx's adapters live: registrations of other plugins are not Lynx's to check.
@@ -100,24 +100,16 @@ class HookStatus:
     def ok(self) -> bool:
         return self.resolves and self.signature in self.expected
 
-    def line(self) -> str:
-        if not self.resolves:
-            verdict = "MISSING"
-        elif self.ok:
-            verdict = "ok"
-        else:
-            verdict = f"signature differs: {self.signature}"
-        return f"{self.hook.name:32} {self.hook.kind:6} {self.hook.target}: {verdict}"
 
-
-def statuses() -> list[HookStatus]:
-    """Each hook of the table against the installed SGLang (imports the targets' modules)."""
+def statuses(found: dict[str, Fingerprint]) -> list[HookStatus]:
+    """Each hook of the table against the installed SGLang's fingerprints (`found`,
+    `fingerprints.installed()`)."""
     releases = known_releases().values()
     out = []
     for hook in HOOKS:
-        found = fingerprint(hook.target)
+        now = found[hook.target]
         expected = tuple(sorted({r[hook.target].signature for r in releases
                                  if hook.target in r}))
-        out.append(HookStatus(hook, found.signature != MISSING, found.signature, expected))
+        out.append(HookStatus(hook, now.signature != MISSING, now.signature, expected))
     return out
 

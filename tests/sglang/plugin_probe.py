@@ -86,9 +86,11 @@ out["refused_bits"] = error_of([*base, "--disaggregation-transfer-backend", "lyn
 
 # The one room: which release the installed SGLang is by its fingerprints, every hook's status,
 # and the subclasses' overrides against the table.
-identity = fingerprints.identify()
+found = fingerprints.installed()
+identity = fingerprints.identify(found)
 out["release"], out["changed"] = identity.release, list(identity.changed)
-out["hooks_not_ok"] = [s.line() for s in hook_check.statuses() if not s.ok]
+out["hooks_not_ok"] = [f"{s.hook.name}: {s.signature}"
+                      for s in hook_check.statuses(found) if not s.ok]
 from lynx_sglang.backend.conn import (  # noqa: E402
     LynxKVBootstrapServer,
     LynxKVReceiver,
