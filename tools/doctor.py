@@ -70,7 +70,7 @@ def check_hooks() -> list[Check]:
         release = Check("release", Verdict.OK, f"SGLang {identity.installed} has the fingerprints "
                                                f"of supported release {identity.release}")
     else:
-        missing = any(found[n].signature == fingerprints.MISSING for n in identity.changed)
+        missing = bool(identity.missing)
         release = Check("release", Verdict.FAIL if missing else Verdict.WARN, (
             f"SGLang {identity.installed} is no supported release: {len(identity.changed)} "
             f"differ from {identity.nearest}'s fingerprints (the servers refuse it"

@@ -46,6 +46,7 @@ class Identity:
     release: str | None  # the supported release whose fingerprints all match, or None
     nearest: str  # the supported release with the fewest differences
     changed: tuple[str, ...]  # names whose fingerprint differs from `nearest`'s ("" if release)
+    missing: tuple[str, ...]  # those of `changed` the installed SGLang does not have at all
 
     @property
     def known(self) -> bool:
@@ -105,7 +106,8 @@ def identify(found: dict[str, Fingerprint] | None = None) -> Identity:
              for version, prints in releases.items()}
     nearest = min(diffs, key=lambda v: (len(diffs[v]), v))
     release = nearest if not diffs[nearest] else None
-    return Identity(installed_version(), release, nearest, diffs[nearest])
+    missing = tuple(n for n in diffs[nearest] if found[n].signature == MISSING)
+    return Identity(installed_version(), release, nearest, diffs[nearest], missing)
 
 
 def describe_changes(identity: Identity, found: dict[str, Fingerprint] | None = None,
@@ -143,7 +145,7 @@ def check_release(allow_unknown: bool) -> Identity:
                f"{len(identity.changed)} of the SGLang functions Lynx hooks, subclasses or "
                f"copies differ from {identity.nearest}'s:\n"
                + describe_changes(identity, found))
-    if any(found[n].signature == MISSING for n in identity.changed) or not allow_unknown:
+    if identity.missing or not allow_unknown:
         raise UnsupportedSGLangError(
             message + "\nInstall a supported release (`pip install 'lynx-sglang[sglang]'`), or "
             "pass --lynx-allow-unknown-sglang to run it anyway after the start-up hook check "
