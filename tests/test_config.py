@@ -227,7 +227,7 @@ def test_a_secret_file_that_is_no_regular_file_is_refused_before_a_byte_is_read(
 
 
 def test_an_oversized_secret_file_is_refused_without_reading_it(tmp_path):
-    from lynx_sglang.config import MAX_SECRET_FILE_BYTES
+    from lynx_sglang.secret_file import MAX_SECRET_FILE_BYTES
 
     path = _secret_file(tmp_path, os.urandom(MAX_SECRET_FILE_BYTES + 1))
     with pytest.raises(LynxConfigError, match=rf"is {MAX_SECRET_FILE_BYTES + 1} B, more than a"):

@@ -134,8 +134,9 @@ def check_gpu_direct(device: str | None, probes: Probes | None = None) -> Check:
 def check_secret(secret_file: str | None, insecure: bool = False) -> Check:
     """The secret as the servers would load it: a secret file that is a symbolic link or that
     others than its owner may access fails, or is a warning with `insecure`."""
-    from lynx_sglang.config import SECRET_ENV, LynxConfig, read_secret_file
+    from lynx_sglang.config import SECRET_ENV, LynxConfig, flag_name
     from lynx_sglang.errors import LynxConfigError
+    from lynx_sglang.secret_file import read_secret_file
 
     try:
         secret = LynxConfig(secret_file=secret_file, insecure=insecure).load_secret()
@@ -146,7 +147,7 @@ def check_secret(secret_file: str | None, insecure: bool = False) -> Check:
                      "servers will only listen on loopback unless --lynx-insecure")
     if not secret_file:
         return Check("secret", Verdict.OK, f"{len(secret)} bytes from ${SECRET_ENV}")
-    read = read_secret_file(secret_file)
+    read = read_secret_file(secret_file, flag_name("secret_file"))
     found = f"{len(secret)} bytes from {secret_file}" + (" (hex digits)" if read.hex else "")
     if read.unsafe:
         return Check("secret", Verdict.WARN, f"{found}, accepted by --lynx-insecure, but "
