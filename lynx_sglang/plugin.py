@@ -27,37 +27,27 @@ Every hook is listed with its target, kind and reason in patches/README.md.
 from __future__ import annotations
 
 import logging
-import sys
 
-from . import cpu_compat, idle, reference_kv, request_trace, timeline
+from . import idle, reference_kv, request_trace, timeline
 from .config import LynxConfig, add_lynx_arguments
 from .errors import LynxConfigError
 from .names import BACKEND_SELECTED, SECRET_ENV
 from .sglang_support import check_server_options
-from .upstream import hook_check, hook_table
+from .upstream import backend_registry, cpu_compat, hook_check, hook_table, scheduler_api, sglang_names
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "lynx"
 BACKEND_MEMBER = "LYNX"
 
-# Modules a scheduler process has imported before it calls load_plugins(); hooking their queues
-# anywhere else would import them (tens of seconds) into processes that never use them.
-_SCHEDULER_MODULES = ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode")
 
 def register() -> None:
-    from sglang.srt.arg_groups.choices import (
-        DISAGG_TRANSFER_BACKEND_CHOICES,
-        add_disagg_transfer_backend_choices,
-    )
-
     cpu_compat.activate()
-    if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
-        add_disagg_transfer_backend_choices([BACKEND_NAME])
+    backend_registry.add_cli_choice(BACKEND_NAME)
     hook_check.register(hook_table.CLI_FLAGS, _add_cli_args_after)
     hook_check.register(hook_table.CLI_SELECT, _from_cli_args_around)
     config = LynxConfig.from_env()
-    in_scheduler = all(name in sys.modules for name in _SCHEDULER_MODULES)
+    in_scheduler = sglang_names.pd_queues_loaded()
     if config is not None:
         install_backend()
         if in_scheduler:
@@ -68,7 +58,7 @@ def register() -> None:
             # A malformed value fails the server's start, not its loop.
             idle.max_wait_s()
             hook_check.register(hook_table.IDLE_WAIT, hooks.on_idle_around)
-            if "sglang.srt.managers.scheduler" in sys.modules:
+            if sglang_names.scheduler_loaded():
                 hook_check.register(hook_table.SEND_BATCHED, hooks.process_batch_result_around)
             _register(request_trace.HOOKS)
             hook_check.register(hook_table.RECEIVER_TOKENS, _receiver_made_after)
@@ -78,10 +68,10 @@ def register() -> None:
                     hook_check.register(hook, hooks.set_kv_buffer_after)
             if config.speculate:
                 _register_speculation_hooks()
-        if reference_kv.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
+        if reference_kv.enabled() and sglang_names.scheduler_loaded():
             hook_check.register(hook_table.REFERENCE_KV, reference_kv.quantize_prompt_kv_before)
     elif (idle.wait_for_all_backends() and in_scheduler
-          and "sglang.srt.managers.scheduler" in sys.modules):
+          and sglang_names.scheduler_loaded()):
         # Another backend's scheduler (a benchmark baseline): only the idle wait, Lynx's own
         # schedulers have it above. Its KV manager gets a runtime holding only the waiter; its
         # transfers' statuses all pass through SGLang's common manager, whose every change then
@@ -93,7 +83,7 @@ def register() -> None:
         hook_check.register(hook_table.DECODE_POOL, _attach_idle_wait_after)
         hook_check.register(hook_table.IDLE_WAIT, hooks.on_idle_around)
         hook_check.register(hook_table.IDLE_STATUS, hooks.status_updated_after)
-    if timeline.enabled() and "sglang.srt.managers.scheduler" in sys.modules:
+    if timeline.enabled() and sglang_names.scheduler_loaded():
         hook_check.register(hook_table.TIMELINE, timeline.PrefillTimeline().prefill_done_before)
 
 
@@ -137,9 +127,7 @@ def _reject_empty_prompt_before(manager, obj, input_ids, *args, **kwargs):
     """A generation request with no prompt token has no KV to transfer: SGLang would take it to
     the scheduler, where a PD pair fails it in ways that stop the server; refuse it here, where a
     ValueError becomes the client's HTTP 400."""
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    if isinstance(obj, GenerateReqInput) and input_ids is not None and len(input_ids) == 0:
+    if sglang_names.is_generate_request(obj) and input_ids is not None and len(input_ids) == 0:
         raise ValueError("the prompt is empty: a generation request needs at least one token")
     return None
 
@@ -147,15 +135,13 @@ def _reject_empty_prompt_before(manager, obj, input_ids, *args, **kwargs):
 def _check_secret(config: LynxConfig) -> None:
     """Refuse at launch what the transport would refuse in every scheduler later: listening where
     other hosts can reach it without a secret."""
-    from sglang.srt.utils.network import get_local_ip_auto
-
     from lynx_transport.auth import is_loopback
 
-    if config.load_secret() is None and not config.insecure and not is_loopback(
-            get_local_ip_auto()):
+    local_ip = sglang_names.local_ip()
+    if config.load_secret() is None and not config.insecure and not is_loopback(local_ip):
         raise LynxConfigError(
             f"Lynx transport sessions need a shared secret on a non-loopback address "
-            f"({get_local_ip_auto()}): pass --lynx-secret-file FILE (the same file on every "
+            f"({local_ip}): pass --lynx-secret-file FILE (the same file on every "
             f"prefill and decode, readable by its owner only; e.g. "
             f"`(umask 077; head -c 32 /dev/urandom > FILE)`) or set ${SECRET_ENV} (hex), or "
             "--lynx-insecure on an isolated, trusted network")
@@ -177,7 +163,7 @@ def _receiver_made_after(decode_req, queue, req, *args, **kwargs):
     pages (`LynxKVManager.register_rx_room`)."""
     receiver = getattr(decode_req, "kv_receiver", None)
     if receiver is not None:
-        receiver.lynx_kv_tokens = queue._rebootstrap_prefill_len(req)
+        receiver.lynx_kv_tokens = scheduler_api.prefill_kv_tokens(queue, req)
     return decode_req
 
 
@@ -194,48 +180,20 @@ def _attach_idle_wait_after(kv_manager, queue):
 
 
 def install_backend() -> None:
-    """Make `TransferBackend("lynx")` and `get_kv_class(TransferBackend.LYNX, ...)` work.
-
-    Idempotent: the enum's member is the mark that it is done, so no flag of ours records it.
-    The enum gains a member in place (SGLang compares members by identity and builds them with
-    `TransferBackend(name)`); `get_kv_class` gets an AROUND hook that answers for the new member
-    and defers to SGLang for every other backend.
-    """
-    from sglang.srt.disaggregation.utils import TransferBackend
-
-    if BACKEND_NAME in TransferBackend._value2member_map_:
+    """Make `TransferBackend("lynx")` and `get_kv_class(TransferBackend.LYNX, ...)` work
+    (`upstream.backend_registry`). Idempotent."""
+    if not backend_registry.add_backend_member(BACKEND_MEMBER, BACKEND_NAME):
         return
-    _extend_enum(TransferBackend, BACKEND_MEMBER, BACKEND_NAME)
-    hook_check.register(hook_table.KV_CLASSES, _get_kv_class_around)
+    hook_check.register(hook_table.KV_CLASSES,
+                        backend_registry.kv_class_around(BACKEND_MEMBER, _backend_classes))
     # Plugins registered during load_plugins() are applied by SGLang right after; this call
     # covers the launcher process, where the backend is chosen later (at argument parsing).
     hook_check.apply()
 
 
-def _get_kv_class_around(original, transfer_backend, class_type):
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
-
-    if transfer_backend is not getattr(TransferBackend, BACKEND_MEMBER):
-        return original(transfer_backend, class_type)
-    if class_type == KVClassType.KVARGS:
-        return original(transfer_backend, class_type)
+def _backend_classes() -> backend_registry.BackendClasses:
     from .backend.conn import LynxKVBootstrapServer, LynxKVReceiver, LynxKVSender
     from .backend.manager import LynxKVManager
 
-    return {
-        KVClassType.MANAGER: LynxKVManager,
-        KVClassType.SENDER: LynxKVSender,
-        KVClassType.RECEIVER: LynxKVReceiver,
-        KVClassType.BOOTSTRAP_SERVER: LynxKVBootstrapServer,
-    }.get(class_type)
-
-
-def _extend_enum(enum_cls, member_name: str, value: str) -> None:
-    member = object.__new__(enum_cls)
-    member._name_ = member_name
-    member._value_ = value
-    member.__objclass__ = enum_cls
-    enum_cls._member_map_[member_name] = member
-    enum_cls._value2member_map_[value] = member
-    enum_cls._member_names_.append(member_name)
-    type.__setattr__(enum_cls, member_name, member)
+    return backend_registry.BackendClasses(LynxKVManager, LynxKVSender, LynxKVReceiver,
+                                           LynxKVBootstrapServer)

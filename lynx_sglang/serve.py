@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
-from lynx_sglang import cpu_compat
+from lynx_sglang.upstream import cpu_compat
+from lynx_sglang.upstream.launch import launch_server
 
 if not os.environ.get(cpu_compat.CPU_ENGINE_ENV) and not cpu_compat.cuda_device_present():
     # SGLang cannot serve on a CUDA-less box without its CPU engine; select it unless the user
@@ -28,17 +29,7 @@ cpu_compat.activate()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
-
-    load_plugins()
-    server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run_server(server_args)
-    finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+    launch_server(sys.argv[1:] if argv is None else argv)
     return 0
 
 

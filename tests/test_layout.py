@@ -168,24 +168,20 @@ def test_no_test_imports_from_a_conftest():
     assert not offenders, f"import from conftest: {offenders}"
 
 
-# Runtime modules outside `lynx_sglang.upstream` that still import SGLang themselves (issue 57:
-# the room should be the only one). A ratchet: the list may only shrink; a module that starts
-# importing SGLang fails here, and one moved behind the room must leave the list.
-SGLANG_IMPORTERS_LEFT = frozenset({
-    "lynx_sglang.backend.conn", "lynx_sglang.backend.manager", "lynx_sglang.plugin",
-    "lynx_sglang.serve", "lynx_sglang.speculation.controller", "lynx_sglang.speculation.grammar",
-    "lynx_sglang.speculation.logprobs", "lynx_sglang.speculation.penalties",
-    "lynx_sglang.speculation.state", "lynx_sglang.speculation.verify",
-})
-
-
-def test_only_the_upstream_room_and_the_shrinking_list_import_sglang():
-    importers = {n for n in MODULES if n.startswith("lynx_sglang")
-                 and any(m.split(".")[0] == "sglang" for m in GRAPH[n])}
-    outside = importers - SGLANG_IMPORTERS_LEFT
-    assert all(n.startswith("lynx_sglang.upstream") for n in outside), (
-        f"{sorted(n for n in outside if not n.startswith('lynx_sglang.upstream'))} import SGLang: "
-        "reach it through lynx_sglang.upstream")
-    assert importers >= SGLANG_IMPORTERS_LEFT, (
-        f"{sorted(SGLANG_IMPORTERS_LEFT - importers)} no longer import SGLang: take them off "
-        "SGLANG_IMPORTERS_LEFT")
+def test_only_the_upstream_room_imports_sglang():
+    """Every SGLang dependency of the runtime is in `lynx_sglang.upstream` (issue 57): no other
+    runtime module imports SGLang, and none names an SGLang module in a string (a hook target, a
+    `sys.modules` probe): those are the room's too."""
+    importers = sorted(n for n in MODULES if n.startswith("lynx_sglang")
+                       and not n.startswith("lynx_sglang.upstream")
+                       and any(m.split(".")[0] == "sglang" for m in GRAPH[n]))
+    assert not importers, f"{importers} import SGLang: reach it through lynx_sglang.upstream"
+    named = []
+    for name, path in MODULES.items():
+        if not name.startswith("lynx_sglang") or name.startswith("lynx_sglang.upstream"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and node.value.startswith("sglang.")):
+                named.append(f"{name}:{node.lineno} {node.value!r}")
+    assert not named, f"SGLang module names outside lynx_sglang.upstream: {named}"

@@ -16,13 +16,17 @@ import logging
 
 import requests
 from aiohttp import web
-from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
-from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
 from ..config import LynxConfig
 from ..errors import SettingsMismatchError
 from ..failures import FailureKind, failure_kind_of
-from ..upstream import adapter as upstream_adapter
+from ..upstream.kv_transfer import (
+    BootstrapServerBase,
+    KVPoll,
+    KVReceiverBase,
+    KVSenderBase,
+    KVTransferMetric,
+)
 from .decode_bindings import BootstrapSlot, Registration
 from .heads import check_tp_sizes
 from .rank_key import BOOTSTRAP_FIELD, valid_key
@@ -31,7 +35,7 @@ from .registration import LEASE_PATH, RegistrationBook, RegistrationRefused
 logger = logging.getLogger(__name__)
 
 
-class LynxKVSender(upstream_adapter.transfer().kv_sender_base):
+class LynxKVSender(KVSenderBase):
     """Prefill side of one request: SGLang's sender (CommonKVSender; MooncakeKVSender in releases
     where the Common one has no `send`/`poll`, `upstream.adapter`), whose `send` queues the
     request's KV indices on LynxKVManager.add_transfer_request (no CUDA host-index fast path)."""
@@ -47,7 +51,7 @@ class LynxKVSender(upstream_adapter.transfer().kv_sender_base):
         return metric
 
 
-class LynxKVReceiver(upstream_adapter.transfer().kv_receiver_base):
+class LynxKVReceiver(KVReceiverBase):
     """Decode side of one request (on SGLang's CommonKVReceiver, or MooncakeKVReceiver where the
     Common one has no `send_metadata`/`failure_exception`: `upstream.adapter`): reserves and
     announces the request's staging range before SGLang sends its KV indices to the prefill;
@@ -149,7 +153,7 @@ class LynxKVReceiver(upstream_adapter.transfer().kv_receiver_base):
             self.kv_mgr.forget_own_failure(self.bootstrap_room)
 
 
-class LynxKVBootstrapServer(CommonKVBootstrapServer):
+class LynxKVBootstrapServer(BootstrapServerBase):
     """SGLang's HTTP bootstrap registry, admitting only registrations authenticated with the
     deployment's secret and signed with the rank key they register, never another key for a live
     rank's slot (`backend.registration.RegistrationBook`); it adds the rank key to the answer of

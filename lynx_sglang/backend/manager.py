@@ -37,17 +37,6 @@ import os
 import threading
 from dataclasses import replace
 
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-from sglang.srt.disaggregation.common.conn import (
-    ABORT_TAG,
-    CommonKVReceiver,
-)
-from sglang.srt.disaggregation.common.utils import AuxDataCodec
-from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.server_args import ServerArgs
-from sglang.srt.utils.network import NetworkAddress
-
 from .. import runtime
 from ..config import LynxConfig
 from ..errors import KVStreamError, LynxConfigError, SettingsMismatchError
@@ -62,6 +51,18 @@ from ..speculation.stream import scheduler_publisher
 from ..trace import Trace
 from ..upstream.fingerprints import check_release
 from ..upstream.hook_check import verify_applied
+from ..upstream.kv_transfer import (
+    ABORT_TAG,
+    AuxDataCodec,
+    DisaggregationMode,
+    KVArgs,
+    KVManagerBase,
+    KVPoll,
+    ServerArgs,
+    disconnect_push_endpoint,
+    push_sockets,
+    track_worker_thread,
+)
 from .aux import check_aux_items, pack_aux
 from .conn import lookup_prefill_rank
 from .decode import DecodeApplier, DecodeLink
@@ -90,7 +91,7 @@ EARLY_ABORTS_CAP = 4096
 EARLY_ABORT_REASON = "the decode aborted this request before it reached this prefill"
 
 
-class LynxKVManager(MooncakeKVManager):
+class LynxKVManager(KVManagerBase):
     # With SGLang's --enable-trace each request's sender gets a trace context under this module
     # name (`--trace-modules lynx` selects it); the prefill's stages become its spans.
     sender_trace_module = "lynx"
@@ -172,7 +173,7 @@ class LynxKVManager(MooncakeKVManager):
     def _start_thread(self, target, name: str) -> None:
         t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
         t.start()
-        self._worker_threads.append(t)
+        track_worker_thread(self, t)
 
     # ---- engine hooks of MooncakeKVManager: the transport replaces Mooncake's engine ---------
     def init_engine(self):
@@ -255,8 +256,7 @@ class LynxKVManager(MooncakeKVManager):
         """SGLang's cached PUSH socket to `endpoint`, after closing the cached sockets of peers
         that have gone (`backend.peer_sockets`: SGLang replaces a dead peer's socket only when
         that endpoint is dialled again, and a restarted decode comes back on a new port)."""
-        self.peer_sockets.before_dial(self._socket_lock, self._socket_cache, self._monitor_cache,
-                                      self._socket_send_locks, keep=endpoint)
+        self.peer_sockets.before_dial(push_sockets(self), keep=endpoint)
         return super()._connect(endpoint, is_ipv6)
 
     def _require_pool(self) -> KVPoolView:
@@ -344,12 +344,12 @@ class LynxKVManager(MooncakeKVManager):
                             for i in infos)]
             for key in stale:
                 del self.connection_pool[key]
-        CommonKVReceiver.disconnect_endpoint(NetworkAddress(*prefill).to_tcp())
+        disconnect_push_endpoint(*prefill)
         if stale:
             logger.info("lynx: prefill rank %s:%s is gone; dropped its cached bootstrap info",
                         *prefill)
 
-    def register_rx_room(self, receiver: CommonKVReceiver, kv_indices, aux_index: int) -> bool:
+    def register_rx_room(self, receiver, kv_indices, aux_index: int) -> bool:
         """Called by the receiver (`backend.conn.LynxKVReceiver`) before SGLang sends the request's
         metadata to the prefill.
         False: the room is queued for staging (`DecodeApplier.register`)."""

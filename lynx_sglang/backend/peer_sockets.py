@@ -19,10 +19,13 @@ message.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from typing import TYPE_CHECKING
 
 import zmq
+
+if TYPE_CHECKING:  # the module imports SGLang: this one is read without it
+    from ..upstream.kv_transfer import PushSockets
 
 logger = logging.getLogger(__name__)
 
@@ -34,20 +37,20 @@ IDLE_CLOSE_S = 60.0
 
 class PeerSockets:
     """When each of SGLang's cached sockets was last dialled, and the closing of those whose peer
-    has gone (disconnected, or idle past `idle_close_s`). Guarded by SGLang's `_socket_lock`."""
+    has gone (disconnected, or idle past `idle_close_s`). Guarded by the sockets' lock."""
 
     def __init__(self, idle_close_s: float = IDLE_CLOSE_S) -> None:
         self.idle_close_s = idle_close_s
         self._dialled: dict[str, float] = {}
 
-    def before_dial(self, lock: threading.Lock, sockets: dict, monitors: dict, send_locks: dict,
-                    keep: str) -> None:
+    def before_dial(self, cached: PushSockets, keep: str) -> None:
         """Record that `keep` is dialled now; close the cached socket and monitor of every other
         endpoint whose monitor reported a disconnect or that has not been dialled for
-        `idle_close_s`. The maps are SGLang's (`_socket_cache`, `_monitor_cache`,
-        `_socket_send_locks`), guarded by its `_socket_lock`."""
+        `idle_close_s`. `cached`: SGLang's manager's maps (`upstream.kv_transfer.push_sockets`),
+        guarded by its lock."""
         now = time.monotonic()
-        with lock:
+        sockets, monitors, send_locks = cached.sockets, cached.monitors, cached.send_locks
+        with cached.lock:
             self._dialled[keep] = now
             for endpoint in list(sockets):
                 if endpoint == keep:

@@ -16,7 +16,7 @@ commits the request and decodes it like any other, reading Anchor-precision prom
   deadline.
 - When the applier says the Residual is applied, one forward verifies every speculative position
   (`speculation.verify`), the output logprobs of a request that asked for them become the exact
-  ones (`speculation.logprobs`), a grammar's matcher is rolled back to the verified output
+  ones (`upstream.logprob_layout`), a grammar's matcher is rolled back to the verified output
   (`speculation.grammar`); then the request either finishes or rejoins the running batch.
 - A Residual that fails aborts the request; a request released early (client abort, a first token
   that already finishes it) cancels its transfer before its slots can be reused (`on_release`).
@@ -43,8 +43,9 @@ from ..config import LynxConfig
 from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
 from ..recorder import Recorder
 from ..upstream import adapter as upstream_adapter
+from ..upstream import scheduler_api
+from ..upstream.logprob_layout import replace_speculative_logprobs, truncate_logprobs
 from .grammar import resync, rollback_cap
-from .logprobs import replace_speculative_logprobs, truncate_logprobs
 from .penalties import draft_row, has_logit_transforms, resume_batches
 from .record import log_verification
 from .state import SpecCounters, SpecState, VerifyResult, is_greedy, not_speculable_reason
@@ -287,9 +288,6 @@ class SpecController:
             self._finish_aborted(scheduler, req, st, "Aborted by AbortReq.", None)
 
     def _finish_aborted(self, scheduler, req, st: SpecState, message: str, status_code) -> None:
-        from sglang.srt.disaggregation.utils import prepare_abort
-        from sglang.srt.mem_cache.common import release_kv_cache
-
         self.recorder.metrics.record_verification(0, 0, "aborted")
         # Roll back to the verified prefix first: a partial answer must not contain a token
         # the exact KV never confirmed.
@@ -298,14 +296,12 @@ class SpecController:
             truncate_logprobs(req, st.verified_len)
         if self.publisher is not None:
             self.publisher.aborted(req.rid, req.output_ids, message)
-        prepare_abort(req, message, status_code=status_code)
-        release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
+        scheduler_api.prepare_abort(req, message, status_code)
+        scheduler_api.release_kv_cache(req, scheduler.tree_cache, keep_in_cache=False)
         scheduler.output_streamer.stream_output([req], req.return_logprob)
 
     # ---- verification -------------------------------------------------------------------------
     def _verify_and_resume(self, scheduler, reqs: list) -> None:
-        from sglang.srt.mem_cache.common import release_kv_cache
-
         if scheduler.enable_overlap:
             # The forward of the step in flight may still run on the forward stream (on a GPU;
             # on CPU it has returned): the verification forward writes the same KV pool after it.
@@ -362,7 +358,7 @@ class SpecController:
                                         result.speculated, result.accepted,
                                         result.corrected_token is not None, req.finished())
             if req.finished():
-                release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
+                scheduler_api.release_kv_cache(req, scheduler.tree_cache, keep_in_cache=True)
                 req.time_stats.set_completion_time()
             else:
                 resume.append(req)

@@ -22,6 +22,8 @@ thread.
 
 from __future__ import annotations
 
+from ..upstream import scheduler_api
+
 
 def rollback_capable(grammar) -> bool:
     return (callable(getattr(grammar, "rollback", None))
@@ -32,9 +34,7 @@ def rollback_cap() -> int:
     """Speculative tokens a grammar request may take: one fewer than the matcher can roll back
     (SGLang builds xgrammar matchers with room for MAX_ROLLBACK_TOKENS), so that a held-back
     finish's token fits too."""
-    from sglang.srt.constrained.xgrammar_backend import MAX_ROLLBACK_TOKENS
-
-    return MAX_ROLLBACK_TOKENS - 1
+    return scheduler_api.grammar_rollback_tokens() - 1
 
 
 def rewind(req, grammar_base: int) -> None:

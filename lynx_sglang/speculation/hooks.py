@@ -61,7 +61,7 @@ def process_batch_result_prebuilt_after(result, processor, batch):
 def sample_before(runner, logits_output, forward_batch):
     """Record the logits each speculative token of a sampled request is drawn from, before the
     sampler transforms them in place (penalties and logit bias: `speculation.penalties`; then
-    probabilities), and have the sampler filter them as `speculation.filtering` does."""
+    probabilities), and have the sampler filter them as `upstream.sampling_filter` does."""
     ctl = _spec(runtime.of_kv_pool(runner.token_to_kv_pool))
     if ctl is None or not ctl.sampled_by_pool_idx or not forward_batch.forward_mode.is_decode():
         return None

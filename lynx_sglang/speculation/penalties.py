@@ -37,6 +37,8 @@ import dataclasses
 
 import torch
 
+from ..upstream import scheduler_api
+
 
 def has_logit_transforms(sp) -> bool:
     """Whether SGLang's sampler changes this request's logits beyond temperature and filtering."""
@@ -72,10 +74,8 @@ def exact_rows(req, logits: torch.Tensor, start: int, overlap: bool = False) -> 
     overlap output_ids[:start+i]; a row past output_ids, the bonus row, has seen all of them).
     A grammar must stand at output_ids[:start] (`grammar.rewind`): it is fed each
     token past `start` after its row's mask is taken, and ends where it stood before the rewind."""
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
     batch = _OneRequest(req, logits.device)
-    info = SamplingBatchInfo.from_schedule_batch(batch, logits.shape[1])
+    info = scheduler_api.sampling_info(batch, logits.shape[1])
     grammar = req.grammar
     if grammar is not None:
         info.grammars = [grammar]  # SGLang sets this per forward (ForwardBatch.init_new)
@@ -164,7 +164,7 @@ def resume_batches(scheduler, reqs: list, overlap: bool = False) -> list:
     groups = ([plain] if plain else []) + [[r] for r in reqs if seeded(r)]
     batches = []
     for group in groups:
-        batch = scheduler._build_hisparse_decode_batch(group)
+        batch = scheduler_api.decode_batch(scheduler, group)
         # A decode batch carries one entry per request here (SGLang's prebuilt batches do);
         # left None, merging it into a running batch that has the list crashed the scheduler.
         batch.multimodal_inputs = [r.multimodal_inputs for r in group]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .filtering import FILTERING_BACKEND, has_filter
+from ..upstream import scheduler_api
+from ..upstream.sampling_filter import FILTERING_BACKEND, has_filter
 from .grammar import rollback_capable
 
 
@@ -84,8 +85,8 @@ def not_speculable_reason(req) -> str | None:
     """Why a request must wait for its Residual instead of decoding on the Anchor (None if it
     may speculate). Verification reproduces greedy decoding and temperature sampling exactly,
     top-k/top-p/min-p included where SGLang filters with its torch sampler
-    (`speculation.filtering`), and penalties, logit bias and min_new_tokens
-    (`speculation.penalties`), returns the exact logprobs (`speculation.logprobs`) and rolls a
+    (`upstream.sampling_filter`), and penalties, logit bias and min_new_tokens
+    (`speculation.penalties`), returns the exact logprobs (`upstream.logprob_layout`) and rolls a
     grammar's matcher back (`speculation.grammar`); custom logit processors would need their
     processor state rolled back."""
     sp = req.sampling_params
@@ -113,6 +114,4 @@ SGLANG_PRIVATE_PARAM = "__sglang_"
 
 def _sampling_backend() -> str:
     """The decode server's `--sampling-backend` (SGLang resolves its default at startup)."""
-    from sglang.srt.runtime_context import get_exec
-
-    return get_exec().kernel.sampling_backend
+    return scheduler_api.sampling_backend()

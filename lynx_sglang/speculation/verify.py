@@ -17,8 +17,9 @@ import torch
 
 from ..backend.pages import page_ceil
 from ..upstream import adapter as upstream_adapter
+from ..upstream import scheduler_api
+from ..upstream.sampling_filter import filter_probs
 from .acceptance import Acceptance, accept_greedy, accept_sampled
-from .filtering import filter_probs
 from .grammar import rewind
 from .penalties import exact_rows, has_logit_transforms
 from .state import SpecState, VerifyResult
@@ -78,12 +79,6 @@ def verify_forward(scheduler, reqs: list, bonus: list[bool]) -> list[torch.Tenso
     the verification, done in the same forward (the slot is freed by `rollback` if a draft is
     rejected, like every position past the kept prefix).
     """
-    from sglang.srt.layers.logits_processor import LogitsMetadata
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-    device = scheduler.req_to_token_pool.device
     req_to_token = scheduler.req_to_token_pool.req_to_token
     for req in reqs:
         n = len(req.output_ids) - 1
@@ -101,38 +96,8 @@ def verify_forward(scheduler, reqs: list, bonus: list[bool]) -> list[torch.Tenso
         prefix_lens.append(p)
         extend_lens.append(n)
         seq_lens.append(p + n)
-    batch = ScheduleBatch.init_new(
-        reqs=reqs, req_to_token_pool=scheduler.req_to_token_pool,
-        token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator,
-        tree_cache=scheduler.tree_cache, model_config=scheduler.model_config,
-        enable_overlap=False, spec_algorithm=scheduler.spec_algorithm,
-    )
-    batch.forward_mode = ForwardMode.EXTEND
-    batch.return_logprob = False
-    batch.input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-    pool_idx = [r.kv.req_pool_idx for r in reqs]
-    batch.req_pool_indices = torch.tensor(pool_idx, dtype=torch.int64, device=device)
-    batch.req_pool_indices_cpu = torch.tensor(pool_idx, dtype=torch.int64)
-    batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-    batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
-    batch.orig_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    batch.seq_lens_sum = sum(seq_lens)
-    batch.out_cache_loc = torch.cat(locs)
-    batch.prefix_lens = prefix_lens
-    batch.extend_lens = extend_lens
-    batch.extend_num_tokens = sum(extend_lens)
-    batch.extend_logprob_start_lens = list(extend_lens)
-    batch.multimodal_inputs = [None] * len(reqs)
-    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch,
-                                                                scheduler.model_config.vocab_size)
-    result = scheduler.tp_worker.forward_batch_generation(
-        batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
-    hidden = result.logits_output.hidden_states
-    model = scheduler.tp_worker.model_runner.model
-    logits = model.logits_processor._get_logits(
-        hidden, model.lm_head, LogitsMetadata(forward_mode=ForwardMode.DECODE),
-        use_logits_buffer=False,
-    )[:, : scheduler.model_config.vocab_size]
+    logits = scheduler_api.extend_forward(
+        scheduler, reqs, scheduler_api.ExtendRows(tokens, locs, prefix_lens, extend_lens, seq_lens))
     return list(torch.split(logits, extend_lens))
 
 
@@ -189,7 +154,7 @@ def sampler_rows(req, st: SpecState, exact_logits: torch.Tensor) -> torch.Tensor
 def decide(req, st: SpecState, exact_logits: torch.Tensor) -> Acceptance:
     """Greedy: compare argmaxes. Sampled: speculative sampling with the exact distribution p and
     the one each draft token was drawn from, q: both at the request's temperature and filtered
-    by its top-k/top-p/min-p as SGLang's sampler filters them (`speculation.filtering`).
+    by its top-k/top-p/min-p as SGLang's sampler filters them (`upstream.sampling_filter`).
     `exact_logits`: the verification's rows as the sampler sees them (`sampler_rows`)."""
     drafts = list(req.output_ids[st.verified_len:])
     if not st.sampled:
@@ -215,10 +180,8 @@ def _sampler_probs(logits: torch.Tensor, sp) -> torch.Tensor:
     """The rows SGLang's sampler draws from for these logits: divided by a float32 temperature
     tensor as `Sampler.forward` divides them (the same rounding, so a filter keeps the tokens
     the sampler kept), its softmax, then top-k/top-p/min-p."""
-    from sglang.kernels.ops.sampling import softmax as sampler_softmax
-
     temperature = torch.tensor(sp.temperature, dtype=torch.float32, device=logits.device)
-    probs = sampler_softmax(logits.float() / temperature)
+    probs = scheduler_api.sampler_softmax(logits.float() / temperature)
     return filter_probs(probs, sp.top_k, sp.top_p, sp.min_p)
 
 

@@ -13,14 +13,26 @@ installed SGLang release has of it.
 - `adapter`: what Lynx does differently per supported release where SGLang's internals moved or
   changed shape (the backend classes' bases, helpers one release lacks, request layouts), each
   picked by feature detection, never by the version string.
+- `kv_transfer`: SGLang's transfer-backend interface as the backend's classes meet it: their
+  base classes, SGLang's enums and records, accessors for the Mooncake manager's private state.
+- `backend_registry`: `lynx` as one of SGLang's transfer backends (the CLI choice, the
+  `TransferBackend` member, `get_kv_class`'s answer).
+- `scheduler_api`: what the speculation controller calls in SGLang's scheduler without hooking
+  it (abort, release, the decode batch, the verification's EXTEND forward, the sampler's softmax
+  and logprobs, private queue helpers).
+- `sampling_filter`, `logprob_layout`: SGLang logic Lynx copies and must track (the torch
+  sampler's top-k/top-p/min-p filter; the per-request output logprob lists as SGLang's decode
+  step appends them).
 - `sglang_names`: SGLang's names the runtime uses as values (an enum member, a pool class, a
-  device resolver), one function each.
+  device resolver, which SGLang modules a process has loaded), one function each.
+- `launch`: SGLang's server launch (`lynx_sglang.serve`); `cpu_compat`: the import-time fallbacks
+  and guards SGLang needs to serve without CUDA.
 
-Other runtime modules still import SGLang themselves (tests/test_layout.py lists them and lets
-the list only shrink): the KV manager and transfer classes, the plugin, `serve` and the
-speculation modules.
+No other runtime module imports SGLang or names one of its modules (tests/test_layout.py): the
+rest of the runtime reaches SGLang through this package, and the hook adapters it registers
+(`hooks`, `request_trace`, `speculation.hooks`) act on the SGLang objects the hooks hand them.
 
 Who calls it: `lynx_sglang.plugin` (registration, the launcher's checks), the Lynx KV manager at
 scheduler start-up (`check_release`, `hook_check.verify_applied`), `lynx-sglang doctor`; the
-backend's classes and the speculation controller (`adapter`).
+backend's classes (`kv_transfer`) and the speculation modules (`scheduler_api`, `adapter`).
 """

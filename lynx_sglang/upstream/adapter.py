@@ -2,35 +2,50 @@
 implementation per release layout, chosen once per process by what the installed SGLang has
 (feature detection; its version string is never compared).
 
-What differs (read from the 0.5.22 and 0.5.23 wheels):
+What differs (read from the 0.5.21, 0.5.22 and 0.5.23 wheels):
 
 - where a transfer backend's per-request classes get their machinery: from 0.5.23 SGLang's
   `CommonKVSender`/`CommonKVReceiver` carry `send`, `poll`, `failure_exception` and
-  `send_metadata` (building the wire messages through the manager); in 0.5.22 those are
+  `send_metadata` (building the wire messages through the manager); up to 0.5.22 those are
   Mooncake's own (`MooncakeKVSender`/`MooncakeKVReceiver`) and the Common ones are abstract. Lynx
   keeps Mooncake's control plane, so its classes derive from whichever class has it;
+- the first frame of a decode's abort notification: `ABORT_TAG` from 0.5.22; 0.5.21's prefill
+  compares the same bytes inline (it has no constant);
 - `all_reduce_flags` (a MIN/MAX all-reduce of small ints over a CPU group) exists in
   `sglang.srt.disaggregation.utils` from 0.5.23 only;
 - the `Req` attributes SGLang's reasoning-token accounting advances token by token: 0.5.23 also
   counts reasoning a model opens itself (`Req.update_self_opened_reasoning_tokens`, with its
-  `_think_start_match_len`), which 0.5.22's `Req` has neither of;
+  `_think_start_match_len`), which 0.5.21's and 0.5.22's `Req` have neither of;
 - from 0.5.23 `DecodeTransferQueue._commit_transfer_to_req` reserves an (empty) row of the
   requested token ids' logprobs for the token the prefill sampled, so those two lists have one
-  entry per output token; in 0.5.22 they lack that first row.
+  entry per output token; up to 0.5.22 they lack that first row;
+- `release_kv_cache`'s flag for keeping the request's KV in the prefix cache: keyword-only
+  `checkpoint` from 0.5.22, `is_insert` (default True) in 0.5.21;
+- where a `Req` keeps this round's extend: `prefix_len` and `extend_end` from 0.5.22; 0.5.21 has
+  the prefix's slots (`prefix_indices`, a tensor) and `extend_range` (start, end);
+- the torch sampler's `torch.topk` shortcut for batches whose requests all set top_k
+  (`SamplingBatchInfo.max_top_k`) exists from 0.5.22; 0.5.21 always sorts the whole row;
+- `--disaggregation-decode-host-receive-threshold`: 1 (the default) disables decode host
+  receive from 0.5.22; in 0.5.21 0 (its default) does.
 
-Everything else Lynx touches is the same in both (hook targets and their signatures, the
-bootstrap protocol's fields Lynx reads): `upstream.fingerprints` tells the releases apart for
-the start-up check, this module only says how to act on each.
+Everything else Lynx touches is the same in all of them or reached only through a signature all
+accept (e.g. the layer-written hook on `set_mla_kv_buffer`, whose `loc` argument 0.5.21 names
+differently; `MooncakeKVManager.add_transfer_request`'s `wait_event`, which 0.5.21 never
+passes): `upstream.fingerprints` tells the releases apart for the start-up check, this module
+only says how to act on each.
 
-The operations come in two groups, each detected once per process on first use: `transfer()`
-(the classes' bases) in every process that loads the backend's classes, the launcher included;
-`scheduler()` (the rest) in a decode scheduler, which has imported the request and decode
-modules it reads (a launcher never imports them: seconds on a small CPU).
+The operations come in three groups, each detected once per process on first use: `transfer()`
+(the classes' bases, the abort tag) in every process that loads the backend's classes, the
+launcher included; `launch()` (option semantics) where a launcher checks its options, which has
+imported SGLang's server arguments; `scheduler()` (the rest) in a scheduler, which has imported
+the request and decode modules it reads (a launcher never imports them: seconds on a small CPU).
 
-Who calls it: `backend.conn` (`transfer()`, its classes' bases, at import);
-`speculation.controller` (`scheduler()`: `all_reduce_flags`, `reasoning_state` at commit),
-`speculation.verify` (`reasoning_state` at verification), `speculation.logprobs`
-(`token_ids_logprob_rows`).
+Who calls it: `upstream.kv_transfer` (`transfer()`: the classes' bases and the abort tag, at
+import); `sglang_support` (`launch()`); `speculation.controller` (`scheduler()`:
+`all_reduce_flags`, `reasoning_state` at commit), `speculation.verify` (`reasoning_state` at
+verification), `upstream.logprob_layout` (`token_ids_logprob_rows`), `upstream.scheduler_api`
+(`release_kv_cache`), `speculation.hooks` (`disable_topk_shortcut`), `backend.layer_stream`
+(`extend_bounds`).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class _Unavailable:
 
     def __call__(self, *args, **kwargs):
         raise NotImplementedError(
-            f"{self._name} is not available: lynx_sglang.cpu_compat provides only an import "
+            f"{self._name} is not available: lynx_sglang.upstream.cpu_compat provides only an import "
             "stub on this CPU-only machine"
         )
 

@@ -96,7 +96,7 @@ HOOKS: tuple[Hook, ...] = (
 # SGLang classes Lynx's transfer backend subclasses, with the methods it overrides
 # (`backend.manager.LynxKVManager`, `backend.conn.Lynx*`; tests/sglang/test_plugin.py checks
 # this list against the classes), and SGLang logic Lynx copies and must track: the torch
-# sampler's top-k/top-p/min-p filter (`speculation.filtering`). The sender's and receiver's base
+# sampler's top-k/top-p/min-p filter (`upstream.sampling_filter`). The sender's and receiver's base
 # depends on the release's layout (`upstream.adapter`): the Common classes where they carry
 # send/poll/send_metadata (0.5.23), Mooncake's own where those are Mooncake's (0.5.22); both are
 # followed, so a release's fingerprints cover whichever one it uses.

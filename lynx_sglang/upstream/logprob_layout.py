@@ -11,6 +11,10 @@ SGLang's Sampler computes them (`sampler_logprobs`) and gathered by SGLang's own
 OutputLogprobProcessor. A client therefore gets the exact distribution's logprobs; the opt-in spec
 stream (`speculation.stream`) carries provisional token ids only.
 
+It lives in the SGLang room because it writes SGLang's per-request logprob lists in the layout
+SGLang's own decode step appends them (one of the layouts that moved between releases:
+`upstream.adapter`).
+
 Called by `speculation.controller.SpecController` after `verify.apply_acceptance`, and on an abort
 (`truncate_logprobs`), on the decode scheduler thread.
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..upstream import adapter as upstream_adapter
+from . import adapter as upstream_adapter
+from . import scheduler_api
 
 # SGLang's per-request output logprob lists (ReqLogprob), one entry per output token each where
 # the request asked for that kind; the requested token ids' lists lack the prefill's token in
@@ -36,15 +41,12 @@ def sampler_logprobs(rows: torch.Tensor, sampling_params, greedy: bool) -> torch
     copy). With SGLANG_RETURN_ORIGINAL_LOGPROB: log_softmax of the logits, no temperature.
     SGLang decides greedy per batch (a greedy request in a batch with sampled ones gets the log
     of the softmax at temperature 1): the same values up to float rounding."""
-    from sglang.kernels.ops.sampling import softmax as sampler_softmax
-    from sglang.srt.layers.sampler import SGLANG_RETURN_ORIGINAL_LOGPROB
-
     logits = rows.float()
-    if greedy or SGLANG_RETURN_ORIGINAL_LOGPROB:
+    if greedy or scheduler_api.returns_original_logprob():
         return torch.log_softmax(logits, dim=-1)
     temperature = torch.tensor(sampling_params.temperature, dtype=torch.float32,
                                device=logits.device)
-    return torch.log(sampler_softmax(logits / temperature))
+    return torch.log(scheduler_api.sampler_softmax(logits / temperature))
 
 
 def truncate_logprobs(req, keep: int) -> None:
@@ -62,8 +64,6 @@ def replace_speculative_logprobs(req, verified_len: int, rows: torch.Tensor,
     """`rows[i]` (the verification's sampler rows) predicts output_ids[verified_len + i]: the
     output logprobs of every token past `verified_len` become the exact ones, in the layout
     SGLang's decode step appends them."""
-    from sglang.srt.layers.logprob_processor import OutputLogprobProcessor
-
     truncate_logprobs(req, verified_len)
     tokens = req.output_ids[verified_len:]
     if not tokens:
@@ -74,7 +74,7 @@ def replace_speculative_logprobs(req, verified_len: int, rows: torch.Tensor,
     lp = req.logprob
     logprobs = sampler_logprobs(rows[: len(tokens)], req.sampling_params, greedy)
     n = len(tokens)
-    result = OutputLogprobProcessor().compute_logprobs(
+    result = scheduler_api.output_logprobs(
         logprobs, [lp.top_logprobs_num] * n, [lp.token_ids_logprob] * n,
         torch.tensor(tokens, dtype=torch.int64, device=logprobs.device))
     lp.output_token_logprobs_val.extend(result.token_logprobs.tolist())

@@ -1,9 +1,11 @@
 """The distribution SGLang's sampler really draws a token from under top-k, top-p and min-p: the
 temperature softmax filtered as SGLang's torch sampler filters it, renormalized.
 
-Called by `speculation.verify.decide` for both the exact rows (p) and the draft rows (q) of a
-sampled request, with the request's own parameters, so that speculative sampling on the filtered
-rows (`speculation.acceptance.accept_sampled`) emits exactly what exact decoding would draw.
+Copied SGLang logic (`hook_table.COPIED`, fingerprinted per release): it lives in the SGLang room
+because it must track SGLang's sampler release by release. Called by `speculation.verify.decide` for
+both the exact rows (p) and the draft rows (q) of a sampled request, with the request's own
+parameters, so that speculative sampling on the filtered rows
+(`speculation.acceptance.accept_sampled`) emits exactly what exact decoding would draw.
 `speculation.state.not_speculable_reason` lets truncated sampling speculate only where SGLang
 samples with this torch path (`FILTERING_BACKEND`).
 

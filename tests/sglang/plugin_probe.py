@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-from lynx_sglang import cpu_compat
+from lynx_sglang.upstream import cpu_compat
 
 cpu_compat.activate()
 out: dict = {}

@@ -1,4 +1,4 @@
-"""lynx_sglang.cpu_compat in fresh interpreters: the fallbacks exist only with the CPU engine
+"""lynx_sglang.upstream.cpu_compat in fresh interpreters: the fallbacks exist only with the CPU engine
 selected and no CUDA device, and only for packages that are not installed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import sys
-from lynx_sglang import cpu_compat
+from lynx_sglang.upstream import cpu_compat
 print("active", cpu_compat.activate())
 try:
     import sgl_kernel
@@ -74,7 +74,7 @@ def test_prefill_module_sees_always_complete_cuda_events():
 
     import torch
 
-    from lynx_sglang import cpu_compat
+    from lynx_sglang.upstream import cpu_compat
 
     module = types.ModuleType("prefill_probe")
     module.torch = torch

@@ -1,4 +1,4 @@
-"""Speculation under top-k/top-p/min-p (lynx_sglang.speculation.filtering and its use in
+"""Speculation under top-k/top-p/min-p (lynx_sglang.upstream.sampling_filter and its use in
 verify.decide): the filtered rows are exactly what SGLang's own torch sampler draws from, and
 speculative sampling on filtered p and q emits exactly the filtered p."""
 
@@ -11,7 +11,7 @@ import torch
 
 from lynx_sglang.speculation import state
 from lynx_sglang.speculation.acceptance import accept_sampled
-from lynx_sglang.speculation.filtering import FILTERING_BACKEND, filter_probs
+from lynx_sglang.upstream.sampling_filter import FILTERING_BACKEND, filter_probs
 
 VOCAB = 12
 # (top_k, top_p, min_p): each filter alone, together, top_k past the vocabulary, and none.

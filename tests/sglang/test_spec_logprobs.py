@@ -1,4 +1,4 @@
-"""Logprobs under speculation (lynx_sglang.speculation.logprobs), in-process against SGLang's real
+"""Logprobs under speculation (lynx_sglang.upstream.logprob_layout), in-process against SGLang's real
 Sampler, SamplingParams, SamplingBatchInfo and ReqLogprob: the logprobs verification writes for a
 verified token are the ones SGLang's decode step would have returned from the same (exact) logits,
 whatever the batch's sampling mode, and every speculative (Anchor) entry past the verified prefix
@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lynx_sglang.speculation import logprobs, state
+from lynx_sglang.speculation import state
 from lynx_sglang.speculation.state import SpecState
 from lynx_sglang.speculation.verify import apply_acceptance, decide, sampler_rows
 from lynx_sglang.upstream import adapter as upstream_adapter
+from lynx_sglang.upstream import logprob_layout as logprobs
 
 VOCAB = 40
 TOP = 4
