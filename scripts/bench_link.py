@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from lynx_tools import linkbench as lb
-from lynx_tools.netns import ShapedLink, netns_available
+from lynx_tools.bench import link as lb
+from lynx_tools.cluster.netns import ShapedLink, netns_available
 
 MiB = 1 << 20
 
@@ -40,8 +40,8 @@ def run(args) -> dict:
     name = f"lxb{os.getpid() % 100000}"
     tls = None
     if args.tls:
-        from lynx_tools.netns import RECEIVER_IP, SENDER_IP
-        from lynx_tools.tls_certs import make_certs
+        from lynx_tools.cluster.netns import RECEIVER_IP, SENDER_IP
+        from lynx_tools.cluster.tls_certs import make_certs
 
         files = make_certs(Path(args.out).parent / "bench_link_tls",
                            [RECEIVER_IP, SENDER_IP, "127.0.0.1"])

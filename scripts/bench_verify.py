@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one verification forward costs, in ordinary decode steps of the same request, per
 speculation depth, through a real SGLang PD cluster: `lynx-sglang bench-verify` (see
-tools/bench_verify.py).
+tools/bench/verify.py).
 
     .venv/bin/python scripts/bench_verify.py --out out/bench_verify
 Writes <out>/bench_verify.json and prints a table; about two minutes per depth on 2 cores.

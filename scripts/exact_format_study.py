@@ -36,8 +36,8 @@ from lynx_kernels import CodecSpec, preset
 from lynx_kernels import exact as exact_coding
 from lynx_kernels.codec import protected_positions
 from lynx_kernels.wire import HEADER
-from lynx_tools import codec_measure
-from lynx_tools.codec_sample_kv import real_kv
+from lynx_tools.codec import measure as codec_measure
+from lynx_tools.codec.sample_kv import real_kv
 
 BLOCKS = (8, 32, 128)
 WIDTH_HEADER_BITS = 5  # widths 0..16

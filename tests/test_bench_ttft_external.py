@@ -22,10 +22,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lynx_tools.bench_ttft import LAUNCH_DEFAULTS, add_arguments, check_arguments
 from lynx_tools.cli import main
-from lynx_tools.ttft_clients import stream_byte_counters
-from lynx_tools.ttft_results import LYNX_CLIENT
+from lynx_tools.ttft.bench import LAUNCH_DEFAULTS, add_arguments, check_arguments
+from lynx_tools.ttft.clients import stream_byte_counters
+from lynx_tools.ttft.results import LYNX_CLIENT
 
 ANCHOR_BYTES, RESIDUAL_BYTES = 1000, 3000  # per streamed request, as the stub counts them
 
@@ -257,8 +257,8 @@ def test_bench_serving_record_reads_the_last_record_or_names_the_log(tmp_path):
     """The one runner of `sglang.bench_serving` for bench-ttft and bench-load: the last JSONL
     record of a run that wrote one (an earlier file is not appended to), a BenchError naming what
     ran and its log otherwise."""
-    from lynx_tools.ttft_clients import bench_serving_record
-    from lynx_tools.ttft_results import BenchError
+    from lynx_tools.ttft.clients import bench_serving_record
+    from lynx_tools.ttft.results import BenchError
 
     out, log = tmp_path / "out.jsonl", tmp_path / "run.log"
     out.write_text('{"stale": 1}\n')
@@ -277,7 +277,7 @@ def test_bench_serving_record_reads_the_last_record_or_names_the_log(tmp_path):
 def test_a_shared_prefix_workload_replaces_the_random_prompts(tmp_path):
     """bench-load --workload rag: bench_serving's generated-shared-prefix dataset with the
     documents' and questions' sizes, one request per question, instead of random-id prompts."""
-    from lynx_tools.ttft_clients import SharedPrefixWorkload, bench_serving_command
+    from lynx_tools.ttft.clients import SharedPrefixWorkload, bench_serving_command
 
     rag = SharedPrefixWorkload(docs=3, questions_per_doc=5, doc_tokens=1500, question_tokens=32)
     cmd = bench_serving_command("http://x", tmp_path, 999, 16, 2, 7, tmp_path / "o.jsonl",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_tools.bench_verify import (
+from lynx_tools.bench.verify import (
     BenchVerifyError,
     DepthResult,
     VerifyRun,

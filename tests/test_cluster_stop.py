@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lynx_tools.cluster import Cluster, _Proc
-from lynx_tools.cluster_spec import ClusterError, ClusterMode, ClusterSpec, split_cpus
+from lynx_tools.cluster.local import Cluster, _Proc
+from lynx_tools.cluster.spec import ClusterError, ClusterMode, ClusterSpec, split_cpus
 
 # The stand-in server: starts a child that ignores SIGTERM (SGLang's scheduler outliving its
 # parent) and a plain one, writes their pids, then sleeps (or exits at once with "exit").
@@ -71,7 +71,7 @@ def _start(cluster: Cluster, tmp_path: Path, mode: str = "stay") -> tuple[int, i
 def test_stop_ends_the_tree_and_kills_what_ignores_sigterm(cluster, tmp_path, caplog):
     pids = _start(cluster, tmp_path)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="lynx_tools.cluster"):
+    with caplog.at_level(logging.WARNING, logger="lynx_tools.cluster.local"):
         cluster.stop()
     assert all(_gone(pid) for pid in pids)
     assert time.monotonic() - t0 < 10
@@ -102,8 +102,8 @@ def test_up_runs_sglangs_overlap_scheduler_unless_told_otherwise(tmp_path):
     reaches every server once (not once from the operator and once from ClusterSpec)."""
     import argparse
 
-    from lynx_tools.cluster import add_arguments, up_spec
-    from lynx_tools.cluster_spec import server_command
+    from lynx_tools.cluster.local import add_arguments, up_spec
+    from lynx_tools.cluster.spec import server_command
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

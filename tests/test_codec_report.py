@@ -1,4 +1,4 @@
-"""`lynx-sglang codec-report` (lynx_tools.codec_report).
+"""`lynx-sglang codec-report` (lynx_tools.codec.report).
 
 Fast tests run the synthetic path on a few hundred tokens: both targets' wire bytes against the
 codec's own size accounting, the exact target's bit identity and its ideal (entropy) bound, the
@@ -17,10 +17,11 @@ import torch
 
 from lynx_kernels import CodecSpec, encode, preset, protected_positions, run_nbytes
 from lynx_kernels.codec import exact_parts
-from lynx_tools import codec_measure, codec_report
 from lynx_tools.cli import main as cli_main
-from lynx_tools.codec_report_schema import Report, TargetReport
-from lynx_tools.codec_sample_kv import sample_kv
+from lynx_tools.codec import measure as codec_measure
+from lynx_tools.codec import report as codec_report
+from lynx_tools.codec.sample_kv import sample_kv
+from lynx_tools.codec.schema import Report, TargetReport
 
 SMOL = preset("SmolLM2-135M")
 

@@ -97,7 +97,7 @@ def test_operators_doc_lists_every_flag_as_the_parser_explains_it():
 
 
 def test_tls_flags_reach_the_transport_and_bad_ones_are_named(tmp_path):
-    from lynx_tools.tls_certs import make_certs
+    from lynx_tools.cluster.tls_certs import make_certs
 
     files = make_certs(tmp_path, ["127.0.0.1"])
     cfg = _config(*files.flags(), "--no-lynx-tls-check-hostname")

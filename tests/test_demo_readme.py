@@ -1,4 +1,4 @@
-"""The demo quotes the README on the fast-link case (tools/demo_report.py): its words and its
+"""The demo quotes the README on the fast-link case (tools/demo/report.py): its words and its
 measured figures must still be the README's, so that the demo and the README say the same."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from lynx_tools.demo_report import FAST_LINK_MEASURED, FAST_LINK_WORDS
+from lynx_tools.demo.report import FAST_LINK_MEASURED, FAST_LINK_WORDS
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -88,7 +88,7 @@ def test_the_gpudirect_line_says_what_was_found_and_that_staging_is_host_memory(
 
 
 def test_tls_files_are_handshaken_as_peers_would(tmp_path):
-    from lynx_tools.tls_certs import make_certs
+    from lynx_tools.cluster.tls_certs import make_certs
 
     assert doctor.check_tls(None, None, None).verdict is doctor.Verdict.WARN
     good = make_certs(tmp_path / "ca1", ["10.0.0.1"])

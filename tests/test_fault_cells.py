@@ -9,7 +9,7 @@ import pytest
 
 from lynx_kernels import CodecSpec, model_shape
 from lynx_sglang.backend.plan import StreamPlan
-from lynx_tools.fault_cells import (
+from lynx_tools.faults.cells import (
     FAULTS,
     MODES,
     PARKED_NEW_TOKENS,
@@ -24,8 +24,8 @@ from lynx_tools.fault_cells import (
     table,
     windowed_staging_mib,
 )
-from lynx_tools.fault_matrix import stream_until_hang_up
-from lynx_tools.faults import add_arguments, check_arguments, chosen_cells
+from lynx_tools.faults.matrix import stream_until_hang_up
+from lynx_tools.faults.run import add_arguments, check_arguments, chosen_cells
 
 
 def test_the_matrix_is_every_combination_of_its_axes():

@@ -1,4 +1,4 @@
-"""The fault matrix's fd census (`Cluster.fd_kinds`, `fault_cells.fd_growth`): what a leak check's
+"""The fault matrix's fd census (`Cluster.fd_kinds`, `faults.cells.fd_growth`): what a leak check's
 extra fds are and in which process, read from /proc of a real stand-in server (no SGLang)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from lynx_tools import process_tree
-from lynx_tools.cluster import Cluster, _Proc
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
-from lynx_tools.fault_cells import fd_growth
-from lynx_tools.process_tree import fd_kind
+from lynx_tools.cluster import process_tree
+from lynx_tools.cluster.local import Cluster, _Proc
+from lynx_tools.cluster.process_tree import fd_kind
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
+from lynx_tools.faults.cells import fd_growth
 
 # Opens 3 eventfds and a socket pair, says so, then sleeps.
 SERVER = """

@@ -1,10 +1,10 @@
-"""`lynx_tools.load` and `lynx_tools.load_mix`: the request mix of a load round, what makes a
+"""`lynx_tools.load.run` and `lynx_tools.load.mix`: the request mix of a load round, what makes a
 round clean and the tally of what speculation did with each kind (no servers)."""
 
 from __future__ import annotations
 
-from lynx_tools.load import NEW_TOKENS, LoadReport, plan_requests
-from lynx_tools.process_tree import FD_SLACK, THREAD_SLACK, Resources
+from lynx_tools.cluster.process_tree import FD_SLACK, THREAD_SLACK, Resources
+from lynx_tools.load.run import NEW_TOKENS, LoadReport, plan_requests
 
 
 def test_the_mix_covers_every_prompt_and_abandons_about_the_asked_fraction():
@@ -38,7 +38,7 @@ def test_resources_grow_only_past_the_slack():
 
 
 def test_the_mix_takes_each_kind_in_turn_and_names_it_in_the_rid():
-    from lynx_tools.load_mix import KINDS, kinds_by_name, request_id
+    from lynx_tools.load.mix import KINDS, kinds_by_name, request_id
 
     prompts = {n: [n] * n for n in (10, 20, 30, 40)}
     reqs = plan_requests(prompts, 24, abandon_fraction=0.0, seed=1)
@@ -63,7 +63,7 @@ def test_the_mix_takes_each_kind_in_turn_and_names_it_in_the_rid():
 def test_the_tally_counts_each_kinds_speculation_from_the_decode_log():
     import json
 
-    from lynx_tools.load_mix import merged_tallies, speculation_summary, tally
+    from lynx_tools.load.mix import merged_tallies, speculation_summary, tally
 
     def line(rid, reason=None, speculated=3):
         return "x lynx spec " + json.dumps({"rid": rid, "no_spec_reason": reason,

@@ -1,4 +1,4 @@
-"""`tools.load_stats`: the figures `lynx-sglang bench-load` reports from sglang.bench_serving's
+"""`tools.load.stats`: the figures `lynx-sglang bench-load` reports from sglang.bench_serving's
 per-request details (pure; the numbers below are worked by hand)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lynx_tools.bench_load import parse_rates
-from lynx_tools.load_stats import LoadFigures, LoadPass, LoadReport, percentile
-from lynx_tools.ttft_results import BenchError
+from lynx_tools.load.bench import parse_rates
+from lynx_tools.load.stats import LoadFigures, LoadPass, LoadReport, percentile
+from lynx_tools.ttft.results import BenchError
 
 
 def _result(ttfts, itls, texts=None, duration=10.0, errors=None):

@@ -1,4 +1,4 @@
-"""`bench-ttft --regime` without servers: the link rate for an R (`tools.ttft_regime`), the
+"""`bench-ttft --regime` without servers: the link rate for an R (`tools.ttft.regime`), the
 deployment table's R from its stated FLOPs and bytes (`tools.regimes`) and that
 docs/benchmarks.md shows the same table, the options, and the report's text and JSON."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from lynx_tools import regimes
-from lynx_tools.bench_ttft import add_arguments, check_arguments
 from lynx_tools.regimes import H100_BF16_FLOPS, PREFILL_MFU, Deployment, Model, nearest
-from lynx_tools.ttft_regime import (
+from lynx_tools.ttft.bench import add_arguments, check_arguments
+from lynx_tools.ttft.regime import (
     MAX_RATE_BPS,
     MIN_RATE_BPS,
     REGIME_VARIANTS,
@@ -28,7 +28,7 @@ from lynx_tools.ttft_regime import (
     regime_json,
     slow_link_variant,
 )
-from lynx_tools.ttft_results import LYNX_CLIENT, BenchConfig, RequestTiming, VariantResult
+from lynx_tools.ttft.results import LYNX_CLIENT, BenchConfig, RequestTiming, VariantResult
 from lynx_tools.variants import select_variants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,8 +201,8 @@ def test_run_regimes_reshapes_the_live_links_per_r(monkeypatch, tmp_path, capsys
     request (its prefill measures the link it streams by); each R reports its own requests."""
     from types import SimpleNamespace
 
-    from lynx_tools import ttft_regime_run as run
-    from lynx_tools.ttft_clusters import Measured
+    from lynx_tools.ttft import regime_run as run
+    from lynx_tools.ttft.clusters import Measured
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(

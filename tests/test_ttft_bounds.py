@@ -1,4 +1,4 @@
-"""A variant's TTFT byte bound in a regime (`tools.ttft_bounds`): forward, the bytes its first
+"""A variant's TTFT byte bound in a regime (`tools.ttft.bounds`): forward, the bytes its first
 token waits for (all of the KV, the Anchor, or Anchor and Residual), hidden under the forward when
 layer-streamed, plus the baseline's fixed cost; and where the regime report shows it."""
 
@@ -9,9 +9,9 @@ import json
 import pytest
 from test_regimes import SMOL_KV_1500, _regime, _request
 
-from lynx_tools.ttft_bounds import byte_bounds, gating_bytes
-from lynx_tools.ttft_regime import format_regime, regime_json
-from lynx_tools.ttft_results import VariantResult
+from lynx_tools.ttft.bounds import byte_bounds, gating_bytes
+from lynx_tools.ttft.regime import format_regime, regime_json
+from lynx_tools.ttft.results import VariantResult
 from lynx_tools.variants import select_variants
 
 

@@ -33,36 +33,36 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     ),
     Subcommand(
         "bench-ttft",
-        "lynx_tools.bench_ttft",
+        "lynx_tools.ttft.bench",
         "TTFT/net TTFT/token times of PD variants (mooncake, lynx, lynx-int8) via sglang.bench_serving, "
         "at wire-to-forward ratios (--regime R,...), or of an already running cluster (--url)",
     ),
     Subcommand(
         "bench-load",
-        "lynx_tools.bench_load",
+        "lynx_tools.load.bench",
         "P50/P99 TTFT, time per output token, throughput and SLO attainment of PD variants under "
         "Poisson arrivals (sglang.bench_serving --request-rate) at a wire-to-forward ratio R",
     ),
     Subcommand(
         "bench-verify",
-        "lynx_tools.bench_verify",
+        "lynx_tools.bench.verify",
         "cost of one verification forward in decode steps of the same request, per speculation "
         "depth, through a real PD cluster",
     ),
     Subcommand(
         "bench-transfer",
-        "lynx_tools.bench_transfer",
+        "lynx_tools.bench.transfer",
         "time-to-Anchor/Residual vs BF16/INT8/INT4 single-stream KV transfers on a shaped link",
     ),
     Subcommand(
         "codec-report",
-        "lynx_tools.codec_report",
+        "lynx_tools.codec.report",
         "wire bytes per token per stream (int8 and exact targets, the exact entropy bound) and "
         "error statistics of the Lynx codec on real (embedded SmolLM2) or synthetic KV",
     ),
     Subcommand(
         "demo",
-        "lynx_tools.demo",
+        "lynx_tools.demo.run",
         "PD demo: SGLang's mooncake_tcp vs Lynx exact and int8, interleaved, on a link shaped "
         "for R = 4 (root; --link for a fixed rate); TTFT from the send, 16th/64th token, "
         "fairness, timeline",
@@ -75,14 +75,14 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     ),
     Subcommand(
         "faults",
-        "lynx_tools.faults",
+        "lynx_tools.faults.run",
         "fault matrix through a real PD cluster: {prefill, decode} x {SIGKILL, SIGSTOP, "
         "partition, RST, slow link} x transfer phase x {greedy, sampled, client abort}; each cell "
         "checks the client's answer or error, leaks and the next request",
     ),
     Subcommand(
         "load",
-        "lynx_tools.load",
+        "lynx_tools.load.run",
         "concurrent requests (some abandoned mid-stream) through a PD cluster with several "
         "prefills; every completed greedy output checked against a single server, no leaked KV "
         "slots or staging; --duration-s for a soak",
@@ -95,13 +95,13 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     ),
     Subcommand(
         "tls-certs",
-        "lynx_tools.tls_certs",
+        "lynx_tools.cluster.tls_certs",
         "make a private CA and node certificates for --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca "
         "(TLS on the tcp transport's data connections)",
     ),
     Subcommand(
         "up",
-        "lynx_tools.cluster",
+        "lynx_tools.cluster.local",
         "start a local SGLang cluster (prefill + decode + router, or one server) and keep it up",
     ),
 )

@@ -58,7 +58,7 @@ class Progress:
         self._line(msg)
 
     def waiting(self, names: list[str], elapsed_s: float) -> None:
-        """A start-up wait (`tools.cluster.Cluster`'s `on_wait`)."""
+        """A start-up wait (`tools.cluster.local.Cluster`'s `on_wait`)."""
         if self.clock() - self._last_line >= self.wait_every_s:
             self._line(f"waiting for {', '.join(names)} ready … {elapsed_s:.0f} s")
 

@@ -3,7 +3,7 @@ length, H100s of one prefill instance, prefill -> decode link) with R = the BF16
 the prefill forward, both estimated from FLOPs and bytes at a stated MFU, never measured.
 
 Owner of the table in docs/benchmarks.md ("The deployments behind R"; `markdown_table` writes it,
-tests/test_regimes.py keeps the doc equal to it). Caller: `tools.ttft_regime` (`bench-ttft
+tests/test_regimes.py keeps the doc equal to it). Caller: `tools.ttft.regime` (`bench-ttft
 --regime` names the deployments nearest to each R it runs).
 """
 

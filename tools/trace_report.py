@@ -2,7 +2,7 @@
 (`lynx_sglang.trace`), joined by request id and room, turned into the critical path from "prefill
 forward done" to "first token at the client", one row per stage.
 
-Used by `tools.demo` and `tools.bench_ttft` (the stage breakdown they print and store); reads
+Used by `tools.demo.run` and `tools.ttft.bench` (the stage breakdown they print and store); reads
 only the trace directory the servers wrote (`names.TRACE_DIR_ENV`), never a log.
 """
 

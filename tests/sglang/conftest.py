@@ -26,8 +26,8 @@ from sampling_case import (
 
 from lynx_sglang.config import LynxConfig
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.local import Cluster
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 # Short prompts keep CI time small; the long one spans several Lynx chunks (256 tokens each) and
 # a partial last group.
@@ -64,7 +64,10 @@ def standin_release(monkeypatch):
         all_reduce_flags=lambda flags, group, op: flags,
         reasoning_state=("reasoning_tokens", "_is_reasoning_over", "_think_end_match_len",
                          "_think_start_match_len"),
-        first_token_has_ids_logprob_row=True)
+        first_token_has_ids_logprob_row=True,
+        release_kv_cache=lambda req, tree_cache, keep_in_cache: None,
+        extend_bounds=lambda req: (req.prefix_len, req.extend_end),
+        has_topk_shortcut=True)
     monkeypatch.setattr(adapter, "scheduler", lambda: layout)
     return layout
 
@@ -139,7 +142,7 @@ def pd_link() -> str | None:
     import os
     import shutil
 
-    from lynx_tools.netns import NETLAB
+    from lynx_tools.cluster.netns import NETLAB
 
     if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") and NETLAB.is_file():
         return "1gbit"

@@ -10,14 +10,14 @@ import json
 import pytest
 
 from lynx_sglang.names import IDLE_WAIT_ENV, TRACE_DIR_ENV
-from lynx_tools.bench_ttft import cluster_spec, interleaved_order, lynx_stream_bytes
 from lynx_tools.client import StreamedGeneration
-from lynx_tools.cluster_spec import server_command
+from lynx_tools.cluster.spec import server_command
 from lynx_tools.measure import transfer_lines
 from lynx_tools.prompts import random_ids_prompts
-from lynx_tools.ttft_clients import bench_serving_command
-from lynx_tools.ttft_report import format_table, plot, result_json
-from lynx_tools.ttft_results import (
+from lynx_tools.ttft.bench import cluster_spec, interleaved_order, lynx_stream_bytes
+from lynx_tools.ttft.clients import bench_serving_command
+from lynx_tools.ttft.report import format_table, plot, result_json
+from lynx_tools.ttft.results import (
     BENCH_SERVING,
     LYNX_CLIENT,
     BenchConfig,
@@ -204,7 +204,7 @@ def test_variants_by_name():
 def test_bench_serving_command_is_offline_and_sequential(tmp_path):
     cmd = bench_serving_command("http://r", tmp_path, 300, 4, 2, 7, tmp_path / "o.jsonl")
     flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
-    assert cmd[1:3] == ["-m", "lynx_tools.bench_serving_offline"]
+    assert cmd[1:3] == ["-m", "lynx_tools.ttft.bench_serving_offline"]
     assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd
     assert flag("--random-range-ratio") == "1" and flag("--max-concurrency") == "1"
     assert flag("--tokenizer") == str(tmp_path) and flag("--warmup-requests") == "0"
@@ -278,9 +278,9 @@ def test_a_failed_request_is_left_out_and_the_run_goes_on(monkeypatch):
     """An interleaved run (bench-ttft --interleave / --regime) records a request that failed and
     sends the rest: the variant keeps its other requests, with their prompt numbers, and the
     outputs are compared on the prompts both variants have."""
-    from lynx_tools import ttft_clusters
     from lynx_tools.client import GenerateError
     from lynx_tools.progress import Progress
+    from lynx_tools.ttft import clusters as ttft_clusters
 
     moon, lynx = select_variants("mooncake,lynx")
     stream = StreamedGeneration([5], 300, 0.0, 1.0, 1.0, (1.0,), "t")

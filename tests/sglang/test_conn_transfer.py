@@ -237,7 +237,7 @@ def test_codec_mismatch_fails_both_sides_at_connect(sgl, make_pd, field, prefill
 
 @pytest.fixture(scope="module")
 def tls_flags(tmp_path_factory) -> dict:
-    from lynx_tools.tls_certs import make_certs
+    from lynx_tools.cluster.tls_certs import make_certs
 
     files = make_certs(tmp_path_factory.mktemp("tls"), [LOOPBACK])
     return {"tls_cert": str(files.cert_file), "tls_key": str(files.key_file),

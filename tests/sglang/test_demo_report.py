@@ -1,4 +1,4 @@
-"""The demo's report on canned bench-ttft results (tools/demo_report.py), no servers: the headline
+"""The demo's report on canned bench-ttft results (tools/demo/report.py), no servers: the headline
 (TTFT from the send and the 16th / 64th token against the baseline, R and the GPU deployments it
 stands for, the interleaving), the fairness warning when the prefill forwards differ by more than
 10 %, the outputs' verdict and exit status, the fast-link line, demo.json and the timeline PNG;
@@ -12,8 +12,8 @@ import json
 import pytest
 
 from lynx_sglang.names import IDLE_WAIT_ENV
-from lynx_tools import demo
-from lynx_tools.demo_report import (
+from lynx_tools.demo import run as demo
+from lynx_tools.demo.report import (
     FAST_LINK_WORDS,
     DemoRun,
     compare,
@@ -27,8 +27,8 @@ from lynx_tools.demo_report import (
 )
 from lynx_tools.measure import kv_dtype_server_args, model_kv_shape
 from lynx_tools.prompts import passkey_prompt
-from lynx_tools.ttft_regime import HEARTBEAT_ENV, Calibration, Regime, link_rate_for
-from lynx_tools.ttft_results import LYNX_CLIENT, BenchConfig, RequestTiming, VariantResult
+from lynx_tools.ttft.regime import HEARTBEAT_ENV, Calibration, Regime, link_rate_for
+from lynx_tools.ttft.results import LYNX_CLIENT, BenchConfig, RequestTiming, VariantResult
 from lynx_tools.variants import select_variants
 
 KV_BYTES = 1500 * 23040  # SmolLM2-135M's BF16 KV of a 1500-token prompt

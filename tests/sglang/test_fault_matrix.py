@@ -5,7 +5,7 @@ namespaces when run as root (as in CI), else on loopback, where the link faults 
 `LYNX_FAULTS_SAMPLE` (default 3) and `LYNX_FAULTS_SEED` (default 0) choose the cells, and
 `LYNX_FAULTS_WINDOWED_SAMPLE` (default 1) those of a windowed matrix (`lynx-sglang faults
 --windowed`: the faulted request goes in segments); every cell must be clean (see
-`lynx_tools.faults` for what a cell checks).
+`lynx_tools.faults.run` for what a cell checks).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from lynx_tools.fault_cells import (
+from lynx_tools.faults.cells import (
     NEXT_PROMPT_TOKENS,
     PROMPT_TOKENS,
     all_cells,
@@ -22,7 +22,7 @@ from lynx_tools.fault_cells import (
     table,
     windowed_staging_mib,
 )
-from lynx_tools.fault_matrix import Matrix
+from lynx_tools.faults.matrix import Matrix
 from lynx_tools.measure import kv_dtype_server_args
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lynx_sglang.names import STAGING_QUEUED_LOG
-from lynx_tools.load import PROMPT_LENGTHS, run_load
+from lynx_tools.load.run import PROMPT_LENGTHS, run_load
 from lynx_tools.measure import kv_dtype_server_args
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

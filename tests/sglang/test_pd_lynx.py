@@ -20,7 +20,7 @@ from layer_streaming import ALWAYS_STREAM
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, FAULT_RESIDUAL_HOLD_LOG
 from lynx_tools.client import GenerateError, generate
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

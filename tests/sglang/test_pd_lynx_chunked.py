@@ -12,8 +12,8 @@ import pytest
 from layer_streaming import ALWAYS_STREAM
 
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.local import Cluster
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from lynx_tools.client import generate
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -17,8 +17,8 @@ from layer_streaming import ALWAYS_STREAM
 from tiny_deepseek import DUMMY, MAX_NEW_TOKENS, PROMPTS, write_model
 
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.local import Cluster
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

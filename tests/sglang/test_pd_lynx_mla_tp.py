@@ -25,8 +25,8 @@ import pytest
 from tiny_deepseek import DUMMY, MAX_NEW_TOKENS, PROMPTS, write_model
 
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.local import Cluster
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -34,8 +34,8 @@ from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, TRACE_DIR_ENV
 from lynx_sglang.speculation.controller import IN_FLIGHT_PARK_REASON
 from lynx_sglang.trace import read_records
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.local import Cluster
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

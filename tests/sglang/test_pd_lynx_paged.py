@@ -24,8 +24,8 @@ from coarse_anchor import COARSE_ANCHOR_SPEC_ARGS
 from lynx_sglang.backend.pages import page_ceil
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.local import Cluster
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

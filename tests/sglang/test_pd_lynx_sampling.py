@@ -43,7 +43,7 @@ from sampling_case import (
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
 from lynx_tools.client import generate
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ from request_fields import GRAMMAR_SAMPLING, LOGPROB_FIELDS
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV, SPEC_PARKED_LOG
 from lynx_sglang.speculation.stream import SpecStreamClient
 from lynx_tools.client import GenerateError, generate, generate_stream
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec, free_port
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec, free_port
 from lynx_tools.measure import transfer_lines
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

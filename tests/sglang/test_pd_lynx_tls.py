@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lynx_tools.client import generate
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 from lynx_tools.measure import transfer_lines
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

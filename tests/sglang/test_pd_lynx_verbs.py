@@ -15,7 +15,7 @@ import os
 import pytest
 
 from lynx_tools.client import generate
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 
 pytestmark = [pytest.mark.rdma_vm, pytest.mark.sglang, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from lynx_tools.client import generate
-from lynx_tools.cluster import Cluster
-from lynx_tools.cluster_spec import ClusterMode, ClusterSpec
+from lynx_tools.cluster.local import Cluster
+from lynx_tools.cluster.spec import ClusterMode, ClusterSpec
 from lynx_tools.measure import metric_sum, transfer_lines, wait_for
 from lynx_tools.prompts import passkey_prompt
 

@@ -14,7 +14,7 @@ from lynx_sglang.speculation.stream import (
     SpecStreamPublisher,
     SpecView,
 )
-from lynx_tools.cluster_spec import free_port
+from lynx_tools.cluster.spec import free_port
 
 
 @pytest.fixture()

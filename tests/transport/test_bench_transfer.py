@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lynx_tools import bench_transfer as bt
+from lynx_tools.bench import transfer as bt
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Shaped-link tests: two network namespaces, a veth pair, tc tbf at 1 Gbit/s (lynx_tools.netns).
+"""Shaped-link tests: two network namespaces, a veth pair, tc tbf at 1 Gbit/s (lynx_tools.cluster.netns).
 
 No timing assertions here (CI machines are small and shared): the tests check what must hold on
 any machine — bytes arrive intact over a shaped link, strict priority keeps RESIDUAL bytes off the
@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from lynx_tools import linkbench as lb
-from lynx_tools.netns import ShapedLink, netns_available
+from lynx_tools.bench import link as lb
+from lynx_tools.cluster.netns import ShapedLink, netns_available
 
 pytestmark = pytest.mark.netns
 MiB = 1 << 20

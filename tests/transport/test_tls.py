@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from session_pair import connected_pair, pattern
 
-from lynx_tools.tls_certs import make_certs
+from lynx_tools.cluster.tls_certs import make_certs
 from lynx_transport import Endpoint, HandshakeError, SessionClosedError, Status, Stream
 from lynx_transport.tls import TlsConfig, TlsConfigError
 

@@ -1,8 +1,8 @@
 """Link benchmarks for lynx_transport: raw sockets vs our tcp backend vs Mooncake, priority checks.
 
 Used by `scripts/bench_link.py`, the `netns` tests and `lynx-sglang bench-transfer`. Each side of a
-measurement runs in its own process (`python -m lynx_tools.linkbench ROLE JSON`),
-normally inside a network namespace of a shaped veth link (`tools.netns.ShapedLink`); the driver
+measurement runs in its own process (`python -m lynx_tools.bench.link ROLE JSON`),
+normally inside a network namespace of a shaped veth link (`tools.cluster.netns.ShapedLink`); the driver
 (`run_pair`) starts both, passes the receiver's address to the sender and collects one JSON line
 from each.
 Times are `time.monotonic()`, which all processes of one host share (namespaces do not change it).
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .netns import RECEIVER_IP, SENDER_IP, ShapedLink
+from ..cluster.netns import RECEIVER_IP, SENDER_IP, ShapedLink
 
 
 def _cpu() -> float:
@@ -279,7 +279,7 @@ ROLES = {"raw-recv": raw_recv, "raw-send": raw_send, "lynx-recv": lynx_recv,
 
 # ----------------------------------------------------------------------------- driver side
 def _spawn(role: str, cfg: dict, netns: str | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lynx_tools.linkbench", role, json.dumps(cfg)]
+    cmd = [sys.executable, "-m", "lynx_tools.bench.link", role, json.dumps(cfg)]
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

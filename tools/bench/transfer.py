@@ -5,7 +5,7 @@ length, sizes the Anchor and Residual streams with the codec's byte accounting
 (`lynx_kernels.stream_nbytes_per_token`) and BF16/INT8/INT4 single-stream baselines, then moves the
 bytes with `lynx_transport` (tcp backend) over a link of the given rate:
 
-  --link netns     two network namespaces + veth + tc tbf at --rate (root; tools/netns.py)
+  --link netns     two network namespaces + veth + tc tbf at --rate (root; tools/cluster/netns.py)
   --link throttle  loopback, the sender paced at --rate (works anywhere; less faithful)
   --link auto      netns when possible, else throttle (default)
 
@@ -21,7 +21,7 @@ import json
 import logging
 from pathlib import Path
 
-log = logging.getLogger("lynx_tools.bench_transfer")
+log = logging.getLogger("lynx_tools.bench.transfer")
 
 
 def _rate_bps(rate: str) -> float:
@@ -80,8 +80,8 @@ def sizes(model: str, context: int, anchor_bits: int = 4, target: str = "int8",
 def measure(sz: dict, rate: str, link: str, repeat: int) -> dict:
     import numpy as np
 
-    from . import linkbench as lb
-    from .netns import ShapedLink, netns_available
+    from ..cluster.netns import ShapedLink, netns_available
+    from . import link as lb
 
     if link == "auto":
         link = "netns" if netns_available() is None else "throttle"

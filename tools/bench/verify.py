@@ -29,12 +29,12 @@ from pathlib import Path
 from lynx_sglang.errors import LynxError
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
 
-from .client import generate, generate_stream
-from .cluster import Cluster
-from .cluster_spec import ClusterMode, ClusterSpec
-from .measure import add_kv_dtype_argument, kv_dtype_server_args, spec_lines, wait_for
-from .progress import Progress
-from .prompts import WARMUP_PROMPT, passkey_prompt
+from ..client import generate, generate_stream
+from ..cluster.local import Cluster
+from ..cluster.spec import ClusterMode, ClusterSpec
+from ..measure import add_kv_dtype_argument, kv_dtype_server_args, spec_lines, wait_for
+from ..progress import Progress
+from ..prompts import WARMUP_PROMPT, passkey_prompt
 
 
 class BenchVerifyError(LynxError):
@@ -180,7 +180,7 @@ def format_table(results: list[DepthResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from .model import embedded_model_dir
+    from ..model import embedded_model_dir
 
     depths = _positions(args.positions)
     if args.requests < 1:

@@ -10,8 +10,8 @@ SIGTERM, then SIGKILL to what is still alive after a deadline. `start()` waits f
 died or never came up. Logs: `<run_dir>/<name>.log`.
 
 Used by `lynx-sglang up` (`run`), the tests (tests/sglang/conftest.py) and the benchmarks.
-What to start is a `lynx_tools.cluster_spec.ClusterSpec`; the process-tree census is
-`lynx_tools.process_tree`'s.
+What to start is a `lynx_tools.cluster.spec.ClusterSpec`; the process-tree census is
+`lynx_tools.cluster.process_tree`'s.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from pathlib import Path
 import psutil
 import requests
 
-from .cluster_spec import (
+from .netns import RECEIVER_IP, SENDER_IP, Forwarder, ShapedLink
+from .process_tree import Resources, process_tree, tree_fd_kinds, tree_resources, wait_exited
+from .spec import (
     HOST,
     TRANSFER_BACKENDS,
     ClusterError,
@@ -46,8 +48,6 @@ from .cluster_spec import (
     free_port,
     server_command,
 )
-from .netns import RECEIVER_IP, SENDER_IP, Forwarder, ShapedLink
-from .process_tree import Resources, process_tree, tree_fd_kinds, tree_resources, wait_exited
 
 logger = logging.getLogger(__name__)
 
@@ -418,7 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def up_spec(args: argparse.Namespace) -> ClusterSpec:
     """The cluster `up` starts: SGLang's default overlap scheduler unless the server flags after
     `--` turn it off (ClusterSpec then passes that flag, once, to every server)."""
-    from .model import embedded_model_dir
+    from ..model import embedded_model_dir
 
     no_overlap = "--disable-overlap-schedule"
     return ClusterSpec(

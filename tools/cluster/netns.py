@@ -3,7 +3,7 @@
 and clients keep using 127.0.0.1.
 
 `ShapedLink` is the one wrapper of `netlab.sh`: the cluster launcher (`--link RATE`) and the link
-benchmarks (`linkbench`) both use it. It creates the namespaces `<name>-a` (SENDER_IP: the prefill
+benchmarks (`bench.link`) both use it. It creates the namespaces `<name>-a` (SENDER_IP: the prefill
 or the sending side) and `<name>-b` (RECEIVER_IP: decode, router, receiving side) and removes them
 in `close()`. Needs root and iproute2 (`netns_available` says why not). `Forwarder` accepts on
 127.0.0.1 here and connects to a target inside a namespace: each connection's thread enters the

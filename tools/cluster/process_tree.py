@@ -1,7 +1,7 @@
 """The process tree of a server started in its own session: finding it (`process_tree`), counting
 what it holds (`tree_resources`, `tree_fd_kinds`: the leak checks' census), what it has used
 (`tree_cpu_s`: the load benchmark's CPU per request) and waiting for it to
-exit (`wait_exited`). Used by `lynx_tools.cluster.Cluster` and the fault matrix.
+exit (`wait_exited`). Used by `lynx_tools.cluster.local.Cluster` and the fault matrix.
 """
 
 from __future__ import annotations

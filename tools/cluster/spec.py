@@ -1,6 +1,6 @@
 """What a local SGLang cluster is made of: its mode, its spec (`ClusterSpec`, checked on
 construction) and the SGLang server command line and environment a spec gives, with the free ports
-it listens on. No process is started here: `lynx_tools.cluster` starts them; the benchmarks, the
+it listens on. No process is started here: `lynx_tools.cluster.local` starts them; the benchmarks, the
 fault matrix and the tests build their specs with this module.
 """
 
@@ -43,7 +43,7 @@ class ClusterSpec:
     stop_timeout_s: float = 20.0
     extra_env: dict[str, str] = field(default_factory=dict)
     # PD only: put prefill and decode in two network namespaces joined by a link shaped to this
-    # rate (e.g. "1gbit"), with this qdisc (see lynx_tools.netns); None = loopback.
+    # rate (e.g. "1gbit"), with this qdisc (see lynx_tools.cluster.netns); None = loopback.
     link: str | None = None
     link_qdisc: str = "prio"
     # PD only: prefill servers behind the router (each its own bootstrap port), one decode.

@@ -1,6 +1,6 @@
 """The codec report's measurements: each sample run encoded with the serving call and decoded back
 (`TargetSums.add`), summed per target into wire bytes, error statistics and, for the exact target,
-the entropy of the corrections (`TargetSums.report`). Used by `lynx_tools.codec_report` and
+the entropy of the corrections (`TargetSums.report`). Used by `lynx_tools.codec.report` and
 scripts/exact_format_study.py.
 """
 
@@ -27,8 +27,8 @@ from lynx_kernels import (
 from lynx_kernels import exact as exact_coding
 from lynx_kernels.wire import HEADER
 
-from .codec_report_schema import ErrorStats, TargetReport, WireBytes
-from .codec_sample_kv import KINDS
+from .sample_kv import KINDS
+from .schema import ErrorStats, TargetReport, WireBytes
 
 
 class _ErrorSum:

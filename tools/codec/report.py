@@ -28,9 +28,9 @@ Sample KV (`--kv`; the output says which):
              log-normal scales, a few outlier channels in K and a large attention-sink token 0 (what
              makes K hard to quantize in real models), scaled to the model's layer count. The
              default for the other shapes (Llama-3.1-8B).
-Writes the report (`Report`, dataclasses: `lynx_tools.codec_report_schema`) as JSON, default
-out/codec_report_<model>.json. The sample KV: `lynx_tools.codec_sample_kv`; the measuring:
-`lynx_tools.codec_measure`. This module owns the CLI and the printed tables.
+Writes the report (`Report`, dataclasses: `lynx_tools.codec.schema`) as JSON, default
+out/codec_report_<model>.json. The sample KV: `lynx_tools.codec.sample_kv`; the measuring:
+`lynx_tools.codec.measure`. This module owns the CLI and the printed tables.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import torch
 
 from lynx_kernels import PRESETS, CodecSpec, KGrouping, Target, model_shape, quantized_nbytes_per_token
 
-from .codec_measure import TargetSums
-from .codec_report_schema import Report
-from .codec_sample_kv import EMBEDDED_NAME, REAL_MODEL, real_kv, synthetic_kv
+from .measure import TargetSums
+from .sample_kv import EMBEDDED_NAME, REAL_MODEL, real_kv, synthetic_kv
+from .schema import Report
 
 log = logging.getLogger("lynx.codec_report")
 

@@ -1,6 +1,6 @@
 """The codec report's sample KV: the embedded model's real KV over study prompts (`real_kv`) or
 generated KV of any model's shape (`synthetic_kv`), as runs of one (sequence, layer, K/V) each.
-Used by `lynx_tools.codec_report` and scripts/exact_format_study.py.
+Used by `lynx_tools.codec.report` and scripts/exact_format_study.py.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def real_kv(shape: KVShape, prompts: int, prompt_tokens: int) -> KVSample:
     """The embedded model's KV over study prompts, one prompt's forward at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-    from .model import embedded_model_dir
-    from .study.prompts import build_prompts
+    from ..model import embedded_model_dir
+    from ..study.prompts import build_prompts
 
     if prompts < 1 or prompt_tokens < 64:
         raise SystemExit("--prompts must be >= 1 and --prompt-tokens >= 64")

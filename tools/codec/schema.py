@@ -1,5 +1,5 @@
-"""The codec report's schema (`lynx-sglang codec-report`): the dataclasses `lynx_tools.codec_measure`
-fills and `lynx_tools.codec_report` prints and writes as JSON.
+"""The codec report's schema (`lynx-sglang codec-report`): the dataclasses `lynx_tools.codec.measure`
+fills and `lynx_tools.codec.report` prints and writes as JSON.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""What `lynx-sglang demo` (tools/demo.py) prints and writes about one or more links, from
-bench-ttft's measured `VariantResult`s (`tools.ttft_results`): the headline (TTFT from the send and
+"""What `lynx-sglang demo` (tools/demo/run.py) prints and writes about one or more links, from
+bench-ttft's measured `VariantResult`s (`tools.ttft.results`): the headline (TTFT from the send and
 the 16th / 64th token per variant, with R and the GPU deployments it stands for), whether the
 comparison was fair (each variant's prefill forward), the outputs' agreement, the fast-link case in
 the README's words, `demo.json` and the timeline PNG.
 
-Pure: no servers. Called by `tools.demo`; tests/sglang/test_demo_report.py runs it on canned
+Pure: no servers. Called by `tools.demo.run`; tests/sglang/test_demo_report.py runs it on canned
 results.
 """
 
@@ -14,10 +14,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .regimes import Deployment, nearest
-from .ttft_regime import Regime, regime_json, wire_bytes
-from .ttft_report import result_json
-from .ttft_results import (
+from ..regimes import Deployment, nearest
+from ..ttft.regime import Regime, regime_json, wire_bytes
+from ..ttft.report import result_json
+from ..ttft.results import (
     LYNX_CLIENT,
     BenchConfig,
     RequestTiming,
@@ -27,7 +27,7 @@ from .ttft_results import (
     ratios,
     same_text_as_baseline,
 )
-from .variants import Variant
+from ..variants import Variant
 
 TOKEN_MARKS = (16, 64)
 # Variants whose median forwards differ by more than this share are not compared fairly: TTFT

@@ -1,18 +1,18 @@
 """`lynx-sglang demo`: the README's main job, a thin composition over `bench-ttft`'s machinery.
 
 Every variant's PD cluster (prefill + decode + router, the embedded SmolLM2-135M, BF16 KV pool)
-comes up at once and stays up (`ttft_clusters.start_clusters`); by default (`--regime 4`) the
+comes up at once and stays up (`ttft.clusters.start_clusters`); by default (`--regime 4`) the
 link between prefill and decode is shaped, as `bench-ttft --regime` does it
-(`ttft_regime_run.measure_regime`), so that the BF16 KV's wire time is R × this box's prefill
+(`ttft.regime_run.measure_regime`), so that the BF16 KV's wire time is R × this box's prefill
 forward measured just before: the regime where the transfer matters, as for an 8B model's
 8k-token prompt on one H100 sending at 5 Gbit/s. `--link RATE` keeps one fixed rate instead
-(`bench_ttft.run_interleaved`); without root the link is loopback and the demo says so. The
+(`ttft.bench.run_interleaved`); without root the link is loopback and the demo says so. The
 requests go to the variants interleaved round by round, so the variants share the box's drifts in
 speed. The baseline (the first variant, `mooncake-nospin`) waits in SGLang's idle path as Lynx
 does, so that its decode does not spin on the prefill's cores, as it would not on separate
 machines.
 
-Prints per link (`tools.demo_report`): R and the GPU deployments it stands for, TTFT from the send
+Prints per link (`tools.demo.report`): R and the GPU deployments it stands for, TTFT from the send
 and the 16th / 64th token per variant against the baseline, each variant's prefill forward (a
 warning when they differ by more than 10 %: the comparison is then not fair), the outputs against
 the baseline's (exit status 1 if an exact variant's differ, or a request failed), and the
@@ -33,26 +33,17 @@ from pathlib import Path
 
 from lynx_sglang.errors import LynxError
 
-from .bench_ttft import run_interleaved
-from .demo_report import (
-    FAST_LINK_COMMAND,
-    TOKEN_MARKS,
-    DemoRun,
-    demo_json,
-    exit_status,
-    format_report,
-    plot_timeline,
-)
-from .measure import add_kv_dtype_argument, model_kv_shape
-from .netns import netns_available
-from .progress import Progress
-from .prompts import passkey_prompt, random_ids_prompts
-from .trace_report import parse_rate
-from .ttft_clusters import start_clusters
-from .ttft_regime import CALIBRATION_LINK, parse_regimes, slow_link_variant
-from .ttft_regime_run import measure_regime
-from .ttft_results import BenchConfig
-from .variants import (
+from ..cluster.netns import netns_available
+from ..measure import add_kv_dtype_argument, model_kv_shape
+from ..progress import Progress
+from ..prompts import passkey_prompt, random_ids_prompts
+from ..trace_report import parse_rate
+from ..ttft.bench import run_interleaved
+from ..ttft.clusters import start_clusters
+from ..ttft.regime import CALIBRATION_LINK, parse_regimes, slow_link_variant
+from ..ttft.regime_run import measure_regime
+from ..ttft.results import BenchConfig
+from ..variants import (
     DISABLE_OVERLAP_HELP,
     NO_OVERLAP_SUFFIX,
     VARIANTS,
@@ -61,6 +52,15 @@ from .variants import (
     scheduler_note,
     select_variants,
     without_overlap,
+)
+from .report import (
+    FAST_LINK_COMMAND,
+    TOKEN_MARKS,
+    DemoRun,
+    demo_json,
+    exit_status,
+    format_report,
+    plot_timeline,
 )
 
 # The headline's three: SGLang's own transfer (without its idle spin), exact Lynx, Lynx's INT8
@@ -176,7 +176,7 @@ def _plan(args: argparse.Namespace) -> tuple[tuple[float, ...], str | None, str]
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from .model import embedded_model_dir
+    from ..model import embedded_model_dir
 
     if min(args.requests, args.max_new_tokens, args.prompt_tokens) < 1:
         raise DemoError("--requests, --max-new-tokens and --prompt-tokens must be at least 1")

@@ -1,7 +1,7 @@
-"""The cells of the fault matrix (`lynx-sglang faults`, tools/faults.py): the axes (target, fault,
+"""The cells of the fault matrix (`lynx-sglang faults`, tools/faults/run.py): the axes (target, fault,
 phase, mode), the matrix's clocks (`Timing`), one cell and what it supports (`Cell`), its result
 (`CellResult`), how cells are chosen (`select_cells`), and the report's table. Pure data; the
-matrix itself (`fault_matrix.Matrix`) runs them on a cluster."""
+matrix itself (`matrix.Matrix`) runs them on a cluster."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The fault matrix's runner: `Matrix` owns a PD cluster (and, for reference outputs, a single
 server run once), and runs each cell on it: reach the cell's phase, inject its fault, heal, then
-settle and check (what a cell checks: `lynx_tools.faults`). Used by `faults.run_matrix` (the
+settle and check (what a cell checks: `lynx_tools.faults.run`). Used by `run.run_matrix` (the
 `faults` CLI subcommand) and tests/sglang/test_fault_matrix.py.
 """
 
@@ -32,10 +32,14 @@ from lynx_sglang.names import (
     WINDOWED_ROOM_LOG,
 )
 
-from .client import GenerateError, generate, generate_stream
-from .cluster import Cluster
-from .cluster_spec import ClusterMode, ClusterSpec, sglang_pd_timeouts_env
-from .fault_cells import (
+from ..client import GenerateError, generate, generate_stream
+from ..cluster.local import Cluster
+from ..cluster.netns import RECEIVER_IP, SENDER_IP
+from ..cluster.process_tree import process_tree
+from ..cluster.spec import ClusterMode, ClusterSpec, sglang_pd_timeouts_env
+from ..measure import all_zero, metric_samples, metric_sum
+from ..prompts import passkey_prompt
+from .cells import (
     ANCHOR_LANDING_MAP,
     BASE_RATE,
     NEW_TOKENS,
@@ -51,10 +55,6 @@ from .fault_cells import (
     brief,
     fd_growth,
 )
-from .measure import all_zero, metric_samples, metric_sum
-from .netns import RECEIVER_IP, SENDER_IP
-from .process_tree import process_tree
-from .prompts import passkey_prompt
 
 logger = logging.getLogger(__name__)
 

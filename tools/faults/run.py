@@ -58,7 +58,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .fault_cells import (
+from ..cluster.netns import netns_available
+from ..measure import add_kv_dtype_argument, kv_dtype_server_args
+from ..model import embedded_model_dir
+from .cells import (
     AXES,
     NEW_TOKENS,
     NEXT_PROMPT_TOKENS,
@@ -72,10 +75,7 @@ from .fault_cells import (
     table,
     windowed_staging_mib,
 )
-from .fault_matrix import Matrix
-from .measure import add_kv_dtype_argument, kv_dtype_server_args
-from .model import embedded_model_dir
-from .netns import netns_available
+from .matrix import Matrix
 
 logger = logging.getLogger(__name__)
 

@@ -2,15 +2,15 @@
 arrivals, as a serving engineer sizes a deployment: P50/P99 TTFT, time per output token,
 throughput and SLO attainment per arrival rate.
 
-Every variant's cluster is started once and kept up (`tools.ttft_clusters.start_clusters`, as
+Every variant's cluster is started once and kept up (`tools.ttft.clusters.start_clusters`, as
 `bench-ttft --interleave`); the link between prefill and decode is shaped to a wire-to-forward
 ratio R (`--regime`, from a forward measured on the baseline as `bench-ttft --regime` does) or to
 a fixed `--link` rate. Then for each `--rates` value, each variant in turn (the first turning per
-rate, `ttft_clusters.interleaved_order`): the prefix cache flushed, and `sglang.bench_serving`
-(through `tools.bench_serving_offline`) sends `--requests` random-id prompts of
+rate, `ttft.clusters.interleaved_order`): the prefix cache flushed, and `sglang.bench_serving`
+(through `tools.ttft.bench_serving_offline`) sends `--requests` random-id prompts of
 `--range-ratio`..1 × `--prompt-tokens` tokens at Poisson arrivals of that rate, no concurrency
 cap, the same seed for every variant (the same prompts at the same moments). The figures are
-`tools.load_stats`'; the SLO is TTFT ≤ `--slo-ttft-s` (default 3 × the measured forward) for
+`tools.load.stats`'; the SLO is TTFT ≤ `--slo-ttft-s` (default 3 × the measured forward) for
 `--slo-target` of the requests.
 
 Writes `<out>/bench_load.json` (after every pass, so a run cut short keeps what it has),
@@ -29,24 +29,24 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .cluster import Cluster
-from .cluster_spec import split_cpus
-from .load_stats import LoadPass, LoadReport
-from .measure import add_kv_dtype_argument, model_kv_shape
-from .process_tree import tree_cpu_s
-from .progress import Progress
-from .prompts import passkey_prompt
-from .ttft_clients import (
+from ..cluster.local import Cluster
+from ..cluster.process_tree import tree_cpu_s
+from ..cluster.spec import split_cpus
+from ..measure import add_kv_dtype_argument, model_kv_shape
+from ..progress import Progress
+from ..prompts import passkey_prompt
+from ..ttft.clients import (
     SharedPrefixWorkload,
     bench_serving_command,
     bench_serving_record,
     flush_prefix_cache,
 )
-from .ttft_clusters import interleaved_order, run_dir_of, start_clusters
-from .ttft_regime import CALIBRATION_LINK, link_rate_for, slow_link_variant
-from .ttft_regime_run import calibrate, shape_links
-from .ttft_results import BenchConfig
-from .variants import select_variants, variant_names
+from ..ttft.clusters import interleaved_order, run_dir_of, start_clusters
+from ..ttft.regime import CALIBRATION_LINK, link_rate_for, slow_link_variant
+from ..ttft.regime_run import calibrate, shape_links
+from ..ttft.results import BenchConfig
+from ..variants import select_variants, variant_names
+from .stats import LoadPass, LoadReport
 
 JSON_NAME = "bench_load.json"
 DEFAULT_VARIANTS = "mooncake-nospin,lynx"
@@ -165,7 +165,7 @@ def _role_cpu_s(cluster: Cluster) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from .model import embedded_model_dir
+    from ..model import embedded_model_dir
 
     variants = [slow_link_variant(v, args.request_timeout_s)
                 for v in select_variants(args.variants)]

@@ -2,7 +2,7 @@
 logprobs, temperature, top-p/top-k/min-p, penalties, a grammar) and what the decode's speculation
 did with each kind (`SpecTally`, from its `lynx spec` lines).
 
-Used by `lynx_tools.load` (the runner) and its tests; no servers here.
+Used by `lynx_tools.load.run` (the runner) and its tests; no servers here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .measure import spec_lines
+from ..measure import spec_lines
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ holds Lynx staging memory or per-request map entries (`lynx_staging_used_bytes`,
 `lynx_tracked_requests` on every /metrics page). `--duration-s`
 repeats rounds until the time is up (a soak). Exit status 1 if any round found a problem.
 
-The mix (`load_mix.KINDS`, `--kinds`): greedy requests, greedy ones asking for logprobs,
+The mix (`mix.KINDS`, `--kinds`): greedy requests, greedy ones asking for logprobs,
 temperature, top-p/top-k/min-p, penalized and regex-constrained ones, in turn (shifted on each
 pass over the prompt lengths). Deterministic kinds are checked token for token; sampled and
 penalized ones for completing (see `RequestKind.exact`). Each round also
 reports, per kind, how many of the requests the decode committed at Anchor time were allowed to
-speculate and why the others waited (`load_mix.SpecTally`, from the decode's `lynx spec` lines):
+speculate and why the others waited (`mix.SpecTally`, from the decode's `lynx spec` lines):
 on loopback most Residuals land first, so `--hold-residual-s` holds each one back (the prefill's
 fault-injection knob) to give every request the chance.
 
@@ -44,10 +44,14 @@ import requests
 
 from lynx_sglang.names import FAULT_RESIDUAL_DELAY_ENV
 
-from .client import GenerateError, generate, generate_stream
-from .cluster import Cluster
-from .cluster_spec import TRANSFER_BACKENDS, ClusterMode, ClusterSpec, sglang_pd_timeouts_env
-from .load_mix import (
+from ..client import GenerateError, generate, generate_stream
+from ..cluster.local import Cluster
+from ..cluster.process_tree import Resources
+from ..cluster.spec import TRANSFER_BACKENDS, ClusterMode, ClusterSpec, sglang_pd_timeouts_env
+from ..measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
+from ..model import embedded_model_dir
+from ..prompts import passkey_prompt
+from .mix import (
     KIND_NAMES,
     KINDS,
     RequestKind,
@@ -59,10 +63,6 @@ from .load_mix import (
     speculation_summary,
     tally,
 )
-from .measure import add_kv_dtype_argument, all_zero, kv_dtype_server_args, metric_sum
-from .model import embedded_model_dir
-from .process_tree import Resources
-from .prompts import passkey_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "way (before 2026-12-06)")
     parser.add_argument("--kinds", type=kinds_by_name, default=KINDS, metavar="KIND,...",
                         help="request kinds of the mix, in turn (default: all of "
-                             f"{','.join(KIND_NAMES)}; see lynx_tools.load_mix)")
+                             f"{','.join(KIND_NAMES)}; see lynx_tools.load.mix)")
     parser.add_argument("--hold-residual-s", type=float, default=0.0,
                         help="the prefill holds each Residual this long after its Anchor (its "
                              "fault-injection knob), so that every request can speculate even on "

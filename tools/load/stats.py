@@ -2,7 +2,7 @@
 `--output-details` result), the serving figures an operator sizes a deployment by (P50/P99 TTFT,
 time per output token, throughput, SLO attainment), and the report across rates and variants.
 
-Pure (no servers). Called by `tools.bench_load`, which runs the passes.
+Pure (no servers). Called by `tools.load.bench`, which runs the passes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from .ttft_results import BenchError
+from ..ttft.results import BenchError
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -2,9 +2,9 @@
 variants on one shaped link, driven by SGLang's own benchmark client.
 
 In one run, for each variant of `tools.variants.VARIANTS` in turn (by name; each is a KV transfer backend plus
-extra server flags), start a local PD cluster (`tools.cluster`: prefill + decode + router,
+extra server flags), start a local PD cluster (`tools.cluster.local`: prefill + decode + router,
 the link shaped as with `lynx-sglang up --link RATE`), send one full-length warm-up request, then:
-  1. `python -m sglang.bench_serving` (through `tools.bench_serving_offline`, see there why)
+  1. `python -m sglang.bench_serving` (through `tools.ttft.bench_serving_offline`, see there why)
      against the router: `--backend sglang --dataset-name random-ids --tokenize-prompt` with
      `--random-range-ratio 1`, so every prompt is exactly `--prompt-tokens` token ids and nothing
      is read from the network; `--max-concurrency 1`, requests one after the other. Its own TTFT
@@ -30,8 +30,8 @@ Measured one whole variant after another, each variant gets its own stretch of a
 drifts within the hour (this CPU box's, by up to 3x); interleaved, they share the same conditions.
 
 `--regime R1,R2,…` runs the variants interleaved at each wire-to-forward ratio R instead of one
-link rate: the link re-shaped per R from a measured forward (`tools.ttft_regime` for the rate and
-the report, `tools.ttft_regime_run` for the run, `tools.regimes` for the GPU deployments each R
+link rate: the link re-shaped per R from a measured forward (`tools.ttft.regime` for the rate and
+the report, `tools.ttft.regime_run` for the run, `tools.regimes` for the GPU deployments each R
 stands for).
 
 Every server runs SGLang's default overlap scheduler (`--disable-overlap-schedule`: none does;
@@ -63,21 +63,31 @@ from pathlib import Path
 
 from lynx_kernels import KVShape
 
-from .cluster import Cluster
-from .measure import (
+from ..cluster.local import Cluster
+from ..measure import (
     DEFAULT_KV_DTYPE,
     add_kv_dtype_argument,
     model_kv_shape,
 )
-from .progress import Progress
-from .prompts import passkey_prompt, random_ids_prompts
-from .ttft_clients import (
+from ..progress import Progress
+from ..prompts import passkey_prompt, random_ids_prompts
+from ..variants import (
+    DISABLE_OVERLAP_HELP,
+    NO_OVERLAP_SUFFIX,
+    VARIANTS,
+    Variant,
+    scheduler_note,
+    select_variants,
+    variant_names,
+    without_overlap,
+)
+from .clients import (
     run_bench_serving,
     settled_stream_byte_counters,
     stream_prompts,
     warm_up,
 )
-from .ttft_clusters import (
+from .clusters import (
     Measured,
     cluster_spec,
     read_traces,
@@ -89,28 +99,18 @@ from .ttft_clusters import (
 )
 
 # Re-exported: tests/sglang/test_bench_ttft_report.py imports these two from here.
-from .ttft_clusters import interleaved_order as interleaved_order
-from .ttft_clusters import lynx_stream_bytes as lynx_stream_bytes
-from .ttft_regime import REGIME_HELP, check_regime_arguments, parse_regimes
-from .ttft_regime_run import run_regimes
-from .ttft_report import format_table, plot, result_json
-from .ttft_results import (
+from .clusters import interleaved_order as interleaved_order
+from .clusters import lynx_stream_bytes as lynx_stream_bytes
+from .regime import REGIME_HELP, check_regime_arguments, parse_regimes
+from .regime_run import run_regimes
+from .report import format_table, plot, result_json
+from .results import (
     BenchConfig,
     BenchError,
     VariantResult,
     client_timing,
     medians,
     ratios,
-)
-from .variants import (
-    DISABLE_OVERLAP_HELP,
-    NO_OVERLAP_SUFFIX,
-    VARIANTS,
-    Variant,
-    scheduler_note,
-    select_variants,
-    variant_names,
-    without_overlap,
 )
 
 DEFAULT_VARIANTS = ("mooncake", "lynx-int8-nospec", "lynx-int8", "int4-anchor")
@@ -293,7 +293,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from .model import embedded_model_dir
+    from ..model import embedded_model_dir
 
     if args.requests < 1 or args.max_new_tokens < 1 or args.concurrency < 1:
         raise BenchError("--requests, --max-new-tokens and --concurrency must be at least 1")
@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
                  "bench_serving": "sglang.bench_serving --backend sglang --dataset-name random-ids "
                                   "--tokenize-prompt --random-range-ratio 1 --max-concurrency "
                                   f"{cfg.concurrency} --warmup-requests 0 (via "
-                                  "lynx_tools.bench_serving_offline)"
+                                  "lynx_tools.ttft.bench_serving_offline)"
                                   if cfg.use_bench_serving else "not run (--no-bench-serving)"}
         (args.out / "bench_ttft.json").write_text(
             json.dumps(result_json(results, cfg, link_desc, ratio_table, extra), indent=1))

@@ -1,15 +1,15 @@
-"""`python -m lynx_tools.bench_serving_offline [bench_serving arguments]`: SGLang's own benchmark
+"""`python -m lynx_tools.ttft.bench_serving_offline [bench_serving arguments]`: SGLang's own benchmark
 client, `python -m sglang.bench_serving`, run unchanged on a box set up by scripts/install.sh.
 
 Two imports stand between that module and this box, and neither is used by the synthetic
-(`--dataset-name random-ids`) benchmark `lynx_tools.bench_ttft` runs:
+(`--dataset-name random-ids`) benchmark `lynx_tools.ttft.bench` runs:
 - HF `datasets`: SGLang 0.5.23 imports `load_dataset` at module load only for its MMMU dataset
   (sglang/benchmark/datasets/mmmu.py); the package is not installed (it is not needed to serve).
   Where it is missing, a stub module whose `load_dataset` raises stands in for it.
 - `torchvision` (via sglang.srt.configs): without CUDA it gets the same import fallback the
   servers get (`lynx_sglang.cpu_compat`, activated as in `lynx_sglang.serve`).
 With `datasets` installed and a CUDA device present this is exactly `python -m sglang.bench_serving`.
-Called by `lynx_tools.bench_ttft` as a subprocess.
+Called by `lynx_tools.ttft.bench` as a subprocess.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lynx_sglang import cpu_compat
 
 
 def _load_dataset(*args, **kwargs):
-    raise RuntimeError("the HF `datasets` package is not installed; lynx_tools.bench_serving_offline "
+    raise RuntimeError("the HF `datasets` package is not installed; lynx_tools.ttft.bench_serving_offline "
                        "only supports datasets that do not need it (e.g. --dataset-name random-ids)")
 
 

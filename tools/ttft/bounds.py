@@ -9,7 +9,7 @@ the forward computes, so at best the first token comes at max(F, W). Every varia
 what a transfer costs beyond forward and wire (bootstrap, the first decode step, the client):
 taken as the baseline's own, its median TTFT - F - its W (`fixed_s`), so that the baseline's
 bound is its own median. F is the regime's measured forward (send -> forward done of the
-baseline's requests). Used by `ttft_regime` (report and JSON).
+baseline's requests). Used by `regime` (report and JSON).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .ttft_results import LYNX_CLIENT, VariantResult, metric_values
+from .results import LYNX_CLIENT, VariantResult, metric_values
 
 
 @dataclass(frozen=True)

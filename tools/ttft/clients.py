@@ -1,5 +1,5 @@
-"""How `lynx-sglang bench-ttft` (tools/bench_ttft.py) sends its requests to one router: SGLang's
-own `sglang.bench_serving` (through `tools.bench_serving_offline`) and this project's streaming
+"""How `lynx-sglang bench-ttft` (tools/ttft/bench.py) sends its requests to one router: SGLang's
+own `sglang.bench_serving` (through `tools.ttft.bench_serving_offline`) and this project's streaming
 client (`tools.client`), a warm-up first, the prefix cache flushed between rounds; and Lynx's
 byte counters read from a decode's /metrics. Returns each request's `RequestTiming`."""
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import requests
 
-from .client import GenerateError, StreamedGeneration, generate, generate_stream
-from .measure import metric_samples, wait_for
-from .progress import Progress
-from .ttft_results import BenchConfig, BenchError, RequestTiming, parse_bench_serving
-from .variants import WARMUP_ATTEMPTS
+from ..client import GenerateError, StreamedGeneration, generate, generate_stream
+from ..measure import metric_samples, wait_for
+from ..progress import Progress
+from ..variants import WARMUP_ATTEMPTS
+from .results import BenchConfig, BenchError, RequestTiming, parse_bench_serving
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def bench_serving_command(url: str, model_dir: Path, prompt_tokens: int, max_new
         dataset = shared_prefix.dataset_args(max_new_tokens)
         requests = shared_prefix.requests
     return [
-        sys.executable, "-m", "lynx_tools.bench_serving_offline",
+        sys.executable, "-m", "lynx_tools.ttft.bench_serving_offline",
         "--backend", "sglang", "--base-url", url,
         "--model", str(model_dir), "--tokenizer", str(model_dir),
         *dataset, "--num-prompts", str(requests),

@@ -1,9 +1,9 @@
-"""The PD clusters of `lynx-sglang bench-ttft` (tools/bench_ttft.py): one per variant
+"""The PD clusters of `lynx-sglang bench-ttft` (tools/ttft/bench.py): one per variant
 (`cluster_spec`), started and warmed up together (`start_clusters`), sent rounds of prompts in
 turns (`send_interleaved`, `interleaved_order`), and what each gave (`Measured`, read back from the
 servers' trace records by `read_traces`, turned into a `VariantResult` by `variant_result`).
 
-Callers: `tools.bench_ttft` (one variant at a time, or `--interleave`) and `tools.ttft_regime_run`
+Callers: `tools.ttft.bench` (one variant at a time, or `--interleave`) and `tools.ttft.regime_run`
 (`--regime`: the same clusters kept up across link rates).
 """
 
@@ -18,15 +18,15 @@ from lynx_kernels import KVShape
 from lynx_sglang.names import TIMELINE_ENV, TRACE_DIR_ENV
 from lynx_sglang.trace import read_records
 
-from .client import GenerateError, StreamedGeneration
-from .cluster import Cluster
-from .cluster_spec import ClusterMode, ClusterSpec
-from .measure import kv_dtype_server_args, wait_for
-from .progress import Progress
-from .trace_report import breakdown, parse_rate, records_by_request
-from .ttft_clients import stream_round_outcomes, warm_up
-from .ttft_results import BenchConfig, BenchError, RequestTiming, VariantResult, client_timing
-from .variants import Variant
+from ..client import GenerateError, StreamedGeneration
+from ..cluster.local import Cluster
+from ..cluster.spec import ClusterMode, ClusterSpec
+from ..measure import kv_dtype_server_args, wait_for
+from ..progress import Progress
+from ..trace_report import breakdown, parse_rate, records_by_request
+from ..variants import Variant
+from .clients import stream_round_outcomes, warm_up
+from .results import BenchConfig, BenchError, RequestTiming, VariantResult, client_timing
 
 
 def interleaved_order(names: list[str], rounds: int) -> list[list[str]]:

@@ -4,7 +4,7 @@ run per R: TTFT from the send as the headline, beside the net TTFT, token times,
 actually achieved and the GPU deployments (`tools.regimes`) that R stands for.
 
 Owner of the rate arithmetic, the `--regime` options and the report; pure (no servers). Callers:
-`tools.bench_ttft` (the options) and `tools.ttft_regime_run` (which starts the clusters, measures
+`tools.ttft.bench` (the options) and `tools.ttft.regime_run` (which starts the clusters, measures
 the forward, shapes the link and builds `Regime`s).
 """
 
@@ -15,11 +15,11 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, replace
 
-from .regimes import Deployment, nearest
-from .ttft_bounds import Bound, byte_bounds
-from .ttft_report import result_json
-from .ttft_results import LYNX_CLIENT, BenchConfig, VariantResult, medians, metric_values, ratios
-from .variants import Variant, variant_names
+from ..regimes import Deployment, nearest
+from ..variants import Variant, variant_names
+from .bounds import Bound, byte_bounds
+from .report import result_json
+from .results import LYNX_CLIENT, BenchConfig, VariantResult, medians, metric_values, ratios
 
 # tc tbf's rate limits for this benchmark: below 1 Mbit/s a 1500-token SmolLM2 KV (277 Mbit) takes
 # minutes per request; above 10 Gbit/s this box's veth cannot carry the rate, so tbf no longer
@@ -69,7 +69,7 @@ def parse_regimes(text: str) -> tuple[float, ...]:
 
 
 def check_regime_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--regime's own defaults and what it implies, before `bench_ttft.check_arguments` fills in
+    """--regime's own defaults and what it implies, before `bench.check_arguments` fills in
     the other launch defaults (it has refused --regime with --url already)."""
     if args.regime is None:
         return
@@ -170,7 +170,7 @@ class Regime:
         return nearest(self.rate.r_target)
 
     def bounds(self) -> dict[str, Bound]:
-        """Each variant's byte bound in this R (`ttft_bounds`), from the measured forward."""
+        """Each variant's byte bound in this R (`bounds`), from the measured forward."""
         return byte_bounds(self.results, self.cfg.baseline, self.measured_forward_s,
                            self.rate.bps)
 

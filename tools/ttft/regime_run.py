@@ -1,8 +1,8 @@
-"""The run of `lynx-sglang bench-ttft --regime R1,R2,…` (called by `tools.bench_ttft.run`): every
+"""The run of `lynx-sglang bench-ttft --regime R1,R2,…` (called by `tools.ttft.bench.run`): every
 variant's cluster up once on a shaped link, then for each R: the link at CALIBRATION_LINK, one
 request to the baseline's cluster to measure the forward, every cluster's link re-shaped to the
-rate that R asks for (`ttft_regime.link_rate_for`), and the prompts sent to the variants in turn
-(`ttft_clusters.send_interleaved`). The link is a tc qdisc on the namespaces' veth pair, replaced in
+rate that R asks for (`regime.link_rate_for`), and the prompts sent to the variants in turn
+(`clusters.send_interleaved`). The link is a tc qdisc on the namespaces' veth pair, replaced in
 place (`ShapedLink.set_rate`), so the clusters need no restart between R values.
 """
 
@@ -18,13 +18,14 @@ from pathlib import Path
 
 from lynx_kernels import KVShape
 
-from .cluster import Cluster
-from .measure import model_kv_shape, wait_for
-from .progress import Progress
-from .trace_report import records_by_request
-from .ttft_clients import stream_round
-from .ttft_clusters import Measured, read_traces, send_interleaved, start_clusters, variant_result
-from .ttft_regime import (
+from ..cluster.local import Cluster
+from ..measure import model_kv_shape, wait_for
+from ..progress import Progress
+from ..trace_report import records_by_request
+from ..variants import Variant, scheduler_note
+from .clients import stream_round
+from .clusters import Measured, read_traces, send_interleaved, start_clusters, variant_result
+from .regime import (
     CALIBRATION_LINK,
     CALIBRATION_REQUESTS,
     Calibration,
@@ -35,9 +36,8 @@ from .ttft_regime import (
     regime_json,
     slow_link_variant,
 )
-from .ttft_report import plot
-from .ttft_results import BenchConfig, BenchError
-from .variants import Variant, scheduler_note
+from .report import plot
+from .results import BenchConfig, BenchError
 
 JSON_NAME = "bench_ttft_regimes.json"
 
@@ -88,7 +88,7 @@ def measure_regime(r: float, up: dict[str, tuple[Measured, Cluster]], cfg: Bench
                    kv_shape: KVShape, progress: Progress) -> Regime:
     """One R: the forward measured at CALIBRATION_LINK, every link re-shaped to R's rate, one
     unmeasured request to each Lynx variant (`settle`), the prompts sent to the variants in
-    turn. Also `lynx-sglang demo`'s (`tools.demo`) measurement of each R."""
+    turn. Also `lynx-sglang demo`'s (`tools.demo.run`) measurement of each R."""
     shape_links(up, CALIBRATION_LINK)
     base, base_cluster = up[cfg.baseline]
     calibration = calibrate(base, base_cluster, warmup_ids, cfg)

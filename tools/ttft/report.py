@@ -1,5 +1,5 @@
-"""The report of `lynx-sglang bench-ttft` (tools/bench_ttft.py): the table it prints, the plot
-(PNG) and the JSON document it writes, from the measured `VariantResult`s (`tools.ttft_results`)."""
+"""The report of `lynx-sglang bench-ttft` (tools/ttft/bench.py): the table it prints, the plot
+(PNG) and the JSON document it writes, from the measured `VariantResult`s (`tools.ttft.results`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from .ttft_results import (
+from .results import (
     BENCH_SERVING,
     CLIENTS,
     LYNX_CLIENT,

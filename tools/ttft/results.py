@@ -1,8 +1,8 @@
-"""The numbers of `lynx-sglang bench-ttft` (tools/bench_ttft.py): each request as a client saw
+"""The numbers of `lynx-sglang bench-ttft` (tools/ttft/bench.py): each request as a client saw
 it (`RequestTiming`, from SGLang's bench_serving or this project's streaming client), a variant's
 requests (`VariantResult`), the run's settings (`BenchConfig`), and their statistics: medians,
 [min, max] spreads, baseline ÷ variant ratios, whether outputs equal the baseline's. Pure data
-and arithmetic; the report (`tools.ttft_report`) formats it."""
+and arithmetic; the report (`tools.ttft.report`) formats it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from lynx_sglang.errors import LynxError
 
-from .client import StreamedGeneration
-from .measure import DEFAULT_KV_DTYPE, LYNX_EVENTS
-from .trace_report import Breakdown
-from .variants import Variant
+from ..client import StreamedGeneration
+from ..measure import DEFAULT_KV_DTYPE, LYNX_EVENTS
+from ..trace_report import Breakdown
+from ..variants import Variant
 
 BENCH_SERVING = "bench_serving"  # sglang.bench_serving's per-request numbers
 

@@ -1,0 +1,1 @@
+"""`lynx-sglang demo` (`run`) and what it prints and writes (`report`), over bench-ttft's machinery."""
