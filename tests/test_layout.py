@@ -185,3 +185,22 @@ def test_only_the_upstream_room_imports_sglang():
                     and node.value.startswith("sglang.")):
                 named.append(f"{name}:{node.lineno} {node.value!r}")
     assert not named, f"SGLang module names outside lynx_sglang.upstream: {named}"
+
+
+def test_no_private_attribute_of_another_object_outside_the_upstream_room():
+    """`obj._name` on anything but `self`/`cls` (or `super()`, an overridden method listed in
+    `hook_table.SUBCLASSED`) is a read of someone's internals: outside `lynx_sglang.upstream` that
+    would be SGLang's (the room's accessors are the only way in) or another Lynx class's (ask it
+    through its interface)."""
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("lynx_sglang") or name.startswith("lynx_sglang.upstream"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and not (isinstance(node.value, ast.Call)
+                             and getattr(node.value.func, "id", None) == "super")):
+                found.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not found, f"private attributes read outside lynx_sglang.upstream: {found}"

@@ -226,5 +226,4 @@ def recount_reasoning(scheduler, req, st: SpecState) -> None:
     for name, value in zip(upstream_adapter.scheduler().reasoning_state, st.reasoning, strict=True):
         setattr(req, name, value)
     if len(req.output_ids) > st.verified_len:
-        scheduler.batch_result_processor._maybe_update_reasoning_tokens(
-            req, list(req.output_ids[st.verified_len:]))
+        scheduler_api.count_reasoning_tokens(scheduler, req, list(req.output_ids[st.verified_len:]))

@@ -2,8 +2,8 @@
 hooking them: aborting and releasing a request, the decode batch a verified request rejoins, the
 verification's EXTEND forward (a `ScheduleBatch` built field by field, as SGLang's own
 `prepare_for_extend` fills it), the sampler's softmax and logprob computation, and the private
-helpers of SGLang's queues Lynx reads. Every function here is fingerprinted per release
-(`hook_table.CALLED`).
+helpers of SGLang's queues and batch result processor Lynx calls. What each function calls in
+SGLang is fingerprinted per release (`hook_table.CALLED`).
 
 Each imports its SGLang module when called: the callers run in a decode scheduler, where SGLang
 has imported them already, and a launcher that never calls them never imports them.
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from . import adapter
 
 
 def prefill_kv_tokens(queue, req) -> int:
@@ -35,16 +37,21 @@ def prepare_abort(req, message: str, status_code) -> None:
 
 def release_kv_cache(req, tree_cache, keep_in_cache: bool) -> None:
     """Give `req`'s KV row back to SGLang; with `keep_in_cache` the radix tree first keeps what it
-    can key (a finished request), without it nothing is inserted (an aborted one)."""
-    from sglang.srt.mem_cache.common import release_kv_cache as sglang_release
-
-    sglang_release(req, tree_cache, checkpoint=keep_in_cache)
+    can key (a finished request), without it nothing is inserted (an aborted one). The flag's
+    name differs between releases (`adapter`)."""
+    adapter.scheduler().release_kv_cache(req, tree_cache, keep_in_cache)
 
 
 def decode_batch(scheduler, reqs: list):
     """A decode batch of `reqs` as SGLang builds one for requests rejoining the running batch
     (the scheduler's private `_build_hisparse_decode_batch`)."""
     return scheduler._build_hisparse_decode_batch(reqs)
+
+
+def count_reasoning_tokens(scheduler, req, tokens: list[int]) -> None:
+    """Advance `req`'s reasoning-token counters over `tokens` as SGLang's batch result processing
+    does token by token (its private `_maybe_update_reasoning_tokens`)."""
+    scheduler.batch_result_processor._maybe_update_reasoning_tokens(req, tokens)
 
 
 def grammar_rollback_tokens() -> int:
