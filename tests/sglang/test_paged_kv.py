@@ -4,12 +4,10 @@ objects; tests/sglang/test_pd_lynx_paged.py runs them end to end."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
-from standin_scheduler import StandinScheduler
+from standin_scheduler import StandinAllocator, StandinKV, StandinReq, StandinScheduler
 
 from lynx_sglang.backend.pages import num_pages, page_ceil, token_slots
 from lynx_sglang.errors import KVStreamError
@@ -46,46 +44,18 @@ def test_token_slots_refuse_pages_that_do_not_fit_the_length():
         token_slots([1, 2], PAGE, None)
 
 
-@dataclass
-class _PagedAllocator:
-    free_pages: list[int]
-    page_size: int = PAGE
-
-    def alloc(self, n: int):
-        assert n % self.page_size == 0  # SGLang's paged allocator hands whole pages
-        k = n // self.page_size
-        if k > len(self.free_pages):
-            return None
-        out, self.free_pages = self.free_pages[:k], self.free_pages[k:]
-        return (torch.tensor(out)[:, None] * self.page_size + torch.arange(self.page_size)
-                ).reshape(-1)
-
-
 def _scheduler(free_pages: list[int]) -> StandinScheduler:
-    return StandinScheduler(_PagedAllocator(free_pages), torch.int64)
+    return StandinScheduler(StandinAllocator(free_pages, PAGE), torch.int64)
 
 
-@dataclass
-class _KV:
-    kv_allocated_len: int
-    kv_committed_len: int
-    req_pool_idx: int
-
-
-@dataclass
-class _Req:
-    origin_input_ids: list[int]
-    output_ids: list[int]
-    kv: _KV
-
-
-def _req(sched: StandinScheduler, prompt: int, n_spec: int, row: int, first_page: int) -> _Req:
+def _req(sched: StandinScheduler, prompt: int, n_spec: int, row: int, first_page: int) -> StandinReq:
     """Prompt + t0..s(n-1) hold KV in consecutive pages from `first_page`."""
     held = prompt + n_spec
     pages = range(first_page, first_page + num_pages(held, PAGE))
     slots = token_slots(list(pages), PAGE, held)
     sched.req_to_token_pool.req_to_token[row, :held] = torch.as_tensor(slots)
-    return _Req(list(range(prompt)), [1] + [10 + i for i in range(n_spec)], _KV(held, held, row))
+    return StandinReq(list(range(prompt)), [1] + [10 + i for i in range(n_spec)],
+                      StandinKV(held, held, row))
 
 
 def test_bonus_inside_the_last_page_takes_its_next_slot_without_allocating():

@@ -7,33 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from standin_scheduler import StandinScheduler
+from standin_scheduler import StandinAllocator, StandinKV, StandinReq, StandinScheduler
 
 from lynx_sglang.speculation.acceptance import Acceptance
 from lynx_sglang.speculation.state import SpecState
 from lynx_sglang.speculation.verify import _bonus_slots, apply_acceptance, rollback
 
-
-@dataclass
-class _KV:
-    kv_allocated_len: int
-    kv_committed_len: int
-
-
-@dataclass
-class _Req:
-    origin_input_ids: list[int]
-    output_ids: list[int]
-    kv: _KV
-
-
 PROMPT = list(range(100, 110))  # P = 10
 
 
-def _speculated_req(n_spec: int) -> _Req:
+def _speculated_req(n_spec: int, row: int = 0) -> StandinReq:
     # output_ids = [t0, s1..sn]; KV exists for the prompt and t0..s(n-1): P + n positions.
     out = [1] + [10 + i for i in range(n_spec)]
-    return _Req(list(PROMPT), out, _KV(len(PROMPT) + n_spec, len(PROMPT) + n_spec))
+    return StandinReq(list(PROMPT), out, StandinKV(len(PROMPT) + n_spec, len(PROMPT) + n_spec, row))
 
 
 def test_rejection_keeps_prefix_appends_correction_and_frees_the_rest():
@@ -65,31 +51,13 @@ def test_rejecting_the_first_draft_keeps_only_the_prefill_token():
     assert req.kv.kv_committed_len == 11
 
 
-@dataclass
-class _Allocator:
-    free: list[int]
-    page_size: int = 1
-
-    def alloc(self, n: int):
-        if n > len(self.free):
-            return None
-        out, self.free = self.free[:n], self.free[n:]
-        return torch.tensor(out, dtype=torch.int64)
-
-
 def _scheduler(free: list[int] | None = None) -> StandinScheduler:
-    return StandinScheduler(_Allocator(free or []), torch.int32)
-
-
-def _bonus_req(n_spec: int, row: int) -> _Req:
-    req = _speculated_req(n_spec)
-    req.kv.req_pool_idx = row
-    return req
+    return StandinScheduler(StandinAllocator(free or []), torch.int32)
 
 
 def test_bonus_slot_then_full_acceptance_keeps_the_bonus_token_and_its_input_kv():
     sched = _scheduler([77, 78])
-    req, st = _bonus_req(4, row=1), SpecState(room=1)
+    req, st = _speculated_req(4, row=1), SpecState(room=1)
     assert _bonus_slots(sched, [req], [True]) == [1]
     # Position P + n = 14 (the input of the last draft) now has a slot: the verification
     # forward feeds s4 there, and its last row predicts the bonus token.
@@ -105,7 +73,7 @@ def test_bonus_slot_then_full_acceptance_keeps_the_bonus_token_and_its_input_kv(
 
 def test_bonus_slot_is_freed_with_the_rejected_positions():
     sched = _scheduler([77])
-    req, st = _bonus_req(4, row=0), SpecState(room=1)
+    req, st = _speculated_req(4, row=0), SpecState(room=1)
     assert _bonus_slots(sched, [req], [True]) == [1]
     result = apply_acceptance(req, st, Acceptance(1, 99))
     rollback(sched, req, st.verified_len, result)
@@ -117,7 +85,7 @@ def test_bonus_slot_is_freed_with_the_rejected_positions():
 
 def test_no_bonus_without_free_slots_or_when_not_asked():
     sched = _scheduler([77])
-    a, b = _bonus_req(2, row=0), _bonus_req(3, row=1)
+    a, b = _speculated_req(2, row=0), _speculated_req(3, row=1)
     assert _bonus_slots(sched, [a, b], [True, True]) == [0, 0]  # one slot for two: none
     assert _bonus_slots(sched, [a, b], [False, True]) == [0, 1]
     assert (a.kv.kv_allocated_len, b.kv.kv_allocated_len) == (12, 14)
