@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import closing
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from loop_thread import LoopThread
 
 from lynx_sglang.backend import decode_bindings, decode_sessions
 from lynx_sglang.backend.aux import check_aux_items, pack_aux, unpack_aux
@@ -112,36 +114,13 @@ def _applier(endpoint, lookup=_no_bootstrap) -> DecodeApplier:
     return applier
 
 
-class _Accepting:
-    """`applier.accept_loop` on its own thread for a `with` block, stopped and joined after it;
-    `until` polls for what the loop should bring about, by a deadline counted from its start."""
-
-    def __init__(self, applier: DecodeApplier):
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=applier.accept_loop, args=(self._stop,), daemon=True)
-
-    def __enter__(self) -> _Accepting:
-        self.t0 = time.monotonic()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self.thread.join(2)
-
-    def until(self, done, within_s: float, why: str) -> None:
-        while not done():
-            assert time.monotonic() - self.t0 < within_s, why
-            time.sleep(0.01)
-
-
 def test_silent_and_malformed_peers_do_not_hold_up_a_real_prefill(monkeypatch):
     monkeypatch.setattr(decode_sessions, "IDENTITY_TIMEOUT_S", 0.5)
     silent = [_Session(None) for _ in range(3)]
     bad = _Session(b"[]")
     real = _Session(_who())
     applier = _applier(_Endpoint([*silent, bad, real]))
-    with _Accepting(applier) as loop:
+    with LoopThread(applier.accept_loop) as loop:
         loop.until(lambda: applier.sessions.get(("1.2.3.4", 4000)) is not None, 0.4,
                    "a real prefill waited for silent strangers")
         assert bad.closed and applier.sessions.get(("1.2.3.4", 4000)) is real
@@ -250,7 +229,7 @@ def test_a_claim_being_looked_up_again_holds_up_no_other_peer(monkeypatch):
     thief = _Session(_who(key=RankKey()), "tcp://6.6.6.6:1")
     other = _Session(_who(port=4001))
     applier = _applier(_Endpoint([thief, other]), slow_lookup)
-    with _Accepting(applier) as loop:
+    with LoopThread(applier.accept_loop) as loop:
         loop.until(lambda: applier.sessions.get(("1.2.3.4", 4001)) is not None, 1.0,
                    "a rank waited for another claim's lookup")
         assert not hasattr(thief, "answer")  # still being looked up
@@ -286,9 +265,9 @@ def test_unpack_aux_never_reads_past_the_blob():
     assert unpack_aux(np.zeros(0, np.uint8).tobytes()) == []
 
 
-def _start_sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
+def _sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
     """A PrefillSender on `endpoint` whose room r goes to `where[r]`, reporting into `reports`
-    (room -> (when, failure)); returns the event that stops its thread."""
+    (room -> (when, failure)); its loop runs in `LoopThread(sender.run)`."""
     from lynx_sglang.backend.prefill import PrefillSender
     from lynx_sglang.backend.prefill_link import Destination, PrefillLink
 
@@ -301,9 +280,7 @@ def _start_sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
     sender = PrefillSender(cfg, lambda: pool, staging, region, endpoint,
                            Claimant(Identity("127.0.0.1", 1), RankKey()), link,
                            Recorder.for_process())
-    stop = threading.Event()
-    threading.Thread(target=sender.run, args=(stop,), daemon=True).start()
-    return sender, stop
+    return sender
 
 
 def test_a_dead_decode_does_not_stall_the_transfers_to_another():
@@ -334,9 +311,8 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
         pre_region = pre.register(pre_staging.buffer)
         plan = StreamPlan.build(cfg.codec, pool.shape, tokens, cfg.chunk_tokens)
         where = {1: dead_address, 2: dec.address, 3: dead_address}
-        sender, stop = _start_sender(cfg, pool, pre, pre_staging, pre_region, where, tokens,
-                                     reports)
-        try:
+        sender = _sender(cfg, pool, pre, pre_staging, pre_region, where, tokens, reports)
+        with closing(dead), LoopThread(sender.run):
             slots = torch.arange(tokens)
             t0 = time.monotonic()
             sender.submit(1, slots, True, 0)
@@ -359,9 +335,6 @@ def test_a_dead_decode_does_not_stall_the_transfers_to_another():
             while 3 not in reports:
                 time.sleep(0.01)
             assert "unreachable" in reports[3][1] and reports[3][0] - t1 < 0.5
-        finally:
-            stop.set()
-            dead.close()
 
 
 def test_a_decode_that_never_answers_the_identity_gets_its_session_closed():
@@ -379,9 +352,9 @@ def test_a_decode_that_never_answers_the_identity_gets_its_session_closed():
     reports: dict[int, tuple[float, str | None]] = {}
     with Endpoint(host="127.0.0.1") as dec, Endpoint(host="127.0.0.1") as pre:
         staging = StagingPool(4 << 20, Metrics())
-        sender, stop = _start_sender(cfg, pool, pre, staging, pre.register(staging.buffer),
-                                     {1: dec.address}, tokens, reports)
-        try:
+        sender = _sender(cfg, pool, pre, staging, pre.register(staging.buffer), {1: dec.address},
+                         tokens, reports)
+        with LoopThread(sender.run):
             sender.submit(1, torch.arange(tokens), True, 0)
             session = dec.accept(timeout=5)  # accepted; its identity is never answered
             assert session is not None
@@ -393,5 +366,3 @@ def test_a_decode_that_never_answers_the_identity_gets_its_session_closed():
             while not session.closed and time.monotonic() - t0 < 5:
                 time.sleep(0.05)
             assert session.closed
-        finally:
-            stop.set()

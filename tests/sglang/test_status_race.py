@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from loop_thread import LoopThread
 
 from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
 from lynx_sglang.backend.pool import KVPoolView
@@ -103,21 +104,15 @@ def test_a_failed_room_never_shows_success_first(sgl, fine_switching):
     pool = KVPoolView([torch.zeros(64, 2, 64)], [torch.zeros(64, 2, 64)])
     mgr = _decode_manager(sgl)
     staging = StagingPool(64 << 20, mgr.lynx_runtime.recorder.metrics)
-    stop = threading.Event()
     with Endpoint(host="127.0.0.1") as endpoint:
         mgr.applier = DecodeApplier(
             config, lambda: pool, staging, endpoint.register(staging.buffer, name="staging"),
             endpoint, DecodeLink(mgr.report_status, lambda *a: None, lambda *a: None,
                                  lambda: None, lambda *a: None), mgr.lynx_runtime.recorder,
             waiting_timeout_s=WAITING_S)
-        applier = threading.Thread(target=mgr.applier.run, args=(stop,), daemon=True)
-        applier.start()
-        try:
+        with LoopThread(mgr.applier.run, join_s=5):  # joined: its last room forgotten, too
             for room in range(1, ROOMS + 1):
                 _race(mgr, KVPoll, room)
-        finally:
-            stop.set()
-            applier.join(5)  # its last room forgotten, too
     written = mgr.request_status.written
     success_first = [room for room in range(1, ROOMS + 1) if KVPoll.Success in written[room]]
     print(f"{ROOMS} rooms raced, {len(success_first)} Success-then-Failed")
