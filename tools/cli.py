@@ -94,6 +94,14 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "wheel), converting its GGUF once; pass it as --model-path",
     ),
     Subcommand(
+        "plan",
+        "lynx_tools.plan.cli",
+        "predict TTFT P50/P99, time per output token and SLO goodput of mooncake, Lynx exact and "
+        "Lynx int8 for a deployment this box cannot hold (model, prompts, rate, link, prefills "
+        "per decode, GPU or measured forward): a queueing model fed this box's measured stage "
+        "costs; --validate compares it with the stored bench-ttft/bench-load runs",
+    ),
+    Subcommand(
         "tls-certs",
         "lynx_tools.cluster.tls_certs",
         "make a private CA and node certificates for --lynx-tls-cert/--lynx-tls-key/--lynx-tls-ca "
