@@ -28,6 +28,22 @@ from .model import (
 )
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
+# `--examples`: the GPU deployments results/plan/gpu_predictions.json holds (RAG-like prompts of
+# 6-10k tokens, 256 output tokens; the prefix cache is not modelled).
+EXAMPLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Llama-3-8B, H100 prefills, 2 per decode, 100 Gbit/s RDMA",
+     ("--model", "Llama-3-8B", "--gpu", "H100", "--prompt-range", "6000,10000", "--rate", "1",
+      "--prefills-per-decode", "2", "--link-gbps", "100")),
+    ("Llama-3-8B, H100 prefills, 2 per decode, 25 Gbit/s",
+     ("--model", "Llama-3-8B", "--gpu", "H100", "--prompt-range", "6000,10000", "--rate", "1",
+      "--prefills-per-decode", "2", "--link-gbps", "25")),
+    ("Llama-3-8B, H100, 1 prefill per decode, 10 Gbit/s TCP",
+     ("--model", "Llama-3-8B", "--gpu", "H100", "--prompt-range", "6000,10000", "--rate", "1",
+      "--link-gbps", "10")),
+    ("Llama-3-70B, 4xH100 (TP 4), 1 prefill per decode, 25 Gbit/s",
+     ("--model", "Llama-3-70B", "--gpu", "H100", "--gpus", "4", "--prompt-range", "6000,10000",
+      "--rate", "0.5", "--link-gbps", "25")),
+)
 # GPU codec throughput assumed where none was measured: the issue's goal for the exact coder,
 # half a device copy (a copy reads and writes each byte).
 GPU_CODEC_SHARE_OF_COPY = 0.5
@@ -83,11 +99,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: run the model with every stored bench-ttft/bench-load run's "
                         "parameters and compare (writes --json, default "
                         "results/plan/validation.json)")
+    s.add_argument("--examples", action="store_true",
+                   help="instead: predict the built-in GPU deployments (EXAMPLES) and print their "
+                        "README rows (writes --json, default results/plan/gpu_predictions.json)")
     s.add_argument("--results", type=Path, default=RESULTS, help="the stored results folder")
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.validate:
+    if args.validate or args.examples:
         return
     custom = [args.layers, args.kv_heads, args.head_dim]
     if args.model is None and None in custom:
@@ -209,6 +228,8 @@ def prediction_json(dep: Deployment, slo: Slo, source: str, pred: Prediction) ->
 def run(args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(args)
+    if args.examples:
+        return _examples(args)
     try:
         dep, slo, source = build(args)
         pred = predict(dep, slo, PLAN_VARIANTS, args.requests, args.seed)
@@ -234,5 +255,55 @@ def _validate(args: argparse.Namespace) -> int:
     for row in result.summary():
         print(f"{row['source']:<11} {row['metric']:<14} {row['variant']:<18} {row['n']:>3} "
               f"{row['median_abs_rel_error']:>13.1%} {row['within_tolerance']:>11.0%}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _cell(v) -> str:
+    if not v.stable:
+        return f"unstable (link {v.link_utilisation:.2f} busy)"
+    return f"{v.ttft_p50_s:.2f} / {v.ttft_p99_s:.2f} s"
+
+
+def readme_row(label: str, dep: Deployment, slo: Slo, pred: Prediction) -> str:
+    """One "where Lynx pays" row: TTFT P50 / P99 per variant, and each one's goodput at the
+    rate and highest rate meeting the SLO."""
+    by = {v.variant: v for v in pred.variants}
+    mean_t = round(statistics.fmean(dep.prompts))
+    mean_f = statistics.fmean(dep.forward.seconds(t) for t in dep.prompts)
+    r = dep.wire_s(mean_t, 1.0) / mean_f
+    good = " / ".join("-" if not v.stable else
+                      f"{v.slo_attainment:.0%}, max {_s(v.max_rate_meeting_slo, '{:.2g}')}"
+                      for v in (by["mooncake"], by["lynx"], by["lynx-int8"]))
+    return (f"| {label} (**prediction**) | {r:.2g} | {dep.decode_rate:g} req/s | "
+            f"{_cell(by['mooncake'])} | {_cell(by['lynx'])} | {_cell(by['lynx-int8'])} | "
+            f"{_ms(by['lynx'].tpot_median_s)} | TTFT <= {slo.ttft_s:.2g} s: {good} |")
+
+
+README_HEAD = ("| deployment | R | rate into a decode | mooncake TTFT P50 / P99 | Lynx exact | "
+               "Lynx int8 | Lynx TPOT | SLO met (mooncake / exact / int8), max req/s per prefill "
+               "|\n|---|---|---|---|---|---|---|---|")
+
+
+def _examples(args: argparse.Namespace) -> int:
+    rows, docs = [], []
+    for label, argv in EXAMPLES:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        ex = p.parse_args([*argv, "--requests", str(args.requests), "--seed", str(args.seed),
+                           "--results", str(args.results)])
+        check_arguments(p, ex)
+        dep, slo, source = build(ex)
+        pred = predict(dep, slo, PLAN_VARIANTS, ex.requests, ex.seed)
+        print(f"== {label}\n{format_prediction(dep, slo, source, pred)}\n")
+        rows.append(readme_row(label, dep, slo, pred))
+        docs.append({"label": label, "argv": list(argv),
+                     **prediction_json(dep, slo, source, pred)})
+    path = args.json or args.results / "plan" / "gpu_predictions.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"kind": "predictions (model, not measured)",
+                                "readme_rows": [README_HEAD, *rows], "deployments": docs},
+                               indent=1) + "\n")
+    print("\n".join([README_HEAD, *rows]))
     print(f"wrote {path}")
     return 0
