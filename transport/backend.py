@@ -28,6 +28,9 @@ Priority contract: the backend keeps one queue per stream per session. `Priority
 "strict"`: no RESIDUAL byte is handed to the wire while ANCHOR work is queued on that session (at
 the backend's chunk granularity; a RESIDUAL chunk already handed over is not recalled). "weighted":
 when both are backlogged RESIDUAL gets `residual_share` of the bytes, so it never starves.
+`PriorityPolicy.link_order` (strict mode, tcp backend): across the requests of a session, a
+request waiting on its RESIDUAL may go before newer requests' ANCHOR work (`link_order`); the
+verbs backend keeps plain strict order.
 """
 
 from __future__ import annotations
@@ -57,12 +60,16 @@ class PriorityPolicy:
 
     mode: "strict" (default) or "weighted". residual_share: weighted mode's share of bytes for
     RESIDUAL while both streams are backlogged (0 < share < 1). chunk_bytes: scheduling/checksum
-    unit; a large write is split into chunks of at most this size.
+    unit; a large write is split into chunks of at most this size. link_order: strict mode's
+    order across requests by `link_order.LinkOrder` (a request whose Anchor is delivered and whose
+    Residual has waited longer than the newer requests' queued Anchors take on the link goes
+    before them) instead of every ANCHOR byte before every RESIDUAL byte; tcp backend only.
     """
 
     mode: str = "strict"
     residual_share: float = 0.1
     chunk_bytes: int = 1 << 20
+    link_order: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("strict", "weighted"):
@@ -71,6 +78,9 @@ class PriorityPolicy:
             raise ValueError("residual_share must be in (0, 1)")
         if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}]")
+        if self.link_order and self.mode != "strict":
+            raise ValueError("link_order orders strict mode's streams across requests; "
+                             f"mode {self.mode!r} has no such order")
 
 
 @dataclass

@@ -22,7 +22,10 @@ every chunk for it whatever its own setting. FIN frames always carry the CRC32 o
 
 Priority: strict mode never hands RESIDUAL bytes to the kernel while ANCHOR work is queued; the
 RESIDUAL socket has a small TCP_NOTSENT_LOWAT so that little RESIDUAL data waits unsent inside the
-kernel when ANCHOR work arrives. Sockets are marked with IP_TOS / SO_PRIORITY per stream.
+kernel when ANCHOR work arrives. With `PriorityPolicy.link_order` the session's `LinkOrder`
+(`link_order`) may send a waiting request's RESIDUAL before newer requests' ANCHOR work, and the
+ANCHOR socket gets a TCP_NOTSENT_LOWAT too (`LINK_ORDER_ANCHOR_LOWAT`). Sockets are marked with
+IP_TOS / SO_PRIORITY per stream.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import time
 
 from .auth import data_proof
 from .backend import Backend, BackendHooks, FinOp, PriorityPolicy, WriteOp
+from .link_order import LinkOrder
 from .memory import Region
 from .tcp_accept import DataListener
 from .tcp_recv import RecvLoop
@@ -47,6 +51,11 @@ from .tls import TlsConfig
 from .types import STREAMS, FailureReason, HandshakeError, Stream
 
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+# PriorityPolicy.link_order: the ANCHOR socket's TCP_NOTSENT_LOWAT where `anchor_notsent_lowat`
+# leaves the kernel's default. The order is decided chunk by chunk in the sender, so what the
+# kernel already holds goes first whatever it decides: unbounded, a newer request's whole Anchor
+# (MBs, autotuned send buffer) sat in the kernel ahead of a waiting Residual.
+LINK_ORDER_ANCHOR_LOWAT = 256 * 1024
 
 DEFAULT_OPTIONS = {
     "anchor_tos": 0xB8,  # DSCP EF (46)
@@ -123,7 +132,8 @@ class TcpBackend(Backend):
 
     # ------------------------------------------------------------------ sessions
     def session_prepare(self, session_id: bytes, initiator: bool, key: bytes) -> dict:
-        ts = TcpSession(session_id, initiator, key)
+        ts = TcpSession(session_id, initiator, key,
+                        order=LinkOrder() if self.policy.link_order else None)
         ts.wake_r, ts.wake_w = socket.socketpair()
         ts.wake_r.setblocking(False)
         ts.wake_w.setblocking(False)
@@ -203,6 +213,8 @@ class TcpBackend(Backend):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY,
                             o["anchor_priority"] if anchor else o["residual_priority"])
         lowat = o["anchor_notsent_lowat"] if anchor else o["residual_notsent_lowat"]
+        if anchor and not lowat and self.policy.link_order:
+            lowat = LINK_ORDER_ANCHOR_LOWAT
         if lowat:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, int(lowat))
@@ -278,8 +290,12 @@ class TcpBackend(Backend):
             self.hooks.send_failed(op.session_id, op.request_id, op.stream, FailureReason.CLOSED,
                                    "tcp session not connected")
             return
+        stream = Stream(op.stream)
         with ts.lock:
-            ts.queues[Stream(op.stream)].append(QueuedOp(op))
+            ts.queues[stream].append(QueuedOp(op))
+            if ts.order is not None:
+                ts.order.queued(op.request_id, stream,
+                                op.length if isinstance(op, WriteOp) else 0, time.monotonic())
         with contextlib.suppress(OSError):
             ts.wake_w.send(b"x")
 
@@ -296,6 +312,8 @@ class TcpBackend(Backend):
                 keep = [it for it in q if it.op.request_id != request_id]
                 q.clear()
                 q.extend(keep)
+            if ts.order is not None:
+                ts.order.drained(request_id, stream)
             while any(c is not None and c.request_id == request_id
                       and (stream is None or s == stream) for s, c in ts.current.items()):
                 left = end - time.monotonic()

@@ -2,7 +2,9 @@
 
 It picks the next chunk by `PriorityPolicy` (strict: no RESIDUAL byte goes to the kernel while
 ANCHOR work is queued or, with `anchor_hold_bytes`, while the ANCHOR socket still holds unacked
-bytes; weighted: by bytes sent over each stream's share) and writes `header + payload` with
+bytes; with `link_order`, across requests by the session's `link_order.LinkOrder`, which it
+feeds with the chunks it cuts and the bytes the peer acknowledged; weighted: by bytes sent over
+each stream's share) and writes `header + payload` with
 non-blocking `sendmsg` straight from the registered source memory (no copy; with TLS an SSL write
 of at most `TLS_WRITE_BYTES`). It waits in poll(2) on the stream sockets and the session's wake
 pipe, which `tcp.TcpBackend` writes to when it queues work or closes the session.
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .backend import BackendHooks, FinOp, PriorityPolicy, WriteOp
+from .link_order import Choice
 from .tcp_session import TcpSession
 from .tcp_wire import FLAG_CRC, FLAG_XXH3, HDR, KIND_DATA, KIND_FIN, MAGIC, xxh3_32
 from .types import STREAMS, FailureReason, Stream
@@ -37,6 +40,10 @@ _OUTQ_BUF = bytes(4)
 TLS_WRITE_BYTES = 256 * 1024
 # poll(2) events on which the sender tries a send: room, or an error the send will report
 _SEND_READY = select.POLLOUT | select.POLLERR | select.POLLHUP | select.POLLNVAL
+# link_order: how often the sender reads its sockets' unacknowledged bytes (the link's rate, the
+# Anchors delivered); also its idle wait while an Anchor's delivery is still to be seen, so that
+# a request's wait on its Residual starts within this of the delivery
+OBSERVE_S = 0.01
 
 # test seam (backend option "_corrupt_checksum"): given (session id, stream, checksum) of a DATA
 # chunk about to be sent, returns the checksum to put in its header
@@ -67,6 +74,7 @@ class Chunk:
     total: int
     payload: int
     pos: int = 0
+    fin: bool = False
 
 
 class SendLoop:
@@ -84,19 +92,25 @@ class SendLoop:
         self.hold = int(opts["anchor_hold_bytes"])
         self.corrupt: CorruptChecksum | None = opts["_corrupt_checksum"]
 
-    def _next_chunk(self, stream: Stream) -> Chunk | None:
-        """Turn the head of `stream`'s queue into a frame (called with ts.lock held)."""
+    def _next_chunk(self, stream: Stream, request_id: int | None = None) -> Chunk | None:
+        """Turn the head of `stream`'s queue (`request_id`'s first op on it, if given and queued)
+        into a frame (called with ts.lock held)."""
         ts = self.ts
         q = ts.queues[stream]
+        at = 0 if request_id is None else next(
+            (i for i, it in enumerate(q) if it.op.request_id == request_id), 0)
         while q:
-            item = q[0]
+            item = q[at]
             op = item.op
             if isinstance(op, FinOp):
-                q.popleft()
+                del q[at]
+                if ts.order is not None:
+                    ts.order.cut(op.request_id, stream, 0, True)
                 aux = op.aux
                 hdr = HDR.pack(MAGIC, KIND_FIN, int(stream), FLAG_CRC, op.request_id, 0,
                                zlib.crc32(aux), op.total, len(aux))
-                return Chunk(op.request_id, [hdr, aux] if aux else [hdr], len(hdr) + len(aux), 0)
+                return Chunk(op.request_id, [hdr, aux] if aux else [hdr], len(hdr) + len(aux), 0,
+                             fin=True)
             n = min(self.policy.chunk_bytes, op.length - item.done)
             view = op.src.slice(op.src_offset + item.done, n)
             flags = 0
@@ -114,7 +128,9 @@ class SendLoop:
                            crc, op.dst_offset + item.done, n)
             item.done += n
             if item.done >= op.length:
-                q.popleft()
+                del q[at]
+            if ts.order is not None:
+                ts.order.cut(op.request_id, stream, n, item.done >= op.length)
             return Chunk(op.request_id, [hdr, view], len(hdr) + n, n)
         return None
 
@@ -131,14 +147,27 @@ class SendLoop:
         next_ok = time.monotonic()
         io_timeout = self.io_timeout
         hold = self.hold
+        ordered = strict and ts.order is not None
+        observed = 0.0
         try:
             while not ts.stop:
                 with ts.lock:
                     has = {s: self._has_work(s) for s in STREAMS}
+                if ordered and time.monotonic() - observed >= OBSERVE_S:
+                    observed = time.monotonic()
+                    self._observe(has[A] or has[R])
                 if not has[A] and not has[R]:
-                    self._wait_wake(io_timeout)
+                    self._wait_wake(OBSERVE_S if ordered and self._delivery_pending()
+                                    else io_timeout)
                     continue
-                if strict:
+                pick = None
+                if ordered:
+                    choice = self._choose(has)
+                    order, pick = [choice.stream], choice.request_id
+                    if choice.stream is R and not has[A] and hold >= 0 and _outq(ts.tx[A]) > hold:
+                        self._wait_wake(0.0005)  # as below: the Anchor's tail keeps the link
+                        continue
+                elif strict:
                     order = [A] if has[A] else [R]
                     if not has[A] and hold >= 0 and _outq(ts.tx[A]) > hold:
                         # the ANCHOR's tail is still in the kernel / on the wire: keep the link
@@ -163,7 +192,7 @@ class SendLoop:
                 with ts.lock:
                     ch = ts.current[stream]
                     if ch is None:
-                        ch = ts.current[stream] = self._next_chunk(stream)
+                        ch = ts.current[stream] = self._next_chunk(stream, pick)
                     if ch is None:
                         continue
                 limit = 65536 if throttle else (self.res_cap if stream is R else 0)
@@ -184,6 +213,8 @@ class SendLoop:
                 if ch.pos >= ch.total:
                     with ts.lock:
                         ts.current[stream] = None
+                        if ch.fin and ts.order is not None:
+                            ts.order.fin_sent(ch.request_id, stream, ts.sent_bytes[stream])
                         ts.lock.notify_all()
                     if ch.payload:
                         self.hooks.sent(ts.sid, ch.request_id, stream, ch.payload)
@@ -198,6 +229,31 @@ class SendLoop:
             with ts.lock:
                 ts.current = {s: None for s in STREAMS}
                 ts.lock.notify_all()
+
+    def _choose(self, has: dict[Stream, bool]) -> Choice:
+        """link_order: the next chunk's stream and request (`LinkOrder.choose`)."""
+        ts = self.ts
+        with ts.lock:
+            head = None
+            if has[Stream.ANCHOR]:
+                ch = ts.current[Stream.ANCHOR]
+                head = ch.request_id if ch is not None else ts.queues[Stream.ANCHOR][0].op.request_id
+            return ts.order.choose(time.monotonic(), head, has[Stream.RESIDUAL])
+
+    def _observe(self, backlogged: bool) -> None:
+        """link_order: tell the order what the peer has acknowledged (sent minus what the
+        kernel still holds): the Anchors delivered, and the link's rate."""
+        ts = self.ts
+        unacked = {s: _outq(ts.tx[s]) for s in STREAMS}
+        now = time.monotonic()
+        with ts.lock:
+            acked = {s: ts.sent_bytes[s] - unacked[s] for s in STREAMS}
+            ts.order.acked(acked[Stream.ANCHOR], now)
+            ts.order.rate.observe(now, sum(acked.values()), backlogged)
+
+    def _delivery_pending(self) -> bool:
+        with self.ts.lock:
+            return self.ts.order.pending_delivery()
 
     def _clear_wake(self) -> None:
         with contextlib.suppress(OSError):

@@ -1,8 +1,8 @@
 """`TcpSession`: the `tcp` backend's state of one session's data path.
 
 Owned by `tcp.TcpBackend` (which creates, connects and closes it); shared, under its `lock`, by
-the session's sender thread (`tcp_send.SendLoop`: queues, current chunks, sent bytes) and its
-receiver threads (`tcp_recv.RecvLoop`: received bytes), which all leave once `stop` is set.
+the session's sender thread (`tcp_send.SendLoop`: queues, current chunks, sent bytes, the link
+order) and its receiver threads (`tcp_recv.RecvLoop`: received bytes), which all leave once `stop` is set.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+from .link_order import LinkOrder
 from .types import STREAMS
 
 
@@ -35,5 +36,7 @@ class TcpSession:
     connected: threading.Event = field(default_factory=threading.Event)
     sent_bytes: dict = field(default_factory=lambda: {s: 0 for s in STREAMS})
     recv_bytes: dict = field(default_factory=lambda: {s: 0 for s in STREAMS})
+    # PriorityPolicy.link_order: the order across the session's requests (changed under `lock`)
+    order: LinkOrder | None = None
     use_xxh3: bool = False
     peer_requires_checksum: bool = True  # what the peer's local_info says; until then: safe side

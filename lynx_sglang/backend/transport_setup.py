@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from lynx_transport import Endpoint, gpu_direct
+from lynx_transport import Endpoint, PriorityPolicy, gpu_direct
 
 from ..config import LynxConfig
 from ..errors import LynxConfigError
@@ -50,11 +50,15 @@ def open_endpoint(lynx: LynxConfig, host: str, name: str, sglang_ib_devices: str
     else:
         tls = lynx.tls_config()
         options = {"tls": tls} if tls else None
-        logger.info("lynx: tcp transport, data connections %s",
+        logger.info("lynx: tcp transport, data connections %s, link order %s",
                     f"in TLS 1.3 (certificate {tls.cert_file}, CA {tls.ca_file})" if tls
-                    else "in clear (no TLS: --lynx-tls-cert/-key/-ca to encrypt them)")
+                    else "in clear (no TLS: --lynx-tls-cert/-key/-ca to encrypt them)",
+                    "on" if lynx.link_order else "off (--no-lynx-link-order)")
+    # The order across the requests that share a link (lynx_transport.link_order) is the
+    # sender's: the prefill's; the verbs backend keeps plain strict priority.
     endpoint = Endpoint(backend=lynx.transport, host=host, secret=lynx.load_secret(),
-                        allow_insecure=lynx.insecure, backend_options=options, name=name)
+                        allow_insecure=lynx.insecure, backend_options=options, name=name,
+                        policy=PriorityPolicy(link_order=lynx.link_order))
     if lynx.transport == "verbs":
         # The device the backend opened (ibv_get_device_list's first when none was named), not
         # a guess made before it picked one.

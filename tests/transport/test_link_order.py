@@ -1,0 +1,215 @@
+"""`lynx_transport.link_order`: the order across the requests that share one link (issue 59).
+
+The pure decisions (`LinkOrder.choose`, rules 1-5 of the module) on hand-fed events, the link's
+rate (`LinkRate`), the bookkeeping (delivery marks, drains, a finished Residual), and one loopback
+run of the tcp backend with a throttled sender: a request that has waited on its Residual
+longer than a newer Anchor takes goes first with `link_order`, and after it without.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from session_pair import pattern
+
+from lynx_transport import Endpoint, PriorityPolicy, Stream
+from lynx_transport.link_order import RATE_WINDOW_S, Choice, LinkOrder, LinkRate
+
+A, R = Stream.ANCHOR, Stream.RESIDUAL
+MiB = 1 << 20
+
+
+def sent_whole(order: LinkOrder, rid: int, stream: Stream, nbytes: int, mark: int) -> None:
+    """Queue a request's op and its FIN on `stream`, cut them, and hand the FIN over at `mark`."""
+    order.queued(rid, stream, nbytes, 0.0)
+    order.queued(rid, stream, 0, 0.0)
+    order.cut(rid, stream, nbytes, True)
+    order.cut(rid, stream, 0, True)
+    order.fin_sent(rid, stream, mark)
+
+
+def link(bps: float | None = 1e6) -> LinkOrder:
+    order = LinkOrder()
+    order.rate.bps = bps
+    return order
+
+
+def waiting_room(order: LinkOrder, rid: int, at: float, delivered: float,
+                 residual: int = 4 * MiB) -> None:
+    """Request `rid` first queued at `at`, its Anchor delivered at `delivered`, its Residual
+    queued."""
+    order.queued(rid, A, 1000, at)
+    order.queued(rid, A, 0, at)
+    order.cut(rid, A, 1000, True)
+    order.cut(rid, A, 0, True)
+    order.fin_sent(rid, A, 1000 * rid)
+    order.acked(1000 * rid, delivered)
+    order.queued(rid, R, residual, delivered)
+
+
+def test_anchor_alone_and_residual_alone():
+    order = link()
+    assert order.choose(0.0, None, False) == Choice(A)
+    order.queued(1, A, 100, 0.0)
+    assert order.choose(0.0, 1, False) == Choice(A)
+    order.queued(1, R, 100, 0.0)
+    assert order.choose(0.0, None, True) == Choice(R, 1)
+
+
+def test_a_waiting_residual_goes_before_newer_anchors_once_it_waited_their_wire_time():
+    order = link(1e6)  # 1 MB/s
+    waiting_room(order, 1, at=0.0, delivered=1.0)
+    order.queued(2, A, 500_000, 1.5)  # newer: 0.5 s of wire
+    # waited 0.2 s < 0.5 s: the newer Anchor first (strict)
+    assert order.choose(1.2, 2, True) == Choice(A)
+    # 0.5 s waited: the Residual goes
+    assert order.choose(1.5, 2, True) == Choice(R, 1)
+    # the newer Anchor half sent: 0.25 s of wire left; waited 0.3 s
+    order.cut(2, A, 250_000, False)
+    assert order.choose(1.3, 2, True) == Choice(R, 1)
+    # a third request's Anchor adds to what the waiting one would wait for
+    order.queued(3, A, 500_000, 1.6)
+    assert order.choose(1.6, 2, True) == Choice(A)
+    assert order.choose(1.75, 2, True) == Choice(R, 1)
+
+
+def test_anchor_first_within_a_request():
+    """A request whose Anchor is not delivered yet is not waiting: its Residual stays behind
+    every Anchor, however old it is (rule 1)."""
+    order = link(1e9)
+    order.queued(1, A, 1000, 0.0)
+    order.queued(1, A, 0, 0.0)
+    order.cut(1, A, 1000, True)
+    order.cut(1, A, 0, True)
+    order.fin_sent(1, A, 5000)
+    order.queued(1, R, MiB, 0.0)
+    order.queued(2, A, 10, 1.0)
+    order.acked(4999, 50.0)  # the FIN's last byte not acknowledged yet
+    assert order.pending_delivery()
+    assert order.choose(100.0, 2, True) == Choice(A)
+    order.acked(5000, 100.0)
+    assert not order.pending_delivery()
+    assert order.rooms[1].waiting_since == 100.0
+    assert order.choose(100.1, 2, True) == Choice(R, 1)
+
+
+def test_older_anchors_keep_their_place():
+    """An Anchor queue headed by a request no newer than the waiting one stays first; only the
+    newer requests' Anchor bytes count against the waiting one."""
+    order = link(1e6)
+    order.queued(1, A, 100, 0.0)  # older, a streamed Anchor still coming
+    waiting_room(order, 2, at=0.5, delivered=1.0)
+    assert order.choose(50.0, 1, True) == Choice(A)
+    order.rooms[1].queued[A].nbytes = 0  # the old one's bytes are sent; its FIN still queued
+    order.queued(3, A, 100_000, 2.0)
+    assert order.choose(1.05, 3, True) == Choice(A)  # 0.05 s waited < 0.1 s of newer bytes
+    assert order.choose(1.1, 3, True) == Choice(R, 2)
+
+
+def test_no_rate_no_promotion():
+    order = link(None)
+    waiting_room(order, 1, at=0.0, delivered=1.0)
+    order.queued(2, A, 1, 2.0)
+    assert order.choose(1000.0, 2, True) == Choice(A)
+
+
+def test_residuals_waiting_longest_first_then_oldest():
+    order = link()
+    for rid, at in ((1, 0.0), (2, 1.0)):  # not waiting: FIFO by age
+        order.queued(rid, R, 100, at)
+    assert order.residual_next() == 1
+    waiting_room(order, 3, at=2.0, delivered=5.0)
+    waiting_room(order, 4, at=3.0, delivered=4.0)  # newer, but waiting longer
+    assert order.residual_next() == 4
+    order.drained(4, R)  # its Residual dropped (a NACK): it has none queued
+    assert order.residual_next() == 3
+    order.drained(3, None)
+    assert 3 not in order.rooms
+    assert order.residual_next() == 1
+
+
+def test_a_finished_residual_forgets_its_request():
+    order = link()
+    waiting_room(order, 1, at=0.0, delivered=1.0, residual=10)
+    order.queued(1, R, 0, 1.0)
+    order.cut(1, R, 10, True)
+    order.cut(1, R, 0, True)
+    order.fin_sent(1, R, 99)
+    assert order.rooms == {}
+    order.cut(1, A, 5, True)  # late events of a forgotten request are ignored
+    order.fin_sent(1, A, 5)
+    assert order.rooms == {}
+
+
+def test_anchor_bytes_count_down_as_they_are_cut():
+    order = link()
+    order.queued(1, A, 3000, 0.0)
+    order.cut(1, A, 1000, False)
+    assert order.rooms[1].queued[A].nbytes == 2000 and order.rooms[1].has(A)
+    order.cut(1, A, 2000, True)
+    assert order.rooms[1].queued[A].nbytes == 0 and not order.rooms[1].has(A)
+
+
+def test_rate_from_backlogged_windows_only():
+    rate = LinkRate()
+    rate.observe(0.0, 0, True)
+    rate.observe(RATE_WINDOW_S / 2, 10**9, True)  # too short a window: no sample
+    assert rate.bps is None
+    rate.observe(1.0, 1_000_000, True)
+    assert rate.bps == pytest.approx(1e6)
+    rate.observe(1.5, 1_000_000, False)  # idle: says nothing, and ends the window
+    rate.observe(10.0, 1_000_000, True)
+    assert rate.bps == pytest.approx(1e6)
+    rate.observe(11.0, 3_000_000, True)  # 2 MB/s: the running average moves by 0.3
+    assert rate.bps == pytest.approx(1.3e6)
+    rate.observe(12.0, 3_000_000, True)  # a stall is not a rate
+    assert rate.bps == pytest.approx(1.3e6)
+
+
+def test_link_order_is_strict_modes():
+    assert PriorityPolicy(link_order=True).link_order
+    with pytest.raises(ValueError, match="link_order"):
+        PriorityPolicy(mode="weighted", link_order=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("link_order", [True, False])
+def test_loopback_waiting_residual_before_newer_anchor(link_order):
+    """Request 1's Anchor is delivered and its Residual has been on the wire ~0.5 s when request
+    2's Anchor (0.2 s of wire) arrives: with link_order the Residual's rest (0.3 s) goes first,
+    without it the Anchor does."""
+    rate = 20_000_000  # throttled sender: the link's rate, deterministic on loopback
+    rx = Endpoint(name="rx")
+    tx = Endpoint(name="tx", policy=PriorityPolicy(chunk_bytes=256 << 10, link_order=link_order),
+                  backend_options={"_throttle_bps": rate})
+    try:
+        s_tx = tx.connect(rx.address, timeout=5)
+        s_rx = rx.accept(timeout=5)
+        n_a1, n_r1, n_a2 = MiB, 16 * MiB, 4 * MiB
+        total = n_a1 + n_r1 + n_a2
+        stage = np.zeros(total, np.uint8)
+        dst = rx.register(stage)
+        src = tx.register(pattern(total, 7))
+        s_rx.announce(1, {A: [(dst.id, 0, n_a1)], R: [(dst.id, n_a1, n_r1)]})
+        s_rx.announce(2, {A: [(dst.id, n_a1 + n_r1, n_a2)]})
+        s_tx.wait_announcement(2, timeout=5)
+        s_tx.write_stream(1, A, src, 0, n_a1)
+        s_tx.finish(1, A)
+        s_tx.write_stream(1, R, src, n_a1, n_r1)
+        s_tx.finish(1, R)
+        assert s_rx.wait(1, A, timeout=10).ok
+        deadline = time.monotonic() + 20
+        while s_rx.recv_state(1, R).nbytes < 10 * MiB and time.monotonic() < deadline:
+            time.sleep(0.005)
+        s_tx.write_stream(2, A, src, n_a1 + n_r1, n_a2)
+        s_tx.finish(2, A)
+        r1 = s_rx.wait(1, R, timeout=30)
+        a2 = s_rx.wait(2, A, timeout=30)
+        assert r1.ok and a2.ok
+        assert (r1.t_done < a2.t_done) is link_order, (r1.t_done, a2.t_done)
+        assert np.array_equal(stage, np.asarray(src.view))
+    finally:
+        tx.close()
+        rx.close()
