@@ -57,8 +57,7 @@ def check_sglang() -> Check:
 def check_hooks() -> list[Check]:
     """Imports SGLang (tens of seconds): the release its fingerprints match, and each hook Lynx
     registers: does its target resolve, with the signature of a supported release."""
-    from lynx_sglang import cpu_compat
-    from lynx_sglang.upstream import fingerprints, hook_check
+    from lynx_sglang.upstream import cpu_compat, fingerprints, hook_check
 
     if not cpu_compat.cuda_device_present():
         # as the servers run on a CPU box (SGLang's CPU engine, its CUDA-only imports stubbed)

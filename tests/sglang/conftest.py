@@ -79,7 +79,7 @@ def sglang_in_process():
     SGLang."""
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("SGLang is not installed (scripts/install.sh installs it)")
-    from lynx_sglang import cpu_compat
+    from lynx_sglang.upstream import cpu_compat
 
     with pytest.MonkeyPatch.context() as mp:
         if not cpu_compat.cuda_device_present():

@@ -8,7 +8,7 @@ RESIDUAL_DELAY_S (test_pd_lynx_spec's knobs), short enough that it lands while t
 still decoding: the decode speculates, rolls back, and verifies requests whose decode step is in
 flight (`speculation.controller.IN_FLIGHT_PARK_REASON`). Of PROMPTS, the third shares a long
 prefix with the second and the fourth repeats the first: the prefill sends their cached prefix
-early (SGLang's `maybe_send_cached_prefix_chunk`, which on CPU needs `lynx_sglang.cpu_compat`'s
+early (SGLang's `maybe_send_cached_prefix_chunk`, which on CPU needs `lynx_sglang.upstream.cpu_compat`'s
 event). Every answer must be token-identical to a single server with the same SGLang flags, sent
 the same prompts in the same order (so both radix caches hold the same prefixes). The prefill
 streams layer by layer under overlap too (`backend.layer_stream`): every prompt its forward
@@ -115,7 +115,7 @@ def test_prefill_sent_cached_prefixes(runs):
     cached = [int(n) for n in re.findall(r"#cached-token: (\d+)", log)]
     # The shared context of prompts 2 and 3, and prompt 1 again (all but its last token).
     assert sum(n > 0 for n in cached) >= 2, cached
-    # SGLang's CUDA event of that early send (lynx_sglang.cpu_compat gives the prefill a CPU one).
+    # SGLang's CUDA event of that early send (lynx_sglang.upstream.cpu_compat gives the prefill a CPU one).
     assert "Tried to instantiate dummy base class Event" not in log
 
 

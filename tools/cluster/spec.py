@@ -104,7 +104,7 @@ def free_port() -> int:
 
 
 def cpu_only() -> bool:
-    from lynx_sglang import cpu_compat
+    from lynx_sglang.upstream import cpu_compat
 
     return not cpu_compat.cuda_device_present()
 

@@ -7,7 +7,7 @@ Two imports stand between that module and this box, and neither is used by the s
   (sglang/benchmark/datasets/mmmu.py); the package is not installed (it is not needed to serve).
   Where it is missing, a stub module whose `load_dataset` raises stands in for it.
 - `torchvision` (via sglang.srt.configs): without CUDA it gets the same import fallback the
-  servers get (`lynx_sglang.cpu_compat`, activated as in `lynx_sglang.serve`).
+  servers get (`lynx_sglang.upstream.cpu_compat`, activated as in `lynx_sglang.serve`).
 With `datasets` installed and a CUDA device present this is exactly `python -m sglang.bench_serving`.
 Called by `lynx_tools.ttft.bench` as a subprocess.
 """
@@ -20,7 +20,7 @@ import runpy
 import sys
 import types
 
-from lynx_sglang import cpu_compat
+from lynx_sglang.upstream import cpu_compat
 
 
 def _load_dataset(*args, **kwargs):
