@@ -6,14 +6,23 @@ verification figures it states for a GPU where none was measured there.
   Gbit/s (the stream-policy runs), TTFT - send-to-prefill-done - BF16 wire time;
 - decode step per forward token: mooncake-nospin's time per token ÷ its forward per prompt token
   in every single-request bench-ttft run since 2026-12-06 (this box's speed drifts 3x within an
-  hour, so a run's decode step is taken from its own forward, as the runs' ratios are);
+  hour, so a run's decode step is taken from its own forward, as the runs' ratios are; both
+  alone, so at full speed);
+- CPU demands (`CpuDemand`, the cores each activity keeps busy), from the role CPU seconds of one
+  bench-load run (`CPU_CALIBRATION_RUN`, unpinned; its passes' latencies are not used): the
+  forward's, prefill CPU ÷ the pass's forwards at the calibration speed in the passes without
+  BF16 transfers; mooncake's sender, the prefill CPU left in its passes ÷ their BF16 wire time;
+  the decode's, decode CPU ÷ Σ output tokens × time per output token in its lowest-rate passes
+  that do not speculate (one request decoding at a time);
 - codec: results/bench_kv_path's newest A/B file, the current build's prefill (encode after the
   forward) and decode (apply) per BF16 byte, exact and int8;
 - verification in decode steps per speculated positions: results/bench_verify (newer wins);
 - speculation's acceptance: results/anchor_study's default Anchor (the share of prompts that
   kept all 32 tokens, the mean kept by the others).
 
-Callers: `tools.plan.validate`, `tools.plan.cli` (the `--box` stage costs).
+Also the measured variants' names -> the modelled variants (`ALIASES`). Callers:
+`tools.plan.validate`, `tools.plan.cli` (the verification and acceptance costs a GPU prediction
+borrows).
 """
 
 from __future__ import annotations
@@ -23,14 +32,40 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model import DecodeStep, StageCosts
-from .stored import BASELINES, read_ttft
+from .model import (
+    INT4_ANCHOR,
+    LYNX,
+    LYNX_INT8,
+    LYNX_INT8_NOSPEC,
+    MOONCAKE,
+    CpuDemand,
+    DecodeStep,
+    SharedCpu,
+    StageCosts,
+    Variant,
+)
+from .stored import BASELINES, LoadRun, read_load, read_ttft
 
 FIXED_COST_RUNS = ("bench_ttft/bench_ttft_1gbit_stream_policy_2026-12-07.json",
                    "bench_ttft/bench_ttft_5gbit_stream_policy_2026-12-07.json")
 # The anchor study's row with the serving default (4 bits, group 64, rotation, 4 sink + 16 recent).
 DEFAULT_ANCHOR_ROW = "rot+sink4+r16"
 SMOLLM2_BF16_BYTES_PER_TOKEN = 23040
+# The bench-load run whose role CPU seconds give the CPU demands: unpinned, every variant at
+# both rates, CPU seconds per pass recorded (the other runs validate them).
+CPU_CALIBRATION_RUN = "bench_load/bench_load_R1_four_variants_2026-12-07.json"
+
+# Measured variant name -> the modelled variant and, where its name fixes it, its cap.
+ALIASES: dict[str, tuple[Variant, int | None]] = {
+    "mooncake-nospin": (MOONCAKE, None),
+    "lynx": (LYNX, None),
+    "lynx@no-overlap": (LYNX, None),
+    "lynx-int8": (LYNX_INT8, None),
+    "lynx-spec128": (LYNX, 128),
+    "lynx-int8-spec128": (LYNX_INT8, 128),
+    "lynx-int8-nospec": (LYNX_INT8_NOSPEC, None),
+    "int4-anchor": (INT4_ANCHOR, None),
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +79,7 @@ class BoxCosts:
     verify_steps: tuple[tuple[int, float], ...]
     spec_hold_share: float
     spec_break_mean: float
+    cpu_demand: CpuDemand
     sources: dict[str, str]
 
     def stage_costs(self, spec_cap: int = 128) -> StageCosts:
@@ -53,7 +89,15 @@ class BoxCosts:
                           spec_cap=spec_cap)
 
     def decode_step(self, forward_s: float, tokens: int) -> DecodeStep:
+        """From a forward at full speed (`SharedCpu.forward_alone_rate` x a measured one)."""
         return DecodeStep(self.decode_steps_per_forward_token * forward_s / tokens)
+
+    def shared_cpu(self, cpus: int, role_cpus: dict[str, list[int]]) -> SharedCpu:
+        """A run's processors as its JSON records them (its CPUs, --pin-roles' split)."""
+        if not role_cpus:
+            return SharedCpu(self.cpu_demand, cpus)
+        return SharedCpu(self.cpu_demand, cpus, True, len(role_cpus["prefill"]),
+                         len(role_cpus["decode"]))
 
 
 def _fixed_cost(results: Path) -> float:
@@ -67,15 +111,59 @@ def _fixed_cost(results: Path) -> float:
     return statistics.median(costs)
 
 
-def _decode_ratio(results: Path) -> float:
+def _decode_ratio(results: Path, demand: CpuDemand) -> float:
     ratios = []
     for path in sorted((results / "bench_ttft").glob("bench_ttft_*2026-12-0[67]*.json")):
         for run in read_ttft(path):
             base = run.variants.get("mooncake-nospin")
             tpot = base and base.medians.get("lynx_client.tpot_s")
-            if tpot and run.forward_s:
-                ratios.append(tpot / (run.forward_s / run.prompt_tokens))
+            if tpot and run.forward_s and not run.role_cpus:
+                alone = SharedCpu(demand, run.cpus).forward_alone_rate()
+                ratios.append(tpot / (run.forward_s * alone / run.prompt_tokens))
     return statistics.median(ratios)
+
+
+@dataclass(frozen=True)
+class PassCpu:
+    """One bench-load pass's role CPU seconds beside what the model says it asked for: its
+    forwards at full speed, its BF16 wire time, its requests' decoding (Σ outputs x TPOT)."""
+
+    variant: str
+    rate: float
+    prefill_cpu_s: float
+    decode_cpu_s: float
+    forwards_s: float
+    bf16_wire_s: float
+    decoding_s: float
+
+
+def pass_cpu(run: LoadRun) -> list[PassCpu]:
+    """The passes of an unpinned run that recorded their CPU seconds."""
+    if run.pinned:
+        raise ValueError(f"{run.path}: pinned, its forwards' speed alone needs the demand")
+    out = []
+    for p in run.passes:
+        if not p.cpu_s:
+            continue
+        tokens = sum(p.input_lens)
+        decoding = sum(n * t for n, t in zip(p.output_lens, p.tpots_s, strict=True) if t)
+        out.append(PassCpu(p.variant, p.rate, p.cpu_s["prefill"], p.cpu_s["decode"],
+                           run.forward_s * tokens / run.prompt_tokens,
+                           tokens * SMOLLM2_BF16_BYTES_PER_TOKEN * 8 / run.link_bps, decoding))
+    return out
+
+
+def cpu_demand_of(run: LoadRun) -> CpuDemand:
+    """The demands one run's CPU seconds give (module docstring)."""
+    passes = pass_cpu(run)
+    bf16 = [p for p in passes if ALIASES[p.variant][0].target is None]
+    forward = statistics.median(p.prefill_cpu_s / p.forwards_s for p in passes if p not in bf16)
+    sender = statistics.median((p.prefill_cpu_s - forward * p.forwards_s) / p.bf16_wire_s
+                               for p in bf16)
+    steady = [p for p in passes if not ALIASES[p.variant][0].speculative]
+    low = min(p.rate for p in steady)
+    decode = statistics.median(p.decode_cpu_s / p.decoding_s for p in steady if p.rate == low)
+    return CpuDemand(forward, decode, sender)
 
 
 def _newest_codec_run(results: Path) -> Path:
@@ -111,12 +199,14 @@ def read_box_costs(results: Path) -> BoxCosts:
     results = Path(results)
     codec = _codec(results)
     hold, broke = _acceptance(results)
+    demand = cpu_demand_of(read_load(results / CPU_CALIBRATION_RUN))
     return BoxCosts(
-        _fixed_cost(results), _decode_ratio(results),
+        _fixed_cost(results), _decode_ratio(results, demand),
         codec["exact_prefill"], codec["int8_prefill"], codec["exact_decode"],
-        codec["int8_decode"], _verify(results), hold, broke,
+        codec["int8_decode"], _verify(results), hold, broke, demand,
         {"fixed_s": ", ".join(FIXED_COST_RUNS),
          "decode_steps_per_forward_token": "bench_ttft/*2026-12-0[67]*.json mooncake-nospin",
          "codec": str(_newest_codec_run(results).relative_to(results)),
          "verify_steps": "bench_verify/*.json",
-         "acceptance": f"anchor_study/anchor_study.json {DEFAULT_ANCHOR_ROW}"})
+         "acceptance": f"anchor_study/anchor_study.json {DEFAULT_ANCHOR_ROW}",
+         "cpu_demand": f"{CPU_CALIBRATION_RUN} (role CPU seconds per pass)"})

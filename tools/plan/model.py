@@ -14,6 +14,12 @@ later tokens are held until the Residual is applied and one verification forward
 accepted ones. Decode steps take `DecodeStep` seconds (on a GPU growing with the batch's KV,
 the batch from Little's law).
 
+On a GPU the forward and the steps have their processors to themselves. On this box (2 CPU
+cores, where the validation's runs were measured) the prefill's and the decode's servers share
+them: `SharedCpu` (`Deployment.cpu`, set by `tools.plan.validate` only) says how, and `simulate`
+then runs `tools.plan.shared_cpu`'s event-by-event simulation, each activity at the speed the
+scheduler leaves it. Without it (`cpu` None, every GPU prediction) nothing is slowed.
+
 Two ways to evaluate it, both here: `pk_wait` (Pollaczek-Khinchine mean waiting times, used for
 the stability check and the analytic means in the report) and `simulate` (the same stations
 event by event, the source of every percentile: a finite pass of a few requests as the stored
@@ -23,6 +29,7 @@ calls `simulate` with the stored runs' parameters. Pure Python: no SGLang, no to
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -237,10 +244,80 @@ VARIANTS = {v.name: v for v in (*PLAN_VARIANTS, LYNX_INT8_NOSPEC, INT4_ANCHOR)}
 
 
 @dataclass(frozen=True)
+class CpuDemand:
+    """Cores an activity keeps busy while it runs with every core it asks for (its CPU seconds
+    per second): the prefill's forward, the decode's steps (one batch however many requests it
+    holds; drafts and verifications included), mooncake's transfer engine polling while its BF16
+    bytes are on the wire, and one Lynx encode or apply (a codec thread)."""
+
+    forward: float
+    decode: float
+    bf16_sender: float
+    codec: float = 1.0
+
+    def __post_init__(self):
+        if min(self.forward, self.decode, self.codec) <= 0 or self.bf16_sender < 0:
+            raise PlanError(f"CPU demands must be positive, got {self}")
+
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SharedCpu:
+    """Processors the deployment's servers share (this box; a GPU deployment has none: its
+    forward and steps run on the GPU, so `Deployment.cpu` stays None).
+
+    Shared as Linux shares them here: the scheduler (CFS) with autogroup on (this box's
+    /proc/sys/kernel/sched_autogroup_enabled is 1) puts each session in its own group, and every
+    server starts a session of its own (tools/cluster/local.py, start_new_session), so the
+    prefill's processes (its forward, its encode, mooncake's transfer engine) are one group and
+    the decode's (its steps, drafts and verifications, the apply) another. A pool's cores go to
+    its groups max-min fairly (a group asking for less than an equal share gets what it asks;
+    the others split the rest), and within a group to its activities in proportion to what they
+    ask: each runs at `rates`' speed for its role. Unpinned, both roles are in one pool of
+    `cores`; pinned (`--pin-roles`), each in its own (`prefill_cores`, `decode_cores`)."""
+
+    demand: CpuDemand
+    cores: float
+    pinned: bool = False
+    prefill_cores: float = 0.0
+    decode_cores: float = 0.0
+
+    def __post_init__(self):
+        if self.cores <= 0 or (self.pinned and min(self.prefill_cores, self.decode_cores) <= 0):
+            raise PlanError(f"a CPU pool needs cores, got {self}")
+
+    def _pools(self) -> list[tuple[float, tuple[str, ...]]]:
+        if self.pinned:
+            return [(self.prefill_cores, ("prefill",)), (self.decode_cores, ("decode",))]
+        return [(self.cores, ROLES)]
+
+    def rates(self, asked: dict[str, float]) -> dict[str, float]:
+        """Each role's speed (1: full) while its activities ask for asked[role] cores."""
+        out = {}
+        for cores, roles in self._pools():
+            left, waiting = cores, sorted(roles, key=lambda r: asked.get(r, 0.0))
+            while waiting:
+                role = waiting.pop(0)
+                want = asked.get(role, 0.0)
+                got = min(want, left / (len(waiting) + 1))
+                left -= got
+                out[role] = 1.0 if want <= got else got / want
+        return out
+
+    def forward_alone_rate(self) -> float:
+        """The speed of a forward running alone: one measured so (bench-load's calibration, on
+        the pinned prefill's cores too) took forward / this at full speed."""
+        return self.rates({"prefill": self.demand.forward})["prefill"]
+
+
+@dataclass(frozen=True)
 class Deployment:
     """One decode and the prefills that feed it. `rate`: Poisson requests per second into EACH
     prefill (the decode's link carries prefills_per_decode × rate). `prompts` / `outputs`: the
-    lengths each request draws from (uniformly: a sample of the distribution)."""
+    lengths each request draws from (uniformly: a sample of the distribution). `forward` and
+    `decode`: at full speed (with `cpu`, as fast as they run with every core they ask for)."""
 
     shape: ModelShape
     prompts: tuple[int, ...]
@@ -252,6 +329,7 @@ class Deployment:
     decode: DecodeStep
     costs: StageCosts = field(default_factory=StageCosts)
     fractions: CodecFractions = field(default_factory=CodecFractions)
+    cpu: SharedCpu | None = None  # this box's shared processors (None: no CPU contention)
 
     def __post_init__(self):
         if not math.isfinite(self.rate) or self.rate < 0:
@@ -402,6 +480,36 @@ class Arrival:
     outputs: int
 
 
+@dataclass
+class DecodeClock:
+    """How far the decode's steps had got by each moment of a simulation with shared processors
+    (`tools.plan.shared_cpu`): work (seconds of steps at full speed) against time, piecewise
+    linear. Where nothing slows the decode, work = time and `RequestResult.clock` is None."""
+
+    times: list[float] = field(default_factory=lambda: [0.0])
+    work: list[float] = field(default_factory=lambda: [0.0])
+
+    def advance(self, t: float, rate: float) -> None:
+        self.work.append(self.work[-1] + rate * (t - self.times[-1]))
+        self.times.append(t)
+
+    def _work_at(self, t: float) -> float:
+        if t >= self.times[-1]:
+            return self.work[-1] + t - self.times[-1]
+        i = max(1, bisect.bisect_right(self.times, t))
+        (t0, t1), (w0, w1) = self.times[i - 1:i + 1], self.work[i - 1:i + 1]
+        return w0 + (w1 - w0) * (t - t0) / (t1 - t0)
+
+    def after(self, t: float, work: float) -> float:
+        """When `work` seconds of steps started at t are done (at full speed past the end)."""
+        target = self._work_at(t) + work
+        if target >= self.work[-1]:
+            return self.times[-1] + target - self.work[-1]
+        i = max(1, bisect.bisect_left(self.work, target))
+        (t0, t1), (w0, w1) = self.times[i - 1:i + 1], self.work[i - 1:i + 1]
+        return t1 if w1 == w0 else t0 + (t1 - t0) * (target - w0) / (w1 - w0)
+
+
 @dataclass(frozen=True)
 class RequestResult:
     """One simulated request, times from its arrival (its send)."""
@@ -414,15 +522,24 @@ class RequestResult:
     release_s: float | None  # when a verification released them (from the send)
     accepted: int
     step_s: float
+    clock: DecodeClock | None = None  # the decode's progress, where shared processors slow it
+    sent: float = 0.0  # the send, on the clock's time base
+
+    def _steps_after(self, since_s: float, steps: int) -> float:
+        if self.clock is None:
+            return since_s + steps * self.step_s
+        return self.clock.after(self.sent + since_s, steps * self.step_s) - self.sent
 
     def token_s(self, k: int) -> float:
         """When token k (1 = the first) reaches the client."""
-        if k <= 1 or self.release_s is None:
-            return self.ttft_s + (k - 1) * self.step_s
+        if k <= 1:
+            return self.ttft_s
+        if self.release_s is None:
+            return self._steps_after(self.ttft_s, k - 1)
         released = min(self.outputs, self.accepted + 2)  # the kept drafts and the exact one after
         if k <= released:
             return self.release_s
-        return self.release_s + (k - released) * self.step_s
+        return self._steps_after(self.release_s, k - released)
 
     @property
     def last_s(self) -> float:
@@ -485,7 +602,12 @@ def _serve_link(jobs: list[_Job]) -> None:
 
 def simulate(dep: Deployment, variant: Variant, arrivals: list[Arrival],
              rng: random.Random) -> list[RequestResult]:
-    """Every request of `arrivals` through its prefill (FIFO), the shared link and the decode."""
+    """Every request of `arrivals` through its prefill (FIFO), the shared link and the decode;
+    with `dep.cpu`, event by event with the processors shared (`tools.plan.shared_cpu`)."""
+    if dep.cpu is not None:
+        from .shared_cpu import simulate_shared  # that module builds on this one
+
+        return simulate_shared(dep, variant, arrivals, rng)
     step = decode_step_s(dep)
     free = [0.0] * dep.prefills_per_decode
     starts, ends = [], []
