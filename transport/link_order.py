@@ -25,13 +25,17 @@ The policy (`choose`), at each chunk (`PriorityPolicy.chunk_bytes`):
    requests not waiting, the oldest (its first byte queued first), which is the FIFO order the
    queue already had.
 4. Residual against Anchor: the Anchors go first (strict), unless the Residual's request R is
-   waiting, is older than the Anchor queue's head, and has waited at least as long as the Anchor
-   bytes of the requests newer than R still queued would take on this link:
+   waiting, the Anchor queue's head is newer than R, and R has waited at least as long as the
+   Anchor bytes of the requests newer than R still queued would take on this link:
    `now - waiting_since(R) >= newer_anchor_bytes / rate`. So newer Anchors hold a waiting
    Residual back at most as long as it has already waited (its wait at most doubles for them,
    where strict priority let a stream of new Anchors starve it), and a newer Anchor is held back
-   only behind Residuals that have waited longer than its own wire time. The Anchors queued by
-   requests older than R keep their place (R's own has gone; an older one is not "newer").
+   only behind Residuals that have waited longer than its own wire time. A request is *newer*
+   than R when its first op was queued after R's Anchor was ended (its FIN queued): the requests
+   a Lynx prefill sends as one group (one forward's) open their Anchors together and end them all
+   before any Residual, and keep that order between them (in the first bench-load run a group
+   mate's Anchor, queued a few ms after R's, waited 2.6 s behind R's Residual and its TTFT grew
+   by 2 s); the Anchors of requests no newer keep their place.
 5. The rate: this link's delivered bytes per second (bytes the peer's TCP acknowledged, over
    windows of at least `RATE_WINDOW_S` in which the sender had bytes queued the whole time),
    a running average (`LinkRate`). Measured per link, not per request: requests share it. Until
@@ -78,6 +82,7 @@ class Room:
 
     request_id: int
     first_at: float  # its first op queued: its age
+    anchor_ended_at: float | None = None  # its Anchor's FIN queued: later requests are newer
     queued: dict[Stream, _Queued] = field(
         default_factory=lambda: {Stream.ANCHOR: _Queued(), Stream.RESIDUAL: _Queued()})
     # The Anchor's FIN frame was handed to the kernel once the Anchor socket had sent this many
@@ -135,11 +140,14 @@ class LinkOrder:
         self.rate = LinkRate()
 
     # ------------------------------------------------------------------ what happened
-    def queued(self, request_id: int, stream: Stream, nbytes: int, now: float) -> None:
-        """An op of `nbytes` (0: a FIN) was queued on `stream`."""
+    def queued(self, request_id: int, stream: Stream, nbytes: int, now: float,
+               fin: bool = False) -> None:
+        """An op was queued on `stream`: a write of `nbytes`, or (`fin`) the stream's FIN."""
         room = self.rooms.get(request_id)
         if room is None:
             room = self.rooms[request_id] = Room(request_id, now)
+        if fin and stream is Stream.ANCHOR and room.anchor_ended_at is None:
+            room.anchor_ended_at = now
         q = room.queued[stream]
         q.nbytes += nbytes
         q.ops += 1
@@ -215,14 +223,14 @@ class LinkOrder:
 
     def residual_first(self, now: float, room: Room, anchor_head: int) -> bool:
         """Rule 4: does `room`'s Residual go before the Anchor queue headed by `anchor_head`?"""
-        since = room.waiting_since
+        since, ended = room.waiting_since, room.anchor_ended_at
         head = self.rooms.get(anchor_head)
-        if since is None or self.rate.bps is None or head is None:
+        if since is None or ended is None or self.rate.bps is None or head is None:
             return False
-        if head.first_at <= room.first_at:
+        if head.first_at <= ended:
             return False  # the head is no newer: strict
         newer = sum(r.queued[Stream.ANCHOR].nbytes for r in self.rooms.values()
-                    if r.first_at > room.first_at)
+                    if r.first_at > ended)
         return now - since >= newer / self.rate.bps
 
 

@@ -294,8 +294,9 @@ class TcpBackend(Backend):
         with ts.lock:
             ts.queues[stream].append(QueuedOp(op))
             if ts.order is not None:
-                ts.order.queued(op.request_id, stream,
-                                op.length if isinstance(op, WriteOp) else 0, time.monotonic())
+                write = isinstance(op, WriteOp)
+                ts.order.queued(op.request_id, stream, op.length if write else 0,
+                                time.monotonic(), fin=not write)
         with contextlib.suppress(OSError):
             ts.wake_w.send(b"x")
 

@@ -21,15 +21,6 @@ A, R = Stream.ANCHOR, Stream.RESIDUAL
 MiB = 1 << 20
 
 
-def sent_whole(order: LinkOrder, rid: int, stream: Stream, nbytes: int, mark: int) -> None:
-    """Queue a request's op and its FIN on `stream`, cut them, and hand the FIN over at `mark`."""
-    order.queued(rid, stream, nbytes, 0.0)
-    order.queued(rid, stream, 0, 0.0)
-    order.cut(rid, stream, nbytes, True)
-    order.cut(rid, stream, 0, True)
-    order.fin_sent(rid, stream, mark)
-
-
 def link(bps: float | None = 1e6) -> LinkOrder:
     order = LinkOrder()
     order.rate.bps = bps
@@ -41,7 +32,7 @@ def waiting_room(order: LinkOrder, rid: int, at: float, delivered: float,
     """Request `rid` first queued at `at`, its Anchor delivered at `delivered`, its Residual
     queued."""
     order.queued(rid, A, 1000, at)
-    order.queued(rid, A, 0, at)
+    order.queued(rid, A, 0, at, fin=True)
     order.cut(rid, A, 1000, True)
     order.cut(rid, A, 0, True)
     order.fin_sent(rid, A, 1000 * rid)
@@ -80,7 +71,7 @@ def test_anchor_first_within_a_request():
     every Anchor, however old it is (rule 1)."""
     order = link(1e9)
     order.queued(1, A, 1000, 0.0)
-    order.queued(1, A, 0, 0.0)
+    order.queued(1, A, 0, 0.0, fin=True)
     order.cut(1, A, 1000, True)
     order.cut(1, A, 0, True)
     order.fin_sent(1, A, 5000)
@@ -108,6 +99,28 @@ def test_older_anchors_keep_their_place():
     assert order.choose(1.1, 3, True) == Choice(R, 2)
 
 
+def test_group_mates_keep_strict_order():
+    """Requests whose Anchors were queued before R's Anchor ended (one forward's group, sent
+    layer by layer together) are not newer than R: their Anchors stay ahead of its Residual
+    however long it waits, and do not count against it."""
+    order = link(1e6)
+    order.queued(1, A, 1000, 0.0)
+    order.queued(2, A, 500_000, 0.01)  # the group mate: queued while 1's Anchor is open
+    order.queued(1, A, 0, 0.02, fin=True)
+    order.cut(1, A, 1000, True)
+    order.cut(1, A, 0, True)
+    order.fin_sent(1, A, 1000)
+    order.acked(1000, 1.0)
+    order.queued(1, R, MiB, 0.03)
+    assert order.choose(100.0, 2, True) == Choice(A)
+    order.queued(3, A, 100_000, 2.0)  # a later forward's: newer; only its 0.1 s counts
+    order.rooms[2].queued[A].nbytes = 0
+    assert order.choose(1.05, 2, True) == Choice(A)  # the head is the group mate's FIN
+    order.rooms[2].queued[A].ops = 0
+    assert order.choose(1.05, 3, True) == Choice(A)  # 0.05 s waited < 0.1 s
+    assert order.choose(1.1, 3, True) == Choice(R, 1)
+
+
 def test_no_rate_no_promotion():
     order = link(None)
     waiting_room(order, 1, at=0.0, delivered=1.0)
@@ -133,7 +146,7 @@ def test_residuals_waiting_longest_first_then_oldest():
 def test_a_finished_residual_forgets_its_request():
     order = link()
     waiting_room(order, 1, at=0.0, delivered=1.0, residual=10)
-    order.queued(1, R, 0, 1.0)
+    order.queued(1, R, 0, 1.0, fin=True)
     order.cut(1, R, 10, True)
     order.cut(1, R, 0, True)
     order.fin_sent(1, R, 99)
