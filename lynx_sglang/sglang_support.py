@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import UnsupportedSGLangError
+from .upstream import adapter as upstream_adapter
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ def _refusals(ns: argparse.Namespace) -> list[Refusal]:
                            "decode holds the INT8 reconstruction, which differs by design"))
     if get("enable_pd_role_switch"):
         out.append(Refusal("--enable-pd-role-switch", "the Lynx manager has no role-switch teardown"))
-    if (get("disaggregation_decode_host_receive_threshold", 1.0) or 1.0) < 1.0:
-        out.append(Refusal("--disaggregation-decode-host-receive-threshold < 1",
+    host_receive = get("disaggregation_decode_host_receive_threshold")
+    if host_receive is not None and host_receive != upstream_adapter.launch().host_receive_off:
+        # Which value disables it differs between releases (`upstream.adapter`).
+        out.append(Refusal(f"--disaggregation-decode-host-receive-threshold {host_receive}",
                            "decode host KV buffering is not supported"))
     if get("disaggregation_decode_allocation_policy", "early") != "early":
         out.append(Refusal("--disaggregation-decode-allocation-policy",

@@ -40,3 +40,16 @@ def test_dp_attention_is_refused_with_the_reason(monkeypatch, spelling):
     with pytest.raises(UnsupportedSGLangError,
                        match=r"--enable-dp-attention/--attn-dp-size > 1: .*MLP sync.*mooncake"):
         check_server_options(argparse.Namespace(**spelling))
+
+
+@pytest.mark.parametrize("off", [1.0, 0.0])
+def test_decode_host_receive_is_refused_at_any_value_but_the_one_that_disables_it(monkeypatch,
+                                                                                  off):
+    """1 disables it from SGLang 0.5.22, 0 in 0.5.21 (`upstream.adapter.launch`)."""
+    from lynx_sglang.upstream import adapter
+
+    monkeypatch.delenv("SGLANG_RUST_SERVER", raising=False)
+    monkeypatch.setattr(adapter, "launch", lambda: adapter.LaunchLayout(host_receive_off=off))
+    check_server_options(argparse.Namespace(disaggregation_decode_host_receive_threshold=off))
+    with pytest.raises(UnsupportedSGLangError, match=r"host-receive-threshold 0\.5: "):
+        check_server_options(argparse.Namespace(disaggregation_decode_host_receive_threshold=0.5))

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from lynx_sglang.errors import UnsupportedSGLangError
-from lynx_sglang.upstream import fingerprints, hook_table
+from lynx_sglang.upstream import adapter, fingerprints, hook_table
 from lynx_sglang.upstream.adapter import SchedulerLayout
 from lynx_sglang.upstream.fingerprints import MISSING, Fingerprint
 
@@ -25,7 +26,7 @@ def test_every_hook_has_a_unique_logical_name_and_a_kind_sglang_knows():
 
 def test_each_supported_release_has_a_fingerprint_of_everything_lynx_follows():
     releases = fingerprints.known_releases()
-    assert {"0.5.22", "0.5.23"} <= set(releases)
+    assert {"0.5.21", "0.5.22", "0.5.23"} <= set(releases)
     for version, prints in releases.items():
         assert set(prints) == set(hook_table.followed()), version
         assert all(f.signature != MISSING for f in prints.values()), version
@@ -74,7 +75,7 @@ def test_a_missing_function_is_refused_even_when_unknown_releases_are_allowed(mo
 
 def test_the_releases_differ_in_what_lynx_follows_so_each_is_identified_apart():
     releases = fingerprints.known_releases()
-    for version in ("0.5.22", "0.5.23"):
+    for version in releases:
         found = fingerprints.identify(releases[version])
         assert found.release == version and found.changed == ()
 
@@ -84,5 +85,44 @@ def test_token_ids_logprob_rows_count_the_prefills_token_only_where_the_release_
         has_row, rows):
     """0.5.23's decode reserves a requested-token-ids logprob row for the prefill's token, 0.5.22's
     does not: truncating to k output tokens keeps k rows there, k - 1 here."""
-    layout = SchedulerLayout(lambda f, g, o: f, ("reasoning_tokens",), has_row)
-    assert [layout.token_ids_logprob_rows(k) for k in (0, 1, 5)] == rows
+    assert [_layout(first_token_has_ids_logprob_row=has_row).token_ids_logprob_rows(k)
+            for k in (0, 1, 5)] == rows
+
+
+def _layout(**fields) -> SchedulerLayout:
+    return SchedulerLayout(**{
+        "all_reduce_flags": lambda f, g, o: f, "reasoning_state": ("reasoning_tokens",),
+        "first_token_has_ids_logprob_row": True, "release_kv_cache": lambda r, t, k: None,
+        "extend_bounds": lambda r: (0, None), "sampler_softmax": lambda x: x,
+        "has_topk_shortcut": True, **fields})
+
+
+@pytest.mark.parametrize("has_shortcut", [True, False])
+def test_the_topk_shortcut_is_turned_off_only_where_the_sampler_has_it(has_shortcut):
+    info = SimpleNamespace(max_top_k=20) if has_shortcut else SimpleNamespace()
+    _layout(has_topk_shortcut=has_shortcut).disable_topk_shortcut(info)
+    assert vars(info) == ({"max_top_k": None} if has_shortcut else {})
+
+
+def test_a_requests_extend_is_read_from_either_releases_fields():
+    """0.5.22 on: `prefix_len` and `extend_end`; 0.5.21: the prefix's slots and `extend_range`."""
+    assert adapter._extend_bounds(SimpleNamespace(prefix_len=3, extend_end=8)) == (3, 8)
+    old = SimpleNamespace(prefix_indices=[5, 6, 7], extend_range=SimpleNamespace(start=3, end=8))
+    assert adapter._extend_range_bounds(old) == (3, 8)
+    assert adapter._extend_range_bounds(SimpleNamespace(prefix_indices=[],
+                                                        extend_range=None)) == (0, None)
+
+
+def test_the_release_hook_takes_either_releases_keep_in_cache_flag(monkeypatch):
+    """`release_kv_cache(req, cache, *, checkpoint)` from 0.5.22, `(req, cache, is_insert=True)`
+    in 0.5.21: the BEFORE hook is called with whichever the release's callers pass."""
+    from lynx_sglang.speculation import hooks
+
+    released = []
+    monkeypatch.setattr(hooks, "_spec", lambda rt: SimpleNamespace(on_release=released.append))
+    monkeypatch.setattr(hooks.runtime, "of_kv_pool", lambda pool: None)
+    cache = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: None))
+    for call in ({"checkpoint": True}, {}, {"is_insert": False}):
+        hooks.release_kv_cache_before("req", cache, **call)
+    hooks.release_kv_cache_before("req", cache, False)
+    assert released == ["req"] * 4

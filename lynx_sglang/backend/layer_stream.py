@@ -64,6 +64,8 @@ import torch
 
 from lynx_kernels.chunk_copy import await_event
 
+from ..upstream import adapter as upstream_adapter
+
 logger = logging.getLogger(__name__)
 
 
@@ -157,8 +159,10 @@ def _prompt_slots(scheduler, req) -> np.ndarray | None:
     n = len(req.origin_input_ids)
     # A fully cached prompt computes only its last token again, and the prefix cache then swaps
     # that slot for its own copy, whose bits may differ: nothing to gain, and not streamable.
-    if (getattr(req, "bootstrap_room", None) is None or req.extend_end != n
-            or req.prefix_len >= n - 1 or req.kv.req_pool_idx is None):
+    if getattr(req, "bootstrap_room", None) is None or req.kv.req_pool_idx is None:
+        return None
+    prefix_len, extend_end = upstream_adapter.scheduler().extend_bounds(req)
+    if extend_end != n or prefix_len >= n - 1:
         return None
     row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
     return row.to("cpu", copy=True).numpy().astype(np.int64, copy=False)

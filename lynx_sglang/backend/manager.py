@@ -412,17 +412,26 @@ class LynxKVManager(KVManagerBase):
             return
         super().update_status(bootstrap_room, status)
 
-    def _handle_abort_notification(self, msg) -> bool:
-        """SGLang's handler (its bootstrap thread), which drops an abort for a room this prefill
-        does not know; such an abort is remembered here first (`backend.early_aborts`)."""
-        if (self.disaggregation_mode == DisaggregationMode.PREFILL and len(msg) >= 2
-                and msg[0] == ABORT_TAG):
-            try:
-                room = int(msg[1].decode("ascii"))
-            except (ValueError, UnicodeDecodeError):
-                room = None  # SGLang's handler logs the malformed message
-            if room is not None:
-                with self.early_aborts.lock:
-                    if self.request_status.get(room) is None:
-                        self.early_aborts.note(room)
-        return super()._handle_abort_notification(msg)
+    def _make_worker_recv(self, socket, *args, **kwargs):
+        """SGLang's receive for a worker thread's socket. A prefill's (its bootstrap thread's, the
+        only one that receives) first remembers each abort for a room this prefill does not know
+        yet (`backend.early_aborts`), which SGLang's handling of the message drops."""
+        recv = super()._make_worker_recv(socket, *args, **kwargs)
+        if self.disaggregation_mode != DisaggregationMode.PREFILL:
+            return recv
+
+        def recv_noting_early_aborts():
+            msg = recv()
+            if msg is not None and len(msg) >= 2 and msg[0] == ABORT_TAG:
+                self._note_early_abort(msg[1])
+            return msg
+        return recv_noting_early_aborts
+
+    def _note_early_abort(self, room_frame: bytes) -> None:
+        try:
+            room = int(room_frame.decode("ascii"))
+        except (ValueError, UnicodeDecodeError):
+            return  # SGLang's handler logs the malformed message
+        with self.early_aborts.lock:
+            if self.request_status.get(room) is None:
+                self.early_aborts.note(room)

@@ -11,6 +11,7 @@ pool, and in a prefill scheduler, there is none and every adapter is a no-op.
 from __future__ import annotations
 
 from .. import runtime
+from ..upstream import adapter as upstream_adapter
 from ..upstream import hook_table
 from . import penalties
 from .controller import SpecController
@@ -69,7 +70,7 @@ def sample_before(runner, logits_output, forward_batch):
     if any(i in ctl.sampled_by_pool_idx for i in pool_indices):
         # Verification filters a draft row as SGLang's full-sort path does; its topk shortcut
         # (a batch whose requests all set top_k) may keep other tokens tied at a cut.
-        forward_batch.sampling_info.max_top_k = None
+        upstream_adapter.scheduler().disable_topk_shortcut(forward_batch.sampling_info)
     ctl.record_draft_logits(pool_indices, logits_output.next_token_logits,
                             forward_batch.sampling_info)
     return None
@@ -111,7 +112,8 @@ def accept_around(original, accumulator, *, req):
         req.output_ids = full
 
 
-def release_kv_cache_before(req, tree_cache, *, checkpoint: bool):
+def release_kv_cache_before(req, tree_cache, *_flag, **_flag_kw):
+    # The keep-in-cache flag (named differently per release) does not matter here.
     ctl = _spec(runtime.of_kv_pool(tree_cache.token_to_kv_pool_allocator.get_kvcache()))
     if ctl is not None:
         ctl.on_release(req)

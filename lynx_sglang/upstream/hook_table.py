@@ -98,8 +98,10 @@ HOOKS: tuple[Hook, ...] = (
 # this list against the classes), and SGLang logic Lynx copies and must track: the torch
 # sampler's top-k/top-p/min-p filter (`upstream.sampling_filter`). The sender's and receiver's base
 # depends on the release's layout (`upstream.adapter`): the Common classes where they carry
-# send/poll/send_metadata (0.5.23), Mooncake's own where those are Mooncake's (0.5.22); both are
-# followed, so a release's fingerprints cover whichever one it uses.
+# send/poll/send_metadata (0.5.23), Mooncake's own where those are Mooncake's (0.5.21, 0.5.22);
+# both are followed, so a release's fingerprints cover whichever one it uses. The manager's
+# `_make_worker_recv` is where a prefill sees a decode's abort before SGLang handles it (in
+# `start_prefill_thread`'s loop, inline in 0.5.21, `_handle_abort_notification` from 0.5.22).
 _SENDER_OVERRIDES = ("get_transfer_metric",)
 _RECEIVER_OVERRIDES = ("init", "_get_bootstrap_info_from_server", "send_metadata", "poll",
                        "clear", "abort", "failure_exception")
@@ -107,7 +109,7 @@ SUBCLASSED: dict[str, tuple[str, ...]] = {
     "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager": (
         "__init__", "init_engine", "register_buffer_to_engine", "deregister_buffer_to_engine",
         "get_session_id", "_register_topology_row", "_connect", "add_transfer_request",
-        "record_failure", "update_status", "_handle_abort_notification"),
+        "record_failure", "update_status", "_make_worker_recv"),
     "sglang.srt.disaggregation.common.conn.CommonKVSender": _SENDER_OVERRIDES,
     "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender": _SENDER_OVERRIDES,
     "sglang.srt.disaggregation.common.conn.CommonKVReceiver": _RECEIVER_OVERRIDES,
@@ -133,6 +135,8 @@ CALLED = (
     f"{_SB}.update_regex_vocab_mask",
     # `--disaggregation-ib-device` resolved as SGLang's Mooncake engine does (sglang_names)
     "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.get_ib_devices_for_gpu",
+    # the prefill's receive loop, each message of which passes the manager's _make_worker_recv
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.start_prefill_thread",
 )
 
 

@@ -16,11 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferMetric
-from sglang.srt.disaggregation.common.conn import (
-    ABORT_TAG,
-    CommonKVBootstrapServer,
-    CommonKVReceiver,
-)
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVReceiver
 from sglang.srt.disaggregation.common.utils import AuxDataCodec
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -42,6 +38,8 @@ KVManagerBase = MooncakeKVManager
 KVSenderBase = adapter.transfer().kv_sender_base
 KVReceiverBase = adapter.transfer().kv_receiver_base
 BootstrapServerBase = CommonKVBootstrapServer
+# The first frame of a decode's abort notification (no SGLang constant in every release).
+ABORT_TAG = adapter.transfer().abort_tag
 
 
 @dataclass(frozen=True)

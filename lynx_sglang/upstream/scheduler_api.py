@@ -77,10 +77,9 @@ def sampling_info(batch, vocab_size: int):
 
 
 def sampler_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """The softmax SGLang's sampler takes of (temperature-scaled) logits."""
-    from sglang.kernels.ops.sampling import softmax
-
-    return softmax(logits)
+    """The softmax SGLang's sampler takes of (temperature-scaled) logits (`adapter`: the op
+    differs between releases)."""
+    return adapter.scheduler().sampler_softmax(logits)
 
 
 def returns_original_logprob() -> bool:

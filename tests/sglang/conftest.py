@@ -67,6 +67,7 @@ def standin_release(monkeypatch):
         first_token_has_ids_logprob_row=True,
         release_kv_cache=lambda req, tree_cache, keep_in_cache: None,
         extend_bounds=lambda req: (req.prefix_len, req.extend_end),
+        sampler_softmax=lambda logits: logits.softmax(dim=-1),
         has_topk_shortcut=True)
     monkeypatch.setattr(adapter, "scheduler", lambda: layout)
     return layout

@@ -33,6 +33,8 @@ conftest.py turns `sglang_names` and `pd_factory` into the `sgl` and `make_pd` f
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import os
 import time
@@ -85,7 +87,9 @@ class SGLang:
     # What SGLang's get_kv_class answers for the `lynx` backend.
     KVArgs: type
     Manager: type
-    Sender: type
+    # The sender class, or where its constructor takes the prefill's TP ranks and PP rank
+    # (0.5.21, which the prefill queue passes), the class with this one rank's.
+    Sender: Callable
     Receiver: type
     BootstrapServer: type
     MetadataBuffers: type
@@ -128,6 +132,9 @@ def sglang_names() -> Iterator[SGLang]:
         from sglang.srt.utils.network import get_free_port
 
         backend = TransferBackend(plugin.BACKEND_NAME)
+        sender = get_kv_class(backend, KVClassType.SENDER)
+        if "dest_tp_ranks" in inspect.signature(sender).parameters:
+            sender = functools.partial(sender, dest_tp_ranks=[0], pp_rank=0)
         override = get_context().override_server_args(
             host=LOOPBACK, disaggregation_transfer_backend=plugin.BACKEND_NAME,
             enable_pd_role_switch=True)
@@ -141,7 +148,7 @@ def sglang_names() -> Iterator[SGLang]:
             KVPoll=KVPoll, KVTransferError=KVTransferError, DisaggregationMode=DisaggregationMode,
             KVArgs=get_kv_class(backend, KVClassType.KVARGS),
             Manager=get_kv_class(backend, KVClassType.MANAGER),
-            Sender=get_kv_class(backend, KVClassType.SENDER),
+            Sender=sender,
             Receiver=get_kv_class(backend, KVClassType.RECEIVER),
             BootstrapServer=get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER),
             MetadataBuffers=MetadataBuffers, MHATokenToKVPool=MHATokenToKVPool,

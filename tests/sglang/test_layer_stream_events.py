@@ -20,6 +20,9 @@ import torch
 from lynx_sglang.backend.layer_stream import LayerGate, LayerGateError, LayerStreamer
 from lynx_sglang.backend.stream_policy import StreamPolicy
 
+# The stand-in requests carry SGLang 0.5.23's extend fields (`prefix_len`, `extend_end`).
+pytestmark = pytest.mark.usefixtures("standin_release")
+
 LAYERS = 4
 WAIT_S = 10
 

@@ -128,9 +128,12 @@ def test_decide_filters_exact_and_draft_rows_with_the_requests_parameters(sglang
 def test_decide_divides_by_temperature_as_sglangs_sampler_does(sglang_in_process):
     """The same float32 division and softmax as Sampler.forward: bit-identical rows, so a filter
     cuts at the same token."""
-    from sglang.kernels.ops.sampling import softmax as sampler_softmax
+    from sglang.kernels.ops import sampling as sampling_ops
 
     from lynx_sglang.speculation.verify import _sampler_probs
+
+    # SGLang's kernel op from 0.5.22; 0.5.21's Sampler.forward calls torch.softmax itself.
+    sampler_softmax = getattr(sampling_ops, "softmax", lambda x: torch.softmax(x, dim=-1))
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 3
     sp = SimpleNamespace(temperature=0.7, top_k=1 << 30, top_p=1.0, min_p=0.0)
@@ -158,8 +161,10 @@ def test_truncated_sampling_speculates_only_on_the_torch_sampler(monkeypatch):
     assert state.not_speculable_reason(_req()) is None
 
 
-def test_sample_before_turns_off_sglangs_topk_shortcut_for_speculating_rows(monkeypatch):
-    """The draft rows must be cut as `filter_probs` cuts them: SGLang's full-sort path."""
+def test_sample_before_turns_off_sglangs_topk_shortcut_for_speculating_rows(monkeypatch,
+                                                                           standin_release):
+    """The draft rows must be cut as `filter_probs` cuts them: SGLang's full-sort path (in a
+    release with the topk shortcut: `standin_release` is 0.5.23's layout)."""
     from lynx_sglang.speculation import hooks
 
     recorded = []
