@@ -188,8 +188,9 @@ class Cluster:
                       + list(spec.role_args.get("decode", ())))
         if spec.link:
             # `ip netns exec` remounts /sys, so SGLang cannot find its memory cgroup to size the
-            # decode's host KV pool automatically; an explicit ratio skips that lookup.
-            decode_cmd += ["--hicache-ratio", "2"]
+            # decode's host KV pool for retraction backups (SGLang 0.5.21 fails at start-up even
+            # with an explicit --hicache-ratio): keep those backups as CPU tensors, no pool.
+            decode_cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
         self._spawn("decode", wrap_d(decode_cmd),
                     self.decode_url + "/health", d_host, spec.role_cpus.get("decode", ()))
         self._wait_healthy(self._procs)
