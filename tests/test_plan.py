@@ -38,10 +38,9 @@ from lynx_tools.plan.model import (
     one_request_ttft,
     pk_wait,
     poisson_arrivals,
-    predict,
-    simulate,
     utilisation,
 )
+from lynx_tools.plan.predict import predict, simulate
 from lynx_tools.plan.stored import read_load, send_times
 from lynx_tools.plan.validate import (
     LOAD_MEDIAN_ERROR,

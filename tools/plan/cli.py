@@ -24,8 +24,8 @@ from .model import (
     PlanError,
     Prediction,
     Slo,
-    predict,
 )
+from .predict import predict
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 # `--examples`: the GPU deployments results/plan/gpu_predictions.json holds (RAG-like prompts of

@@ -1,5 +1,5 @@
 """The event-by-event simulation of a deployment whose servers share a few processors (this
-box: 2 cores, `Deployment.cpu`): the same stations as `model.simulate` (each prefill a FIFO
+box: 2 cores, `Deployment.cpu`): the same stations as `model.simulate_dedicated` (each prefill a FIFO
 server, one link with Anchors preempting Residuals, the decode's steps, drafts and verifications)
 where every CPU activity runs at the speed the scheduler leaves its server (`SharedCpu.rates`),
 recomputed at every event.
@@ -13,10 +13,10 @@ progress is kept as a `DecodeClock`, from which each request's token times follo
 
 A speculative request drafts from its Anchor's arrival; when its Residual is in and applied, it
 speculated if that took longer than one verification (else its first token waited for the
-Residual, as `model.simulate` decides), kept whole drafts, verifies, and steps what was not kept.
-With ample cores (every rate 1) this is `model.simulate` (tests/test_plan.py checks it).
+Residual, as `model.simulate_dedicated` decides), kept whole drafts, verifies, and steps what was not kept.
+With ample cores (every rate 1) this is `model.simulate_dedicated` (tests/test_plan.py checks it).
 
-Called by `model.simulate` for a deployment with `cpu` set (`tools.plan.validate`'s this-box
+Called by `predict.simulate` for a deployment with `cpu` set (`tools.plan.validate`'s this-box
 runs); pure Python.
 """
 

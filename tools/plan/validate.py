@@ -35,8 +35,8 @@ from .model import (
     SharedCpu,
     Variant,
     percentile,
-    simulate,
 )
+from .predict import simulate
 from .stored import LoadPass, LoadRun, read_load, read_ttft
 
 TOLERANCE = 0.15
