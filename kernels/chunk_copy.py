@@ -1,7 +1,7 @@
 """The last leg of the sending side: a run's wire chunks, encoded on the pool's device, into the
 caller's host buffer (`PendingChunks`), their headers and checksums written once the payloads have
 landed. Used by `wire_write.start_chunks` (and so by `fused.encode_run_start` and the prefill's
-room writer, `lynx_sglang.backend.prefill_writer`).
+room writer, `lynx_sglang.backend.prefill.writer`).
 
 A CPU run's payload pieces are copied into the buffer at once (`HostCopier`). A CUDA run's are
 queued as asynchronous device-to-host copies on a side stream of the calling thread
@@ -178,7 +178,7 @@ def await_event(event: CopyEvent, deadline: float, timeout_message: str) -> None
     """Poll `event.query()` until the device work before it has completed, from a short delay
     doubled up to 1 ms (a device event has no wait with a deadline: `synchronize` blocks for
     ever); TimeoutError(`timeout_message`) past `deadline` (`time.monotonic()`). Also the prefill's
-    layer gate's wait for a layer's KV write (`lynx_sglang.backend.layer_stream`)."""
+    layer gate's wait for a layer's KV write (`lynx_sglang.backend.prefill.layer_stream`)."""
     delay = _POLL_FIRST_S
     while not event.query():
         left = deadline - time.monotonic()

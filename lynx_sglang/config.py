@@ -276,7 +276,7 @@ class LynxConfig:
         return {k: v.value if isinstance(v, enum.Enum) else v for k, v in out.items()}
 
     def anchor_widths(self) -> tuple[int, ...]:
-        """The Anchor widths a request may have (`backend.anchor_width`), narrowest first."""
+        """The Anchor widths a request may have (`backend.prefill.anchor_width`), narrowest first."""
         bits = self.codec.anchor_bits
         return (bits - 1, bits) if self.anchor_width == "adaptive" else (bits,)
 

@@ -1,6 +1,6 @@
 """Why a request's transfer failed, as a bounded label: `FailureKind` (the `kind` of
-`lynx_request_failures_total`, `lynx_sglang.metrics`). The backend (`backend.prefill_worker`,
-`backend.decode`, `backend.manager`) decides it where it finds the failure, from the exception's
+`lynx_request_failures_total`, `lynx_sglang.metrics`). The backend (`backend.prefill.worker`,
+`backend.decode.applier`, `backend.manager`) decides it where it finds the failure, from the exception's
 type (`failure_kind_of`) or the transport's reason for a failed stream (`stream_failure_kind`),
 never from a message's words.
 """

@@ -45,7 +45,7 @@ def process_batch_result_around(original, scheduler, *args, **kwargs):
 
 
 def run_batch_around(original, scheduler, batch, *args, **kwargs):
-    """`Scheduler.run_batch` on a layer-streaming prefill (`backend.layer_stream.LayerStreamer`)."""
+    """`Scheduler.run_batch` on a layer-streaming prefill (`backend.prefill.layer_stream.LayerStreamer`)."""
     rt = runtime.of_scheduler(scheduler)
     if rt is None or rt.layer_stream is None:
         return original(scheduler, batch, *args, **kwargs)

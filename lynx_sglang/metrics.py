@@ -6,8 +6,8 @@ multiprocess collector. Metrics created here, in a scheduler process, therefore 
 `/metrics` page as SGLang's, with no endpoint of our own. Without `--enable-metrics` every record
 call is a no-op.
 
-Recorded by `lynx_sglang.backend.decode_report` (bytes and times of each request's two streams, failed
-requests), `lynx_sglang.backend.prefill_worker` (failed sends), `lynx_sglang.backend.staging` (staging
+Recorded by `lynx_sglang.backend.decode.report` (bytes and times of each request's two streams, failed
+requests), `lynx_sglang.backend.prefill.worker` (failed sends), `lynx_sglang.backend.staging` (staging
 memory in use) and `lynx_sglang.speculation.controller` (tokens speculated / accepted / rolled back,
 verification time, how each speculating request ended), and `lynx_sglang.idle` (the sizes of the
 per-request maps, about once a second), each through the `Metrics` of its process's

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: another backend's scheduler builds an idle-only runtime
-    from .backend.layer_stream import LayerStreamer
-    from .backend.prefill import PrefillSender
+    from .backend.prefill.layer_stream import LayerStreamer
+    from .backend.prefill.sender import PrefillSender
     from .idle import IdleWaiter
     from .recorder import Recorder
     from .speculation.controller import SpecController

@@ -1,10 +1,10 @@
 """Per-request traces of every stage of a Lynx transfer, as structured records.
 
 Each producer records one `Trace` per request (room) in its own process and emits it once:
-- `prefill` (`backend.prefill.PrefillSender`): submitted by SGLang, dequeued, announcement seen,
+- `prefill` (`backend.prefill.sender.PrefillSender`): submitted by SGLang, dequeued, announcement seen,
   per-layer encode spans, (layer-streamed) every Anchor layer posted before SGLang's hand-over,
   each stream posted / first byte sent / acknowledged, Success reported;
-- `decode` (`backend.decode.DecodeApplier`): registered, staged (only a room queued for staging),
+- `decode` (`backend.decode.applier.DecodeApplier`): registered, staged (only a room queued for staging),
   announced, each stream's first byte and
   landing, per-layer apply spans, Success reported, the speculation decision and its reason;
 - `request` (decode scheduler hooks): SGLang's first step on the request and its first token out;

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """CPU cost of the Lynx KV data path of one request, as SGLang's `lynx` backend runs it.
 
-Prefill side (`backend.prefill_writer.RoomWriter`, without the transport): every layer's Anchor
+Prefill side (`backend.prefill.writer.RoomWriter`, without the transport): every layer's Anchor
 encoded straight into a staging numpy buffer (one fused C call per layer and kind, K and V on two
 threads with `--encode-threads 2`), then the Residual: for target int8 in the same pass, for exact
 in a second pass, as after the forward (`prefill`); `prefill_streamed` is the layer-streamed
 writer's one pass (the default, `--lynx-layer-stream`: each layer's Residual with its Anchor).
-Decode side (`backend.decode`): every layer's Anchor applied into the decode
+Decode side (`backend.decode.applier`): every layer's Anchor applied into the decode
 pool's slots, then the Residual (the layers found by walking the landed Residual's chunk headers),
 K and V on two threads with `--apply-threads 2`; `decode_residual_only` skips the Anchor write, as
 the applier does when both streams have landed by the time it looks.

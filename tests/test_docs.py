@@ -163,8 +163,8 @@ def test_the_check_can_fail():
     assert unresolved("PrefillSender.no_such_member") == "PrefillSender has no no_such_member"
     assert unresolved("NoSuchClass.member") == "no class NoSuchClass"
     assert unresolved("lynx_sglang.no_such_module") == "lynx_sglang/__init__.py defines no no_such_module"
-    assert unresolved("lynx_sglang.backend.decode.NoSuchName") == (
-        "lynx_sglang/backend/decode.py defines no NoSuchName")
+    assert unresolved("lynx_sglang.backend.decode.applier.NoSuchName") == (
+        "lynx_sglang/backend/decode/applier.py defines no NoSuchName")
     assert unresolved("backend/no_such_file.py") == "no file backend/no_such_file.py"
     assert unresolved("_no_such_helper") == "nothing named _no_such_helper"
     assert unresolved("LynxConfig") is None and unresolved("lynx_sglang/config.py") is None

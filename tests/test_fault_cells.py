@@ -183,7 +183,7 @@ def test_an_outcome_keeps_the_reason_at_the_end_of_a_long_abort_message():
 
 
 def test_the_prefill_reads_its_fault_holds_from_the_environment(monkeypatch):
-    from lynx_sglang.backend.faults import FaultPlan, Point
+    from lynx_sglang.backend.prefill.faults import FaultPlan, Point
     from lynx_sglang.names import FAULT_ANCHOR_DELAY_ENV, FAULT_RESIDUAL_DELAY_ENV
 
     monkeypatch.delenv(FAULT_ANCHOR_DELAY_ENV, raising=False)

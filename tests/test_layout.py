@@ -1,7 +1,8 @@
 """The package boundaries, checked on the source: what SGLang loads never imports a tool, the codec
 and the transport never import SGLang (and the transport never needs torch), the backend's prefill
 and decode sides never import each other, and no first-party module imports itself back through
-others. Imports inside functions count too: a lazy import is still a dependency. And no runtime
+others. Imports inside functions count too: a lazy import is still a dependency (one under `if
+TYPE_CHECKING:` is not: it never runs). And no runtime
 module rebinds a module-level name (`global`): a process's state lives on its
 `runtime.LynxRuntime`."""
 
@@ -31,11 +32,25 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _executed_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`, which never run: an import there
+    names a type for the reader and the checker, it loads nothing."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def _imports(name: str, path: Path) -> set[str]:
-    """Absolute names of everything `name` imports (first-party resolved to modules)."""
+    """Absolute names of everything `name` imports when it runs (first-party resolved to
+    modules)."""
     is_package = path.name == "__init__.py"
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _executed_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -80,17 +95,13 @@ def test_codec_and_transport_stay_engine_free(name):
 
 
 def _backend_side(name: str) -> str | None:
-    """The peer a backend module serves: the prefill's (`backend.prefill`, `backend.prefill_*`),
-    the decode's (`backend.decode`, `backend.decode_*`, its room state machine `backend.room`), or
-    None for what both use (the identity handshake, plans, staging, the codec's streams) and the
-    manager above both."""
-    module = name.removeprefix("lynx_sglang.backend.")
-    if module == name:
-        return None
-    if module == "prefill" or module.startswith("prefill_"):
-        return "prefill"
-    if module in ("decode", "room") or module.startswith("decode_"):
-        return "decode"
+    """The peer a backend module serves: its folder, `backend/prefill/` or `backend/decode/`;
+    None for the parts both use beside them (the identity handshake, plans, staging, the codec's
+    streams) and the SGLang-facing classes above both (`backend.manager`, `backend.conn`)."""
+    parts = name.split(".")
+    if parts[:2] == ["lynx_sglang", "backend"] and len(parts) > 2 and parts[2] in ("prefill",
+                                                                                    "decode"):
+        return parts[2]
     return None
 
 
@@ -172,9 +183,15 @@ def test_only_the_upstream_room_imports_sglang():
     """Every SGLang dependency of the runtime is in `lynx_sglang.upstream` (issue 57): no other
     runtime module imports SGLang, and none names an SGLang module in a string (a hook target, a
     `sys.modules` probe): those are the room's too."""
-    importers = sorted(n for n in MODULES if n.startswith("lynx_sglang")
+    def names_sglang(node: ast.AST) -> bool:  # type-only imports too
+        return ((isinstance(node, ast.Import)
+                 and any(a.name.split(".")[0] == "sglang" for a in node.names))
+                or (isinstance(node, ast.ImportFrom) and not node.level
+                    and (node.module or "").split(".")[0] == "sglang"))
+
+    importers = sorted(n for n, path in MODULES.items() if n.startswith("lynx_sglang")
                        and not n.startswith("lynx_sglang.upstream")
-                       and any(m.split(".")[0] == "sglang" for m in GRAPH[n]))
+                       and any(names_sglang(node) for node in ast.walk(ast.parse(path.read_text()))))
     assert not importers, f"{importers} import SGLang: reach it through lynx_sglang.upstream"
     named = []
     for name, path in MODULES.items():

@@ -35,7 +35,7 @@ _PATH_WAITING = (
     *_PATH_SPECULATIVE[8:],
 )
 CLIENT_STAGE = "first token out -> at the client (detokenizer, HTTP, router)"
-# Layer streaming (`backend.layer_stream`): most of the Anchor went out during the forward.
+# Layer streaming (`backend.prefill.layer_stream`): most of the Anchor went out during the forward.
 LAYER_STREAMED_ANCHOR_STAGE = "the Anchor's last layers and aux (the rest went during the forward)"
 
 

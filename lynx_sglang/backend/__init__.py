@@ -1,35 +1,28 @@
-"""The `lynx` KV transfer backend of SGLang PD disaggregation.
+"""The `lynx` KV transfer backend of SGLang PD disaggregation, its folders by role.
 
-    manager   LynxKVManager (+ sender/receiver/bootstrap classes): the face SGLang sees; builds the
-              role's worker and reports every status
-    prefill   PrefillSender: take SGLang's KV slots of each request, hand the room to its decode's
-              worker (at the last chunk, or layer-streamed as its forward starts)
-    prefill_worker    DestinationWorker: one thread per decode; opens, writes and reports rooms
-    prefill_writer    RoomWriter / WindowedWriter: one room's two streams from prefill staging
-    prefill_staging   InFlightStaging: a worker's staging ranges until the transport delivered them
-    prefill_sessions  DecodeSessions: the prefill's transport session to each decode
-    prefill_job       Job: a room being sent (and KeptRows, StreamedJobs)
-    prefill_link      PrefillLink, Destination, SentBytes: the sender's interface with SGLang's side
-    identity  the identity handshake opening every session, both ends (IDENTITY_REQUEST)
-    rank_key  RankKey, Claimant: a prefill rank's proof that it is the rank it registered
-    faults    FaultPlan: the tests' holds at named points of a prefill transfer (no-op by default)
-    decode    DecodeApplier: the decode's applier loop and SGLang's interface to the parts below
-    decode_rooms      RoomTable: the decode's rooms, and which one the applier is working on
-    decode_sessions   PrefillSessions: the decode's transport session from each prefill rank
-    decode_bindings   RankBindings: the rank key SGLang's bootstrap server lists for each rank
-    decode_admission  StagingAdmission: a room's staging range (or queue), announcement, release
-    decode_progress   TransferProgress: a room's landed and applied layers and segments
-    decode_apply      StreamApplier: apply a room's landed Anchor and Residual to the pool
-    decode_windowed   WindowedApplier: the same, segment by segment, for a windowed room
-    decode_policy     Estimates, decide_speculation: whether a room speculates on its Anchor
-    decode_report     StatusReporter, DecodeLink: every decode status that reaches SGLang
-    room      DecodeRoom: one request's decode-side state machine
+The face SGLang sees:
+    manager   LynxKVManager: SGLang's KV manager; picks one role object and delegates to it,
+              reports every status (`report_status`)
+    conn      LynxKVSender / LynxKVReceiver / LynxKVBootstrapServer: SGLang's per-request classes
+prefill/ (never imports decode/):
+    role      PrefillRole: the prefill's side of the manager (sender, rank rows and leases,
+              early aborts)
+    sender    PrefillSender: take SGLang's KV slots of each request, hand the room to its
+              decode's worker (at the last chunk, or layer-streamed as its forward starts)
+    worker, writer, inflight, sessions, job, link, layer_stream, stream_policy, anchor_width,
+    faults, early_aborts: one concern each (see each module)
+decode/ (never imports prefill/):
+    role      DecodeRole: the decode's side of the manager (applier, speculation controller)
+    applier   DecodeApplier: the decode's applier loop and SGLang's interface to the parts below
+    rooms, room, sessions, bindings, admission, progress, apply, windowed, policy, report,
+    outcome: one concern each (see each module)
+What both sides use:
     plan      StreamPlan: one request's stream sizes and per-layer offsets (both ends)
     streams   encode a pool's slots into chunks / parse and apply landed chunks
     pool      KVPoolView: SGLang's per-layer K/V tensors
     staging   StagingPool: registered staging memory handed out as byte ranges
-    aux       SGLang's aux data (first token, ...) on the wire
-    outcome   ResidualOutcome: what the speculation controller learns about a Residual
+    window, pages, heads, aux, identity, rank_key, registration, peer_sockets, transport_setup
 
-Only `manager` imports SGLang; the rest is testable without a server.
+SGLang itself is reached only through `lynx_sglang.upstream` (its `kv_transfer` has the classes'
+bases); everything but the face and the roles is testable without a server.
 """

@@ -7,7 +7,7 @@ the process's `backend.manager.LynxKVManager` (`kv_mgr`). SGLang finds them thro
 Lynx's field in SGLang's bootstrap protocol lives here too: the bootstrap server keeps the rank
 key each prefill rank registers (`backend.rank_key.BOOTSTRAP_FIELD`) and answers it with the
 rank's lookup; the receiver hands what its lookups found to the decode's `RankBindings`
-(`backend.decode_bindings`), which asks again through `lookup_prefill_rank`."""
+(`backend.decode.bindings`), which asks again through `lookup_prefill_rank`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ..upstream.kv_transfer import (
     KVSenderBase,
     KVTransferMetric,
 )
-from .decode_bindings import BootstrapSlot, Registration
+from .decode.bindings import BootstrapSlot, Registration
 from .heads import check_tp_sizes
 from .rank_key import BOOTSTRAP_FIELD, valid_key
 from .registration import LEASE_PATH, RegistrationBook, RegistrationRefused

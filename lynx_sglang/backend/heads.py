@@ -15,7 +15,7 @@ Refused with the reason: TP sizes of which neither divides the other, and replic
 KV heads than ranks on either side, or a count a TP size does not divide). An MLA pool has no
 heads to slice (every rank holds the whole latent) and does not come here.
 
-Called by `backend.prefill_link.destination_of` (prefill), `backend.conn.LynxKVReceiver.init`
+Called by `backend.prefill.link.destination_of` (prefill), `backend.conn.LynxKVReceiver.init`
 and `backend.manager.LynxKVManager.register_rx_room` (decode).
 """
 

@@ -1,7 +1,7 @@
 """The identity handshake that opens every prefill → decode transport session, both ends of it:
 the prefill announces who it is and its wire settings as the empty request `IDENTITY_REQUEST`
-(`introduce`, called by `backend.prefill_sessions.DecodeSessions`); the decode's accept thread
-parses it (`Identity.parse`, `backend.decode.DecodeApplier`) and answers accepted, or refused and
+(`introduce`, called by `backend.prefill.sessions.DecodeSessions`); the decode's accept thread
+parses it (`Identity.parse`, `backend.decode.applier.DecodeApplier`) and answers accepted, or refused and
 why (`answer`), on the same request id; the prefill reads that answer (`refusal`).
 
 Messages (JSON in the announcement's meta):

@@ -2,21 +2,25 @@
 the per-request classes of `backend.conn`, through `get_kv_class`, hooked by `lynx_sglang.plugin`).
 
 Control plane: SGLang's own. LynxKVManager derives from SGLang's MooncakeKVManager (itself a
-CommonKVManager) and keeps its bootstrap registration, the decode's KV-args registration and
-per-request TransferInfo messages, status/abort messages and heartbeats unchanged; it replaces
-only the data path (Mooncake's one-sided writes) with `lynx_transport` and the codec, built by
-role in the constructor and forwarded to:
+CommonKVManager, `upstream.kv_transfer.KVManagerBase`) and keeps its bootstrap registration, the
+decode's KV-args registration and per-request TransferInfo messages, status/abort messages and
+heartbeats unchanged; it replaces only the data path (Mooncake's one-sided writes) with
+`lynx_transport` and the codec. What differs by disaggregation mode is one role object, chosen
+once in the constructor, to which the manager delegates:
 
-- prefill: `backend.prefill.PrefillSender` (its thread `lynx-send`);
-- decode: `backend.decode.DecodeApplier` (threads `lynx-accept`, `lynx-apply`).
+- prefill: `backend.prefill.role.PrefillRole` (the sender, thread `lynx-send`; the rank's signed
+  bootstrap rows and their leases; aborts that arrive before their room);
+- decode: `backend.decode.role.DecodeRole` (the applier, threads `lynx-accept`, `lynx-apply`; the
+  speculation controller).
 
 SGLang-facing methods (the engine hooks of MooncakeKVManager):
   init_engine / register_buffer_to_engine / deregister_buffer_to_engine / get_session_id
       the transport endpoint and its registered staging memory (`backend.staging`); the session
       id SGLang carries in the decode's registration is the endpoint's address.
   add_transfer_request (prefill)        queue a chunk of a room's KV slots on the sender.
-  update_status (decode, status from the prefill)
-      a prefill Success is held until the Residual is in the KV pool (the applier decides).
+  update_status                         the role's first: a decode holds a prefill Success until
+                                        the Residual is in the KV pool; a prefill fails a room
+                                        its decode aborted before it arrived.
   record_failure                        a reason this side found itself is never overwritten.
   attach_kv_pool                        the plugin hands over SGLang's KV pool after start-up;
                                         the process's `runtime.LynxRuntime` is completed then.
@@ -31,64 +35,58 @@ Every status this backend decides reaches SGLang through one method, `report_sta
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import threading
-from dataclasses import replace
+from collections.abc import Callable
+from typing import Protocol
 
 from .. import runtime
 from ..config import LynxConfig
-from ..errors import KVStreamError, LynxConfigError, SettingsMismatchError
+from ..errors import LynxConfigError
 from ..idle import IdleWaiter
 from ..metrics import Metrics
-from ..names import FAULT_VERIFY_DELAY_ENV
 from ..recorder import Recorder
 from ..runtime import LynxRuntime
 from ..sglang_support import check_anchor_safety
-from ..speculation.controller import SpecController
-from ..speculation.stream import scheduler_publisher
 from ..trace import Trace
 from ..upstream.fingerprints import check_release
 from ..upstream.hook_check import verify_applied
 from ..upstream.kv_transfer import (
-    ABORT_TAG,
-    AuxDataCodec,
     DisaggregationMode,
     KVArgs,
     KVManagerBase,
     KVPoll,
     ServerArgs,
-    disconnect_push_endpoint,
     push_sockets,
     track_worker_thread,
 )
-from .aux import check_aux_items, pack_aux
 from .conn import lookup_prefill_rank
-from .decode import DecodeApplier, DecodeLink
-from .early_aborts import EarlyAborts
-from .faults import FaultPlan
-from .heads import source_slices
-from .identity import Identity
-from .layer_stream import LayerStreamer
-from .pages import token_slots
+from .decode.role import DecodeRole
 from .peer_sockets import PeerSockets
 from .plan import log_staging_fit
 from .pool import KINDS, KVPoolView
-from .prefill import PrefillSender
-from .prefill_link import Destination, PrefillLink, destination_of
-from .rank_key import Claimant, RankKey
+from .prefill.role import PrefillRole
+from .rank_key import RankKey
 from .registration import Registrar
-from .room import Source
 from .staging import StagingPool
 from .transport_setup import open_endpoint
 
 logger = logging.getLogger(__name__)
 
-# Rooms a prefill remembers as aborted before they reached it (`backend.early_aborts`): a few
-# hundred KiB at most, whatever a decode sends.
-EARLY_ABORTS_CAP = 4096
-EARLY_ABORT_REASON = "the decode aborted this request before it reached this prefill"
+
+class Role(Protocol):
+    """What the manager delegates to by disaggregation mode (`PrefillRole`, `DecodeRole`); a
+    prefill's role also takes `add_transfer_request`, a decode's `register_rx_room`, the calls
+    SGLang makes on that side only."""
+
+    def start(self, recorder: Recorder,
+              start_thread: Callable[[Callable, str], None]) -> None: ...
+    def tracked(self) -> dict[str, int]: ...
+    def complete_runtime(self, rt: LynxRuntime) -> LynxRuntime: ...
+    def update_status(self, room: int, status: KVPoll,
+                      sglang_update: Callable[[int, KVPoll], None]) -> bool: ...
+    def register_row(self, url: str, payload: dict) -> dict: ...
+    def watch_receive(self, recv: Callable[[], list | None]) -> Callable[[], list | None]: ...
 
 
 class LynxKVManager(KVManagerBase):
@@ -115,8 +113,8 @@ class LynxKVManager(KVManagerBase):
             getattr(args, "engine_rank", 0) or 0))
         self.pool: KVPoolView | None = None
         self._stop = threading.Event()
-        # Decode: failure reasons this side found itself, by room, until the receiver has read
-        # them (`record_failure`).
+        # Failure reasons this side found itself, by room, until the receiver has read them
+        # (`record_failure`).
         self._own_failures: dict[int, str] = {}
         # Before SGLang's constructor: the status threads it starts notify the idle wait, and its
         # `register_buffer_to_engine` builds the staging pool, which records its use.
@@ -124,33 +122,13 @@ class LynxKVManager(KVManagerBase):
         # Before SGLang's constructor: `_register_topology_row`.
         self.rank_key = RankKey()
         self.registrar = Registrar(self.lynx.load_secret(), self.rank_key)
-        self._registered: list[tuple[str, dict]] = []  # this rank's rows: their leases
         self.peer_sockets = PeerSockets()  # before SGLang's constructor: `_connect`
-        # Before SGLang's constructor too: its bootstrap thread handles aborts from then on.
-        self.early_aborts = EarlyAborts(
-            float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)),
-            EARLY_ABORTS_CAP)
+        # Before SGLang's constructor too: its bootstrap thread registers this rank's rows and
+        # handles aborts from then on.
+        self.role: Role = (PrefillRole(self) if disaggregation_mode == DisaggregationMode.PREFILL
+                           else DecodeRole(self, lookup_prefill_rank))
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        if disaggregation_mode == DisaggregationMode.PREFILL:
-            if self._registered:
-                self._start_thread(functools.partial(self.registrar.keep_leases,
-                                                     self._registered), "lynx-lease")
-            me = Identity(self.local_ip, self.rank_port, self.lynx.wire_settings())
-            self.sender = PrefillSender(
-                self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
-                Claimant(me, self.rank_key),
-                PrefillLink(self._room_live, self._destinations, self._read_aux,
-                            self._report_prefill),
-                recorder, FaultPlan.from_env())
-            self._start_thread(self.sender.run, "lynx-send")
-        else:
-            self.applier = DecodeApplier(
-                self.lynx, self._require_pool, self.staging, self.staging_region, self.endpoint,
-                DecodeLink(self.report_status, self._write_aux, self._forget_prefill_rank,
-                           self.lynx_runtime.idle.notify, lookup_prefill_rank),
-                recorder, self.waiting_timeout, tp_ranks=self.attn_tp_size)
-            self._start_thread(self.applier.accept_loop, "lynx-accept")
-            self._start_thread(self.applier.run, "lynx-apply")
+        self.role.start(recorder, self._start_thread)
         self.lynx_runtime.idle.report_tracked(self.tracked)
         # The tcp backend's data listener (the verbs backend has none): its events on /metrics.
         listener = getattr(self.endpoint.backend, "listener_counters", None)
@@ -164,11 +142,19 @@ class LynxKVManager(KVManagerBase):
                              config=self.lynx.flat())
         recorder.emit(started)
 
+    @property
+    def sender(self):
+        """The prefill's sender (`backend.prefill.sender.PrefillSender`)."""
+        return self.role.sender
+
+    @property
+    def applier(self):
+        """The decode's applier (`backend.decode.applier.DecodeApplier`)."""
+        return self.role.applier
+
     def tracked(self) -> dict[str, int]:
         """Sizes of this manager's per-request maps, published by `lynx_sglang.idle`."""
-        own = self.sender.tracked() if self.disaggregation_mode == DisaggregationMode.PREFILL \
-            else self.applier.tracked()
-        return {**own, "own_failures": len(self._own_failures)}
+        return {**self.role.tracked(), "own_failures": len(self._own_failures)}
 
     def _start_thread(self, target, name: str) -> None:
         t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
@@ -197,8 +183,9 @@ class LynxKVManager(KVManagerBase):
 
     def attach_kv_pool(self, pool) -> None:
         """Called (plugin hook) right after SGLang built this manager, with its KV pool: checks
-        it, completes the process's runtime and attaches that to the pool too, where the hooks
-        inside the model and the KV cache find it (`runtime.of_kv_pool`)."""
+        it, completes the process's runtime with the role's components and attaches that to the
+        pool too, where the hooks inside the model and the KV cache find it
+        (`runtime.of_kv_pool`)."""
         self.pool = KVPoolView.from_sglang_pool(pool)
         # GPUDirect (registering device memory with the NIC) is not implemented: say so, so an
         # operator comparing with Mooncake knows the encoded bytes leave from host memory.
@@ -213,29 +200,8 @@ class LynxKVManager(KVManagerBase):
                 f"--lynx-rotate needs a power-of-two head_dim, this model's is {head_dim}: "
                 "pass --no-lynx-rotate on prefill and decode"
             )
-        self.lynx_runtime = self._complete_runtime()
+        self.lynx_runtime = self.role.complete_runtime(self.lynx_runtime)
         runtime.attach(pool, self.lynx_runtime)
-
-    def _complete_runtime(self) -> LynxRuntime:
-        """The runtime with this role's components, which need the pool: the prefill's sender and
-        (CPU pool) layer streamer, the speculative decode's controller."""
-        rt = self.lynx_runtime
-        if self.disaggregation_mode == DisaggregationMode.PREFILL:
-            streamer = None
-            if self.lynx.layer_stream:
-                streamer = LayerStreamer.for_pool(self.sender, self.pool.shape.num_layers,
-                                                  self.pool.device.type)
-            return replace(rt, sender=self.sender, layer_stream=streamer)
-        if not self.lynx.speculate:
-            return rt
-        publisher = scheduler_publisher(self.lynx.spec_stream_port, self.bootstrap_host,
-                                        getattr(self, "attn_tp_rank", 0),
-                                        getattr(self, "system_dp_rank", 0) or 0)
-        controller = SpecController(
-            self.applier, self.lynx, rt.recorder, publisher,
-            fault_verify_delay_s=float(os.environ.get(FAULT_VERIFY_DELAY_ENV, "0") or 0))
-        rt.idle.report_tracked(controller.tracked)
-        return replace(rt, spec=controller)
 
     def _check_staging_size(self) -> None:
         """Say at start-up how long a request the staging memory holds whole."""
@@ -243,14 +209,17 @@ class LynxKVManager(KVManagerBase):
         log_staging_fit(self.lynx, self.pool.shape, self.staging.nbytes,
                         min(rows, getattr(self.server_args, "context_length", None) or rows))
 
+    def require_pool(self) -> KVPoolView:
+        if self.pool is None:
+            raise RuntimeError("lynx KV manager has no KV pool attached (plugin hook not applied)")
+        return self.pool
+
     # ---- SGLang's control-plane sockets ------------------------------------------------------
     def _register_topology_row(self, url: str, payload: dict) -> None:
-        """SGLang's bootstrap registration of a row; this process's own rows with its rank key,
-        authenticated and signed (`backend.registration`), their leases renewed from then on."""
-        if (payload.get("rank_ip"), payload.get("rank_port")) == (self.local_ip, self.rank_port):
-            payload = self.registrar.sign(payload)
-            self._registered.append((url, payload))
-        super()._register_topology_row(url, payload)
+        """SGLang's bootstrap registration of a row (a prefill's): this process's own rows with
+        its rank key, authenticated and signed, their leases renewed from then on
+        (`PrefillRole.register_row`)."""
+        super()._register_topology_row(url, self.role.register_row(url, payload))
 
     def _connect(self, endpoint: str, is_ipv6: bool = False):
         """SGLang's cached PUSH socket to `endpoint`, after closing the cached sockets of peers
@@ -259,121 +228,41 @@ class LynxKVManager(KVManagerBase):
         self.peer_sockets.before_dial(push_sockets(self), keep=endpoint)
         return super()._connect(endpoint, is_ipv6)
 
-    def _require_pool(self) -> KVPoolView:
-        if self.pool is None:
-            raise RuntimeError("lynx KV manager has no KV pool attached (plugin hook not applied)")
-        return self.pool
+    def _make_worker_recv(self, socket, *args, **kwargs):
+        """SGLang's receive for a worker thread's socket, as the role watches it
+        (`PrefillRole.watch_receive`: the bootstrap thread's aborts for rooms the prefill does not
+        know yet, which SGLang's handling drops)."""
+        return self.role.watch_receive(super()._make_worker_recv(socket, *args, **kwargs))
 
-    # ---- prefill ---------------------------------------------------------------------------
+    # ---- SGLang's scheduler ------------------------------------------------------------------
     def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk,
                              aux_index=None, state_indices=None, num_kv_tokens=None, *,
                              wait_event=None, indices_event=None, trace_ctx=None):
-        if not self._room_live(bootstrap_room) or bootstrap_room not in self.transfer_infos:
-            return
-        if state_indices and any(s is not None and len(s) for s in state_indices):
-            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=(
-                "lynx transfers the attention KV pool only; this model also has state "
-                "components (Mamba/SWA/...), which are not supported"))
-            return
-        if indices_event is not None:
-            indices_event.synchronize()
-        try:
-            # Pages under --page-size > 1; SGLang's chunks end on page boundaries but the last.
-            kv_indices = token_slots(kv_indices, self._require_pool().page_size, num_kv_tokens)
-        except KVStreamError as exc:
-            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=str(exc))
-            return
-        self.sender.submit(bootstrap_room, kv_indices, is_last_chunk, aux_index, wait_event,
-                           trace_ctx if is_last_chunk else None)
+        """A prefill's: `PrefillRole.add_transfer_request`."""
+        self.role.add_transfer_request(bootstrap_room, kv_indices, is_last_chunk, aux_index,
+                                       state_indices, num_kv_tokens, wait_event, indices_event,
+                                       trace_ctx)
 
-    def _room_live(self, room: int) -> bool:
-        return room in self.request_status and self.check_status(room) != KVPoll.Failed
+    def register_rx_room(self, receiver, kv_indices, aux_index: int) -> bool:
+        """Called by the receiver (`backend.conn.LynxKVReceiver`) on a decode, before SGLang sends
+        the request's metadata to the prefill (`DecodeRole.register_rx_room`).
+        False: the room is queued for staging (`DecodeApplier.register`)."""
+        return self.role.register_rx_room(receiver, kv_indices, aux_index)
 
-    def _destinations(self, room: int) -> list[Destination]:
-        # Only an unequal MHA pairing reads it; an MLA model's KVArgs have no head counts.
-        total_heads = int(getattr(self.kv_args, "total_kv_head_num", 0)
-                          or getattr(self.kv_args, "kv_head_num", 0) * self.attn_tp_size)
-        return [destination_of(i, self.decode_kv_args_table.get(i.mooncake_session_id),
-                               self.attn_tp_size, self.kv_args.engine_rank, total_heads,
-                               latent=bool(self.is_mla_backend))
-                for i in list(self.transfer_infos.get(room, {}).values()) if not i.is_dummy]
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        self.lynx_runtime.idle.notify()
+        if not self.role.update_status(bootstrap_room, status, self._sglang_update_status):
+            super().update_status(bootstrap_room, status)
 
-    def _read_aux(self, aux_index: int) -> bytes:
-        return pack_aux([
-            AuxDataCodec.serialize_data_from_buffer(ptr + item_len * aux_index, item_len)
-            for ptr, item_len in zip(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
-                                     strict=True)
-        ])
+    def _sglang_update_status(self, room: int, status: KVPoll) -> None:
+        super().update_status(room, status)
 
-    def _report_prefill(self, room: int, failure: str | None,
-                        targets: list[tuple[str, int]]) -> None:
-        if failure is not None:
-            self.conclude_failure(bootstrap_room=room, failure_reason=failure)
-        elif targets:
-            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets)
-        else:
-            self.report_status(room, None)
-
-    # ---- decode ----------------------------------------------------------------------------
     def report_status(self, room: int, failure: str | None) -> None:
         """The one path by which a status this backend decided reaches SGLang."""
         if failure is not None:
             self.record_own_failure(room, failure)
         super().update_status(room, KVPoll.Failed if failure is not None else KVPoll.Success)
         self.lynx_runtime.idle.notify()
-
-    def _write_aux(self, aux_index: int, items: list[tuple[int, bytes]]) -> None:
-        """Write the peer's aux items into the room's aux slot, each checked first: SGLang's own
-        writer copies `len(data)` bytes to wherever the index points, unchecked."""
-        check_aux_items(items, self.kv_args.aux_item_lens)
-        for index, data in items:
-            AuxDataCodec.deserialize_data_to_buffer(self.kv_args, index, aux_index, data)
-
-    def _forget_prefill_rank(self, prefill: tuple[str, int]) -> None:
-        """The prefill rank died or never connected: drop SGLang's cached bootstrap info that
-        points at it, so the next request asks the bootstrap server again, and close the
-        receivers' cached PUSH socket to its rank port, as SGLang's own node-failure handler
-        does. SGLang drops the info only after its heartbeat misses the prefill twice (5 s apart
-        by default); a prefill restarted faster than that came back on a new rank port while
-        every request still went to the dead one (and failed after the prefill's 300 s bootstrap
-        timeout). The socket, left open, kept dialling the dead port for the life of the decode:
-        one zmq socket per prefill restart."""
-        with self.connection_lock:
-            stale = [key for key, infos in self.connection_pool.items()
-                     if any((i.get("rank_ip"), int(i.get("rank_port") or 0)) == prefill
-                            for i in infos)]
-            for key in stale:
-                del self.connection_pool[key]
-        disconnect_push_endpoint(*prefill)
-        if stale:
-            logger.info("lynx: prefill rank %s:%s is gone; dropped its cached bootstrap info",
-                        *prefill)
-
-    def register_rx_room(self, receiver, kv_indices, aux_index: int) -> bool:
-        """Called by the receiver (`backend.conn.LynxKVReceiver`) before SGLang sends the request's
-        metadata to the prefill.
-        False: the room is queued for staging (`DecodeApplier.register`)."""
-        real = [b for b in receiver.bootstrap_infos if not b.get("is_dummy")]
-        ranks = [(b["rank_ip"], int(b["rank_port"])) for b in real]
-        if len(ranks) == 1:
-            sources = [Source(ranks[0])]
-        else:
-            # A prefill attention TP size larger than ours: each of those ranks sends all of its
-            # KV heads, which fill consecutive slices of ours, in SGLang's order of the ranks.
-            slices = source_slices(receiver.prefill_info.attn_tp_size, self.attn_tp_size,
-                                   self._require_pool().shape.num_kv_heads)
-            if len(slices) != len(ranks):
-                raise SettingsMismatchError(
-                    f"room {receiver.bootstrap_room} lists {len(ranks)} prefill ranks; at "
-                    f"prefill TP {receiver.prefill_info.attn_tp_size} and decode TP "
-                    f"{self.attn_tp_size} lynx expects {len(slices)}")
-            sources = [Source(rank, heads) for rank, heads in zip(ranks, slices, strict=True)]
-        # Pages of the whole prompt under --page-size > 1 (no decode-side prefix); the tail of
-        # the last one is where this decode writes its own tokens.
-        kv_indices = token_slots(kv_indices, self._require_pool().page_size,
-                                 getattr(receiver, "lynx_kv_tokens", None))
-        return self.applier.register(receiver.bootstrap_room, sources, kv_indices, aux_index,
-                                     getattr(receiver, "lynx_rid", None))
 
     def record_own_failure(self, room: int, reason: str) -> None:
         """Record why this side failed a room; see `record_failure`."""
@@ -393,45 +282,3 @@ class LynxKVManager(KVManagerBase):
     def forget_own_failure(self, room: int) -> None:
         with self.failure_lock:
             self._own_failures.pop(room, None)
-
-    def update_status(self, bootstrap_room: int, status: KVPoll):
-        self.lynx_runtime.idle.notify()
-        if (self.disaggregation_mode == DisaggregationMode.DECODE and status == KVPoll.Success
-                and self.applier.on_prefill_success(bootstrap_room)):
-            return
-        if self.disaggregation_mode == DisaggregationMode.PREFILL and status == KVPoll.Bootstrapping:
-            with self.early_aborts.lock:
-                aborted = (self.request_status.get(bootstrap_room) is None
-                           and self.early_aborts.take(bootstrap_room))
-                super().update_status(bootstrap_room, status)
-            if aborted:
-                logger.info("lynx: room %s was aborted by its decode before it got here: failed",
-                            bootstrap_room)
-                self.record_failure(bootstrap_room, EARLY_ABORT_REASON)
-                super().update_status(bootstrap_room, KVPoll.Failed)
-            return
-        super().update_status(bootstrap_room, status)
-
-    def _make_worker_recv(self, socket, *args, **kwargs):
-        """SGLang's receive for a worker thread's socket. A prefill's (its bootstrap thread's, the
-        only one that receives) first remembers each abort for a room this prefill does not know
-        yet (`backend.early_aborts`), which SGLang's handling of the message drops."""
-        recv = super()._make_worker_recv(socket, *args, **kwargs)
-        if self.disaggregation_mode != DisaggregationMode.PREFILL:
-            return recv
-
-        def recv_noting_early_aborts():
-            msg = recv()
-            if msg is not None and len(msg) >= 2 and msg[0] == ABORT_TAG:
-                self._note_early_abort(msg[1])
-            return msg
-        return recv_noting_early_aborts
-
-    def _note_early_abort(self, room_frame: bytes) -> None:
-        try:
-            room = int(room_frame.decode("ascii"))
-        except (ValueError, UnicodeDecodeError):
-            return  # SGLang's handler logs the malformed message
-        with self.early_aborts.lock:
-            if self.request_status.get(room) is None:
-                self.early_aborts.note(room)

@@ -2,11 +2,11 @@
 know before anything is encoded (codec settings, KV shape, token count, chunk size).
 
 With `--lynx-anchor-width adaptive` the prefill picks the Anchor's width per request
-(`backend.anchor_width`) after the decode has announced its staging, so both ends build one plan
+(`backend.prefill.anchor_width`) after the decode has announced its staging, so both ends build one plan
 per width the decode accepts (`StreamPlan.for_widths`): every plan of the set has the same extents
 (each layer's widest Anchor and Residual over the widths), which is what staging and the
 announcement hold; the Anchor and Residual of the width picked lie in their extents' first bytes.
-The decode learns the width from the first Anchor chunk's header (`backend.decode_apply`).
+The decode learns the width from the first Anchor chunk's header (`backend.decode.apply`).
 
 Stream layout: for layer 0..L-1, for each kind the pool holds (K then V; an MLA pool's latent
 alone, `backend.pool`), the wire chunks of tokens [0, T) cut every `chunk_tokens` tokens
@@ -16,8 +16,8 @@ also follow one another, but an exact Residual is coded, so its size depends on 
 plan gives each layer's bound (`residual_layer_bytes`), and the decode finds the layers by walking
 the self-describing chunks. A request's staging range holds the Anchor stream then room for the
 Residual stream's bound (`staging_bytes`). The decode sizes and announces its staging range from the plan
-(`backend.decode`), the prefill checks the announcement against its own plan and writes each layer
-at the plan's offsets (`backend.prefill_writer`), and the decode parses the landed streams with it.
+(`backend.decode.applier`), the prefill checks the announcement against its own plan and writes each layer
+at the plan's offsets (`backend.prefill.writer`), and the decode parses the landed streams with it.
 """
 
 from __future__ import annotations

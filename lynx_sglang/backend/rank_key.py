@@ -10,8 +10,8 @@ nonces): a proof made for one decode is worth nothing at another (a peer that go
 it cannot pass the prefill's proof on), and a proof seen once is worth nothing on any other session
 (a secret holder who recorded a real claim cannot replay it after the real rank's session ends).
 The decode checks the signature against its own side of the session (`proven`,
-`backend.decode_sessions`) and then that the key is the one the bootstrap server lists for that
-rank (`backend.decode_bindings`).
+`backend.decode.sessions`) and then that the key is the one the bootstrap server lists for that
+rank (`backend.decode.bindings`).
 
 The shared transport secret cannot tell one holder from another; the private key never leaves the
 prefill process, so a peer that holds the secret still cannot claim a rank it is not.

@@ -7,8 +7,8 @@ fused codec call per (layer, kind) run
 straight into staging, and landed staging bytes are applied straight into pool rows, with no
 intermediate tensors or chunk objects.
 
-Prefill (`backend.prefill_writer`, a destination worker's thread): `encode_layer_into` writes a
-layer's Anchor (and, when given a buffer, its Residual) into staging. Decode (`backend.decode`,
+Prefill (`backend.prefill.writer`, a destination worker's thread): `encode_layer_into` writes a
+layer's Anchor (and, when given a buffer, its Residual) into staging. Decode (`backend.decode.applier`,
 applier thread): the Anchor of layer l lies at the plan's fixed offset (`anchor_layer`); an exact
 Residual's size depends on the values, so a `ResidualReader` walks the chunk headers of the landed
 Residual bytes to find each layer's runs; `apply_anchor_layer` / `apply_full_layer` then

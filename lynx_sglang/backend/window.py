@@ -9,9 +9,9 @@ goes by the room's id and its announcement carries the `Segments` (`meta`); segm
 by `first_id + j - 1`, ids the decode draws from `SEGMENT_IDS` (above every SGLang bootstrap room,
 below the identity announcement), so they never collide with a room's.
 
-The decode (`backend.decode.DecodeApplier`) chooses the segments and windows (`choose`), announces
+The decode (`backend.decode.applier.DecodeApplier`) chooses the segments and windows (`choose`), announces
 the first segments into its windows and each next one into the window the segment before freed;
-the prefill (`backend.prefill_worker`) parses and checks the announcement (`Segments.parse`:
+the prefill (`backend.prefill.worker`) parses and checks the announcement (`Segments.parse`:
 anything a peer sends is untrusted) and writes the segments in order, each from its own prefill staging range.
 Both streams of a segment travel together, because its Residual is applied with its Anchor: so a
 windowed room never speculates (its whole Anchor is in only near the end of the transfer).

@@ -10,6 +10,6 @@
     hooks       the SGLang hook adapters, forwarding to the controller of the process's runtime
     stream      the opt-in stream of speculative tokens and rollbacks (ZMQ PUB) and its client
 
-The decode applier (`lynx_sglang.backend.decode`) produces each request's Residual outcome;
+The decode applier (`lynx_sglang.backend.decode.applier`) produces each request's Residual outcome;
 the controller consumes it through the applier's `Transfers` interface.
 """

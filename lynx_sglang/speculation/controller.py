@@ -1,6 +1,6 @@
 """The speculation controller of one decode scheduler: park, verify, roll back, abort.
 
-The decode applier (`backend.decode`, speculative mode) reports a room Success as soon as its
+The decode applier (`backend.decode.applier`, speculative mode) reports a room Success as soon as its
 Anchor and aux data (the exact first token from prefill) are in the decode KV pool, so SGLang
 commits the request and decodes it like any other, reading Anchor-precision prompt KV.
 `SpecController` owns what happens to such a request until its Residual has refined the pool:
@@ -38,7 +38,7 @@ import time
 from http import HTTPStatus
 from typing import Protocol
 
-from ..backend.outcome import ResidualOutcome, ResidualState
+from ..backend.decode.outcome import ResidualOutcome, ResidualState
 from ..config import LynxConfig
 from ..names import FAULT_VERIFY_HOLD_LOG, SPEC_PARKED_LOG
 from ..recorder import Recorder
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 
 class Transfers(Protocol):
-    """What the controller asks the decode applier (`backend.decode.DecodeApplier`)."""
+    """What the controller asks the decode applier (`backend.decode.applier.DecodeApplier`)."""
 
     def residual_outcome(self, room: int) -> ResidualOutcome | None: ...
 

@@ -46,8 +46,8 @@ Who calls it: `upstream.kv_transfer` (`transfer()`: the classes' bases and the a
 import); `sglang_support` (`launch()`); `speculation.controller` (`scheduler()`:
 `all_reduce_flags`, `reasoning_state` at commit), `speculation.verify` (`reasoning_state` at
 verification), `upstream.logprob_layout` (`token_ids_logprob_rows`), `upstream.scheduler_api`
-(`release_kv_cache`, `sampler_softmax`), `speculation.hooks` (`disable_topk_shortcut`), `backend.layer_stream`
-(`extend_bounds`).
+(`release_kv_cache`, `sampler_softmax`), `speculation.hooks` (`disable_topk_shortcut`),
+`backend.prefill.layer_stream` (`extend_bounds`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`--lynx-anchor-width adaptive` through Lynx's prefill and decode KV managers with SGLang's own
 machinery in one process (conn_pair.py): the prefill picks the Anchor's width per request from
-its measured link and forward (`backend.anchor_width`), the decode learns it from the first Anchor
+its measured link and forward (`backend.prefill.anchor_width`), the decode learns it from the first Anchor
 chunk and dequantizes that width's Anchor into the pool, and the Residual makes the KV exact
 either way. A first chunk naming a width the decode does not take fails the room, naming the
 flags. (A prefill and a decode that disagree on the setting fail at connect:
@@ -31,11 +31,11 @@ from conn_pair import (
 from lynx_kernels import CodecSpec, StreamKind, decode, encode, preset
 from lynx_kernels.wire import HEADER
 from lynx_kernels.wire_write import to_chunks
-from lynx_sglang.backend.anchor_width import GAIN_SHARE, choose_width
-from lynx_sglang.backend.outcome import ResidualState
+from lynx_sglang.backend.decode.outcome import ResidualState
+from lynx_sglang.backend.decode.room import DecodeRoom
 from lynx_sglang.backend.plan import room_plans
-from lynx_sglang.backend.room import DecodeRoom
-from lynx_sglang.backend.stream_policy import StreamPolicy
+from lynx_sglang.backend.prefill.anchor_width import GAIN_SHARE, choose_width
+from lynx_sglang.backend.prefill.stream_policy import StreamPolicy
 from lynx_sglang.backend.streams import anchor_bits_of
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.errors import KVStreamError, LynxConfigError

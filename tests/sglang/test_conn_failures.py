@@ -135,7 +135,7 @@ def test_a_room_its_decode_aborted_before_it_reached_the_prefill_fails_at_once(s
     that abort can beat the request to the prefill (seen with unequal TP: the request then sat in
     Bootstrapping for SGLang's 300 s bootstrap timeout). The prefill remembers the abort and
     fails the room when SGLang opens it; a later room is not affected."""
-    from lynx_sglang.backend.manager import EARLY_ABORT_REASON
+    from lynx_sglang.backend.prefill.role import EARLY_ABORT_REASON
 
     pd = make_pd(make_cfg(target="exact"))
     prefill = pd.prefill.mgr
@@ -144,18 +144,18 @@ def test_a_room_its_decode_aborted_before_it_reached_the_prefill_fails_at_once(s
     assert pd.decode.mgr.try_ensure_parallel_info(pd.bootstrap_addr)
     receiver.init(0)
     receiver.abort()
-    wait_for("the prefill to remember the abort", lambda: len(prefill.early_aborts) == 1)
+    wait_for("the prefill to remember the abort", lambda: len(prefill.role.early_aborts) == 1)
     sender = sgl.Sender(mgr=prefill, bootstrap_addr=pd.bootstrap_addr, bootstrap_room=4031)
     assert sender.poll() == sgl.KVPoll.Failed
     assert EARLY_ABORT_REASON in failure_message(sgl, sender)
-    assert len(prefill.early_aborts) == 0
+    assert len(prefill.role.early_aborts) == 0
     nxt = start_request(sgl, pd, room=4032, seed=32)
     assert poll_until_done(sgl, nxt.receiver) == sgl.KVPoll.Success
     assert holds(pd, nxt, "full")
 
 
 def test_remembered_early_aborts_are_bounded_in_number_and_time():
-    from lynx_sglang.backend.early_aborts import EarlyAborts
+    from lynx_sglang.backend.prefill.early_aborts import EarlyAborts
 
     aborts = EarlyAborts(ttl_s=0.2, cap=3)
     with aborts.lock:

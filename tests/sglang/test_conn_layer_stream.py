@@ -1,4 +1,4 @@
-"""Layer streaming (backend.layer_stream) between Lynx's prefill and decode KV managers with
+"""Layer streaming (backend.prefill.layer_stream) between Lynx's prefill and decode KV managers with
 SGLang's own machinery in one process (conn_pair.py): the Anchor and Residual of the layers a
 forward has written go out while it runs, the rooms of one forward (or of one batch result)
 stream together without one room's Residual holding back another's Anchor, a room handed over
@@ -45,7 +45,7 @@ def _start_streamed_request(sgl: SGLang, pd: PD, room: int, seed: int):
     """`start_request` as a layer-streamed prefill drives it: the room is handed to the sender
     with a gate before its "forward" has written any KV; the caller writes the layers
     (`forward_layer`), opens the gate and hands the room over (`sender.send`)."""
-    from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.backend.prefill.layer_stream import LayerGate
 
     req, g = open_request(sgl, pd, room, seed)
     gate = LayerGate(LAYERS)
@@ -130,7 +130,7 @@ def _stream_two_rooms(sgl: SGLang, pd: PD, rooms: tuple[int, int], seed: int):
     """Two requests whose prompts one forward computes, handed to the sender with one gate; the
     forward writes layer 0 of both. Returns them (with their generators) and the gate once layer
     0 of both rooms is at the decode."""
-    from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.backend.prefill.layer_stream import LayerGate
 
     a, ga = open_request(sgl, pd, room=rooms[0], seed=seed)
     b, gb = open_request(sgl, pd, room=rooms[1], seed=seed + 1, beside=(a,))
@@ -186,7 +186,7 @@ def test_a_room_handed_over_after_the_next_forward_started_is_sent_exact(sgl, ma
     only after it has launched forward N+1 (on CPU: run it). Forward N's room has its layers
     sent and waits for the hand-over while N+1 streams its own room behind a gate of its own;
     both rooms end exact, whichever gate opens or which room is handed over first."""
-    from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.backend.prefill.layer_stream import LayerGate
 
     pd = make_pd(make_cfg(target="exact"))
     sender = pd.prefill.mgr.sender
@@ -229,8 +229,8 @@ def test_a_streamed_group_whose_second_room_waits_for_prefill_staging_sends_both
     range and its announcement, and both rooms then arrive exact. (Reaping the first room as
     delivered there gave its range away and abandoned the whole group: its rooms hung until
     SGLang's abort.)"""
-    from lynx_sglang.backend.layer_stream import LayerGate
     from lynx_sglang.backend.plan import StreamPlan
+    from lynx_sglang.backend.prefill.layer_stream import LayerGate
     from lynx_sglang.backend.staging import ALIGN as STAGING_ALIGN
 
     pd = make_pd(make_cfg(target="exact"))
@@ -269,12 +269,12 @@ def test_a_windowed_room_in_a_layer_streamed_group_goes_after_the_forward(sgl, m
     ordinary room streams its layers during the forward, the windowed one waits for the hand-over
     and goes in segments after it (`_WindowedWriter`). Both arrive exact, and every byte of
     staging comes back on both sides."""
-    from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.backend.prefill.layer_stream import LayerGate
 
     pd = make_pd(make_cfg(target="exact", staging_mib=1))
     decode = pd.decode.mgr
     gate = LayerGate(LAYERS)
-    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode_admission"):
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode.admission"):
         # 800 tokens: past the 781 that 1 MiB of staging holds whole; both fit the test's pool.
         a, ga = open_request(sgl, pd, room=1131, seed=51, tokens=200)
         b, gb = open_request(sgl, pd, room=1132, seed=52, beside=(a,), tokens=800)
@@ -477,7 +477,7 @@ def test_a_room_the_policy_does_not_stream_goes_after_its_forward_and_measures_t
     (`start_early` leaves it to the usual path, nothing queued); sent after its forward it ends
     exact, and its Anchor's delivery is then what the policy knows of that decode's link. Its
     trace record has the transport's send marks (read before the request is released)."""
-    from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.backend.prefill.layer_stream import LayerGate
     from lynx_sglang.trace import read_records
 
     pd = make_pd(make_cfg(target="exact", trace_dir=str(tmp_path)))

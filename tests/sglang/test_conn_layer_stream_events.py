@@ -1,4 +1,4 @@
-"""Layer streaming's CUDA code path with the real room writer (`backend.prefill_writer`) between
+"""Layer streaming's CUDA code path with the real room writer (`backend.prefill.writer`) between
 Lynx's prefill and decode KV managers in one process (conn_pair.py, a CPU pool): the gate holds a
 stand-in event per layer, as `LayerStreamer` stores a CUDA event recorded after the layer's KV
 write, and the writer sends layer l only once its event has completed, though the gate is open to
@@ -23,7 +23,7 @@ from conn_pair import (
     wait_for,
 )
 
-from lynx_sglang.backend.layer_stream import LayerGate
+from lynx_sglang.backend.prefill.layer_stream import LayerGate
 
 pytestmark = pytest.mark.sglang
 

@@ -31,7 +31,7 @@ from conn_pair import (
 
 from lynx_kernels import decode as decode_kv
 from lynx_kernels import encode
-from lynx_sglang.backend.outcome import ResidualState
+from lynx_sglang.backend.decode.outcome import ResidualState
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import LATENT_KINDS, KVPoolView, latent_head_dim
 from lynx_sglang.errors import KVStreamError
@@ -150,7 +150,7 @@ def test_an_mla_room_larger_than_decode_staging_arrives_exact_in_segments(sgl, m
     decode = pd.decode.mgr
     plan = StreamPlan.build(cfg.codec, decode.pool.shape, WINDOWED_TOKENS, cfg.chunk_tokens)
     assert plan.staging_bytes > decode.staging.nbytes
-    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode_admission"):
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode.admission"):
         req, g = open_request(sgl, pd, room=3201, seed=32, tokens=WINDOWED_TOKENS)
         _forward(pd, req, g)
         assert poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success

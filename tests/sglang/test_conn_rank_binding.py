@@ -31,8 +31,9 @@ from conn_pair import (
     wait_for,
 )
 
-from lynx_sglang.backend import decode_bindings, registration
-from lynx_sglang.backend.decode_bindings import BootstrapSlot, Registration
+from lynx_sglang.backend import registration
+from lynx_sglang.backend.decode import bindings as decode_bindings
+from lynx_sglang.backend.decode.bindings import BootstrapSlot, Registration
 from lynx_sglang.backend.identity import IDENTITY_REQUEST
 from lynx_sglang.backend.rank_key import BOOTSTRAP_FIELD, RankKey
 from lynx_sglang.backend.registration import LEASE_PATH, Registrar
@@ -144,7 +145,7 @@ def test_bootstrap_registrations_need_the_secret_and_a_live_slot_keeps_its_key(
     """Before the fix the first PUT below made the real rank's rooms fail within 0.2 s (the decode
     saw another key listed for it), and the second put the thief's key on the rank."""
     pd = secret_pd(make_cfg(target="exact"))
-    (_, real_row), = pd.prefill.mgr._registered
+    (_, real_row), = pd.prefill.mgr.role.registered
     real_key = real_row[BOOTSTRAP_FIELD]
     assert _listed_key(pd) == real_key
     # no secret: the real row with another key (the real proof kept), and a fresh unsigned row

@@ -153,7 +153,7 @@ def test_a_room_larger_than_decode_staging_is_sent_in_segments(sgl, make_pd, cap
     plan = StreamPlan.build(decode.lynx.codec, decode.pool.shape, WINDOWED_TOKENS,
                             decode.lynx.chunk_tokens)
     assert plan.staging_bytes > decode.staging.nbytes
-    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode_admission"):
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.decode.admission"):
         req = start_request(sgl, pd, room=9100, seed=100, tokens=WINDOWED_TOKENS)
         assert poll_until_done(sgl, req.receiver) == sgl.KVPoll.Success
     assert "sent in 2 segments of 1 layers through 1 windows" in caplog.text
@@ -182,7 +182,7 @@ def test_the_residual_hold_of_a_windowed_room_sits_after_its_first_segment(sgl, 
     applied while the next one waits; released early, the room ends exact."""
     pd = make_pd(make_cfg(target="exact", staging_mib=1), residual_hold_s=LONG_HOLD_S)
     applier = pd.decode.mgr.applier
-    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.faults"):
+    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill.faults"):
         req = start_request(sgl, pd, room=9300, seed=105, tokens=WINDOWED_TOKENS)
         wait_for("the hold after the first segment",
               lambda: f"room {req.room} {FAULT_RESIDUAL_HOLD_LOG}" in caplog.text)
@@ -200,7 +200,7 @@ def test_the_anchor_hold_sits_mid_anchor(sgl, make_pd, caplog):
     `decode_rooms_anchor_landing` while the rest waits; released early, the room ends exact."""
     pd = make_pd(make_cfg(target="exact"), anchor_hold_s=LONG_HOLD_S)
     applier = pd.decode.mgr.applier
-    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.faults"):
+    with caplog.at_level(logging.WARNING, logger="lynx_sglang.backend.prefill.faults"):
         req = start_request(sgl, pd, room=9400, seed=106)
         wait_for("the Anchor hold", lambda: f"room {req.room} {FAULT_ANCHOR_HOLD_LOG} after 1 of "
                                          f"{LAYERS} layers" in caplog.text)

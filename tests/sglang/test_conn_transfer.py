@@ -157,7 +157,7 @@ def test_speculative_success_at_anchor_time(sgl, make_pd, then):
     """Speculative mode (the default): the room is Success for SGLang once the Anchor and the aux
     data are in the pool; the Residual goes on after SGLang has cleared the receiver, and its
     outcome is reported to the speculation controller (`residual_outcome`), not to SGLang."""
-    from lynx_sglang.backend.outcome import ResidualState
+    from lynx_sglang.backend.decode.outcome import ResidualState
 
     # Held until the test lets it go (`FaultPlan.release`), so no timing margin is needed
     # for the checks below, however loaded the machine; the hold's own bound is only a backstop.
@@ -277,7 +277,7 @@ def test_the_manager_composes_the_runtime_its_hooks_find(sgl, make_pd):
     from types import SimpleNamespace
 
     from lynx_sglang import hooks, runtime
-    from lynx_sglang.backend.layer_stream import LayerGate
+    from lynx_sglang.backend.prefill.layer_stream import LayerGate
 
     pd = make_pd(make_cfg(), make_cfg(speculate=True))
     for side in (pd.prefill, pd.decode):

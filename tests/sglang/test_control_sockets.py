@@ -156,10 +156,13 @@ def test_a_dead_prefill_ranks_receiver_socket_closes_when_the_rank_is_forgotten(
                                                                                new_peer):
     """The decode's side: SGLang's receivers share one PUSH socket per prefill rank endpoint
     (`CommonKVReceiver._connect`, class-level), which SGLang closes only when its heartbeat
-    declares the prefill failed. Lynx forgets a dead rank itself (`_forget_prefill_rank`) and now
-    closes that socket with it: a prefill restarted again and again, on a new rank port each
-    time, leaves none behind (before: one socket per restart, for the life of the decode)."""
+    declares the prefill failed. Lynx forgets a dead rank itself
+    (`DecodeRole.forget_prefill_rank`) and now closes that socket with it: a prefill restarted
+    again and again, on a new rank port each time, leaves none behind (before: one socket per
+    restart, for the life of the decode)."""
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    from lynx_sglang.backend.decode.role import DecodeRole
 
     manager.connection_lock = threading.Lock()
     manager.connection_pool = {}
@@ -174,7 +177,7 @@ def test_a_dead_prefill_ranks_receiver_socket_closes_when_the_rank_is_forgotten(
             sock.send_multipart([b"kv indices"])
         assert peer.poll(5000) and peer.recv_multipart() == [b"kv indices"]
         peer.close(linger=0)  # the prefill dies
-        manager._forget_prefill_rank(("127.0.0.1", port))
+        DecodeRole(manager, lookup_prefill_rank=None).forget_prefill_rank(("127.0.0.1", port))
         assert endpoint not in CommonKVReceiver._socket_cache
         assert not manager.connection_pool
 

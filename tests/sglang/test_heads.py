@@ -14,7 +14,7 @@ from lynx_kernels import CodecSpec
 from lynx_sglang.backend.heads import check_tp_sizes, head_range, source_slices
 from lynx_sglang.backend.plan import StreamPlan
 from lynx_sglang.backend.pool import KVPoolView
-from lynx_sglang.backend.prefill_link import destination_of
+from lynx_sglang.backend.prefill.link import destination_of
 from lynx_sglang.backend.streams import encode_layer_into
 from lynx_sglang.errors import KVStreamError, SettingsMismatchError
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 from loop_thread import LoopThread
 
-from lynx_sglang.backend import decode_bindings, decode_sessions
 from lynx_sglang.backend.aux import check_aux_items, pack_aux, unpack_aux
-from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
-from lynx_sglang.backend.decode_bindings import BootstrapSlot, Registration
+from lynx_sglang.backend.decode import bindings as decode_bindings
+from lynx_sglang.backend.decode import sessions as decode_sessions
+from lynx_sglang.backend.decode.applier import DecodeApplier, DecodeLink
+from lynx_sglang.backend.decode.bindings import BootstrapSlot, Registration
 from lynx_sglang.backend.identity import IDENTITY_REQUEST, Identity
 from lynx_sglang.backend.rank_key import Claimant, RankKey
 from lynx_sglang.config import LynxConfig
@@ -268,8 +269,8 @@ def test_unpack_aux_never_reads_past_the_blob():
 def _sender(cfg, pool, endpoint, staging, region, where, tokens, reports):
     """A PrefillSender on `endpoint` whose room r goes to `where[r]`, reporting into `reports`
     (room -> (when, failure)); its loop runs in `LoopThread(sender.run)`."""
-    from lynx_sglang.backend.prefill import PrefillSender
-    from lynx_sglang.backend.prefill_link import Destination, PrefillLink
+    from lynx_sglang.backend.prefill.link import Destination, PrefillLink
+    from lynx_sglang.backend.prefill.sender import PrefillSender
 
     link = PrefillLink(
         is_live=lambda room: True,

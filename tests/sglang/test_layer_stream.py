@@ -1,4 +1,4 @@
-"""The layer gate of layer streaming (`backend.layer_stream.LayerGate`): what a destination worker
+"""The layer gate of layer streaming (`backend.prefill.layer_stream.LayerGate`): what a destination worker
 waiting for layer l of a prefill forward sees. The hooks that drive it run in the PD end-to-end
 tests (tests/sglang/test_pd_lynx.py) and the manager-level tests in test_conn_layer_stream.py."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lynx_sglang.backend.layer_stream import LayerGate, LayerGateError
+from lynx_sglang.backend.prefill.layer_stream import LayerGate, LayerGateError
 
 
 def _waiter(gate: LayerGate, layer: int, out: list) -> threading.Thread:

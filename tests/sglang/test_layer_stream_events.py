@@ -1,8 +1,8 @@
-"""Layer streaming's CUDA code path (`backend.layer_stream`: per-layer events) run here without a
+"""Layer streaming's CUDA code path (`backend.prefill.layer_stream`: per-layer events) run here without a
 GPU: `LayerStreamer` drives its gate with a stand-in event type (`StandInEvent`) that remembers
 which thread recorded it on which stream and stays incomplete until the test completes it, as a
 CUDA event does until the forward's stream has run the layer's KV write. The destination worker
-here is a thread doing what the room writer does (`backend.prefill_writer.RoomWriter.layer`): wait
+here is a thread doing what the room writer does (`backend.prefill.writer.RoomWriter.layer`): wait
 on the gate, then read the layer. The real writer over a held event is in
 test_conn_layer_stream_events.py."""
 
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lynx_sglang.backend.layer_stream import LayerGate, LayerGateError, LayerStreamer
-from lynx_sglang.backend.stream_policy import StreamPolicy
+from lynx_sglang.backend.prefill.layer_stream import LayerGate, LayerGateError, LayerStreamer
+from lynx_sglang.backend.prefill.stream_policy import StreamPolicy
 
 # The stand-in requests carry SGLang 0.5.23's extend fields (`prefix_len`, `extend_end`).
 pytestmark = pytest.mark.usefixtures("standin_release")
@@ -285,7 +285,7 @@ def test_a_cpu_pool_records_no_event():
 
 
 def test_for_pool_chooses_the_event_by_device(caplog):
-    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.layer_stream"):
+    with caplog.at_level(logging.INFO, logger="lynx_sglang.backend.prefill.layer_stream"):
         cpu = LayerStreamer.for_pool(Sender(), LAYERS, "cpu")
         cuda = LayerStreamer.for_pool(Sender(), LAYERS, "cuda")
         other = LayerStreamer.for_pool(Sender(), LAYERS, "xpu")

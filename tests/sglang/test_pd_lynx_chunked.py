@@ -1,6 +1,6 @@
 """End to end with chunked prefill: the prefill computes a long prompt in chunks of 128 tokens,
 and Lynx streams the Anchor layer by layer during the forward of its last chunk (the earlier
-chunks' KV is in the pool by then; `backend.layer_stream`). Greedy outputs must be
+chunks' KV is in the pool by then; `backend.prefill.layer_stream`). Greedy outputs must be
 token-identical to a single server that chunks its prefill the same way; the same prompt a second
 time (a prefix-cache hit on the prefill, whose radix cache is on here) likewise."""
 

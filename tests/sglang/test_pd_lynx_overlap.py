@@ -11,7 +11,7 @@ prefix with the second and the fourth repeats the first: the prefill sends their
 early (SGLang's `maybe_send_cached_prefix_chunk`, which on CPU needs `lynx_sglang.upstream.cpu_compat`'s
 event). Every answer must be token-identical to a single server with the same SGLang flags, sent
 the same prompts in the same order (so both radix caches hold the same prefixes). The prefill
-streams layer by layer under overlap too (`backend.layer_stream`): every prompt its forward
+streams layer by layer under overlap too (`backend.prefill.layer_stream`): every prompt its forward
 computes, the one with a cached prefix included; the fully cached repeat goes after its forward.
 
 One PD cluster and one single server for the module, started together; the single server stops

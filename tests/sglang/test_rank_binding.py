@@ -1,6 +1,6 @@
 """The rank binding on its own (no SGLang needed): a prefill rank's claim is signed for one decode
 with its rank key (`backend.rank_key`), and the decode counts it only with the key the bootstrap
-server lists for the rank (`backend.decode_bindings.RankBindings`): asked again once per claim
+server lists for the rank (`backend.decode.bindings.RankBindings`): asked again once per claim
 when it differs (a prefill restarted at the same ip:port), never more often than `FRESH_S`, never
 blocking the caller, and every failure of that lookup ends in a refusal that says why."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from lynx_sglang.backend import decode_bindings
-from lynx_sglang.backend.decode_bindings import (
+from lynx_sglang.backend.decode import bindings as decode_bindings
+from lynx_sglang.backend.decode.bindings import (
     BOUND,
     PENDING,
     BootstrapSlot,

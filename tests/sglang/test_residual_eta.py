@@ -1,8 +1,8 @@
-"""When the decode expects a request's Residual (`backend.decode_policy.Estimates`): from the rate
+"""When the decode expects a request's Residual (`backend.decode.policy.Estimates`): from the rate
 the same prefill's recent Residuals came in at, once one long enough has been seen, unless this
 request's Anchor came slower (then from the Anchor's rate, as for the first request); and the
 decision it feeds, whether speculating on the Anchor pays
-(`backend.decode_policy.decide_speculation`)."""
+(`backend.decode.policy.decide_speculation`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lynx_sglang.backend.decode_policy import (
+from lynx_sglang.backend.decode.policy import (
     LEARN_RESIDUAL_RATE_MIN_BYTES,
     MAX_RESIDUAL_LINKS,
     Estimates,

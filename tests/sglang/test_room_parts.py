@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from lynx_kernels import CodecSpec, preset
-from lynx_sglang.backend.decode_policy import not_speculating
-from lynx_sglang.backend.decode_report import DecodeLink, StatusReporter
-from lynx_sglang.backend.decode_rooms import RoomTable
+from lynx_sglang.backend.decode.policy import not_speculating
+from lynx_sglang.backend.decode.report import DecodeLink, StatusReporter
+from lynx_sglang.backend.decode.room import DecodeRoom, RoomState
+from lynx_sglang.backend.decode.rooms import RoomTable
 from lynx_sglang.backend.plan import StreamPlan
-from lynx_sglang.backend.room import DecodeRoom, RoomState
 from lynx_sglang.backend.staging import StagingRange
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.failures import FailureKind

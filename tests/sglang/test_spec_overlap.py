@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from lynx_sglang.backend.outcome import ResidualOutcome, ResidualState
+from lynx_sglang.backend.decode.outcome import ResidualOutcome, ResidualState
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.recorder import Recorder
 from lynx_sglang.speculation.controller import (

@@ -27,9 +27,9 @@ import pytest
 import torch
 from loop_thread import LoopThread
 
-from lynx_sglang.backend.decode import DecodeApplier, DecodeLink
+from lynx_sglang.backend.decode.applier import DecodeApplier, DecodeLink
+from lynx_sglang.backend.decode.room import Source
 from lynx_sglang.backend.pool import KVPoolView
-from lynx_sglang.backend.room import Source
 from lynx_sglang.backend.staging import StagingPool
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.recorder import Recorder
@@ -78,6 +78,9 @@ def _decode_manager(sgl):
     mgr.failure_lock = threading.Lock()
     mgr.failure_records = {}
     mgr._own_failures = {}
+    from lynx_sglang.backend.decode.role import DecodeRole
+
+    mgr.role = DecodeRole(mgr, lookup_prefill_rank=None)
     mgr._staging_outstanding = defaultdict(int)
     mgr._deferred_ack_targets = {}
     mgr._deferred_ack_poisoned_rooms = set()
@@ -105,7 +108,7 @@ def test_a_failed_room_never_shows_success_first(sgl, fine_switching):
     mgr = _decode_manager(sgl)
     staging = StagingPool(64 << 20, mgr.lynx_runtime.recorder.metrics)
     with Endpoint(host="127.0.0.1") as endpoint:
-        mgr.applier = DecodeApplier(
+        mgr.role.applier = DecodeApplier(
             config, lambda: pool, staging, endpoint.register(staging.buffer, name="staging"),
             endpoint, DecodeLink(mgr.report_status, lambda *a: None, lambda *a: None,
                                  lambda: None, lambda *a: None), mgr.lynx_runtime.recorder,

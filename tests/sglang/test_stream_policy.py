@@ -1,4 +1,4 @@
-"""Which rooms a prefill layer-streams (`backend.stream_policy.StreamPolicy`): a decode's first
+"""Which rooms a prefill layer-streams (`backend.prefill.stream_policy.StreamPolicy`): a decode's first
 room goes after its forward to measure the link; then a room is streamed only where its Anchor,
 sent after the forward, would take at least `min_share` of the forward; a link not measured for
 PROBE_EVERY_S and PROBE_EVERY_ROOMS streamed rooms while streaming is measured again; `min_share`
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lynx_sglang.backend.stream_policy import (
+from lynx_sglang.backend.prefill.stream_policy import (
     MAX_LINKS,
     PROBE_EVERY_ROOMS,
     PROBE_EVERY_S,
@@ -149,7 +149,7 @@ def test_a_change_of_answer_is_flagged_once():
 
 
 def test_the_estimates_the_anchor_width_reads():
-    """`backend.anchor_width` weighs a room's Anchor by the link's delivery time per byte and
+    """`backend.prefill.anchor_width` weighs a room's Anchor by the link's delivery time per byte and
     the forward's predicted time: None until measured."""
     p, _ = policy()
     assert p.forward_s(1500) is None and p.link_s_per_byte("d:1") is None

@@ -1,5 +1,5 @@
 """The room writer's overlap of a CUDA pool's device-to-host copies with the next layer's encode
-(`backend.prefill_writer.RoomWriter`), run here without a GPU: the writer's encode is a stand-in
+(`backend.prefill.writer.RoomWriter`), run here without a GPU: the writer's encode is a stand-in
 whose layers land only when the test says so (as `streams.PendingLayer` does once a copy stream
 has run), and the session records what is written to the transport. What it protects: a layer
 goes to the transport only after its bytes landed; with copies in flight a layer is written once
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from lynx_kernels import CodecSpec, KVShape
-from lynx_sglang.backend.faults import FaultPlan
-from lynx_sglang.backend.layer_stream import LayerGate
 from lynx_sglang.backend.plan import StreamPlan
-from lynx_sglang.backend.prefill_writer import RoomWriter, WindowedWriter
+from lynx_sglang.backend.prefill.faults import FaultPlan
+from lynx_sglang.backend.prefill.layer_stream import LayerGate
+from lynx_sglang.backend.prefill.writer import RoomWriter, WindowedWriter
 from lynx_sglang.backend.staging import StagingRange
 from lynx_sglang.config import LynxConfig
 from lynx_sglang.trace import Trace

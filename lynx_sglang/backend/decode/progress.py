@@ -4,7 +4,7 @@ parser and its complete layers, the layers at their final precision, and a windo
 cursor.
 
 Changed only through its methods, by the applier thread while it works on the room
-(`backend.decode_apply`, `backend.decode_windowed`; announcing a segment also from
+(`backend.decode.apply`, `backend.decode.windowed`; announcing a segment also from
 `StagingAdmission.try_announce` under the room table's lock, before the applier can see the room
 announced). Its counts are read from any thread (one int each). Buffers: the layer views point
 into the room's staging range and are dropped (`drop_views`) before that range is freed
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from lynx_kernels import StreamKind
 
-from .plan import StreamPlan
-from .pool import KINDS
-from .streams import LayerRuns, ResidualReader, anchor_layer
+from ..plan import StreamPlan
+from ..pool import KINDS
+from ..streams import LayerRuns, ResidualReader, anchor_layer
 
 
 class TransferProgress:

@@ -3,18 +3,18 @@ to its prefill rank's transport session and puts the landed streams into the KV 
 layer as the bytes land. It is the loop over the parts that do the work, and SGLang's interface to
 them:
 
-- `RoomTable` (`backend.decode_rooms`): every room ("room", a `backend.room.DecodeRoom`) not yet
+- `RoomTable` (`backend.decode.rooms`): every room ("room", a `backend.decode.room.DecodeRoom`) not yet
   forgotten, and which the applier thread is working on;
-- `PrefillSessions` (`backend.decode_sessions`): the accept thread (`accept_loop`) registers each
+- `PrefillSessions` (`backend.decode.sessions`): the accept thread (`accept_loop`) registers each
   prefill rank's session by the identity it announces, or refuses it;
-- `StagingAdmission` (`backend.decode_admission`): `register` and `staged` (SGLang's scheduler
+- `StagingAdmission` (`backend.decode.admission`): `register` and `staged` (SGLang's scheduler
   thread, from the receiver), the staging queue, announcing, and giving the range back;
-- `StreamApplier` / `WindowedApplier` (`backend.decode_apply`, `backend.decode_windowed`): the
+- `StreamApplier` / `WindowedApplier` (`backend.decode.apply`, `backend.decode.windowed`): the
   applier thread (`run`) applies what has landed, and decides at Anchor time whether speculating
-  pays (`backend.decode_policy`). Speculative: Success is reported then, SGLang decodes on the
+  pays (`backend.decode.policy`). Speculative: Success is reported then, SGLang decodes on the
   Anchor, and the room stays here until the speculation controller has read its Residual outcome
   (`residual_outcome`, `forget`);
-- `StatusReporter` (`backend.decode_report`): every status that reaches SGLang.
+- `StatusReporter` (`backend.decode.report`): every status that reaches SGLang.
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
 transport endpoint, the config, `DecodeLink` (the one status report to SGLang, the aux writer,
@@ -38,21 +38,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lynx_transport import Endpoint, Region
 
-from ..config import LynxConfig
-from ..failures import FailureKind, failure_kind_of
-from ..recorder import Recorder
-from .decode_admission import StagingAdmission
-from .decode_apply import ApplyDeps, StreamApplier
-from .decode_bindings import RankBindings
-from .decode_policy import INITIAL_VERIFY_ESTIMATE_S, Estimates
-from .decode_report import DecodeLink, StatusReporter
-from .decode_rooms import RoomTable
-from .decode_sessions import PrefillSessions
-from .decode_windowed import WindowedApplier
+from ...config import LynxConfig
+from ...failures import FailureKind, failure_kind_of
+from ...recorder import Recorder
+from ..pool import KVPoolView
+from ..staging import StagingPool
+from .admission import StagingAdmission
+from .apply import ApplyDeps, StreamApplier
+from .bindings import RankBindings
 from .outcome import ResidualOutcome
-from .pool import KVPoolView
+from .policy import INITIAL_VERIFY_ESTIMATE_S, Estimates
+from .report import DecodeLink, StatusReporter
 from .room import TRANSFERRING, DecodeRoom, RoomState, Source
-from .staging import StagingPool
+from .rooms import RoomTable
+from .sessions import PrefillSessions
+from .windowed import WindowedApplier
 
 logger = logging.getLogger(__name__)
 

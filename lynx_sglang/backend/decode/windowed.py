@@ -15,20 +15,20 @@ import time
 
 from lynx_transport import Stream, StreamState
 
-from ..errors import KVStreamError
-from .aux import unpack_aux
-from .decode_admission import StagingAdmission
-from .decode_apply import ApplyDeps, landed_prefix, sync_pool
-from .decode_policy import not_speculating
-from .plan import StreamPlan
-from .pool import KVPoolView
+from ...errors import KVStreamError
+from ..aux import unpack_aux
+from ..plan import StreamPlan
+from ..pool import KVPoolView
+from ..streams import ResidualReader, anchor_layer, apply_anchor_layer, apply_full_layer
+from .admission import StagingAdmission
+from .apply import ApplyDeps, landed_prefix, sync_pool
+from .policy import not_speculating
 from .room import DecodeRoom
-from .streams import ResidualReader, anchor_layer, apply_anchor_layer, apply_full_layer
 
 
 class WindowedApplier:
     """Applies a windowed room segment by segment (see the module). Called by
-    `backend.decode.DecodeApplier` (`step`), on the applier thread, for a room marked applying."""
+    `backend.decode.applier.DecodeApplier` (`step`), on the applier thread, for a room marked applying."""
 
     def __init__(self, deps: ApplyDeps, admission: StagingAdmission):
         self.deps = deps

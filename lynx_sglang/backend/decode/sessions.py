@@ -2,7 +2,7 @@
 SGLang identity (rank ip:port) and wire settings its prefill announces as the empty request
 `IDENTITY_REQUEST` (`backend.identity`, both ends of the handshake), answered accepted or refused.
 A claim to a rank counts only when it is signed with the rank key SGLang's bootstrap server lists
-for that rank (`backend.rank_key`, `backend.decode_bindings`), and that is checked before anything
+for that rank (`backend.rank_key`, `backend.decode.bindings`), and that is checked before anything
 else: another claim is refused and changes nothing, so a peer holding the transport secret can
 neither take a rank's rooms nor get the real rank refused by claiming it first. A rank already
 served by a live session is never silently taken over by another; a rank whose settings differ
@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 from lynx_transport import Endpoint, Session
 
-from ..config import LynxConfig, wire_mismatch
-from .decode_bindings import PENDING, RankBindings, Verdict
-from .identity import IDENTITY_REQUEST, Identity, answer
-from .rank_key import proven
+from ...config import LynxConfig, wire_mismatch
+from ..identity import IDENTITY_REQUEST, Identity, answer
+from ..rank_key import proven
+from .bindings import PENDING, RankBindings, Verdict
 
 logger = logging.getLogger(__name__)
 

@@ -5,18 +5,18 @@ and writes the two streams to that decode.
 Per request ("room"):
 1. SGLang queues the request's KV slots chunk by chunk (`submit`); the dispatcher thread (`run`)
    collects them, and at the last chunk (quantization groups and protected tokens span the full
-   token range) hands the room (a `backend.prefill_job.Job`) to the worker thread of its decode
-   (`backend.prefill_worker`, one per decode address): a dead or slow decode delays only its own
+   token range) hands the room (a `backend.prefill.job.Job`) to the worker thread of its decode
+   (`backend.prefill.worker`, one per decode address): a dead or slow decode delays only its own
    rooms, and after a failed connect its rooms fail at once for a while
-   (`backend.prefill_sessions`).
+   (`backend.prefill.sessions`).
 2. The worker: the room's plan (`backend.plan.StreamPlan`) must match the decode's announcement
    (sizes of both streams; a mismatch means the two servers' `--lynx-*` flags or models differ);
-   a staging range is allocated (`backend.prefill_staging`); its room writer
-   (`backend.prefill_writer`) encodes each layer's Anchor straight into staging and writes it at
+   a staging range is allocated (`backend.prefill.inflight`); its room writer
+   (`backend.prefill.writer`) encodes each layer's Anchor straight into staging and writes it at
    once; after the whole Anchor (finished with SGLang's aux data: first token etc.), each
    layer's Residual. Then Success is reported: SGLang may free the room's KV slots, since
    staging holds everything still to be sent.
-   Layer streaming (`start_early`, `backend.layer_stream`): the rooms of one forward go to their
+   Layer streaming (`start_early`, `backend.prefill.layer_stream`): the rooms of one forward go to their
    decode's worker as soon as the forward starts, as one group, and each layer is sent for every
    room of the group as the forward writes it (`DestinationWorker.send_group`); SGLang hands
    each room over after the forward (`submit` of its last chunk).
@@ -26,9 +26,9 @@ Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and it
 transport endpoint, this prefill's identity with its rank key (`backend.rank_key.Claimant`),
 `PrefillLink` (what the sender asks SGLang's side: is the room still live, where does it go,
 its aux bytes; and the one status report), the process's recorder (each room's trace record,
-failed sends), and the fault-injection plan of tests (`backend.faults`). Buffer ownership:
+failed sends), and the fault-injection plan of tests (`backend.prefill.faults`). Buffer ownership:
 SGLang's KV slots are read until the room is reported; its staging range belongs to its worker
-(`backend.prefill_staging`).
+(`backend.prefill.inflight`).
 """
 
 from __future__ import annotations
@@ -48,22 +48,22 @@ import torch
 from lynx_kernels import StreamKind
 from lynx_transport import Endpoint, Region
 
-from .. import trace
-from ..config import LynxConfig
-from ..recorder import Recorder
+from ... import trace
+from ...config import LynxConfig
+from ...recorder import Recorder
+from ..pages import num_pages
+from ..plan import StreamPlan
+from ..pool import KVPoolView
+from ..rank_key import Claimant
+from ..staging import StagingPool
 from .faults import FaultPlan
+from .job import Job, KeptRows, StreamedJobs
 from .layer_stream import LayerGate
-from .pages import num_pages
-from .plan import StreamPlan
-from .pool import KVPoolView
-from .prefill_job import Job, KeptRows, StreamedJobs
-from .prefill_link import Destination, PrefillLink, SentBytes
-from .prefill_sessions import DecodeSessions
-from .prefill_worker import DestinationWorkers, WorkerDeps
-from .prefill_writer import WriterDeps
-from .rank_key import Claimant
-from .staging import StagingPool
+from .link import Destination, PrefillLink, SentBytes
+from .sessions import DecodeSessions
 from .stream_policy import StreamPolicy
+from .worker import DestinationWorkers, WorkerDeps
+from .writer import WriterDeps
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ Success at Anchor time (a speculating room), or once the final KV is in the pool
 own Success arrived (`conclude`, `on_prefill_success`); Failed, in an order SGLang cannot get
 wrong (`fail`); and each transfer's record (log line and metrics).
 
-Driven by `backend.decode.DecodeApplier` and its appliers (`backend.decode_apply`,
-`backend.decode_windowed`): `conclude` and `fail` from the applier thread, `on_prefill_success`
+Driven by `backend.decode.applier.DecodeApplier` and its appliers (`backend.decode.apply`,
+`backend.decode.windowed`): `conclude` and `fail` from the applier thread, `on_prefill_success`
 from SGLang's. A room reported at Anchor time stays in the table for the speculation controller;
 any other room is forgotten once SGLang has its status.
 """
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from lynx_transport import FailureReason, Status, Stream, StreamState
 
-from ..config import LynxConfig
-from ..failures import FailureKind, stream_failure_kind
-from ..names import TRANSFER_RECORD, record_line
-from ..recorder import Recorder
-from .decode_bindings import BootstrapSlot, Registration
-from .decode_rooms import RoomTable
+from ...config import LynxConfig
+from ...failures import FailureKind, stream_failure_kind
+from ...names import TRANSFER_RECORD, record_line
+from ...recorder import Recorder
+from .bindings import BootstrapSlot, Registration
 from .room import DecodeRoom, RoomState
+from .rooms import RoomTable
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DecodeLink:
     # speculation controller has something to read, so wake a scheduler waiting in its idle path.
     progress: Callable[[], None]
     # Ask SGLang's bootstrap server again what it lists at a slot, within a timeout (s); raises
-    # when it does not answer (`backend.decode_bindings`).
+    # when it does not answer (`backend.decode.bindings`).
     lookup_prefill_rank: Callable[[BootstrapSlot, float], Registration]
 
 

@@ -1,5 +1,5 @@
 """Applying an announced decode room's two streams into the KV pool as they land
-(`StreamApplier`; a windowed room's segments are `backend.decode_windowed`'s).
+(`StreamApplier`; a windowed room's segments are `backend.decode.windowed`'s).
 
 Each step works on what has landed so far. Each Anchor layer is validated as soon as its bytes are
 in; when speculation is on (or there is no Residual) it is also dequantized into the room's KV
@@ -7,7 +7,7 @@ slots right away. Each Residual layer is validated and written at full precision
 chunks are in. With `--lynx-apply-threads 2` a layer's V run is applied on a helper thread
 (`apply_helper`) while this thread applies its K run; the layer's call returns only when both have
 ended. When the whole Anchor is in, SGLang's aux data (the first token) is written and the room
-decides whether speculating pays (`backend.decode_policy`): speculating, Success is reported now
+decides whether speculating pays (`backend.decode.policy`): speculating, Success is reported now
 and SGLang decodes on the Anchor; otherwise SGLang hears Success only once every layer is final
 (and the prefill's own Success arrived), so nothing in SGLang sees Anchor-precision KV.
 
@@ -28,22 +28,22 @@ from lynx_kernels import CodecSpec
 from lynx_kernels.wire import HEADER
 from lynx_transport import Stream, StreamState
 
-from ..config import LynxConfig
-from ..errors import KVStreamError
-from .aux import unpack_aux
-from .decode_policy import Estimates, decide_speculation, not_speculating
-from .decode_report import DecodeLink, StatusReporter
-from .decode_rooms import RoomTable
-from .pool import KVPoolView
+from ...config import LynxConfig
+from ...errors import KVStreamError
+from ..aux import unpack_aux
+from ..pool import KVPoolView
+from ..staging import StagingPool
+from ..streams import anchor_bits_of, apply_anchor_layer, apply_full_layer
+from .policy import Estimates, decide_speculation, not_speculating
+from .report import DecodeLink, StatusReporter
 from .room import DecodeRoom, RoomState
-from .staging import StagingPool
-from .streams import anchor_bits_of, apply_anchor_layer, apply_full_layer
+from .rooms import RoomTable
 
 
 @dataclass(frozen=True)
 class ApplyDeps:
-    """What both appliers of a decode (`StreamApplier`, `backend.decode_windowed.WindowedApplier`)
-    work with, built once by `backend.decode.DecodeApplier`."""
+    """What both appliers of a decode (`StreamApplier`, `backend.decode.windowed.WindowedApplier`)
+    work with, built once by `backend.decode.applier.DecodeApplier`."""
 
     config: LynxConfig
     pool: Callable[[], KVPoolView]
@@ -64,7 +64,7 @@ class StreamApplier:
     Anchor layers as they land, its Residual layers as they complete, and at Anchor time the aux
     data and the speculation decision. Holds no state of its own: a room's progress rides on its
     `DecodeRoom`, and the cost estimates it decides with are the decode applier's. Called by
-    `backend.decode.DecodeApplier` (`step`), on the applier thread, for a room marked applying."""
+    `backend.decode.applier.DecodeApplier` (`step`), on the applier thread, for a room marked applying."""
 
     def __init__(self, deps: ApplyDeps, estimates: Estimates):
         self.deps = deps

@@ -16,7 +16,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from ..names import (
+from ...names import (
     FAULT_ANCHOR_DELAY_ENV,
     FAULT_ANCHOR_HOLD_LOG,
     FAULT_RESIDUAL_DELAY_ENV,

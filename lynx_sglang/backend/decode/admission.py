@@ -7,10 +7,10 @@ that finds no free range (or others queued before it) is queued, first come firs
 receiver holds its metadata back until `staged` says the room got a range (so the prefill does not
 start it meanwhile); past the waiting budget it fails. A room larger than the whole staging pool
 is windowed (`backend.window`): it holds one or two windows, which its segments of whole layers
-take in turns (`announce_segment`, from `backend.decode_windowed`); only a room one layer of
+take in turns (`announce_segment`, from `backend.decode.windowed`); only a room one layer of
 which exceeds the pool fails at once.
 
-Driven by `backend.decode.DecodeApplier` (SGLang's calls, and `admit_queued` from the applier
+Driven by `backend.decode.applier.DecodeApplier` (SGLang's calls, and `admit_queued` from the applier
 thread). Buffer ownership: a room's staging range is the applier's from its allocation here until
 `release`, which first withdraws the room's announcements (no byte lands after it).
 """
@@ -27,20 +27,20 @@ import torch
 
 from lynx_transport import Region, Session, Stream, TransportError
 
-from ..config import LynxConfig
-from ..errors import RoomDroppedError, StagingFullError
-from ..names import STAGING_QUEUED_LOG, WINDOWED_ROOM_LOG
-from ..recorder import Recorder
-from .decode_rooms import RoomTable
-from .decode_sessions import PrefillSessions
-from .plan import StreamPlan, room_plans, windowed_plan
-from .pool import KVPoolView
+from ...config import LynxConfig
+from ...errors import RoomDroppedError, StagingFullError
+from ...names import STAGING_QUEUED_LOG, WINDOWED_ROOM_LOG
+from ...recorder import Recorder
+from ..plan import StreamPlan, room_plans, windowed_plan
+from ..pool import KVPoolView
+from ..staging import ALIGN as STAGING_ALIGN
+from ..staging import StagingPool
+from ..window import SEGMENT_IDS, Windows
+from ..window import choose as choose_windows
+from ..window import cut as cut_segments
 from .room import DecodeRoom, RoomState, Source
-from .staging import ALIGN as STAGING_ALIGN
-from .staging import StagingPool
-from .window import SEGMENT_IDS, Windows
-from .window import choose as choose_windows
-from .window import cut as cut_segments
+from .rooms import RoomTable
+from .sessions import PrefillSessions
 
 logger = logging.getLogger(__name__)
 

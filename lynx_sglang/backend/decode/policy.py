@@ -3,8 +3,8 @@ running costs the decision weighs (`Estimates`), the decision a room records onc
 (`SpeculationDecision`), and the decision itself (`decide_speculation`, a pure function of one
 room's transfer so far).
 
-Called by `backend.decode_apply.StreamApplier` when a room's whole Anchor is in; a windowed room
-(`backend.decode_windowed`) never speculates and records `not_speculating`. `Estimates` is fed by
+Called by `backend.decode.apply.StreamApplier` when a room's whole Anchor is in; a windowed room
+(`backend.decode.windowed`) never speculates and records `not_speculating`. `Estimates` is fed by
 the applying (each Anchor layer's write, each Residual's arrival) and by the speculation controller
 (each verification, through `DecodeApplier.note_verification`); it is used by the applier thread
 only, but for `note_verification` (a float assignment).
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from lynx_transport import StreamState
 
-from ..config import LynxConfig
-from .plan import StreamPlan
+from ...config import LynxConfig
+from ..plan import StreamPlan
 
 # What one verification is assumed to cost before the first one was measured (a GPU's order of
 # magnitude; on a CPU the first measurement replaces it).

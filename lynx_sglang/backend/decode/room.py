@@ -15,14 +15,14 @@ and logs at debug level.
 
 Beside its state a room holds what does not follow from it: the prefill's own Success status,
 which may arrive in any state (`prefill_success`), its speculation decision, made once
-(`decide`; `backend.decode_policy`), which says after a failure too whether SGLang heard Success
+(`decide`; `backend.decode.policy`), which says after a failure too whether SGLang heard Success
 at Anchor time, and how far its bytes have come (`progress`, a `TransferProgress`).
 
 A room whose KV comes from several prefill ranks is one DecodeRoom per source (`part` of `parts`,
 `Source`), each its own state machine over its own stream pair; the table and the reporter join
 them (`RoomTable.parts_of`, `StatusReporter`).
 
-Owned by `backend.decode.DecodeApplier` and the parts it drives: rooms are kept in its
+Owned by `backend.decode.applier.DecodeApplier` and the parts it drives: rooms are kept in its
 `RoomTable`; a transition that SGLang's threads may meet (staged, announced, anchor_complete, done,
 fail, cancel) happens under that table's lock, and the progress belongs to the applier thread
 while it works on the room (`RoomTable.start_applying`).
@@ -39,14 +39,14 @@ import torch
 
 from lynx_transport import Session
 
-from .. import trace as tracing
-from ..errors import KVStreamError
-from .decode_policy import UNDECIDED, SpeculationDecision
-from .decode_progress import TransferProgress
+from ... import trace as tracing
+from ...errors import KVStreamError
+from ..plan import StreamPlan
+from ..staging import StagingRange
+from ..window import Segments, Windows
 from .outcome import ResidualOutcome, ResidualState
-from .plan import StreamPlan
-from .staging import StagingRange
-from .window import Segments, Windows
+from .policy import UNDECIDED, SpeculationDecision
+from .progress import TransferProgress
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Which Anchor width a room is sent with under `--lynx-anchor-width adaptive`: `choose_width`,
-called by a prefill destination worker as it opens a room to a decode (`backend.prefill_worker`),
+called by a prefill destination worker as it opens a room to a decode (`backend.prefill.worker`),
 before anything of the room is encoded.
 
 A narrower Anchor lands sooner (SmolLM2, 1500 tokens: 3 bits are 0.23 of the BF16 bytes, 4 bits
@@ -10,7 +10,7 @@ out. So the narrower width is picked only where it brings the first token sooner
 `GAIN_SHARE` of the room's forward:
 
 - sent after its forward, the room's Anchor delivery (encode and wire, per byte as measured to
-  this decode, `backend.stream_policy`) is all delay: the gain is that time per byte times the
+  this decode, `backend.prefill.stream_policy`) is all delay: the gain is that time per byte times the
   bytes saved;
 - layer-streamed, the Anchor goes out while the forward computes and only what outlasts the
   forward delays the first token: the gain is max(0, wide - F) - max(0, narrow - F), with each

@@ -1,7 +1,7 @@
 """The prefill's interface with SGLang's side of the manager (`backend.manager.LynxKVManager`):
 what the sender asks it (`PrefillLink`, `Destination`) and what SGLang reads back after a room's
-Success (`SentBytes`). Built by the manager; used by `backend.prefill.PrefillSender` and its
-destination workers (`backend.prefill_worker`).
+Success (`SentBytes`). Built by the manager; used by `backend.prefill.sender.PrefillSender` and its
+destination workers (`backend.prefill.worker`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import SettingsMismatchError
-from .heads import head_range
+from ...errors import SettingsMismatchError
+from ..heads import head_range
 
 # Rooms whose sent-byte count waits for SGLang to read it (it reads right after Success).
 SENT_BYTES_KEPT = 4096

@@ -3,8 +3,8 @@ room (or a windowed room's segment) before its encode, handed to the transport w
 freed once the transport has delivered both (`reap`) or when the streams fail before they were
 all written (`undo`).
 
-Owned by a `backend.prefill_worker.DestinationWorker` (one each; only its thread calls it);
-its room writers (`backend.prefill_writer`) encode into the ranges. Buffer ownership: a range is
+Owned by a `backend.prefill.worker.DestinationWorker` (one each; only its thread calls it);
+its room writers (`backend.prefill.writer`) encode into the ranges. Buffer ownership: a range is
 the worker's from `allocate` until `reap` or `undo` frees it, after `Session.release` guarantees
 no byte of it is read again.
 """
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from lynx_transport import Session, Stream, TransportError, UnknownRequestError
 
-from ..config import LynxConfig
-from ..errors import StagingFullError
-from ..recorder import Recorder
-from ..trace import Trace
-from .staging import StagingPool, StagingRange
+from ...config import LynxConfig
+from ...errors import StagingFullError
+from ...recorder import Recorder
+from ...trace import Trace
+from ..staging import StagingPool, StagingRange
 from .stream_policy import StreamPolicy
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
-"""A room the prefill is sending (`Job`): made by `backend.prefill.PrefillSender` when the room's
+"""A room the prefill is sending (`Job`): made by `backend.prefill.sender.PrefillSender` when the room's
 last chunk arrives (or, layer-streamed, when its forward starts), sent by the destination worker
-of its decode (`backend.prefill_worker`), read layer by layer by its room writer
-(`backend.prefill_writer`). Also what a layer-streamed job carries between the scheduler thread
+of its decode (`backend.prefill.worker`), read layer by layer by its room writer
+(`backend.prefill.writer`). Also what a layer-streamed job carries between the scheduler thread
 and its worker: the forward's own rows where SGLang's prefix cache swapped slots (`KeptRows`), and
 the registry of streamed jobs awaiting SGLang's hand-over (`StreamedJobs`).
 """
@@ -17,11 +17,11 @@ import torch
 
 from lynx_kernels import StreamKind
 
-from .. import trace
-from ..errors import KVStreamError, RoomDroppedError
+from ... import trace
+from ...errors import KVStreamError, RoomDroppedError
+from ..pool import KVPoolView
 from .layer_stream import LayerGate
-from .pool import KVPoolView
-from .prefill_link import Destination
+from .link import Destination
 
 # How often a layer-streamed room waiting for SGLang's hand-over checks that SGLang still has it.
 HANDOVER_POLL_S = 0.05
@@ -41,10 +41,10 @@ class Job:
     # of the room after the forward (`handed_over`; `refused` says why the room cannot be sent).
     gate: LayerGate | None = None
     # Sent after its forward: when the room was ready to send (monotonic), from which its
-    # Anchor's delivery time measures the link (`backend.stream_policy`).
+    # Anchor's delivery time measures the link (`backend.prefill.stream_policy`).
     ready_at: float | None = None
     # Layer-streamed: the prompt tokens of the forward it streams beside (the forward's predicted
-    # time weighs the Anchor's width, `backend.anchor_width`).
+    # time weighs the Anchor's width, `backend.prefill.anchor_width`).
     forward_tokens: int | None = None
     handed_over: threading.Event = field(default_factory=threading.Event)
     refused: str | None = None

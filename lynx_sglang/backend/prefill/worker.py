@@ -3,12 +3,12 @@ sends the rooms bound there, one group at a time, so that a dead or slow decode 
 announcement and staging waits are bounded, but long) holds up only its own rooms.
 `DestinationWorkers` starts them on demand (`dispatch`) and lets an idle one exit.
 
-Per room, the worker opens the session (`backend.prefill_sessions`), checks the decode's
+Per room, the worker opens the session (`backend.prefill.sessions`), checks the decode's
 announcement against this prefill's `StreamPlan`, allocates the room's staging
-(`backend.prefill_staging`), has a room writer (`backend.prefill_writer`) encode and write both
+(`backend.prefill.inflight`), has a room writer (`backend.prefill.writer`) encode and write both
 streams, and reports the room to SGLang (`PrefillLink.report`): Success once everything still to
 be sent is in staging, or its failure, which fails that room only. Everything a worker needs
-comes in `WorkerDeps`, given by `backend.prefill.PrefillSender`.
+comes in `WorkerDeps`, given by `backend.prefill.sender.PrefillSender`.
 """
 
 from __future__ import annotations
@@ -22,21 +22,21 @@ from dataclasses import dataclass
 
 from lynx_transport import TransportError
 
-from ..errors import SettingsMismatchError
-from ..failures import failure_kind_of
-from ..recorder import Recorder
+from ...errors import SettingsMismatchError
+from ...failures import failure_kind_of
+from ...recorder import Recorder
+from ..pages import num_pages
+from ..plan import StreamPlan, room_plans, windowed_plan
+from ..pool import KVPoolView
+from ..window import Segments
 from .anchor_width import WidthChoice, choose_width
+from .inflight import InFlight, InFlightStaging
+from .job import Job, StreamedJobs
 from .layer_stream import LayerGateError
-from .pages import num_pages
-from .plan import StreamPlan, room_plans, windowed_plan
-from .pool import KVPoolView
-from .prefill_job import Job, StreamedJobs
-from .prefill_link import Destination, PrefillLink, SentBytes
-from .prefill_sessions import DecodeSessions
-from .prefill_staging import InFlight, InFlightStaging
-from .prefill_writer import RoomWriter, WindowedWriter, WriterDeps, check_announcement
+from .link import Destination, PrefillLink, SentBytes
+from .sessions import DecodeSessions
 from .stream_policy import StreamPolicy
-from .window import Segments
+from .writer import RoomWriter, WindowedWriter, WriterDeps, check_announcement
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class DestinationWorker:
         return writer, f
 
     def _width(self, job: Job, dst: Destination, plans: dict[int, StreamPlan]) -> WidthChoice:
-        """The room's Anchor width to `dst` (`backend.anchor_width`)."""
+        """The room's Anchor width to `dst` (`backend.prefill.anchor_width`)."""
         policy = self.deps.stream_policy
         streamed = job.gate is not None
         tokens = job.forward_tokens if streamed else len(job.slots)

@@ -11,7 +11,7 @@ recorded one may come from a prefill restarted at the same ip:port: the rank is 
 again, once per claim and on this module's own `lynx-bind` thread, within `LOOKUP_TIMEOUT_S`
 (`DecodeLink.lookup_prefill_rank`); an answer younger than `FRESH_S` is not asked again.
 
-Owned by `backend.decode.DecodeApplier`; asked by its accept thread (`backend.decode_sessions`),
+Owned by `backend.decode.applier.DecodeApplier`; asked by its accept thread (`backend.decode.sessions`),
 which never waits here: a claim under re-lookup is `PENDING` and asked again on its next round.
 `_lock` guards the table and is never held while calling out.
 """

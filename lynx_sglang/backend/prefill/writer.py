@@ -1,12 +1,12 @@
 """How one room's two streams are written to one decode from prefill staging: `RoomWriter` (the
 room's staging range holds both whole streams) and `WindowedWriter` (the decode announced the
 room in segments, `backend.window`). Made and driven by the room's destination worker
-(`backend.prefill_worker`), on its thread, step by step (`layer` for each layer in order, then
+(`backend.prefill.worker`), on its thread, step by step (`layer` for each layer in order, then
 `finish_anchor`, then `finish_residual`), so that the worker can interleave the rooms of one
 forward. Everything a writer needs besides the room comes in `WriterDeps`.
 
 Buffer ownership: a writer encodes into staging ranges its worker allocated
-(`backend.prefill_staging.InFlightStaging`) and never frees them; a `WindowedWriter` allocates its
+(`backend.prefill.inflight.InFlightStaging`) and never frees them; a `WindowedWriter` allocates its
 segments' ranges from that same worker's staging and hands each to it once written.
 """
 
@@ -23,16 +23,16 @@ import numpy as np
 from lynx_kernels import CodecSpec, Target, WireStream
 from lynx_transport import AnnouncementTimeoutError, Region, Session, Stream
 
-from ..config import LynxConfig
-from ..errors import KVStreamError, RoomDroppedError, SettingsMismatchError
+from ...config import LynxConfig
+from ...errors import KVStreamError, RoomDroppedError, SettingsMismatchError
+from ..plan import StreamPlan
+from ..pool import KVPoolView
+from ..staging import StagingPool, StagingRange
+from ..streams import PendingLayer, encode_layer_start
+from ..window import Segments
 from .faults import FaultPlan, Point
-from .plan import StreamPlan
-from .pool import KVPoolView
-from .prefill_job import HANDOVER_POLL_S, Job
-from .prefill_staging import InFlight, InFlightStaging, release_request
-from .staging import StagingPool, StagingRange
-from .streams import PendingLayer, encode_layer_start
-from .window import Segments
+from .inflight import InFlight, InFlightStaging, release_request
+from .job import HANDOVER_POLL_S, Job
 
 _STREAMS = {WireStream.ANCHOR: Stream.ANCHOR, WireStream.RESIDUAL: Stream.RESIDUAL}
 
@@ -140,7 +140,7 @@ class RoomWriter:
         self.deps, self.session, self.job, self.pool = deps, session, job, pool
         self.staging, self.plan = staging, plan
         config = deps.config
-        # The room's Anchor width (`backend.anchor_width`) is the plan's.
+        # The room's Anchor width (`backend.prefill.anchor_width`) is the plan's.
         self.spec = config.codec_for(plan.anchor_bits)
         self.residual_base = staging.offset + plan.anchor_bytes
         # Layer-streamed, the Residual goes out with its layer too: the forward of the later

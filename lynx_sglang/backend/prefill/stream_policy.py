@@ -19,7 +19,7 @@ whose forward was never timed is streamed. `min_share` 0 streams every room.
 
 Called by the scheduler thread (`decide`, `observe_forward`) and by the destination workers
 (`observe_anchor`, from the transport's delivery times; `link_s_per_byte` and `forward_s` for the
-Anchor's width, `backend.anchor_width`); one lock.
+Anchor's width, `backend.prefill.anchor_width`); one lock.
 """
 
 from __future__ import annotations

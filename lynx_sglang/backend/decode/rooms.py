@@ -2,7 +2,7 @@
 prefill's Success, reported at Anchor time and not yet consumed by the speculation controller, or
 failed and its Failed not yet reported; and which of them the applier thread is working on.
 
-Created by `backend.decode.DecodeApplier` and shared with the parts it drives
+Created by `backend.decode.applier.DecodeApplier` and shared with the parts it drives
 (`StagingAdmission`, `StatusReporter`, the appliers). Locking: `lock` guards the rooms, the state
 transitions SGLang's threads may meet, and the applying set; it is never held while bytes are
 applied. Methods say whether they expect it held.

@@ -5,8 +5,8 @@ and wire settings (`backend.identity`), signed for that decode with this process
 failed connect the address counts as unreachable for `UNREACHABLE_COOLDOWN_S`: rooms bound there
 fail at once instead of each waiting out the connect timeout.
 
-Owned by `backend.prefill.PrefillSender`; called from its destination workers' threads
-(`backend.prefill_worker`). A session lives until the endpoint closes, or the transport ends it on
+Owned by `backend.prefill.sender.PrefillSender`; called from its destination workers' threads
+(`backend.prefill.worker`). A session lives until the endpoint closes, or the transport ends it on
 the peer's death.
 """
 
@@ -17,10 +17,10 @@ import time
 
 from lynx_transport import Endpoint, Session, SessionClosedError, TransportError
 
-from ..config import LynxConfig
-from ..errors import SettingsMismatchError
-from .identity import introduce
-from .rank_key import Claimant
+from ...config import LynxConfig
+from ...errors import SettingsMismatchError
+from ..identity import introduce
+from ..rank_key import Claimant
 
 # After a failed connect to a decode, rooms bound there fail at once for this long.
 UNREACHABLE_COOLDOWN_S = 5.0

@@ -1,5 +1,5 @@
 """What became of a request's Residual: the contract between the decode applier
-(`backend.decode.DecodeApplier.residual_outcome`, which produces it) and the speculation controller
+(`backend.decode.applier.DecodeApplier.residual_outcome`, which produces it) and the speculation controller
 (`speculation.controller.SpecController`, which acts on it). No SGLang imports, so the controller's
 pure parts can be tested without a server."""
 

@@ -41,7 +41,7 @@ layer is opened and its event has completed. The event is polled (`query`) off t
 thread, on the waiting worker's, within the wait's deadline (`synchronize` has none).
 
 The gate belongs to one forward; the room writer of the sender's destination worker
-(`backend.prefill_writer`) waits on it before reading a layer's pool rows, which the forward never
+(`backend.prefill.writer`) waits on it before reading a layer's pool rows, which the forward never
 writes again for these requests. On a CUDA pool the codec's Triton path (`lynx_kernels.fused`,
 impl "auto") gathers and encodes the rows on the device, on the worker thread's current stream,
 the default one; SGLang 0.5.23's scheduler runs the forward on a stream of its own (non-blocking),
