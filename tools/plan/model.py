@@ -7,7 +7,7 @@ What each variant puts on the link (`Variant`, byte fractions from the codec, `C
 mooncake sends the whole BF16 KV after the forward, FIFO, and its first token waits for the last
 byte. Lynx sends an Anchor (high priority, preempting Residuals) and a Residual (low priority);
 the prefill layer-streams both during the forward where sending after it would delay the Anchor by
-at least `stream_min_share` of the forward (`lynx_sglang.backend.stream_policy`), else sends them
+at least `stream_min_share` of the forward (`lynx_sglang.backend.prefill.stream_policy`), else sends them
 after it. A speculative Lynx first token waits for the Anchor only, unless the Residual is due
 sooner than one verification (then it waits for it, as `decode_policy.decide_speculation`); its
 later tokens are held until the Residual is applied and one verification forward releases the
