@@ -64,7 +64,7 @@ import torch
 
 from lynx_kernels.chunk_copy import await_event
 
-from ..upstream import adapter as upstream_adapter
+from ...upstream import adapter as upstream_adapter
 
 logger = logging.getLogger(__name__)
 
