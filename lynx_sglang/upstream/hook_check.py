@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UnsupportedSGLangError
-from .fingerprints import MISSING, Fingerprint, known_releases
+from .fingerprints import MISSING, Fingerprint, fingerprint, known_releases
 from .hook_table import HOOKS, Hook
 
 # Where Lynx's adapters live: registrations of other plugins are not Lynx's to check.
@@ -70,8 +70,10 @@ def registered_by_lynx() -> list[tuple[str, str, Callable]]:
 
 def verify_applied() -> None:
     """Raise one `UnsupportedSGLangError` naming every hook Lynx registered in this process
-    whose target does not resolve or that is not in place there; a server must not run
-    half-hooked."""
+    whose target does not resolve, has a signature no supported release has (its adapter reads
+    the arguments by that signature; this holds under `--lynx-allow-unknown-sglang` too), or that
+    is not in place there; a server must not run half-hooked."""
+    releases = known_releases().values()
     problems = []
     for target, kind, adapter in registered_by_lynx():
         name = getattr(adapter, "__qualname__", repr(adapter))
@@ -80,6 +82,11 @@ def verify_applied() -> None:
         except (ImportError, AttributeError, ValueError) as exc:
             problems.append(f"{target} ({kind} {name}): does not resolve ({exc})")
             continue
+        signature = fingerprint(target).signature
+        expected = {r[target].signature for r in releases if target in r}
+        if signature not in expected:
+            problems.append(f"{target} ({kind} {name}): signature {signature}, which no "
+                            f"supported release has ({' or '.join(sorted(expected)) or 'none'})")
         if not any(h is adapter for h in applied):
             problems.append(f"{target} ({kind} {name}): registered but not applied (SGLang's "
                             "log says why: 'Failed to apply hooks to ...')")

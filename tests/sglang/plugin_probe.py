@@ -4,6 +4,7 @@ leak global state into the test process). Prints one JSON object with what it ob
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -111,6 +112,28 @@ try:
     hook_check.verify_applied()
 except Exception as exc:
     out["verified"] = f"{type(exc).__name__}: {exc}"
+
+
+# A hook target whose signature no supported release has (as an unknown release run with
+# --lynx-allow-unknown-sglang could have): refused, the adapter would misread its arguments.
+real_releases = hook_check.known_releases
+
+
+def releases_with_another_signature():
+    releases = real_releases()
+    for prints in releases.values():
+        target = hook_table.CLI_FLAGS.target
+        prints[target] = dataclasses.replace(prints[target], signature="(self, moved)")
+    return releases
+
+
+hook_check.known_releases = releases_with_another_signature
+try:
+    hook_check.verify_applied()
+    out["changed_signature"] = None
+except Exception as exc:
+    out["changed_signature"] = f"{type(exc).__name__}: {exc}"
+hook_check.known_releases = real_releases
 
 
 # Last (it leaves the registry half-hooked): a Lynx hook registered on a target SGLang has

@@ -98,6 +98,17 @@ def test_every_hook_is_in_place_and_a_hook_sglang_skipped_stops_the_start(probe)
            "but not applied" in half
 
 
+def test_a_hook_target_with_a_signature_no_supported_release_has_is_refused(probe):
+    """The start-up check compares each applied hook's target with the signatures the supported
+    releases record (so an unknown release let in by --lynx-allow-unknown-sglang still cannot
+    hand an adapter arguments it would misread)."""
+    changed = probe["changed_signature"]
+    assert changed is not None and "UnsupportedSGLangError" in changed, changed
+    assert ("sglang.srt.server_args.ServerArgs.add_cli_args (AFTER _add_cli_args_after): "
+            "signature (parser: 'argparse.ArgumentParser')" in changed), changed
+    assert "which no supported release has ((self, moved))" in changed, changed
+
+
 def test_doctor_hooks_prints_the_release_and_each_hook():
     proc = subprocess.run([sys.executable, "-m", "lynx_tools.cli", "doctor", "--hooks"],
                           capture_output=True, text=True, timeout=600)
