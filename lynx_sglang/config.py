@@ -128,10 +128,11 @@ class LynxConfig:
              "0 = stream every request (CUDA pools always do: their forward is not timed yet)")
     link_order: bool = _opt(
         True, "prefill, tcp transport: order the requests that share the link to one decode: a "
-              "request whose Anchor is delivered and whose Residual has waited longer than the "
-              "newer requests' queued Anchors would take on the link (at its measured rate) goes "
-              "before them, instead of every Anchor before every Residual "
-              "(lynx_transport.link_order). --no-lynx-link-order: plain strict priority")
+              "request whose Residual is later than its byte bound (its Anchor's delivery plus "
+              "its own wire time) by more than the newer requests' queued Anchors would take on "
+              "the link (at its measured rate) goes before them, instead of every Anchor before "
+              "every Residual (lynx_transport.link_order). --no-lynx-link-order: plain strict "
+              "priority")
     anchor_width: str = _opt(
         "fixed", "Anchor width per request: 'fixed' = --lynx-anchor-bits for every request; "
                  "'adaptive' = the prefill picks --lynx-anchor-bits or one bit fewer per request, "

@@ -62,9 +62,9 @@ Priority
 ``PriorityPolicy(mode="strict", residual_share=0.1, chunk_bytes=1 MiB, link_order=False)``:
 strict — no RESIDUAL byte is handed to the wire while ANCHOR work is queued for the same peer (a
 RESIDUAL chunk already handed to the kernel is not recalled; tcp keeps that small with
-TCP_NOTSENT_LOWAT); with ``link_order`` (tcp) a request whose ANCHOR is delivered and whose
-RESIDUAL has waited longer than newer requests' queued ANCHOR bytes take on the link goes before
-them (``lynx_transport.link_order``); "weighted" — RESIDUAL gets ``residual_share`` of the bytes
+TCP_NOTSENT_LOWAT); with ``link_order`` (tcp) a request whose RESIDUAL is later than its byte
+bound by more than newer requests' queued ANCHOR bytes take on the link goes before them
+(``lynx_transport.link_order``); "weighted" — RESIDUAL gets ``residual_share`` of the bytes
 while both are backlogged. The tcp backend uses one
 socket per stream, marks them with IP_TOS (ANCHOR DSCP EF 0xb8 + SO_PRIORITY 6, RESIDUAL DSCP
 CS1 0x20 + SO_PRIORITY 1); the verbs backend uses one RC QP per stream with service levels.

@@ -29,7 +29,7 @@ Priority contract: the backend keeps one queue per stream per session. `Priority
 the backend's chunk granularity; a RESIDUAL chunk already handed over is not recalled). "weighted":
 when both are backlogged RESIDUAL gets `residual_share` of the bytes, so it never starves.
 `PriorityPolicy.link_order` (strict mode, tcp backend): across the requests of a session, a
-request waiting on its RESIDUAL may go before newer requests' ANCHOR work (`link_order`); the
+request whose RESIDUAL is late may go before newer requests' ANCHOR work (`link_order`); the
 verbs backend keeps plain strict order.
 """
 
@@ -61,9 +61,9 @@ class PriorityPolicy:
     mode: "strict" (default) or "weighted". residual_share: weighted mode's share of bytes for
     RESIDUAL while both streams are backlogged (0 < share < 1). chunk_bytes: scheduling/checksum
     unit; a large write is split into chunks of at most this size. link_order: strict mode's
-    order across requests by `link_order.LinkOrder` (a request whose Anchor is delivered and whose
-    Residual has waited longer than the newer requests' queued Anchors take on the link goes
-    before them) instead of every ANCHOR byte before every RESIDUAL byte; tcp backend only.
+    order across requests by `link_order.LinkOrder` (a request whose Residual is later than its
+    byte bound by more than the newer requests' queued Anchors take on the link goes before them)
+    instead of every ANCHOR byte before every RESIDUAL byte; tcp backend only.
     """
 
     mode: str = "strict"

@@ -14,42 +14,47 @@ per output token 179 ms against mooncake-nospin's 111 ms).
 
 The policy (`choose`), at each chunk (`PriorityPolicy.chunk_bytes`):
 
-1. Anchor first within a request: a request's Residual counts as waiting only once its whole
-   Anchor is delivered, so it is never sent ahead of its own Anchor.
-2. A request is *waiting* from the moment its Anchor is delivered: the receiving host's TCP has
-   acknowledged the Anchor's last byte (its FIN frame). A sender cannot tell a decode that
-   speculates from one that waits; one that did not speculate waits from then on, and one that
-   speculates has tokens to do but will stop at its cap, so counting its wait from there and
-   letting rule 4 weigh it is the safe side.
-3. Residual against Residual: the waiting requests first, the one waiting longest first; among
-   requests not waiting, the oldest (its first byte queued first), which is the FIFO order the
-   queue already had.
+1. Anchor first within a request: a request's Residual counts as late only once its whole Anchor
+   is delivered (the receiving host's TCP acknowledged the Anchor's FIN frame), so it is never
+   sent ahead of its own Anchor.
+2. A Residual is *late* once it is later than it would be with the link to itself: from its
+   Anchor's delivery plus its own bytes' wire time at the link's rate (its byte bound). A sender
+   cannot tell a decode that speculates from one that waits. Counted from the Anchor's delivery
+   alone (the first version), the second bench-load run sent a room's Residual before the next
+   room's Anchor 0.5 s after its Anchor landed, while its decode still had 2.5 s of speculative
+   tokens to do: the next room's Anchor landed 1.1 s later, for nothing. Lynx's decode plans its
+   speculation around the Residual's byte-bound arrival (`decode_policy`), so past it a
+   speculating request is the one whose cap comes first.
+3. Residual against Residual: the requests whose Anchors were delivered first, in that order;
+   then the rest by age (their first op queued first), which is the FIFO order the queue had.
 4. Residual against Anchor: the Anchors go first (strict), unless the Residual's request R is
-   waiting, the Anchor queue's head is newer than R, and R has waited at least as long as the
-   Anchor bytes of the requests newer than R still queued would take on this link:
-   `now - waiting_since(R) >= newer_anchor_bytes / rate`. So newer Anchors hold a waiting
-   Residual back at most as long as it has already waited (its wait at most doubles for them,
-   where strict priority let a stream of new Anchors starve it), and a newer Anchor is held back
-   only behind Residuals that have waited longer than its own wire time. A request is *newer*
-   than R when its first op was queued after R's Anchor was ended (its FIN queued): the requests
-   a Lynx prefill sends as one group (one forward's) open their Anchors together and end them all
-   before any Residual, and keep that order between them (in the first bench-load run a group
-   mate's Anchor, queued a few ms after R's, waited 2.6 s behind R's Residual and its TTFT grew
-   by 2 s); the Anchors of requests no newer keep their place.
+   late, the Anchor queue's head is newer than R, and R's lateness is at least the wire time of
+   the Anchor bytes of the requests newer than R still queued:
+   `now - late_since(R) >= newer_anchor_bytes / rate`. So newer Anchors make a late Residual at
+   most twice as late (strict priority let a stream of new Anchors starve it), and a newer
+   Anchor is held back only behind Residuals already later than its own wire time. Once R goes
+   first it keeps going first until its Residual is all sent: taking turns with the Anchors
+   (as the rate estimate moves) would make both later than either order does (in the second run
+   the Residual and the Anchor it had overtaken ended together, 1.9 s later). A request is
+   *newer* than R when its first op was queued after R's Anchor was ended (its FIN queued): the
+   requests a Lynx prefill sends as one group (one forward's) open their Anchors together and end
+   them all before any Residual, and keep that order between them (in the first run a group
+   mate's Anchor, queued a few ms after R's, waited 2.6 s behind R's Residual); the Anchors of
+   requests no newer keep their place.
 5. The rate: this link's delivered bytes per second (bytes the peer's TCP acknowledged, over
    windows of at least `RATE_WINDOW_S` in which the sender had bytes queued the whole time),
    a running average (`LinkRate`). Measured per link, not per request: requests share it. Until
-   it is measured, rule 4 never fires (strict order).
+   it is measured nothing is late (strict order).
 
 Not built: a signal from the decode. A decode that parks a request at its speculative cap (or
 decides not to speculate) knows when the Residual becomes urgent, and one decode fed by several
 prefills is the only place that sees their links compete. The design: a small control message
 receiver -> sender, `WAITING(request_id)`, authenticated like every control message and accepted
 only for a request with a live send record on that session, at most once per request (anything
-else is dropped and counted), which sets the request's `waiting_since` to its arrival (earlier
-than rule 2's guess only where the decode did not speculate; later where it did, so newer
+else is dropped and counted), which sets the request's `late_since` to its arrival (earlier
+than rule 2's guess where the decode did not speculate; later where it did, so newer
 Anchors go first while its speculation still has tokens to do); for incast, the decode would
-send `WAITING` for its longest-waiting request to every prefill whose Anchors share its NIC,
+send `WAITING` for its longest-parked request to every prefill whose Anchors share its NIC,
 each prefill then holding its own newer Anchors behind it by rule 4 with the decode's word in
 place of its own age.
 """
@@ -88,14 +93,12 @@ class Room:
     # The Anchor's FIN frame was handed to the kernel once the Anchor socket had sent this many
     # bytes in all: the Anchor is delivered once the peer has acknowledged as many.
     anchor_mark: int | None = None
-    anchor_done_at: float | None = None  # delivered (rule 2): waiting from then
+    anchor_done_at: float | None = None  # delivered (rules 1 and 2)
+    residual_bytes: int = 0  # its Residual's bytes queued so far (rule 2's byte bound)
+    promoted: bool = False  # its Residual went before newer Anchors: it stays first (rule 4)
 
     def has(self, stream: Stream) -> bool:
         return self.queued[stream].ops > 0
-
-    @property
-    def waiting_since(self) -> float | None:
-        return self.anchor_done_at
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class LinkOrder:
             room = self.rooms[request_id] = Room(request_id, now)
         if fin and stream is Stream.ANCHOR and room.anchor_ended_at is None:
             room.anchor_ended_at = now
+        if stream is Stream.RESIDUAL:
+            room.residual_bytes += nbytes
         q = room.queued[stream]
         q.nbytes += nbytes
         q.ops += 1
@@ -208,8 +213,16 @@ class LinkOrder:
         if anchor_head is None:
             return Choice(Stream.RESIDUAL, pick)
         if pick is not None and self.residual_first(now, self.rooms[pick], anchor_head):
+            self.rooms[pick].promoted = True
             return Choice(Stream.RESIDUAL, pick)
         return Choice(Stream.ANCHOR)
+
+    def late_since(self, room: Room) -> float | None:
+        """Rule 2: when the room's Residual became later than its byte bound (None: not known
+        to be late: its Anchor not delivered, or the link's rate not measured)."""
+        if room.anchor_done_at is None or self.rate.bps is None:
+            return None
+        return room.anchor_done_at + room.residual_bytes / self.rate.bps
 
     def residual_next(self) -> int | None:
         """The request whose Residual goes next (rule 3); None: none known (the queue's head)."""
@@ -223,9 +236,11 @@ class LinkOrder:
 
     def residual_first(self, now: float, room: Room, anchor_head: int) -> bool:
         """Rule 4: does `room`'s Residual go before the Anchor queue headed by `anchor_head`?"""
-        since, ended = room.waiting_since, room.anchor_ended_at
+        if room.promoted:
+            return True
+        since, ended = self.late_since(room), room.anchor_ended_at
         head = self.rooms.get(anchor_head)
-        if since is None or ended is None or self.rate.bps is None or head is None:
+        if since is None or ended is None or head is None:
             return False
         if head.first_at <= ended:
             return False  # the head is no newer: strict
@@ -235,6 +250,6 @@ class LinkOrder:
 
 
 def _residual_key(room: Room) -> tuple[int, float]:
-    """Rule 3's order: waiting first, longest waiting first; then oldest."""
-    since = room.waiting_since
-    return (0, since) if since is not None else (1, room.first_at)
+    """Rule 3's order: Anchors delivered first, in that order; then oldest."""
+    done = room.anchor_done_at
+    return (0, done) if done is not None else (1, room.first_at)

@@ -23,7 +23,7 @@ every chunk for it whatever its own setting. FIN frames always carry the CRC32 o
 Priority: strict mode never hands RESIDUAL bytes to the kernel while ANCHOR work is queued; the
 RESIDUAL socket has a small TCP_NOTSENT_LOWAT so that little RESIDUAL data waits unsent inside the
 kernel when ANCHOR work arrives. With `PriorityPolicy.link_order` the session's `LinkOrder`
-(`link_order`) may send a waiting request's RESIDUAL before newer requests' ANCHOR work, and the
+(`link_order`) may send a late request's RESIDUAL before newer requests' ANCHOR work, and the
 ANCHOR socket gets a TCP_NOTSENT_LOWAT too (`LINK_ORDER_ANCHOR_LOWAT`). Sockets are marked with
 IP_TOS / SO_PRIORITY per stream.
 """

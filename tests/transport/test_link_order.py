@@ -28,9 +28,9 @@ def link(bps: float | None = 1e6) -> LinkOrder:
 
 
 def waiting_room(order: LinkOrder, rid: int, at: float, delivered: float,
-                 residual: int = 4 * MiB) -> None:
-    """Request `rid` first queued at `at`, its Anchor delivered at `delivered`, its Residual
-    queued."""
+                 residual: int = 100_000) -> None:
+    """Request `rid` first queued at `at`, its Anchor ended then and delivered at `delivered`,
+    its Residual (`residual` bytes) queued."""
     order.queued(rid, A, 1000, at)
     order.queued(rid, A, 0, at, fin=True)
     order.cut(rid, A, 1000, True)
@@ -49,25 +49,49 @@ def test_anchor_alone_and_residual_alone():
     assert order.choose(0.0, None, True) == Choice(R, 1)
 
 
-def test_a_waiting_residual_goes_before_newer_anchors_once_it_waited_their_wire_time():
+def test_late_only_past_the_byte_bound():
+    """A Residual is late from its Anchor's delivery plus its own wire time (rule 2): a newer
+    Anchor goes first until then, however small."""
     order = link(1e6)  # 1 MB/s
-    waiting_room(order, 1, at=0.0, delivered=1.0)
+    waiting_room(order, 1, at=0.0, delivered=1.0, residual=2_000_000)  # late from 3.0
+    order.queued(2, A, 1, 1.5)
+    assert order.late_since(order.rooms[1]) == pytest.approx(3.0)
+    assert order.choose(2.99, 2, True) == Choice(A)
+    assert order.choose(3.01, 2, True) == Choice(R, 1)
+
+
+def test_a_late_residual_goes_before_newer_anchors_once_later_than_their_wire_time():
+    order = link(1e6)
+    waiting_room(order, 1, at=0.0, delivered=1.0)  # late from 1.1
     order.queued(2, A, 500_000, 1.5)  # newer: 0.5 s of wire
-    # waited 0.2 s < 0.5 s: the newer Anchor first (strict)
-    assert order.choose(1.2, 2, True) == Choice(A)
-    # 0.5 s waited: the Residual goes
-    assert order.choose(1.5, 2, True) == Choice(R, 1)
-    # the newer Anchor half sent: 0.25 s of wire left; waited 0.3 s
+    assert order.choose(1.3, 2, True) == Choice(A)  # 0.2 s late < 0.5 s
+    order.queued(3, A, 500_000, 1.6)  # a third request's Anchor adds to what 1 would wait for
+    assert order.choose(1.6, 2, True) == Choice(A)  # 0.5 s late < 1 s
     order.cut(2, A, 250_000, False)
-    assert order.choose(1.3, 2, True) == Choice(R, 1)
-    # a third request's Anchor adds to what the waiting one would wait for
-    order.queued(3, A, 500_000, 1.6)
-    assert order.choose(1.6, 2, True) == Choice(A)
-    assert order.choose(1.75, 2, True) == Choice(R, 1)
+    order.cut(3, A, 500_000, True)  # 0.25 s of newer Anchors left
+    assert order.choose(1.3, 2, True) == Choice(A)
+    assert order.choose(1.35, 2, True) == Choice(R, 1)
+
+
+def test_a_promoted_residual_stays_first_until_sent():
+    """Once ahead of the newer Anchors a Residual keeps its place (no taking turns as the rate
+    estimate moves, rule 4), until its request leaves with its FIN."""
+    order = link(1e6)
+    waiting_room(order, 1, at=0.0, delivered=1.0)
+    order.queued(2, A, 100_000, 1.5)
+    assert order.choose(1.21, 2, True) == Choice(R, 1)
+    order.rate.bps = 1e3  # the newer Anchor would now take 100 s
+    order.queued(3, A, 10**9, 1.7)
+    assert order.choose(1.22, 2, True) == Choice(R, 1)
+    order.queued(1, R, 0, 1.2, fin=True)
+    order.cut(1, R, 100_000, True)
+    order.cut(1, R, 0, True)
+    order.fin_sent(1, R, 10**6)
+    assert order.choose(1.3, 2, False) == Choice(A)
 
 
 def test_anchor_first_within_a_request():
-    """A request whose Anchor is not delivered yet is not waiting: its Residual stays behind
+    """A request whose Anchor is not delivered yet is not late: its Residual stays behind
     every Anchor, however old it is (rule 1)."""
     order = link(1e9)
     order.queued(1, A, 1000, 0.0)
@@ -82,27 +106,27 @@ def test_anchor_first_within_a_request():
     assert order.choose(100.0, 2, True) == Choice(A)
     order.acked(5000, 100.0)
     assert not order.pending_delivery()
-    assert order.rooms[1].waiting_since == 100.0
+    assert order.rooms[1].anchor_done_at == 100.0
     assert order.choose(100.1, 2, True) == Choice(R, 1)
 
 
 def test_older_anchors_keep_their_place():
-    """An Anchor queue headed by a request no newer than the waiting one stays first; only the
-    newer requests' Anchor bytes count against the waiting one."""
+    """An Anchor queue headed by a request no newer than the late one stays first; only the
+    newer requests' Anchor bytes count against the late one."""
     order = link(1e6)
     order.queued(1, A, 100, 0.0)  # older, a streamed Anchor still coming
-    waiting_room(order, 2, at=0.5, delivered=1.0)
+    waiting_room(order, 2, at=0.5, delivered=1.0)  # late from 1.1
     assert order.choose(50.0, 1, True) == Choice(A)
     order.rooms[1].queued[A].nbytes = 0  # the old one's bytes are sent; its FIN still queued
     order.queued(3, A, 100_000, 2.0)
-    assert order.choose(1.05, 3, True) == Choice(A)  # 0.05 s waited < 0.1 s of newer bytes
-    assert order.choose(1.1, 3, True) == Choice(R, 2)
+    assert order.choose(1.15, 3, True) == Choice(A)  # 0.05 s late < 0.1 s of newer bytes
+    assert order.choose(1.21, 3, True) == Choice(R, 2)
 
 
 def test_group_mates_keep_strict_order():
     """Requests whose Anchors were queued before R's Anchor ended (one forward's group, sent
     layer by layer together) are not newer than R: their Anchors stay ahead of its Residual
-    however long it waits, and do not count against it."""
+    however late it is, and do not count against it."""
     order = link(1e6)
     order.queued(1, A, 1000, 0.0)
     order.queued(2, A, 500_000, 0.01)  # the group mate: queued while 1's Anchor is open
@@ -111,30 +135,31 @@ def test_group_mates_keep_strict_order():
     order.cut(1, A, 0, True)
     order.fin_sent(1, A, 1000)
     order.acked(1000, 1.0)
-    order.queued(1, R, MiB, 0.03)
+    order.queued(1, R, 100_000, 0.03)  # late from 1.1
     assert order.choose(100.0, 2, True) == Choice(A)
     order.queued(3, A, 100_000, 2.0)  # a later forward's: newer; only its 0.1 s counts
     order.rooms[2].queued[A].nbytes = 0
-    assert order.choose(1.05, 2, True) == Choice(A)  # the head is the group mate's FIN
+    assert order.choose(1.15, 2, True) == Choice(A)  # the head is the group mate's FIN
     order.rooms[2].queued[A].ops = 0
-    assert order.choose(1.05, 3, True) == Choice(A)  # 0.05 s waited < 0.1 s
-    assert order.choose(1.1, 3, True) == Choice(R, 1)
+    assert order.choose(1.15, 3, True) == Choice(A)  # 0.05 s late < 0.1 s
+    assert order.choose(1.21, 3, True) == Choice(R, 1)
 
 
 def test_no_rate_no_promotion():
     order = link(None)
     waiting_room(order, 1, at=0.0, delivered=1.0)
     order.queued(2, A, 1, 2.0)
+    assert order.late_since(order.rooms[1]) is None
     assert order.choose(1000.0, 2, True) == Choice(A)
 
 
-def test_residuals_waiting_longest_first_then_oldest():
+def test_residuals_delivered_first_then_oldest():
     order = link()
-    for rid, at in ((1, 0.0), (2, 1.0)):  # not waiting: FIFO by age
+    for rid, at in ((1, 0.0), (2, 1.0)):  # Anchors not delivered: FIFO by age
         order.queued(rid, R, 100, at)
     assert order.residual_next() == 1
     waiting_room(order, 3, at=2.0, delivered=5.0)
-    waiting_room(order, 4, at=3.0, delivered=4.0)  # newer, but waiting longer
+    waiting_room(order, 4, at=3.0, delivered=4.0)  # newer, but its Anchor delivered first
     assert order.residual_next() == 4
     order.drained(4, R)  # its Residual dropped (a NACK): it has none queued
     assert order.residual_next() == 3
@@ -189,10 +214,10 @@ def test_link_order_is_strict_modes():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("link_order", [True, False])
-def test_loopback_waiting_residual_before_newer_anchor(link_order):
-    """Request 1's Anchor is delivered and its Residual has been on the wire ~0.5 s when request
-    2's Anchor (0.2 s of wire) arrives: with link_order the Residual's rest (0.3 s) goes first,
-    without it the Anchor does."""
+def test_loopback_late_residual_before_newer_anchor(link_order):
+    """Request 1's Anchor is delivered; its Residual (0.2 s of wire) is queued 0.6 s later (an
+    encode that took long), just after request 2's Anchor (0.2 s): it is later than its byte
+    bound by more than that Anchor takes, so with link_order it goes first, without it after."""
     rate = 20_000_000  # throttled sender: the link's rate, deterministic on loopback
     rx = Endpoint(name="rx")
     tx = Endpoint(name="tx", policy=PriorityPolicy(chunk_bytes=256 << 10, link_order=link_order),
@@ -200,7 +225,7 @@ def test_loopback_waiting_residual_before_newer_anchor(link_order):
     try:
         s_tx = tx.connect(rx.address, timeout=5)
         s_rx = rx.accept(timeout=5)
-        n_a1, n_r1, n_a2 = MiB, 16 * MiB, 4 * MiB
+        n_a1, n_r1, n_a2 = 6 * MiB, 4 * MiB, 4 * MiB  # 6 MiB: the link's rate is measured
         total = n_a1 + n_r1 + n_a2
         stage = np.zeros(total, np.uint8)
         dst = rx.register(stage)
@@ -210,14 +235,12 @@ def test_loopback_waiting_residual_before_newer_anchor(link_order):
         s_tx.wait_announcement(2, timeout=5)
         s_tx.write_stream(1, A, src, 0, n_a1)
         s_tx.finish(1, A)
-        s_tx.write_stream(1, R, src, n_a1, n_r1)
-        s_tx.finish(1, R)
         assert s_rx.wait(1, A, timeout=10).ok
-        deadline = time.monotonic() + 20
-        while s_rx.recv_state(1, R).nbytes < 10 * MiB and time.monotonic() < deadline:
-            time.sleep(0.005)
+        time.sleep(0.6)
         s_tx.write_stream(2, A, src, n_a1 + n_r1, n_a2)
         s_tx.finish(2, A)
+        s_tx.write_stream(1, R, src, n_a1, n_r1)
+        s_tx.finish(1, R)
         r1 = s_rx.wait(1, R, timeout=30)
         a2 = s_rx.wait(2, A, timeout=30)
         assert r1.ok and a2.ok
