@@ -204,6 +204,8 @@ def test_rate_from_backlogged_windows_only():
     assert rate.bps == pytest.approx(1.3e6)
     rate.observe(12.0, 3_000_000, True)  # a stall is not a rate
     assert rate.bps == pytest.approx(1.3e6)
+    rate.observe(13.0, 3_300_000, True)  # slower: 0.7 of the way to it
+    assert rate.bps == pytest.approx(0.3e6 + 0.3 * 1.0e6)
 
 
 def test_link_order_is_strict_modes():
