@@ -22,9 +22,9 @@ The policy (`choose`), at each chunk (`PriorityPolicy.chunk_bytes`):
    cannot tell a decode that speculates from one that waits. Counted from the Anchor's delivery
    alone (the first version), the second bench-load run sent a room's Residual before the next
    room's Anchor 0.5 s after its Anchor landed, while its decode still had 2.5 s of speculative
-   tokens to do: the next room's Anchor landed 1.1 s later, for nothing. Lynx's decode plans its
-   speculation around the Residual's byte-bound arrival (`decode_policy`), so past it a
-   speculating request is the one whose cap comes first.
+   tokens to do: the next room's Anchor landed 1.1 s later, for nothing. Past its byte bound a
+   Residual is later than the link alone would make it, so it is the one whose decode reaches
+   its speculative cap (or waits, not speculating) soonest for what it is owed.
 3. Residual against Residual: the requests whose Anchors were delivered first, in that order;
    then the rest by age (their first op queued first), which is the FIFO order the queue had.
 4. Residual against Anchor: the Anchors go first (strict), unless the Residual's request R is
@@ -52,8 +52,8 @@ prefills is the only place that sees their links compete. The design: a small co
 receiver -> sender, `WAITING(request_id)`, authenticated like every control message and accepted
 only for a request with a live send record on that session, at most once per request (anything
 else is dropped and counted), which sets the request's `late_since` to its arrival (earlier
-than rule 2's guess where the decode did not speculate; later where it did, so newer
-Anchors go first while its speculation still has tokens to do); for incast, the decode would
+than rule 2's guess where the decode did not speculate; later where its speculation outlasts
+the byte bound, so newer Anchors go first while it still has tokens to do); for incast, the decode would
 send `WAITING` for its longest-parked request to every prefill whose Anchors share its NIC,
 each prefill then holding its own newer Anchors behind it by rule 4 with the decode's word in
 place of its own age.
