@@ -137,6 +137,14 @@ CALLED = (
     "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.get_ib_devices_for_gpu",
     # the prefill's receive loop, each message of which passes the manager's _make_worker_recv
     "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.start_prefill_thread",
+    # what the room's accessors and wrappers reach (upstream.scheduler_api, upstream.kv_transfer)
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue._rebootstrap_prefill_len",
+    "sglang.srt.disaggregation.utils.prepare_abort",
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor._maybe_update_reasoning_tokens",
+    "sglang.srt.disaggregation.common.conn.CommonKVReceiver.disconnect_endpoint",
+    "sglang.srt.disaggregation.common.utils.AuxDataCodec.serialize_data_from_buffer",
+    "sglang.srt.disaggregation.common.utils.AuxDataCodec.deserialize_data_to_buffer",
 )
 
 
