@@ -63,9 +63,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lynx-spec32", "lynx", ("--lynx-target", "exact", "--lynx-spec-max-tokens", "32"),
             "Lynx speculative, exact Residual, at most 32 speculative tokens per request (the "
             "default before 2026-12-07, now 128): on a slow link it stops speculating sooner"),
-    Variant("lynx-strict-link", "lynx", ("--lynx-target", "exact", "--no-lynx-link-order"),
-            "Lynx speculative, exact Residual, every Anchor before every Residual across the "
-            "requests sharing a link (before issue 59's link order, --no-lynx-link-order)"),
+    Variant("lynx-link-order", "lynx", ("--lynx-target", "exact", "--lynx-link-order"),
+            "Lynx speculative, exact Residual, a late Residual before newer requests' Anchors on "
+            "the link they share (issue 59's link order, off by default)"),
     Variant("lynx-nospec", "lynx", ("--lynx-target", "exact", "--no-lynx-speculate"),
             "Lynx non-speculative, exact Residual: decoding waits for the Residual"),
     Variant("lynx-int8", "lynx", ("--lynx-target", "int8"),

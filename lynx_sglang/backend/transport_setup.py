@@ -53,7 +53,7 @@ def open_endpoint(lynx: LynxConfig, host: str, name: str, sglang_ib_devices: str
         logger.info("lynx: tcp transport, data connections %s, link order %s",
                     f"in TLS 1.3 (certificate {tls.cert_file}, CA {tls.ca_file})" if tls
                     else "in clear (no TLS: --lynx-tls-cert/-key/-ca to encrypt them)",
-                    "on" if lynx.link_order else "off (--no-lynx-link-order)")
+                    "on" if lynx.link_order else "off")
     # The order across the requests that share a link (lynx_transport.link_order) is the
     # sender's: the prefill's; the verbs backend keeps plain strict priority.
     endpoint = Endpoint(backend=lynx.transport, host=host, secret=lynx.load_secret(),
