@@ -30,7 +30,9 @@ the backend's chunk granularity; a RESIDUAL chunk already handed over is not rec
 when both are backlogged RESIDUAL gets `residual_share` of the bytes, so it never starves.
 `PriorityPolicy.link_order` (strict mode, tcp backend): across the requests of a session, a
 request whose RESIDUAL is late may go before newer requests' ANCHOR work (`link_order`); the
-verbs backend keeps plain strict order.
+verbs backend keeps plain strict order. A receiver that announced a request with
+`signals_waiting` says when it waits on the RESIDUAL (WAITING): the session hands that to
+`Backend.waiting`, and the tcp backend's link order takes it in place of its own guess.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class WriteOp:
     dst_extent: Extent | None = None
     dst_info: dict = field(default_factory=dict)
     checksum: bool = True
+    signalled: bool = False  # the receiver will say when it waits (Announcement.signals_waiting)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class FinOp:
     stream: Stream
     total: int
     aux: bytes = b""
+    signalled: bool = False  # as WriteOp's
 
 
 class Refused(TransportError):
@@ -259,6 +263,11 @@ class Backend(ABC):
     def withdraw(self, session_id: bytes, request_id: int) -> None:
         """Undo every `expose` of `request_id` on the session (idempotent; also after the session
         closed). Default: nothing to undo."""
+        return None
+
+    def waiting(self, session_id: bytes, request_id: int) -> None:
+        """The session's peer now waits on the request's RESIDUAL (its WAITING, accepted once by
+        the session for a request it sends). Default: nothing (the order stays strict)."""
         return None
 
     @abstractmethod

@@ -3,8 +3,9 @@ under `PriorityPolicy(link_order=True)`, i.e. one per sender -> receiver link (i
 prefill -> decode pair). Pure bookkeeping and decisions: no sockets, no threads, no clock of its
 own (every call is given `now`). The session's sender thread (`tcp_send.SendLoop`) tells it what
 was queued, cut into chunks and acknowledged, and asks it which request's bytes go next; the
-backend (`tcp.TcpBackend`) tells it what was queued and drained. Every caller holds the session's
-lock (`TcpSession.lock`), so it has no lock of its own.
+backend (`tcp.TcpBackend`) tells it what was queued and drained, and which request's receiver
+now waits on its Residual (rule 6). Every caller holds the session's lock (`TcpSession.lock`),
+so it has no lock of its own.
 
 Why: strict priority orders one request's two streams, but across the requests that share a link
 it makes every Anchor beat every Residual. Under load a request that already has its Anchor and
@@ -18,8 +19,9 @@ The policy (`choose`), at each chunk (`PriorityPolicy.chunk_bytes`):
    is delivered (the receiving host's TCP acknowledged the Anchor's FIN frame), so it is never
    sent ahead of its own Anchor.
 2. A Residual is *late* once it is later than it would be with the link to itself: from its
-   Anchor's delivery plus its own bytes' wire time at the link's rate (its byte bound). A sender
-   cannot tell a decode that speculates from one that waits. Counted from the Anchor's delivery
+   Anchor's delivery plus its own bytes' wire time at the link's rate (its byte bound): the
+   fallback where the receiver does not signal (rule 6). A sender alone cannot tell a decode
+   that speculates from one that waits. Counted from the Anchor's delivery
    alone (the first version), the second bench-load run sent a room's Residual before the next
    room's Anchor 0.5 s after its Anchor landed, while its decode still had 2.5 s of speculative
    tokens to do: the next room's Anchor landed 1.1 s later, for nothing. Past its byte bound a
@@ -46,17 +48,27 @@ The policy (`choose`), at each chunk (`PriorityPolicy.chunk_bytes`):
    a running average (`LinkRate`). Measured per link, not per request: requests share it. Until
    it is measured nothing is late (strict order).
 
-Not built: a signal from the decode. A decode that parks a request at its speculative cap (or
-decides not to speculate) knows when the Residual becomes urgent, and one decode fed by several
-prefills is the only place that sees their links compete. The design: a small control message
-receiver -> sender, `WAITING(request_id)`, authenticated like every control message and accepted
-only for a request with a live send record on that session, at most once per request (anything
-else is dropped and counted), which sets the request's `late_since` to its arrival (earlier
-than rule 2's guess where the decode did not speculate; later where its speculation outlasts
-the byte bound, so newer Anchors go first while it still has tokens to do); for incast, the decode would
-send `WAITING` for its longest-parked request to every prefill whose Anchors share its NIC,
-each prefill then holding its own newer Anchors behind it by rule 4 with the decode's word in
-place of its own age.
+The decode's signal (rule 6). A decode that parks a request at its speculative cap, or decided
+not to speculate, knows when the Residual becomes urgent; the sender alone can only guess (rule
+2), and its guess was wrong both ways (above). So the receiver may announce a request with
+`signals_waiting` and then send WAITING(request_id) when its tokens wait on the Residual
+(`Session.mark_waiting`; a control message, authenticated like every other, its frame checked by
+size and field before it touches anything, taken by the sender's session only for a request it
+is sending with the Residual pending and announced so, at most once, anything else dropped and
+counted `waiting_dropped_*`; `TcpBackend.waiting` hands it here):
+
+6. A request announced with `signals_waiting` (`Room.signalled`) is late from the arrival of
+   its WAITING (`waiting`), never by rule 2's guess: not before it (newer Anchors go first while
+   its decode still has speculative tokens to do), and as soon as it comes (no byte bound to
+   wait out where its decode does not speculate). Rule 4 then weighs that lateness as before;
+   until the link's rate is measured, a waiting Residual goes before newer Anchors only when
+   none of their bytes are queued. Among Residuals the waiting ones go first, in the order their
+   WAITINGs came (rule 3 for the rest). A request announced without it (an older decode, a
+   windowed room) keeps rule 2's guess.
+
+Not built: incast. One decode fed by several prefills is the only place that sees their links
+compete; it would send WAITING for its longest-parked request to every prefill whose Anchors
+share its NIC, each prefill then holding its own newer Anchors behind it by rule 4.
 """
 
 from __future__ import annotations
@@ -100,6 +112,8 @@ class Room:
     anchor_done_at: float | None = None  # delivered (rules 1 and 2)
     residual_bytes: int = 0  # its Residual's bytes queued so far (rule 2's byte bound)
     promoted: bool = False  # its Residual went before newer Anchors: it stays first (rule 4)
+    signalled: bool = False  # its receiver says when it waits (rule 6): no guess
+    waiting_at: float | None = None  # its receiver's WAITING arrived (rule 6)
 
     def has(self, stream: Stream) -> bool:
         return self.queued[stream].ops > 0
@@ -152,11 +166,12 @@ class LinkOrder:
 
     # ------------------------------------------------------------------ what happened
     def queued(self, request_id: int, stream: Stream, nbytes: int, now: float,
-               fin: bool = False) -> None:
-        """An op was queued on `stream`: a write of `nbytes`, or (`fin`) the stream's FIN."""
+               fin: bool = False, signalled: bool = False) -> None:
+        """An op was queued on `stream`: a write of `nbytes`, or (`fin`) the stream's FIN;
+        `signalled`: the request was announced with `signals_waiting` (rule 6)."""
         room = self.rooms.get(request_id)
         if room is None:
-            room = self.rooms[request_id] = Room(request_id, now)
+            room = self.rooms[request_id] = Room(request_id, now, signalled=signalled)
         if fin and stream is Stream.ANCHOR and room.anchor_ended_at is None:
             room.anchor_ended_at = now
         if stream is Stream.RESIDUAL:
@@ -196,6 +211,16 @@ class LinkOrder:
                     and anchor_acked >= room.anchor_mark):
                 room.anchor_done_at = now
 
+    def waiting(self, request_id: int, now: float) -> bool:
+        """The request's receiver waits on its Residual from `now` (rule 6: its WAITING, which
+        the session took once). False where it changes nothing: no Residual of the request is
+        left here (all of it handed to the kernel), or it was told already."""
+        room = self.rooms.get(request_id)
+        if room is None or room.waiting_at is not None:
+            return False
+        room.waiting_at = now
+        return True
+
     def pending_delivery(self) -> bool:
         """Some Anchor was handed over whole but is not known delivered yet."""
         return any(r.anchor_mark is not None and r.anchor_done_at is None
@@ -226,9 +251,13 @@ class LinkOrder:
         return Choice(Stream.ANCHOR)
 
     def late_since(self, room: Room) -> float | None:
-        """Rule 2: when the room's Residual became later than its byte bound (None: not known
-        to be late: its Anchor not delivered, or the link's rate not measured)."""
-        if room.anchor_done_at is None or self.rate.bps is None:
+        """When the room's Residual became late: its WAITING's arrival (rule 6), else rule 2's
+        guess, when it became later than its byte bound (None: not known to be late: not
+        waiting where its receiver signals, its Anchor not delivered, or the link's rate not
+        measured)."""
+        if room.waiting_at is not None:
+            return room.waiting_at
+        if room.signalled or room.anchor_done_at is None or self.rate.bps is None:
             return None
         return room.anchor_done_at + room.residual_bytes / self.rate.bps
 
@@ -254,10 +283,15 @@ class LinkOrder:
             return False  # the head is no newer: strict
         newer = sum(r.queued[Stream.ANCHOR].nbytes for r in self.rooms.values()
                     if r.first_at > ended)
+        if self.rate.bps is None:  # only a WAITING makes a room late before the rate is known
+            return newer == 0
         return now - since >= newer / self.rate.bps
 
 
 def _residual_key(room: Room) -> tuple[int, float]:
-    """Rule 3's order: Anchors delivered first, in that order; then oldest."""
+    """Rule 3's order, with rule 6's first: waiting (by their WAITING); Anchors delivered, in
+    that order; then oldest."""
+    if room.waiting_at is not None:
+        return (0, room.waiting_at)
     done = room.anchor_done_at
-    return (0, done) if done is not None else (1, room.first_at)
+    return (1, done) if done is not None else (2, room.first_at)

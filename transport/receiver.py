@@ -3,11 +3,12 @@
 `ReceiverRole` owns the announcements this side made (`RxRequest`, one `RxStream` per announced
 stream) and the backend's exposure of their extents (`Backend.expose` at announce, `withdraw` at
 release), decides whether an incoming chunk may land (`open_incoming`, called by the backend hooks),
-counts landed bytes, applies the sender's FIN and answers with ACK / NACK. `IncomingChunk` is the
-`backend.IncomingWrite` a backend lands one chunk through. Mixed into `session.Session`; the
-records are changed only here, under the session lock, except an `RxStream`'s landing state, which
-its own `lock` guards (a backend holds it while bytes land, so release and failure wait for the
-chunk in progress).
+counts landed bytes, applies the sender's FIN and answers with ACK / NACK, and tells the sender
+when this side waits on a request's RESIDUAL (`mark_waiting`: WAITING, once per request).
+`IncomingChunk` is the `backend.IncomingWrite` a backend lands one chunk through. Mixed into
+`session.Session`; the records are changed only here, under the session lock, except an
+`RxStream`'s landing state, which its own `lock` guards (a backend holds it while bytes land, so
+release and failure wait for the chunk in progress).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .types import (
     StreamStateError,
     UnknownRequestError,
 )
-from .wire import Ack, Announce, Nack, Release, Released
+from .wire import Ack, Announce, Nack, Release, Released, Waiting
 
 
 @dataclass
@@ -107,6 +108,7 @@ class RxRequest:
     streams: dict[Stream, RxStream]
     # Seconds a started transfer may go without a byte landing (None: no limit).
     stall_s: float | None = None
+    waiting_sent: bool = False  # `mark_waiting` sent its WAITING
 
     def state(self, stream: Stream) -> StreamState:
         rs = self.streams[stream]
@@ -170,6 +172,7 @@ class ReceiverRole(SessionBase):
         deadline_s: float | None = None,
         stall_deadline_s: float | None = None,
         meta: bytes = b"",
+        signals_waiting: bool = False,
     ) -> None:
         """Allow the peer to write request `request_id`'s streams into the given extents.
 
@@ -180,7 +183,9 @@ class ReceiverRole(SessionBase):
         has (a peer may take long to start, e.g. behind a queue, and may take long in all, e.g.
         sending layers as its forward computes them, but must not stall); on a backend that does
         not see bytes land (verbs) a stream's FIN is its landing. `meta`: small opaque
-        bytes delivered to the sender with the announcement.
+        bytes delivered to the sender with the announcement. `signals_waiting`: this side will
+        call `mark_waiting` when it waits on the RESIDUAL, so the sender's link order
+        (`PriorityPolicy.link_order`) waits for that word instead of guessing when it does.
         """
         self.check_open()
         _check_request_id(request_id)
@@ -214,7 +219,8 @@ class ReceiverRole(SessionBase):
                 raise
             t = now()
             deadline = t + deadline_s if deadline_s is not None else None
-            ann = Announcement(request_id, norm, deadline, bytes(meta), targets)
+            ann = Announcement(request_id, norm, deadline, bytes(meta), targets,
+                               signals_waiting)
             streams = {s: RxStream(expected=ann.stream_nbytes(s)) for s in norm}
             self._rx[request_id] = RxRequest(ann, t, deadline, streams, stall_deadline_s)
             self._host.region_refs(regions.keys(), +1)
@@ -234,6 +240,22 @@ class ReceiverRole(SessionBase):
         """Block until (request, stream) is terminal on the receiver side or `timeout` passes;
         returns the snapshot either way (check `.done`)."""
         return self._wait_done(lambda: self.recv_state(request_id, stream), timeout)
+
+    def mark_waiting(self, request_id: int) -> bool:
+        """This side now waits on request `request_id`'s RESIDUAL (in Lynx: the decode's tokens
+        do): tell the sender (WAITING), whose link order may then send that RESIDUAL before newer
+        requests' ANCHORs. Sent once per request, and only while the request is announced here
+        with `signals_waiting` and its RESIDUAL is pending; returns whether it was sent.
+        Non-blocking, never raises for a request's state (a closed session: False)."""
+        with self._lock:
+            rq = self._rx.get(request_id)
+            rs = None if rq is None else rq.streams.get(Stream.RESIDUAL)
+            if (self.closed or rs is None or rq.waiting_sent or not rq.ann.signals_waiting
+                    or rs.status is not Status.PENDING):
+                return False
+            rq.waiting_sent = True
+        self._send(Waiting(request_id))
+        return True
 
     def pending_requests(self) -> list[int]:
         """Request ids announced here and not yet released."""

@@ -5,13 +5,16 @@
 ones), checks every write against them before handing it to the backend, and tracks each
 (request, stream) it sends (`TxRequest`, one `TxStream` per stream) until the receiver's ACK /
 NACK. It also answers a receiver's fenced RELEASE once the request is drained (one-sided
-backends). Mixed into `session.Session`; the records are changed only here, under the session
-lock.
+backends), and takes the receiver's WAITING (`_on_waiting`): peer input, so only for a request
+it is sending whose RESIDUAL is still pending, announced with `signals_waiting`, once; anything
+else is counted (`waiting_dropped_*`) and dropped. Mixed into `session.Session`; the records are
+changed only here, under the session lock.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +35,9 @@ from .types import (
     StreamStateError,
     UnknownRequestError,
 )
-from .wire import Abort, Ack, Announce, Nack, Release, Released
+from .wire import Abort, Ack, Announce, Nack, Release, Released, Waiting
+
+log = logging.getLogger("lynx_transport")
 
 
 @dataclass
@@ -73,6 +78,7 @@ class TxRequest:
     streams: dict[Stream, TxStream] = field(default_factory=lambda: {s: TxStream() for s in STREAMS})
     deadline: float | None = None
     regions: set[int] = field(default_factory=set)  # local source regions it holds a reference on
+    waiting: bool = False  # the receiver's WAITING was taken (at most once)
 
     def state(self, request_id: int, stream: Stream) -> StreamState:
         ts = self.streams[stream]
@@ -192,7 +198,8 @@ class SenderRole(SessionBase):
                 host.region_refs([region.id], +1)
             op = WriteOp(self.id, request_id, stream, region, src_offset, length, dst_region_id,
                          dst_offset, *(target or (None, {})),
-                         checksum=host.checksum if checksum is None else checksum)
+                         checksum=host.checksum if checksum is None else checksum,
+                         signalled=ann.signals_waiting)
             if length:
                 host.backend.post_write(op)
 
@@ -238,7 +245,8 @@ class SenderRole(SessionBase):
                 ts.t_start = now()
             if rq.deadline is None and self._host.default_deadline_s is not None:
                 rq.deadline = now() + self._host.default_deadline_s
-            self._host.backend.post_fin(FinOp(self.id, request_id, stream, ts.total, aux))
+            self._host.backend.post_fin(FinOp(self.id, request_id, stream, ts.total, aux,
+                                              signalled=ann.signals_waiting))
 
     def send_state(self, request_id: int, stream: Stream) -> StreamState:
         """Sender-side snapshot: COMPLETE once the receiver acknowledged every byte."""
@@ -338,6 +346,32 @@ class SenderRole(SessionBase):
                 if ts.status is Status.PENDING:
                     ts.complete()
             self._cond.notify_all()
+
+    def _on_waiting(self, m: Waiting) -> None:
+        """The receiver waits on the request's RESIDUAL: tell the backend (its link order), once.
+        Untrusted: a request this side is not sending (never, released, or its RESIDUAL no
+        longer pending), one announced without `signals_waiting`, or a repeat is dropped."""
+        req = m.request_id
+        with self._lock:
+            rq, ann = self._tx.get(req), self._peer_ann.get(req)
+            if rq is None or ann is None or req in self._peer_released:
+                why = "unknown"
+            elif rq.streams[Stream.RESIDUAL].status is not Status.PENDING:
+                why = "finished"
+            elif not ann.signals_waiting:
+                why = "unannounced"
+            elif rq.waiting:
+                why = "duplicate"
+            else:
+                why = None
+                rq.waiting = True
+        if why is not None:
+            self._host.count(f"waiting_dropped_{why}")
+            log.debug("session %s: WAITING for request %s dropped (%s)", self.id.hex()[:8], req,
+                      why)
+            return
+        self._host.count("waiting_taken")
+        self._host.backend.waiting(self.id, req)
 
     def _on_nack(self, m: Nack) -> None:
         if self._tx_fail(m.request_id, m.stream, m.reason, "receiver: " + m.detail):

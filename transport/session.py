@@ -37,6 +37,7 @@ from .wire import (
     Ready,
     Release,
     Released,
+    Waiting,
     Welcome,
 )
 
@@ -46,7 +47,7 @@ log = logging.getLogger("lynx_transport")
 class Session(ReceiverRole, SenderRole):
     """A connection to one peer Endpoint. Either side may announce (receive) and write (send).
 
-    Receiver-side methods: `announce`, `recv_state`, `wait`, `release`.
+    Receiver-side methods: `announce`, `recv_state`, `wait`, `mark_waiting`, `release`.
     Sender-side methods: `announcement`, `wait_announcement`, `write`, `write_stream`, `finish`,
     `send_state`, `wait_sent`, `abort`, `release`.
     All are thread-safe and non-blocking except the `wait*` methods and `release` (bounded).
@@ -66,6 +67,7 @@ class Session(ReceiverRole, SenderRole):
             Ack: self._on_ack,
             Nack: self._on_nack,
             Abort: self._on_abort,
+            Waiting: self._on_waiting,
         }
 
     def __repr__(self) -> str:

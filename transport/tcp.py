@@ -24,7 +24,8 @@ Priority: strict mode never hands RESIDUAL bytes to the kernel while ANCHOR work
 RESIDUAL socket has a small TCP_NOTSENT_LOWAT so that little RESIDUAL data waits unsent inside the
 kernel when ANCHOR work arrives. With `PriorityPolicy.link_order` the session's `LinkOrder`
 (`link_order`) may send a late request's RESIDUAL before newer requests' ANCHOR work, and the
-ANCHOR socket gets a TCP_NOTSENT_LOWAT too (`LINK_ORDER_ANCHOR_LOWAT`). Sockets are marked with
+ANCHOR socket gets a TCP_NOTSENT_LOWAT too (`LINK_ORDER_ANCHOR_LOWAT`); the receiver's WAITING
+reaches that order through `waiting`. Sockets are marked with
 IP_TOS / SO_PRIORITY per stream.
 """
 
@@ -296,9 +297,19 @@ class TcpBackend(Backend):
             if ts.order is not None:
                 write = isinstance(op, WriteOp)
                 ts.order.queued(op.request_id, stream, op.length if write else 0,
-                                time.monotonic(), fin=not write)
+                                time.monotonic(), fin=not write, signalled=op.signalled)
         with contextlib.suppress(OSError):
             ts.wake_w.send(b"x")
+
+    def waiting(self, session_id: bytes, request_id: int) -> None:
+        ts = self._sessions.get(session_id)
+        if ts is None or ts.order is None:
+            return
+        with ts.lock:
+            changed = ts.order.waiting(request_id, time.monotonic())
+        if changed:
+            with contextlib.suppress(OSError):
+                ts.wake_w.send(b"x")  # the sender chooses again now, not after its current wait
 
     def drain(self, session_id: bytes, request_id: int, timeout: float,
               stream: Stream | None = None) -> bool:

@@ -109,6 +109,8 @@ class Announcement:
     deadline: float | None = None  # receiver's monotonic deadline (informative on the sender)
     meta: bytes = b""  # small opaque bytes from the receiver (e.g. SGLang's metadata slot id)
     targets: dict[Stream, tuple[dict, ...]] = field(default_factory=dict)
+    # The receiver will say when it waits on the RESIDUAL (WAITING, `Session.mark_waiting`).
+    signals_waiting: bool = False
 
     def stream_nbytes(self, stream: Stream) -> int:
         return sum(e.length for e in self.bounds.get(Stream(stream), ()))

@@ -32,6 +32,10 @@ MAX_KIND_BYTES = 16
 MAX_TEXT = 512  # reasons, details, names and addresses a peer sends
 MAX_INFO_ITEMS = 32  # entries of a backend's info / prepare dict
 MAX_DEADLINE_S = 7 * 24 * 3600.0
+# The header frame of a WAITING at most: the session id and one request id are ~70 B of JSON.
+# Checked before the JSON is parsed: a message that may come once per request is never worth
+# the 256 KiB any header may be.
+MAX_WAITING_HEADER_BYTES = 128
 UNAUTHENTICATED = frozenset({"HELLO", "CHALLENGE", "REJECT"})
 _KIND_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ_")
 _HEX = re.compile("[0-9a-f]*")  # what bytes.hex() writes
@@ -78,6 +82,9 @@ def decode(frames: list[bytes]) -> Envelope:
         raise WireError("bad kind frame")
     if len(header_b) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(header_b)} B > {MAX_HEADER_BYTES}")
+    if kind_b == Waiting.KIND.encode() and (len(header_b) > MAX_WAITING_HEADER_BYTES or payload):
+        raise WireError(f"WAITING of {len(header_b)} B header, {len(payload)} B payload (at most "
+                        f"{MAX_WAITING_HEADER_BYTES} B, none)")
     if len(payload) > MAX_AUX_BYTES:
         raise WireError(f"payload of {len(payload)} B > {MAX_AUX_BYTES}")
     auth = frames[3] if len(frames) == 4 else None
@@ -321,7 +328,9 @@ class Bye(Message):
 @dataclass(frozen=True)
 class Announce(Message):
     """Receiver → sender: the bounds of one request (`Session.announce`); payload: its meta.
-    The deadline travels relative (`deadline_in`): monotonic clocks of two hosts differ."""
+    The deadline travels relative (`deadline_in`): monotonic clocks of two hosts differ. `waits`:
+    the receiver will send WAITING when it waits on the request (a peer that predates it ignores
+    the field, and one that never sends it leaves it out)."""
 
     KIND: ClassVar[str] = "ANNOUNCE"
     request_id: int
@@ -329,13 +338,14 @@ class Announce(Message):
     targets: dict[Stream, tuple[dict, ...]]
     deadline_in: float | None = None
     meta: bytes = b""
+    waits: bool = False
 
     @property
     def payload(self) -> bytes:
         return self.meta
 
     def header(self) -> dict:
-        return {"req": self.request_id, "deadline_in": self.deadline_in,
+        return {"req": self.request_id, "deadline_in": self.deadline_in, "waits": self.waits,
                 "bounds": {str(int(s)): [[e.region_id, e.offset, e.length, info]
                                          for e, info in zip(exts, self.targets[s], strict=True)]
                            for s, exts in self.bounds.items()}}
@@ -365,16 +375,18 @@ class Announce(Message):
         din = h.get("deadline_in")
         if din is not None and (type(din) not in (int, float) or not 0 <= din <= MAX_DEADLINE_S):
             raise WireError(f"deadline_in: expected seconds in [0, {MAX_DEADLINE_S:.0f}]")
-        return cls(_uint(h, "req"), bounds, targets, din, payload)
+        return cls(_uint(h, "req"), bounds, targets, din, payload, _bool(h, "waits"))
 
     @classmethod
     def of(cls, ann: Announcement, deadline_s: float | None) -> Announce:
-        return cls(ann.request_id, ann.bounds, ann.targets, deadline_s, ann.meta)
+        return cls(ann.request_id, ann.bounds, ann.targets, deadline_s, ann.meta,
+                   ann.signals_waiting)
 
     def announcement(self) -> Announcement:
         """The sender's record of it (deadline made absolute on this host's clock)."""
         deadline = None if self.deadline_in is None else time.monotonic() + self.deadline_in
-        return Announcement(self.request_id, self.bounds, deadline, self.meta, self.targets)
+        return Announcement(self.request_id, self.bounds, deadline, self.meta, self.targets,
+                            self.waits)
 
 
 @dataclass(frozen=True)
@@ -467,9 +479,28 @@ class Abort(Message):
                    _reason(h, FailureReason.ABORTED), _text(h, "detail", ""))
 
 
+@dataclass(frozen=True)
+class Waiting(Message):
+    """Receiver → sender: the receiver now waits on the request's RESIDUAL (`Session.mark_waiting`;
+    in Lynx the decode's tokens do). Once per request, only for one announced with `waits`. Its
+    frame is checked by size in `decode` and to the field here: a request id and nothing else."""
+
+    KIND: ClassVar[str] = "WAITING"
+    request_id: int
+
+    def header(self) -> dict:
+        return {"req": self.request_id}
+
+    @classmethod
+    def parse(cls, h: dict, payload: bytes) -> Waiting:
+        if set(h) != {"sid", "req"}:
+            raise WireError("WAITING: expected the fields sid and req only")
+        return cls(_uint(h, "req"))
+
+
 MESSAGES: dict[str, type[Message]] = {m.KIND: m for m in (
     Hello, Challenge, Reject, Auth, Welcome, Ready, Heartbeat, Bye, Announce, Release, Released,
-    Ack, Nack, Abort)}
+    Ack, Nack, Abort, Waiting)}
 assert set(MESSAGES) >= UNAUTHENTICATED
 
 

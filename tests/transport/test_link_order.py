@@ -28,10 +28,10 @@ def link(bps: float | None = 1e6) -> LinkOrder:
 
 
 def waiting_room(order: LinkOrder, rid: int, at: float, delivered: float,
-                 residual: int = 100_000) -> None:
+                 residual: int = 100_000, signalled: bool = False) -> None:
     """Request `rid` first queued at `at`, its Anchor ended then and delivered at `delivered`,
-    its Residual (`residual` bytes) queued."""
-    order.queued(rid, A, 1000, at)
+    its Residual (`residual` bytes) queued; `signalled`: announced with `signals_waiting`."""
+    order.queued(rid, A, 1000, at, signalled=signalled)
     order.queued(rid, A, 0, at, fin=True)
     order.cut(rid, A, 1000, True)
     order.cut(rid, A, 0, True)
@@ -151,6 +151,50 @@ def test_no_rate_no_promotion():
     order.queued(2, A, 1, 2.0)
     assert order.late_since(order.rooms[1]) is None
     assert order.choose(1000.0, 2, True) == Choice(A)
+
+
+def test_signalled_room_is_late_from_its_waiting_not_by_the_guess():
+    """Rule 6: a request whose receiver signals is not late past its byte bound (its decode
+    may still be speculating), and is late from its WAITING's arrival, before the byte bound
+    where its decode does not speculate; rule 4 then weighs that lateness as before."""
+    order = link(1e6)
+    waiting_room(order, 1, at=0.0, delivered=1.0, residual=2_000_000, signalled=True)
+    order.queued(2, A, 100_000, 1.5)  # newer: 0.1 s of wire
+    assert order.late_since(order.rooms[1]) is None  # the guess would say 3.0
+    assert order.choose(100.0, 2, True) == Choice(A)
+    assert order.waiting(1, 1.2)  # before the byte bound's 3.0
+    assert not order.waiting(1, 50.0)  # told once: the first word stands
+    assert not order.waiting(9, 1.2)  # nothing of it here
+    assert order.late_since(order.rooms[1]) == 1.2
+    assert order.choose(1.29, 2, True) == Choice(A)  # 0.09 s late < 0.1 s of newer bytes
+    assert order.choose(1.31, 2, True) == Choice(R, 1)
+
+
+def test_waiting_decides_only_where_it_came():
+    """Without a WAITING the unsignalled room keeps rule 2's guess, and a signalled one beside
+    it waits for its word; the WAITING takes a Residual ahead of other Residuals too."""
+    order = link(1e6)
+    waiting_room(order, 1, at=0.0, delivered=1.0)  # no signal: late from 1.1 (the guess)
+    waiting_room(order, 2, at=0.5, delivered=2.0, signalled=True)
+    order.queued(3, A, 100_000, 3.0)
+    assert order.late_since(order.rooms[1]) == pytest.approx(1.1)
+    assert order.late_since(order.rooms[2]) is None
+    assert order.residual_next() == 1  # delivered first
+    order.waiting(2, 2.5)
+    assert order.residual_next() == 2  # its decode waits: before one whose decode may not
+    assert order.choose(2.61, 3, True) == Choice(R, 2)
+
+
+def test_waiting_before_the_rate_is_known():
+    """Until the rate is measured a WAITING takes its Residual ahead of newer Anchors only
+    when none of their bytes are queued (their wire time cannot be weighed yet)."""
+    order = link(None)
+    waiting_room(order, 1, at=0.0, delivered=1.0, signalled=True)
+    order.queued(2, A, 100, 2.0)
+    order.waiting(1, 2.0)
+    assert order.choose(100.0, 2, True) == Choice(A)
+    order.cut(2, A, 100, False)  # its bytes sent, its FIN still queued
+    assert order.choose(100.0, 2, True) == Choice(R, 1)
 
 
 def test_residuals_delivered_first_then_oldest():
