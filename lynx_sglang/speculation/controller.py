@@ -13,7 +13,8 @@ commits the request and decodes it like any other, reading Anchor-precision prom
 - A request is parked (taken out of the running batch, its KV kept) when it must not or need not
   speculate further: not speculable (a custom logit processor, ...: it waits
   for the Residual with no speculative token at all), a held-back finish, the token cap, or the
-  deadline.
+  deadline. Parking tells the applier (`Transfers.waiting`), which tells the prefill that the
+  request now waits on its Residual.
 - When the applier says the Residual is applied, one forward verifies every speculative position
   (`speculation.verify`), the output logprobs of a request that asked for them become the exact
   ones (`upstream.logprob_layout`), a grammar's matcher is rolled back to the verified output
@@ -73,6 +74,8 @@ class Transfers(Protocol):
     def cancel(self, room: int) -> bool: ...
 
     def note_verification(self, seconds: float) -> None: ...
+
+    def waiting(self, room: int) -> None: ...
 
 
 # Why a request whose Residual is applied waits one more step (`SpecController.step`).
@@ -254,6 +257,9 @@ class SpecController:
         st.parked_reason = reason
         st.t_parked = time.monotonic()
         self.parked.append(req)
+        # Its tokens wait on the Residual from now: the prefill's link order may send it before
+        # newer requests' Anchors (lynx_transport.link_order, rule 6; nothing if already in).
+        self.transfers.waiting(st.room)
         logger.info("lynx spec: %s %s %s", req.rid, SPEC_PARKED_LOG, reason)
 
     def _detach(self, req) -> SpecState:

@@ -53,9 +53,13 @@ class _Scheduler:
 class _Transfers:
     def __init__(self, state: ResidualState):
         self.state = state
+        self.waited: list[int] = []  # rooms the controller said wait on their Residual
 
     def residual_outcome(self, room: int) -> ResidualOutcome:
         return ResidualOutcome(self.state)
+
+    def waiting(self, room: int) -> None:
+        self.waited.append(room)
 
 
 def _setup(state: ResidualState, n_output: int, sampled: bool = False, **settings):
@@ -89,11 +93,13 @@ def test_the_cap_counts_the_token_in_flight():
     ctl.step(sched)
     assert ctl.parked == [req] and verified == []
     assert req.lynx_spec.parked_reason == f"speculative token cap ({CAP}) reached"
+    assert ctl.transfers.waited == [7]  # the prefill is told the request waits now
     # Without a step in flight, the same request may take one more.
     req, sched, ctl, verified = _setup(ResidualState.PENDING, CAP)
     sched.result_queue.clear()
     ctl.step(sched)
     assert ctl.parked == [] and sched.running_batch.reqs == [req]
+    assert ctl.transfers.waited == []
 
 
 def test_a_sampled_request_parks_at_the_sampled_cap():

@@ -193,7 +193,9 @@ class StagingAdmission:
         if s is None or s.closed:
             return False
         if room.segments is None:
-            self._announce(s, room.room, room.plan, room.staging.offset)
+            # The applier and the speculation controller say when the room waits on its
+            # Residual (`Session.mark_waiting`); a windowed room's segments do not.
+            self._announce(s, room.room, room.plan, room.staging.offset, signals_waiting=True)
         else:
             for _ in range(min(room.windows.count, room.segments.count)):
                 self.announce_segment(s, room)
@@ -211,15 +213,16 @@ class StagingAdmission:
         room.progress.segment_announced()
 
     def _announce(self, s: Session, request_id: int, plan: StreamPlan, at: int,
-                  meta: bytes = b"") -> None:
+                  meta: bytes = b"", signals_waiting: bool = False) -> None:
         """Both streams' extents of `plan` (any width the prefill may pick fits), back to back
-        from staging offset `at`."""
+        from staging offset `at`; `signals_waiting`: this side tells the prefill when it waits
+        on the Residual."""
         rid = self.staging_region.id
         s.announce(request_id, {
             Stream.ANCHOR: [(rid, at, plan.anchor_extent)],
             Stream.RESIDUAL: [(rid, at + plan.anchor_extent, plan.residual_extent)]},
             deadline_s=self.waiting_s, stall_deadline_s=self.config.transfer_timeout_s,
-            meta=meta)
+            meta=meta, signals_waiting=signals_waiting)
 
     def release_request(self, room: DecodeRoom, request_id: int) -> None:
         """Withdraw one of the room's announcements (the room's, or one segment's): no byte of it

@@ -13,7 +13,9 @@ them:
   applier thread (`run`) applies what has landed, and decides at Anchor time whether speculating
   pays (`backend.decode.policy`). Speculative: Success is reported then, SGLang decodes on the
   Anchor, and the room stays here until the speculation controller has read its Residual outcome
-  (`residual_outcome`, `forget`);
+  (`residual_outcome`, `forget`; it says when it parks the request, `waiting`). A room waits on
+  its Residual once it decided not to speculate, or once the controller parked it: then its
+  prefill is told (`Session.mark_waiting`, for its link order);
 - `StatusReporter` (`backend.decode.report`): every status that reaches SGLang.
 
 Given by `backend.manager.LynxKVManager`: the pool view, the staging pool and its region, the
@@ -236,6 +238,15 @@ class DecodeApplier:
     def note_verification(self, seconds: float) -> None:
         """The speculation controller's measured cost of one verification."""
         self.estimates.note_verification(seconds)
+
+    def waiting(self, room_id: int) -> None:
+        """The controller parked the room's request: its tokens wait on the Residual now. Tell
+        its prefill (the transport's WAITING, once; nothing once the Residual is in)."""
+        with self.rooms.lock:
+            room = self.rooms.get(room_id)
+            session = room.session if room is not None and room.reported_at_anchor else None
+        if session is not None:  # outside the table's lock: the session takes its own
+            session.mark_waiting(room_id)
 
     def _end(self, room: DecodeRoom) -> None:
         """With the table's lock held: stop the room's transfer where it is and give back its

@@ -208,6 +208,10 @@ class StreamApplier:
             room.anchor_complete(st.t_done)
         if decision.speculating:
             self.deps.reporter.success_at_anchor(room)
+        else:
+            # SGLang waits for the Residual from now: the prefill's link order may send it
+            # before newer requests' Anchors (lynx_transport.link_order, rule 6).
+            room.session.mark_waiting(room.room)
 
 
 def part_pool(pool: KVPoolView, room: DecodeRoom) -> KVPoolView:
