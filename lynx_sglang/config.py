@@ -128,12 +128,15 @@ class LynxConfig:
              "0 = stream every request (CUDA pools always do: their forward is not timed yet)")
     link_order: bool = _opt(
         False, "prefill, tcp transport: order the requests that share the link to one decode: a "
-               "request whose Residual is later than its byte bound (its Anchor's delivery plus "
-               "its own wire time) by more than the newer requests' queued Anchors would take on "
-               "the link (at its measured rate) goes before them, instead of every Anchor before "
-               "every Residual (lynx_transport.link_order). Off by default: at R = 1 under load "
-               "it cost the next request's Anchor up to 1.2 s (P99 TTFT 0.63x mooncake's against "
-               "0.53x) for a time per output token within noise")
+               "request whose decode waits on its Residual (its WAITING: the decode parked it at "
+               "its speculative cap, or did not speculate) goes before the newer requests' "
+               "queued Anchors once it has waited as long as they would take on the link (at its "
+               "measured rate), instead of every Anchor before every Residual "
+               "(lynx_transport.link_order). A decode that predates the signal: the prefill "
+               "guesses the wait from the Residual's byte bound (its Anchor's delivery plus its "
+               "own wire time). Off by default: with the guess alone, at R = 1 under load it "
+               "cost the next request's Anchor up to 1.2 s (P99 TTFT 0.63x mooncake's against "
+               "0.53x) for a time per output token within noise; the signal is not measured yet")
     anchor_width: str = _opt(
         "fixed", "Anchor width per request: 'fixed' = --lynx-anchor-bits for every request; "
                  "'adaptive' = the prefill picks --lynx-anchor-bits or one bit fewer per request, "
