@@ -7,22 +7,11 @@ Pure (no servers). Called by `tools.load.bench`, which runs the passes.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from ..percentiles import percentile
 from ..ttft.results import BenchError
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by linear interpolation between closest ranks (numpy's
-    default, as sglang.bench_serving reports its own); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)

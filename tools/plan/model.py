@@ -649,14 +649,6 @@ def simulate_dedicated(dep: Deployment, variant: Variant, arrivals: list[Arrival
 # --- predictions -------------------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default; sglang.bench_serving's)."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 @dataclass(frozen=True)
 class Slo:
     ttft_s: float

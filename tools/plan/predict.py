@@ -14,6 +14,7 @@ import random
 import statistics
 from dataclasses import replace
 
+from ..percentiles import percentile
 from .model import (
     PLAN_VARIANTS,
     Arrival,
@@ -27,7 +28,6 @@ from .model import (
     _moments,
     link_unstable_reason,
     one_request_ttft,
-    percentile,
     pk_wait,
     poisson_arrivals,
     simulate_dedicated,

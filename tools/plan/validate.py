@@ -26,6 +26,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..percentiles import percentile
 from .box import ALIASES, CPU_CALIBRATION_RUN, FIXED_COST_RUNS, BoxCosts, read_box_costs
 from .model import (
     PRESETS,
@@ -34,7 +35,6 @@ from .model import (
     ForwardTime,
     SharedCpu,
     Variant,
-    percentile,
 )
 from .predict import simulate
 from .stored import LoadPass, LoadRun, read_load, read_ttft
