@@ -64,14 +64,24 @@ def resolve(name: str) -> object | None:
     return inspect.unwrap(obj) if callable(obj) else obj
 
 
+def _signature(obj: object) -> str:
+    try:
+        return str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return "(unknown)"
+
+
+def signature(name: str) -> str:
+    """The signature of the SGLang object at `name` as `fingerprint` records it (no source read)."""
+    obj = resolve(name)
+    return MISSING if obj is None else _signature(obj)
+
+
 def fingerprint(name: str) -> Fingerprint:
     obj = resolve(name)
     if obj is None:
         return Fingerprint(MISSING, "")
-    try:
-        signature = str(inspect.signature(obj))
-    except (TypeError, ValueError):
-        signature = "(unknown)"
+    signature = _signature(obj)
     try:
         source = textwrap.dedent(inspect.getsource(obj))
     except (OSError, TypeError):

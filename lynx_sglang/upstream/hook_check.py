@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UnsupportedSGLangError
-from .fingerprints import MISSING, Fingerprint, fingerprint, known_releases
+from .fingerprints import MISSING, Fingerprint, known_releases
+from .fingerprints import signature as fingerprint_signature
 from .hook_table import HOOKS, Hook
 
 # Where Lynx's adapters live: registrations of other plugins are not Lynx's to check.
@@ -82,7 +83,7 @@ def verify_applied() -> None:
         except (ImportError, AttributeError, ValueError) as exc:
             problems.append(f"{target} ({kind} {name}): does not resolve ({exc})")
             continue
-        signature = fingerprint(target).signature
+        signature = fingerprint_signature(target)
         expected = {r[target].signature for r in releases if target in r}
         if signature not in expected:
             problems.append(f"{target} ({kind} {name}): signature {signature}, which no "
